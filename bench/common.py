@@ -1,0 +1,113 @@
+"""Shared benchmark template: timing, environment, tables and JSON.
+
+Every bench_<family>.py builds configs from real model shapes, times each variant with
+`median_ms` (CUDA events through triton.testing.do_bench, median of many runs, L2 flushed
+between runs), prints a rich table with achieved TFLOP/s or GB/s and ratios to the baseline,
+and writes the rows as JSON (to $OUT when set, else bench/out/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def environment() -> dict[str, Any]:
+    """GPU, driver and library versions, for the header of every result."""
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, sm_count=props.multi_processor_count, cuda=torch.version.cuda,
+                    cudnn=torch.backends.cudnn.version())
+    else:
+        info["gpu"] = None
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def median_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of `fn` in ms: CUDA events with L2 flushes on GPU, perf_counter on CPU."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    import statistics
+    import time
+
+    for _ in range(2):
+        fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 5 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+        if len(times) >= 200:
+            break
+    return statistics.median(times)
+
+
+def cuda_graph_ms(fn: Callable[[], Any], *, rep_ms: float = 100) -> float:
+    """Median replay time of `fn` captured in a CUDA graph (removes launch gaps for tiny kernels)."""
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def out_dir() -> Path:
+    path = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_json(name: str, rows: list[dict], **extra: Any) -> Path:
+    path = out_dir() / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), **extra, "rows": rows}, indent=2, default=str))
+    return path
+
+
+def print_table(title: str, rows: list[dict], columns: list[str] | None = None) -> None:
+    """A rich table of `rows` (floats shown with 4 significant digits)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not rows:
+        return
+    columns = columns or list(rows[0].keys())
+    env = environment()
+    table = Table(title=f"{title}  [{env.get('gpu') or 'CPU'}, torch {env['torch']}, triton {env.get('triton')}]")
+    for c in columns:
+        table.add_column(c, justify="right")
+    for row in rows:
+        table.add_row(*[_fmt(row.get(c)) for c in columns])
+    Console(width=200).print(table)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)

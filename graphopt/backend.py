@@ -1,0 +1,128 @@
+"""The `graphopt` torch.compile backend.
+
+    torch.compile(model, backend="graphopt", options={...})
+
+Dynamo hands us a torch-level FX graph. We build a GraphOptConfig from `options`, run the
+enabled passes (graphopt.passes), and give the rewritten graph to the downstream compiler.
+
+Why the passes run at torch level, before AOTAutograd, and not inside it: each rewrite emits one
+`graphopt::*` custom op that carries its own autograd formula (torch.library.register_autograd)
+and fake implementation. Inductor then runs its own AOTAutograd over the rewritten graph, so
+training needs nothing from us beyond those formulas, the `eager` and `tensorrt` downstreams see
+the same rewrites, and matching happens on the graph the user wrote (`x @ w.T`, `softmax`) rather
+than on its aten decomposition (expand/view/bmm chains), which is much harder to match robustly.
+
+Weight-rewriting passes bake parameter values into the compiled graph (PassContext.freeze). The
+compiled function is wrapped in a cheap guard: before each call it checks that every frozen
+parameter is the same tensor at the same version counter, and recompiles from the new values if
+not. This keeps results correct after `optimizer.step()` or an in-place copy under no_grad;
+writes through `.data` do not bump the version counter and are not detected.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from graphopt.config import GraphOptConfig
+from graphopt.hardware import HardwareSpec, get_spec
+from graphopt.logging_setup import configure_logging
+from graphopt.passes import run_passes
+from graphopt.passes.base import Decision, PassContext
+
+log = logging.getLogger("graphopt")
+
+# Sinks that collect the decisions of every compiled graph (graphopt.explain pushes one).
+_DECISION_SINKS: list[list[Decision]] = []
+
+
+def graphopt_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):
+    """Entry point named in pyproject's torch_dynamo_backends. Not registered here a second time:
+    Dynamo registers entry points itself, and its registry rejects duplicate names."""
+    configure_logging()
+    config = GraphOptConfig.from_options(options)
+    hardware = get_spec(config.target)
+    return compile_graph(gm, example_inputs, config, hardware, mode=mode)
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig, hardware: HardwareSpec, *, mode: str | None = None):
+    pristine = copy.deepcopy(gm)
+    ctx = run_passes(gm, example_inputs, config, hardware)
+    for sink in _DECISION_SINKS:
+        sink.extend(ctx.decisions)
+    compiled = _downstream(gm, example_inputs, config, mode)
+    if not ctx.frozen:
+        return compiled
+
+    def recompile(args: list) -> tuple[Callable, PassContext]:
+        log.info("graphopt: a frozen parameter changed since compile; recompiling from the new values")
+        fresh = copy.deepcopy(pristine)
+        new_ctx = run_passes(fresh, args, config, hardware)
+        return _downstream(fresh, args, config, mode), new_ctx
+
+    return _FrozenWeightGuard(compiled, ctx, recompile)
+
+
+class _FrozenWeightGuard:
+    """Calls the compiled graph after checking that frozen parameters are unchanged."""
+
+    def __init__(self, compiled: Callable, ctx: PassContext, recompile: Callable):
+        self.compiled = compiled
+        self.frozen = ctx.frozen
+        self.recompile = recompile
+        self.boxed = bool(getattr(compiled, "_boxed_call", False))
+        self._boxed_call = self.boxed
+
+    def _stale(self, args) -> bool:
+        for index, frozen in self.frozen.items():
+            current = args[index]
+            if frozen.tensor_ref() is not current or current._version != frozen.version:
+                return True
+        return False
+
+    def __call__(self, *args: Any):
+        call_args = args[0] if self.boxed else args
+        if self._stale(call_args):
+            # Same downstream as the first compile, so the same (boxed or not) calling convention.
+            compiled, ctx = self.recompile(list(call_args))
+            self.compiled, self.frozen = compiled, ctx.frozen
+        return self.compiled(*args)
+
+
+def _downstream(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig, mode: str | None):
+    if config.downstream == "eager":
+        return gm.forward
+    if config.downstream == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = None
+        if mode and mode != "default":
+            from torch._inductor import list_mode_options
+
+            patches = list_mode_options(mode)
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    if config.downstream == "tensorrt":
+        require_tensorrt()
+        from torch_tensorrt.dynamo.backend import torch_tensorrt_backend  # type: ignore[import-not-found]
+
+        return torch_tensorrt_backend(gm, example_inputs)
+    raise AssertionError(config.downstream)  # validated by GraphOptConfig
+
+
+def tensorrt_available() -> bool:
+    return importlib.util.find_spec("torch_tensorrt") is not None
+
+
+def require_tensorrt() -> None:
+    if not tensorrt_available():
+        raise ValueError(
+            "downstream='tensorrt' needs torch-tensorrt, which is not installed: "
+            "pip install 'graphopt[tensorrt]'; valid choices without it: inductor, eager"
+        )
+
+
+__all__ = ["graphopt_backend", "compile_graph", "tensorrt_available"]

@@ -1,0 +1,132 @@
+"""GraphOptConfig: the options of one compile, and their validation.
+
+`torch.compile(model, backend="graphopt", options={...})` hands the options dict to the backend;
+its keys are the field names of `GraphOptConfig`. Anything unknown or out of range is a
+`ValueError` that names the bad value and lists the valid ones, because a silently ignored
+option in an ablation run produces a wrong conclusion, not an error.
+
+Environment (read when a config is built, so ablation scripts can drive any program):
+  GRAPHOPT_DISABLE=a,b   switch passes off
+  GRAPHOPT_ENABLE=a,b    switch passes on (applied after GRAPHOPT_DISABLE)
+  GRAPHOPT_LOG=info|debug  log every decision (see graphopt.logging_setup)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# Registry order is also the order passes run in (see graphopt/passes/__init__.py).
+PASS_NAMES: tuple[str, ...] = ("attention", "sparse_attention", "fp4_linear", "q4_linear", "fft_linear")
+# Lossless passes are on by default; lossy ones change numerics within a budget and are opt-in.
+DEFAULT_PASSES: dict[str, bool] = {
+    "attention": True,
+    "sparse_attention": False,
+    "fp4_linear": False,
+    "q4_linear": False,
+    "fft_linear": False,
+}
+TARGETS: tuple[str, ...] = ("auto", "h100", "h200", "a100", "rtx3060", "rtx4090", "cpu")
+DOWNSTREAMS: tuple[str, ...] = ("inductor", "eager", "tensorrt")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "flash", "cudnn", "efficient", "math")
+FP4_FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
+Q4_MODES: tuple[str, ...] = ("auto", "fused", "separate")
+
+# What each pass's budget means. Lossless passes have no budget.
+#   sparse_attention: max relative L1 error sum|O-O'|/sum|O| of a head against dense attention
+#   fp4_linear, q4_linear: min weight SQNR in dB; layers below it are declined
+#   fft_linear: max relative output error of a planned dense->FFT-chain replacement
+DEFAULT_ERROR_BUDGET: dict[str, float] = {
+    "sparse_attention": 0.06,
+    "fp4_linear": 15.0,
+    "q4_linear": 15.0,
+    "fft_linear": 0.05,
+}
+
+
+def _suggest(bad: str, valid: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(bad, list(valid), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{hint}; valid choices: {', '.join(valid)}"
+
+
+def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"graphopt option {name}={value!r} is not valid{_suggest(str(value), valid)}")
+
+
+def _check_pass_names(names, where: str) -> None:
+    for name in names:
+        if name not in PASS_NAMES:
+            raise ValueError(f"unknown pass {name!r} in {where}{_suggest(str(name), PASS_NAMES)}")
+
+
+@dataclass
+class GraphOptConfig:
+    """Options of one graphopt compile. `options` dict keys are these field names."""
+
+    passes: dict[str, bool] = field(default_factory=lambda: dict(DEFAULT_PASSES))
+    target: str = "auto"
+    downstream: str = "inductor"
+    force: bool = False  # apply every match regardless of the cost model (never of correctness checks)
+    error_budget: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_ERROR_BUDGET))
+    plan: str | None = None  # path of a tuned plan (JSON), see graphopt.plan
+    attention_backend: str = "auto"
+    fp4_format: str = "nvfp4"
+    q4_mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.passes, Mapping):
+            raise ValueError(f"graphopt option passes must be a dict of pass name -> bool, got {self.passes!r}")
+        _check_pass_names(self.passes, "passes")
+        for name, on in self.passes.items():
+            if not isinstance(on, bool):
+                raise ValueError(f"graphopt option passes[{name!r}] must be True or False, got {on!r}")
+        self.passes = {**DEFAULT_PASSES, **self.passes}
+        if not isinstance(self.error_budget, Mapping):
+            raise ValueError(f"graphopt option error_budget must be a dict, got {self.error_budget!r}")
+        budget_keys = tuple(DEFAULT_ERROR_BUDGET)
+        for name, value in self.error_budget.items():
+            if name not in budget_keys:
+                raise ValueError(f"unknown pass {name!r} in error_budget{_suggest(str(name), budget_keys)}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"error_budget[{name!r}] must be a non-negative number, got {value!r}")
+        self.error_budget = {**DEFAULT_ERROR_BUDGET, **{k: float(v) for k, v in self.error_budget.items()}}
+        _check_choice("target", self.target, TARGETS)
+        _check_choice("downstream", self.downstream, DOWNSTREAMS)
+        if self.downstream == "tensorrt" and importlib.util.find_spec("torch_tensorrt") is None:
+            raise ValueError(
+                "graphopt option downstream='tensorrt' needs torch-tensorrt, which is not installed "
+                "(pip install 'graphopt[tensorrt]'); valid choices without it: inductor, eager"
+            )
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("fp4_format", self.fp4_format, FP4_FORMATS)
+        _check_choice("q4_mode", self.q4_mode, Q4_MODES)
+        if not isinstance(self.force, bool):
+            raise ValueError(f"graphopt option force must be True or False, got {self.force!r}")
+        if self.plan is not None and not isinstance(self.plan, (str, os.PathLike)):
+            raise ValueError(f"graphopt option plan must be a path to a JSON plan, got {self.plan!r}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None) -> "GraphOptConfig":
+        """Build a config from a `torch.compile(options=...)` dict plus the GRAPHOPT_* environment."""
+        options = dict(options or {})
+        valid = tuple(f.name for f in dataclasses.fields(cls))
+        for key in options:
+            if key not in valid:
+                raise ValueError(f"unknown graphopt option {key!r}{_suggest(str(key), valid)}")
+        config = cls(**options)
+        environ = os.environ if environ is None else environ
+        for var, state in (("GRAPHOPT_DISABLE", False), ("GRAPHOPT_ENABLE", True)):
+            names = [n.strip() for n in environ.get(var, "").split(",") if n.strip()]
+            _check_pass_names(names, var)
+            for name in names:
+                config.passes[name] = state
+        return config
+
+    def enabled(self, pass_name: str) -> bool:
+        return self.passes.get(pass_name, False)

@@ -1,0 +1,282 @@
+"""Roofline cost model: predicted time of each candidate implementation on a target GPU.
+
+Every estimate is built the same way. Count the FLOPs (or integer ops) a candidate does and the
+fewest bytes it must move through device memory. Divide each by the rate of the unit that does it,
+scaled by how well that kernel family uses the unit (`KERNEL_EFFICIENCY`). Take the larger of the
+two (roofline: the other overlaps), then add one launch overhead per kernel launch.
+
+Rates are the hardware *ceilings* (see graphopt.hardware: measured by `graphopt calibrate` where
+available, else datasheet peak times a typical achievable fraction), so a family efficiency of 1.0
+means "as good as cuBLAS / a plain copy on this device".
+
+Passes ask for estimates of "before" (the subgraph as the downstream compiler would run it) and of
+each candidate "after", and record both in their Decision. Per-shape measured tables (filled by
+`graphopt calibrate` or a benchmark) override the model where they have an entry:
+`lookup_measured` / `record_measured`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from graphopt.hardware import HardwareSpec, cache_dir
+
+# (compute efficiency, memory efficiency) relative to the device ceilings, per kernel family.
+# Starting values come from the H100 reference points in shared/DESIGN.md; bench/bench_cost_model.py
+# prints predicted vs measured so these can be checked and refit.
+KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
+    "cublas_gemm": (1.0, 0.92),
+    "pointwise": (1.0, 0.85),  # elementwise / softmax passes over memory
+    "sdpa_cudnn": (0.83, 0.9),  # 626 TFLOP/s of 756, B=2 H=32 L=4096 D=128
+    "sdpa_flash": (0.45, 0.9),  # 1.63 ms at the same shape
+    "sdpa_efficient": (0.35, 0.9),
+    "triton_flash": (0.65, 0.9),
+    "triton_sparse": (0.55, 0.85),
+    "fp4_gemv": (0.3, 0.75),
+    "fp4_gemm": (0.55, 0.8),
+    "q4_gemv": (0.3, 0.75),
+    "q4_gemm": (0.45, 0.8),
+    "fft_chain": (0.5, 0.7),
+    "cpu_kernel": (1.0, 1.0),
+}
+
+# cuBLAS and Triton pad the token dimension of a GEMM to a tile; below it, tensor-core time stops
+# shrinking (the product is memory-bound there anyway, but this keeps the compute term honest).
+MIN_GEMM_TILE_M = 64
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted time of one implementation and what it is made of."""
+
+    name: str
+    ms: float
+    flops: float
+    bytes: float
+    launches: int
+    bound: str  # "compute", "memory" or "launch"
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.ms:.4f} ms ({self.bound}-bound, {self.launches} launch(es))"
+
+
+def _unit_rate(hw: HardwareSpec, unit: str) -> float:
+    if not hw.is_gpu:
+        return hw.fp32_flops
+    if unit == "matrix":
+        return hw.matrix_ceiling
+    if unit == "int8":
+        return hw.int8_ceiling
+    if unit == "fp32":
+        return hw.fp32_flops
+    raise ValueError(f"unknown compute unit {unit!r}; valid choices: matrix, int8, fp32")
+
+
+def roofline(
+    hw: HardwareSpec,
+    name: str,
+    *,
+    flops: float = 0.0,
+    bytes_moved: float = 0.0,
+    launches: int = 1,
+    family: str = "cublas_gemm",
+    unit: str = "matrix",
+) -> Estimate:
+    """Time of a kernel (or a chain of `launches` kernels) that does `flops` and moves `bytes_moved`."""
+    if family not in KERNEL_EFFICIENCY:
+        raise ValueError(f"unknown kernel family {family!r}; valid choices: {', '.join(KERNEL_EFFICIENCY)}")
+    compute_eff, memory_eff = KERNEL_EFFICIENCY[family]
+    if not hw.is_gpu:
+        compute_eff, memory_eff = KERNEL_EFFICIENCY["cpu_kernel"]
+    compute_s = flops / (_unit_rate(hw, unit) * compute_eff) if flops else 0.0
+    memory_s = bytes_moved / (hw.memory_ceiling * memory_eff) if bytes_moved else 0.0
+    launch_s = launches * hw.launch_overhead
+    body = max(compute_s, memory_s)
+    bound = "compute" if compute_s >= memory_s else "memory"
+    if launch_s > body:
+        bound = "launch"
+    return Estimate(name, (body + launch_s) * 1e3, flops, bytes_moved, launches, bound)
+
+
+def chain(name: str, *parts: Estimate) -> Estimate:
+    """Several kernels run one after another."""
+    ms = sum(p.ms for p in parts)
+    flops = sum(p.flops for p in parts)
+    moved = sum(p.bytes for p in parts)
+    launches = sum(p.launches for p in parts)
+    dominant = max(parts, key=lambda p: p.ms).bound if parts else "launch"
+    return Estimate(name, ms, flops, moved, launches, dominant)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense GEMM
+# ---------------------------------------------------------------------------------------------
+def gemm(hw: HardwareSpec, m: int, n: int, k: int, *, dtype_bytes: int = 2, name: str = "dense GEMM (cuBLAS)") -> Estimate:
+    """C[m, n] = A[m, k] @ B[k, n]: reads A and B once, writes C once."""
+    flops = 2.0 * max(m, MIN_GEMM_TILE_M) * n * k
+    moved = dtype_bytes * (m * k + k * n + m * n)
+    return roofline(hw, name, flops=flops, bytes_moved=moved, family="cublas_gemm")
+
+
+def linear(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *, dtype_bytes: int = 2, bias: bool = False) -> Estimate:
+    est = gemm(hw, tokens, out_features, in_features, dtype_bytes=dtype_bytes, name="dense linear (cuBLAS)")
+    if bias:  # cuBLASLt fuses the bias epilogue; it costs one more read of out_features values
+        est = Estimate(est.name, est.ms, est.flops, est.bytes + dtype_bytes * out_features, est.launches, est.bound)
+    return est
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+def attention_flops(b: int, h: int, lq: int, lk: int, d: int, *, causal: bool = False, d_v: int | None = None) -> float:
+    """QK^T and PV matmul FLOPs; a causal square mask halves them."""
+    d_v = d if d_v is None else d_v
+    flops = 2.0 * b * h * lq * lk * (d + d_v)
+    if causal:
+        flops *= 0.5
+    return flops
+
+
+def naive_attention(
+    hw: HardwareSpec,
+    b: int,
+    h: int,
+    lq: int,
+    lk: int,
+    d: int,
+    *,
+    dtype_bytes: int = 2,
+    has_mask: bool = False,
+    softmax_fp32: bool = False,
+    fused_pointwise: bool = True,
+    kv_heads: int | None = None,
+) -> Estimate:
+    """Unfused attention: S = QK^T materialized (B*H*Lq*Lk), scale/mask/softmax, then P @ V.
+
+    `fused_pointwise=True` models a downstream compiler (Inductor) that fuses scale, mask and
+    softmax into one pass over S (read S, write P). Eager runs one pass per op instead.
+    """
+    kv_heads = h if kv_heads is None else kv_heads
+    scores = float(b * h * lq * lk)
+    qk = roofline(
+        hw, "QK^T", flops=2.0 * b * h * lq * lk * d,
+        bytes_moved=dtype_bytes * (b * h * lq * d + b * kv_heads * lk * d) + dtype_bytes * scores,
+        family="cublas_gemm",
+    )
+    mask_bytes = dtype_bytes * scores if has_mask else 0.0
+    acc_bytes = 4 if softmax_fp32 else dtype_bytes
+    if fused_pointwise:
+        soft = roofline(hw, "scale+mask+softmax", bytes_moved=dtype_bytes * scores * 2 + mask_bytes, family="pointwise")
+    else:
+        passes = [roofline(hw, "scale", bytes_moved=2 * dtype_bytes * scores, family="pointwise")]
+        if has_mask:
+            passes.append(roofline(hw, "mask", bytes_moved=2 * dtype_bytes * scores + mask_bytes, family="pointwise"))
+        if softmax_fp32:
+            passes.append(roofline(hw, "upcast", bytes_moved=(dtype_bytes + 4) * scores, family="pointwise"))
+        passes.append(roofline(hw, "softmax", bytes_moved=2 * acc_bytes * scores, family="pointwise"))
+        if softmax_fp32:
+            passes.append(roofline(hw, "downcast", bytes_moved=(dtype_bytes + 4) * scores, family="pointwise"))
+        soft = chain("scale+mask+softmax", *passes)
+    pv = roofline(
+        hw, "PV", flops=2.0 * b * h * lq * lk * d,
+        bytes_moved=dtype_bytes * scores + dtype_bytes * (b * kv_heads * lk * d + b * h * lq * d),
+        family="cublas_gemm",
+    )
+    return chain("naive attention", qk, soft, pv)
+
+
+SDPA_BACKENDS: tuple[str, ...] = ("cudnn", "flash", "efficient", "math")
+
+
+def fused_attention(
+    hw: HardwareSpec,
+    b: int,
+    h: int,
+    lq: int,
+    lk: int,
+    d: int,
+    *,
+    family: str,
+    causal: bool = False,
+    dtype_bytes: int = 2,
+    has_mask: bool = False,
+    kv_heads: int | None = None,
+    name: str | None = None,
+) -> Estimate:
+    """A flash-style kernel: reads Q, K, V (and a mask) once, writes O once; no L x L traffic."""
+    kv_heads = h if kv_heads is None else kv_heads
+    moved = dtype_bytes * (2 * b * h * lq * d + 2 * b * kv_heads * lk * d)
+    if has_mask:
+        moved += dtype_bytes * b * h * lq * lk  # worst case: a full per-head bias
+    flops = attention_flops(b, h, lq, lk, d, causal=causal)
+    return roofline(hw, name or family, flops=flops, bytes_moved=moved, family=family)
+
+
+def sdpa(
+    hw: HardwareSpec,
+    b: int,
+    h: int,
+    lq: int,
+    lk: int,
+    d: int,
+    *,
+    backend: str = "cudnn",
+    causal: bool = False,
+    dtype_bytes: int = 2,
+    has_mask: bool = False,
+    kv_heads: int | None = None,
+) -> Estimate:
+    """PyTorch scaled_dot_product_attention with one of its backends."""
+    if backend not in SDPA_BACKENDS:
+        raise ValueError(f"unknown SDPA backend {backend!r}; valid choices: {', '.join(SDPA_BACKENDS)}")
+    if backend == "math" or not hw.is_gpu:
+        # The math backend (and the CPU) materializes scores like the naive form, in one op.
+        est = naive_attention(hw, b, h, lq, lk, d, dtype_bytes=dtype_bytes, has_mask=has_mask, kv_heads=kv_heads)
+        if hw.is_gpu or backend == "math":
+            return Estimate(f"SDPA {backend}", est.ms, est.flops, est.bytes, est.launches, est.bound)
+        # CPU SDPA is a fused flash-style kernel: no L x L materialization.
+        return fused_attention(hw, b, h, lq, lk, d, family="cpu_kernel", causal=causal, dtype_bytes=dtype_bytes,
+                               has_mask=has_mask, kv_heads=kv_heads, name="SDPA (CPU)")
+    return fused_attention(hw, b, h, lq, lk, d, family=f"sdpa_{backend}", causal=causal, dtype_bytes=dtype_bytes,
+                           has_mask=has_mask, kv_heads=kv_heads, name=f"SDPA {backend}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured tables: per-shape timings that override the model where present.
+# ---------------------------------------------------------------------------------------------
+def _table_path(kind: str):
+    return cache_dir() / f"measured_{kind}.json"
+
+
+def shape_key(*parts) -> str:
+    return "|".join(str(p) for p in parts)
+
+
+def lookup_measured(kind: str, device_name: str, key: str) -> dict[str, float] | None:
+    """Measured {implementation: ms} for one shape on one device, or None."""
+    path = _table_path(kind)
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text()).get(device_name, {}).get(key)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def record_measured(kind: str, device_name: str, key: str, timings_ms: dict[str, float]) -> None:
+    path = _table_path(kind)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table: dict = {}
+    if path.exists():
+        try:
+            table = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            table = {}
+    table.setdefault(device_name, {})[key] = {k: float(v) for k, v in timings_ms.items() if math.isfinite(v)}
+    path.write_text(json.dumps(table, indent=2, sort_keys=True))
+
+
+def fastest(estimates: list[Estimate]) -> Estimate:
+    return min(estimates, key=lambda e: e.ms)

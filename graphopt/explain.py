@@ -1,0 +1,87 @@
+"""graphopt.explain: compile and run a model once, and report every pass decision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphopt.passes.base import Decision
+
+
+@dataclass
+class Report:
+    """Decisions of every pass over every graph of one model (graph breaks included)."""
+
+    decisions: list[Decision] = field(default_factory=list)
+    output: Any = None
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Rewrites applied per pass (every enabled pass appears, with 0 when nothing applied)."""
+        counts: dict[str, int] = {}
+        for d in self.decisions:
+            counts[d.pass_name] = counts.get(d.pass_name, 0) + int(d.applied)
+        return counts
+
+    def applied(self, pass_name: str | None = None) -> list[Decision]:
+        return [d for d in self.decisions if d.applied and (pass_name is None or d.pass_name == pass_name)]
+
+    def declined(self, pass_name: str | None = None) -> list[Decision]:
+        return [d for d in self.decisions if not d.applied and (pass_name is None or d.pass_name == pass_name)]
+
+    def table(self):
+        from rich.table import Table
+
+        table = Table(title="graphopt decisions")
+        for column in ("pass", "location", "decision", "implementation", "before ms", "after ms", "reason"):
+            table.add_column(column, overflow="fold")
+        for d in self.decisions:
+            table.add_row(
+                d.pass_name, d.location or "-", "applied" if d.applied else "declined", d.implementation or "-",
+                _ms(d.predicted_ms_before), _ms(d.predicted_ms_after), d.reason,
+            )
+        summary = ", ".join(f"{k}: {v}" for k, v in self.counts.items()) or "no pass matched anything"
+        table.caption = f"rewrites applied: {summary}"
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=160, record=True, file=_NullFile())
+        console.print(self.table())
+        return console.export_text()
+
+
+class _NullFile:
+    def write(self, _: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Report:
+    """Compile `model` with graphopt (options as for torch.compile), run it once under no_grad,
+    and return every decision. Dynamo's cache is reset before and after, so the report covers
+    exactly this model and these inputs."""
+    from graphopt import backend as backend_module
+    from graphopt.config import GraphOptConfig
+
+    GraphOptConfig.from_options(options)  # fail early and clearly on bad options
+    sink: list[Decision] = []
+    backend_module._DECISION_SINKS.append(sink)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="graphopt", options=options or None)
+        with torch.no_grad():
+            output = compiled(*example_inputs)
+    finally:
+        backend_module._DECISION_SINKS.remove(sink)
+        torch._dynamo.reset()
+    return Report(sink, output)

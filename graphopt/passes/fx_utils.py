@@ -1,0 +1,216 @@
+"""FX helpers shared by the passes: canonical op names, argument access, shapes, replacement,
+and the linear-layer matcher used by every weight-rewriting pass.
+
+Dynamo's torch-level graphs spell one operation many ways: `x @ y`, `torch.matmul(x, y)`,
+`x.matmul(y)`; `x.softmax(-1)`, `F.softmax(x, dim=-1)`, `torch.softmax(x, -1)`. `canonical(node)`
+folds each family into one name so matchers are written once.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from graphopt.passes.base import PassContext, module_path
+
+_FUNCTIONS: dict[Any, str] = {
+    operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm", torch.baddbmm: "baddbmm",
+    torch.softmax: "softmax", F.softmax: "softmax", torch.nn.functional.log_softmax: "log_softmax",
+    operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div",
+    operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub", operator.neg: "neg",
+    torch.transpose: "transpose", torch.permute: "permute", torch.reshape: "reshape",
+    torch.where: "where", torch.masked_fill: "masked_fill",
+    F.dropout: "dropout", torch.dropout: "dropout", torch.nn.functional.linear: "linear",
+    torch._C._nn.linear: "linear", torch.addmm: "addmm", torch.unsqueeze: "unsqueeze",
+    torch.repeat_interleave: "repeat_interleave", F.scaled_dot_product_attention: "sdpa",
+    operator.getitem: "getitem", torch.flatten: "flatten", torch.cat: "cat",
+}
+# Method names that are already canonical, or map to a canonical name.
+_METHODS: dict[str, str] = {
+    "matmul": "matmul", "bmm": "bmm", "softmax": "softmax", "mul": "mul", "div": "div", "add": "add",
+    "sub": "sub", "transpose": "transpose", "permute": "permute", "view": "view", "reshape": "reshape",
+    "expand": "expand", "contiguous": "contiguous", "to": "to", "float": "float", "half": "half",
+    "bfloat16": "bfloat16", "type_as": "type_as", "type": "to", "masked_fill": "masked_fill",
+    "masked_fill_": "masked_fill", "unsqueeze": "unsqueeze", "t": "t", "mT": "mT",
+    "repeat_interleave": "repeat_interleave", "size": "size", "flatten": "flatten", "__getitem__": "getitem",
+    "neg": "neg", "mul_": "mul", "div_": "div", "add_": "add",
+}
+
+
+def canonical(node: Any) -> str | None:
+    """A canonical op name for a call node ("matmul", "softmax", ...), or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function":
+        name = _FUNCTIONS.get(node.target)
+        if name is None and isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+            return f"aten.{node.target.__name__.split('.')[0]}"
+        return name
+    if node.op == "call_method":
+        return _METHODS.get(node.target, node.target)
+    if node.op == "call_module":
+        return None
+    return None
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Positional-or-keyword argument of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def fake(node: Any) -> Any:
+    """The FakeTensor (or value) Dynamo recorded for a node, if any."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def shape(node: Any) -> tuple[int, ...] | None:
+    value = fake(node)
+    if isinstance(value, torch.Tensor):
+        try:
+            return tuple(int(s) for s in value.shape)
+        except TypeError:  # symbolic sizes
+            return None
+    return None
+
+
+def dtype(node: Any) -> torch.dtype | None:
+    value = fake(node)
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def device(node: Any) -> torch.device | None:
+    value = fake(node)
+    return value.device if isinstance(value, torch.Tensor) else None
+
+
+def single_user(node: fx.Node) -> bool:
+    return len(node.users) == 1
+
+
+def replace_with_call(
+    ctx: PassContext,
+    root: fx.Node,
+    target: Any,
+    args: tuple,
+    kwargs: dict | None = None,
+    matched: list[fx.Node] | None = None,
+) -> fx.Node:
+    """Replace the value of `root` by `target(*args, **kwargs)` and erase matched nodes left unused.
+
+    The new node is inserted just before `root` (every argument of a matched subgraph is defined
+    before its last node), inherits `root`'s recorded value and module stack, and the matched
+    nodes that no longer have users are erased.
+    """
+    graph = ctx.gm.graph
+    with graph.inserting_before(root):
+        new = graph.call_function(target, tuple(args), kwargs or {})
+    for key in ("example_value", "val", "nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in root.meta:
+            new.meta[key] = root.meta[key]
+    root.replace_all_uses_with(new)
+    erase_unused([root, *(matched or [])], graph)
+    return new
+
+
+def erase_unused(nodes: list[fx.Node], graph: fx.Graph) -> None:
+    """Erase nodes (among `nodes`) that have no users, repeating until nothing changes."""
+    pending = [n for n in nodes if n.graph is graph]
+    changed = True
+    while changed:
+        changed = False
+        for node in list(pending):
+            if node.op in ("placeholder", "output"):
+                pending.remove(node)
+                continue
+            if not node.users:
+                graph.erase_node(node)
+                pending.remove(node)
+                changed = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers against a frozen weight (shared by fp4_linear, q4_linear, fft_linear)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class LinearMatch:
+    """y = x @ weight.T + bias, with `weight` an [out_features, in_features] view of a parameter."""
+
+    node: fx.Node  # computes y
+    input: fx.Node  # x (..., in_features)
+    weight_node: fx.Node  # the parameter placeholder
+    weight_transposed: bool  # parameter is stored [in, out] (GPT-2 Conv1D, x @ W)
+    bias_node: fx.Node | None
+    kind: str  # "linear" | "addmm" | "matmul"
+    extra_nodes: tuple[fx.Node, ...] = ()  # e.g. the W.T node of `x @ W.T`, erased with the match
+
+    @property
+    def location(self) -> str:
+        return module_path(self.node)
+
+    def weight(self, ctx: PassContext) -> torch.Tensor:
+        """The frozen [out, in] weight (registers the parameter as frozen)."""
+        w = ctx.freeze(self.weight_node)
+        return w.t() if self.weight_transposed else w
+
+    def bias(self, ctx: PassContext) -> torch.Tensor | None:
+        if self.bias_node is None:
+            return None
+        if ctx.is_parameter(self.bias_node):
+            return ctx.freeze(self.bias_node)
+        return None
+
+    @property
+    def in_features(self) -> int:
+        s = shape(self.weight_node)
+        return s[0] if self.weight_transposed else s[1]
+
+    @property
+    def out_features(self) -> int:
+        s = shape(self.weight_node)
+        return s[1] if self.weight_transposed else s[0]
+
+    def tokens(self) -> int | None:
+        s = shape(self.input)
+        if s is None:
+            return None
+        n = 1
+        for d in s[:-1]:
+            n *= d
+        return n
+
+
+def _param_2d(ctx: PassContext, node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "placeholder" and ctx.is_parameter(node) and len(shape(node) or ()) == 2
+
+
+def find_linears(ctx: PassContext) -> list[LinearMatch]:
+    """Every linear whose weight is a 2-D model parameter: F.linear, addmm (Conv1D), x @ W, x @ W.T."""
+    matches = []
+    for node in list(ctx.gm.graph.nodes):
+        kind = canonical(node)
+        if kind == "linear":
+            x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+            if _param_2d(ctx, w):
+                bias = b if isinstance(b, fx.Node) else None
+                matches.append(LinearMatch(node, x, w, False, bias, "linear"))
+        elif kind == "addmm":
+            b, x, w = arg(node, 0, "input"), arg(node, 1, "mat1"), arg(node, 2, "mat2")
+            if _param_2d(ctx, w) and arg(node, 3, "beta", 1) == 1 and arg(node, 4, "alpha", 1) == 1:
+                matches.append(LinearMatch(node, x, w, True, b if isinstance(b, fx.Node) else None, "addmm"))
+        elif kind == "matmul":
+            x, w = node.args[0], node.args[1]
+            if _param_2d(ctx, w):
+                matches.append(LinearMatch(node, x, w, True, None, "matmul"))
+            elif canonical(w) in ("t", "mT") or (canonical(w) == "transpose" and sorted(w.args[1:3]) in ([-2, -1], [0, 1])):
+                if _param_2d(ctx, w.args[0]):
+                    matches.append(LinearMatch(node, x, w.args[0], False, None, "matmul", (w,)))
+    return matches
