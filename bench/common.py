@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from graphopt.timing import median_ms  # noqa: F401  (re-exported for the bench scripts)
+
 
 def environment() -> dict[str, Any]:
     """GPU, driver and library versions, for the header of every result."""
@@ -39,28 +41,6 @@ def environment() -> dict[str, Any]:
     except ImportError:
         pass
     return info
-
-
-def median_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
-    """Median time of `fn` in ms: CUDA events with L2 flushes on GPU, perf_counter on CPU."""
-    if torch.cuda.is_available():
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    import statistics
-    import time
-
-    for _ in range(2):
-        fn()
-    times = []
-    deadline = time.perf_counter() + rep_ms / 1e3
-    while len(times) < 5 or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-        if len(times) >= 200:
-            break
-    return statistics.median(times)
 
 
 def cuda_graph_ms(fn: Callable[[], Any], *, rep_ms: float = 100) -> float:

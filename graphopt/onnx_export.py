@@ -112,7 +112,7 @@ def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, **options) 
     torch._dynamo.reset()
     user_ids = {id(t) for t in example_inputs}
     positions = [i for i, t in enumerate(captured["inputs"]) if id(t) in user_ids]
-    return _RewrittenModule(captured["gm"], captured["inputs"], positions), captured["decisions"]
+    return _RewrittenModule(captured["gm"], captured["inputs"], positions).eval(), captured["decisions"]
 
 
 def export_onnx(

@@ -185,8 +185,8 @@ def _clean_module_path(raw: str) -> str:
     # Dynamo writes e.g. "L['self'].model.layers[0].self_attn" or "L['self']._modules['layer'][0]".
     import re
 
-    path = re.sub(r"^L\['[^']*'\]\.?", "", raw)
-    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", raw)
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     return path.strip(".")

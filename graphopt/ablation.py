@@ -1,0 +1,233 @@
+"""Ablation runs and the demo: the same model under eager, Inductor and graphopt pass subsets.
+
+`run_ablation(model_name, passes)` measures three kinds of variant: all listed passes together,
+each pass alone, and all but one (duplicates, e.g. "all" and "alone" with one pass, run once).
+For each it reports median latency, speedup vs eager and vs Inductor, max and relative output
+error vs eager, peak memory, compile time and the rewrites applied. Output: a rich table, a JSON
+file and a PNG bar chart.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphopt import backend as backend_module
+from graphopt.config import PASS_NAMES
+from graphopt.passes.base import Decision
+from graphopt.timing import first_tensor, median_ms
+
+
+@dataclass
+class VariantResult:
+    name: str
+    passes: list[str]
+    median_ms: float
+    compile_s: float
+    max_abs_err: float
+    rel_err: float
+    peak_memory_mb: float
+    speedup_vs_eager: float = 0.0
+    speedup_vs_inductor: float = 0.0
+    rewrites: dict[str, int] = field(default_factory=dict)
+
+
+def variant_sets(passes: list[str]) -> list[tuple[str, list[str]]]:
+    """all, each alone, all but one -- deduplicated by the set of passes."""
+    for name in passes:
+        if name not in PASS_NAMES:
+            raise ValueError(f"unknown pass {name!r}; valid choices: {', '.join(PASS_NAMES)}")
+    candidates = [("all", list(passes))]
+    candidates += [(f"only {p}", [p]) for p in passes]
+    candidates += [(f"all but {p}", [q for q in passes if q != p]) for p in passes]
+    seen, out = set(), []
+    for label, subset in candidates:
+        key = frozenset(subset)
+        if key not in seen:
+            seen.add(key)
+            out.append((label, subset))
+    return out
+
+
+def _peak_memory_mb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    # CPU: the process's peak resident set (monotonic over the run, not per variant).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def measure(model, inputs, *, backend: str | None, options: dict | None, device: str, reference: torch.Tensor | None,
+            rep_ms: float, name: str, passes: list[str]) -> tuple[VariantResult, torch.Tensor, list[Decision]]:
+    """Compile (or not), time the first call as compile time, then the median of many calls."""
+    torch._dynamo.reset()
+    sink: list[Decision] = []
+    backend_module._DECISION_SINKS.append(sink)
+    try:
+        fn = model if backend is None else torch.compile(model, backend=backend, options=options or None)
+        _reset_peak(device)
+        with torch.no_grad():
+            start = time.perf_counter()
+            output = first_tensor(fn(*inputs)).float()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            compile_s = time.perf_counter() - start if backend is not None else 0.0
+
+            def call():
+                return fn(*inputs)
+
+            ms = median_ms(call, rep_ms=rep_ms, device=device)
+    finally:
+        backend_module._DECISION_SINKS.remove(sink)
+    peak = _peak_memory_mb(device)
+    if reference is None:
+        max_abs, rel = 0.0, 0.0
+    else:
+        diff = (output - reference).abs()
+        max_abs = float(diff.max())
+        rel = float(diff.norm() / reference.norm().clamp(min=1e-30))
+    counts: dict[str, int] = {}
+    for d in sink:
+        counts[d.pass_name] = counts.get(d.pass_name, 0) + int(d.applied)
+    return VariantResult(name, passes, ms, compile_s, max_abs, rel, peak, rewrites=counts), output, sink
+
+
+def run_ablation(
+    model_name: str,
+    passes: list[str],
+    *,
+    seq_len: int | None = None,
+    batch: int = 1,
+    device: str | None = None,
+    force: bool = False,
+    downstream: str = "inductor",
+    out_dir: str | Path = "ablation_out",
+    rep_ms: float = 200,
+    extra_options: dict | None = None,
+) -> list[VariantResult]:
+    from graphopt.models import build
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, inputs = build(model_name, seq_len=seq_len, batch=batch, device=device)
+    results: list[VariantResult] = []
+    eager, reference, _ = measure(model, inputs, backend=None, options=None, device=device, reference=None,
+                                  rep_ms=rep_ms, name="eager", passes=[])
+    results.append(eager)
+    inductor, _, _ = measure(model, inputs, backend="inductor", options=None, device=device, reference=reference,
+                             rep_ms=rep_ms, name="inductor", passes=[])
+    results.append(inductor)
+    for label, subset in variant_sets(passes):
+        options = {"passes": {p: p in subset for p in PASS_NAMES}, "force": force, "downstream": downstream,
+                   **(extra_options or {})}
+        result, _, _ = measure(model, inputs, backend="graphopt", options=options, device=device,
+                               reference=reference, rep_ms=rep_ms, name=f"graphopt: {label}", passes=subset)
+        results.append(result)
+    for r in results:
+        r.speedup_vs_eager = eager.median_ms / r.median_ms
+        r.speedup_vs_inductor = inductor.median_ms / r.median_ms
+    write_outputs(results, Path(out_dir), title=f"ablation: {model_name} on {_device_name(device)}")
+    return results
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "CPU"
+
+
+def results_table(results: list[VariantResult], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("variant", "median ms", "vs eager", "vs inductor", "max abs err", "rel err", "peak MB",
+                   "compile s", "rewrites"):
+        table.add_column(column, justify="right" if column != "variant" else "left")
+    for r in results:
+        rewrites = ", ".join(f"{k}={v}" for k, v in r.rewrites.items()) or "-"
+        table.add_row(r.name, f"{r.median_ms:.3f}", f"{r.speedup_vs_eager:.2f}x", f"{r.speedup_vs_inductor:.2f}x",
+                      f"{r.max_abs_err:.2e}", f"{r.rel_err:.2e}", f"{r.peak_memory_mb:.0f}", f"{r.compile_s:.1f}", rewrites)
+    return table
+
+
+def write_outputs(results: list[VariantResult], out_dir: Path, *, title: str) -> dict[str, Path]:
+    """Rich table to the console, plus ablation.json and ablation.png in out_dir."""
+    from rich.console import Console
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    Console(width=180).print(results_table(results, title))
+    json_path = out_dir / "ablation.json"
+    json_path.write_text(json.dumps({"title": title, "environment": _environment(),
+                                     "variants": [asdict(r) for r in results]}, indent=2))
+    png_path = out_dir / "ablation.png"
+    plot(results, png_path, title)
+    return {"json": json_path, "png": png_path}
+
+
+def plot(results: list[VariantResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(results)), 4))
+    names = [r.name.replace("graphopt: ", "go: ") for r in results]
+    bars = ax.bar(names, [r.median_ms for r in results], color=["#888888", "#4477aa"] + ["#ee6677"] * (len(results) - 2))
+    for bar, r in zip(bars, results):
+        ax.annotate(f"{r.speedup_vs_eager:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("median latency (ms)")
+    ax.set_title(title + "\n(labels: speedup vs eager)", fontsize=9)
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _environment() -> dict[str, Any]:
+    info: dict[str, Any] = {"torch": torch.__version__, "device": _device_name("cuda" if torch.cuda.is_available() else "cpu")}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def run_demo(*, device: str | None = None, out_dir: str | Path = "demo_out", rep_ms: float = 300) -> list[VariantResult]:
+    """The README's main job: a small LLaMA-style model with eager attention, explained and timed."""
+    from rich.console import Console
+
+    from graphopt.explain import explain
+    from graphopt.models import build
+
+    console = Console(width=180)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = "small-llama" if device.startswith("cuda") else "tiny-llama"
+    seq_len = 2048 if device.startswith("cuda") else 128
+    model, inputs = build(name, seq_len=seq_len, device=device)
+    console.print(f"[bold]graphopt demo[/bold]: {name} (transformers LlamaForCausalLM, eager attention, random "
+                  f"weights), {seq_len} tokens, {next(model.parameters()).dtype}, on {_device_name(device)}")
+    report = explain(model, *inputs)
+    console.print(report.table())
+    eager, reference, _ = measure(model, inputs, backend=None, options=None, device=device, reference=None,
+                                  rep_ms=rep_ms, name="eager", passes=[])
+    inductor, _, _ = measure(model, inputs, backend="inductor", options=None, device=device, reference=reference,
+                             rep_ms=rep_ms, name="inductor", passes=[])
+    graphopt, _, _ = measure(model, inputs, backend="graphopt", options=None, device=device, reference=reference,
+                             rep_ms=rep_ms, name="graphopt", passes=[n for n, c in report.counts.items() if c])
+    results = [eager, inductor, graphopt]
+    for r in results:
+        r.speedup_vs_eager = eager.median_ms / r.median_ms
+        r.speedup_vs_inductor = inductor.median_ms / r.median_ms
+    write_outputs(results, Path(out_dir), title=f"demo: {name}, {seq_len} tokens on {_device_name(device)}")
+    return results

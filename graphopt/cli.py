@@ -1,0 +1,184 @@
+"""The `graphopt` command (also `python -m graphopt`).
+
+Subcommands:
+  demo         compile a small LLaMA-style model, show the rewrites, time eager/Inductor/graphopt
+  explain      the decision table for a built-in model or a module:function
+  ablate       all passes / each alone / all but one: latency, error, memory, compile time
+  export       the rewritten graph as ONNX
+  calibrate    measure this GPU's copy bandwidth, bf16 matmul rate and launch overhead
+  tune         per-head sparse-attention thresholds under an L1 budget (graphopt.tune)
+  explore-fft  when does an FFT-chain layer beat a dense GEMM (graphopt.fft_explorer)
+  fftchain     FFT-chain distillation (graphopt.fft_distill)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+# Commands implemented in their own modules: each defines add_arguments(parser) and run(args) -> int.
+PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
+    "tune": ("graphopt.tune", "tune sparse-attention thresholds per head under an L1 budget; writes a plan"),
+    "explore-fft": ("graphopt.fft_explorer", "measure where FFT-chain layers beat dense GEMMs, with predictions"),
+    "fftchain": ("graphopt.fft_distill", "FFT-chain layer tools: `graphopt fftchain distill ...`"),
+}
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str = "tiny-llama") -> None:
+    from graphopt.models import BUILTIN_MODELS
+
+    parser.add_argument("--model", default=default_model,
+                        help=f"built-in model ({', '.join(BUILTIN_MODELS)}) or module:function returning (model, inputs)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: per model)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+
+
+def _add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--passes", default=None, help="comma-separated passes to enable (others off)")
+    parser.add_argument("--force", action="store_true", help="apply every match regardless of the cost model")
+    parser.add_argument("--target", default="auto", help="hardware for the cost model (auto, h100, h200, a100, rtx3060, rtx4090, cpu)")
+    parser.add_argument("--downstream", default="inductor", help="inductor, eager or tensorrt")
+    parser.add_argument("--plan", default=None, help="a tuned plan (JSON)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
+                        help="any other GraphOptConfig field, e.g. --option fp4_format='\"mxfp4\"'")
+
+
+def _options(args: argparse.Namespace) -> dict:
+    from graphopt.config import PASS_NAMES, GraphOptConfig
+
+    options: dict = {"force": args.force, "target": args.target, "downstream": args.downstream}
+    if args.plan:
+        options["plan"] = args.plan
+    if args.passes is not None:
+        wanted = [p.strip() for p in args.passes.split(",") if p.strip()]
+        options["passes"] = {p: p in wanted for p in PASS_NAMES}
+        for p in wanted:
+            if p not in PASS_NAMES:
+                raise ValueError(f"unknown pass {p!r} in --passes; valid choices: {', '.join(PASS_NAMES)}")
+    for item in args.option:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    GraphOptConfig.from_options(options)  # validate before building any model
+    return options
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from graphopt.ablation import run_demo
+
+    run_demo(device=args.device, out_dir=args.out)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from graphopt.explain import explain
+    from graphopt.models import build
+
+    options = _options(args)
+    model, inputs = build(args.model, seq_len=args.seq_len, batch=args.batch, device=args.device)
+    report = explain(model, *inputs, **options)
+    Console(width=180).print(report.table())
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from graphopt.ablation import run_ablation
+
+    passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    run_ablation(args.model, passes, seq_len=args.seq_len, batch=args.batch, device=args.device, force=args.force,
+                 downstream=args.downstream, out_dir=args.out, rep_ms=args.rep_ms)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from graphopt.models import build
+    from graphopt.onnx_export import export_onnx
+
+    options = _options(args)
+    forms = dict(item.split("=", 1) for item in args.onnx_form)
+    model, inputs = build(args.model, seq_len=args.seq_len, batch=args.batch, device=args.device or "cpu")
+    path = export_onnx(model, inputs, args.out, onnx_forms=forms or None, **options)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from graphopt.calibrate import calibrate
+
+    result = calibrate(attention=not args.no_attention)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphopt", description="graphopt: graph-rewriting optimizer for transformer inference")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("demo", help="compile a small LLaMA-style model; show rewrites and speedups")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default="demo_out", help="folder for the JSON and the plot")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("explain", help="decision table for a model")
+    _add_model_arguments(p)
+    _add_option_arguments(p)
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("ablate", help="ablation runs over pass subsets: table, JSON and PNG")
+    _add_model_arguments(p)
+    p.add_argument("--passes", default="attention", help="comma-separated passes to ablate")
+    p.add_argument("--force", action="store_true", help="apply every match regardless of the cost model")
+    p.add_argument("--downstream", default="inductor")
+    p.add_argument("--rep-ms", type=float, default=200, help="timing budget per variant")
+    p.add_argument("--out", default="ablation_out")
+    p.set_defaults(func=cmd_ablate)
+
+    p = sub.add_parser("export", help="export the rewritten graph to ONNX")
+    _add_model_arguments(p)
+    _add_option_arguments(p)
+    p.add_argument("--out", default="model.onnx")
+    p.add_argument("--onnx-form", action="append", default=[], metavar="OP=FORM",
+                   help="alternative ONNX form of an op, e.g. graphopt::fp4_linear=runnable")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("calibrate", help="measure this GPU's ceilings for the cost model")
+    p.add_argument("--no-attention", action="store_true", help="skip the per-shape attention table")
+    p.set_defaults(func=cmd_calibrate)
+
+    for name, (module_name, help_text) in PLUGIN_COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            p.set_defaults(func=lambda args, exc=exc, name=name: _unavailable(name, exc))
+            continue
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
+    return parser
+
+
+def _unavailable(name: str, exc: Exception) -> int:
+    print(f"graphopt {name} is unavailable: {exc}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # bad options and inputs: a clear message, not a traceback
+        print(f"graphopt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphopt
+from graphopt.passes import register_extra_pass, unregister_extra_pass
+from graphopt.passes.base import GraphPass
+from graphopt.passes.fx_utils import find_linears, replace_with_call
+
+
+def test_entry_point_works_in_a_fresh_interpreter_without_importing_graphopt():
+    code = ("import torch, sys; m = torch.nn.Linear(4, 4); "
+            "print(torch.compile(m, backend='graphopt')(torch.randn(2, 4)).shape); "
+            "print('graphopt' in sys.modules or 'graphopt.backend' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "torch.Size([2, 4])"
+    # Dynamo loaded graphopt through the entry point; a second lookup must not re-register it.
+    code2 = ("import torch; from torch._dynamo import lookup_backend; "
+             "a = lookup_backend('graphopt'); b = lookup_backend('graphopt'); print(a is b)")
+    out2 = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True, timeout=300)
+    assert out2.returncode == 0 and out2.stdout.strip() == "True", out2.stderr
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("downstream", ["eager", "inductor"])
+def test_outputs_and_gradients_match_eager(downstream):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(5, 16)
+    ref = model(x)
+    ref.square().sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    out = torch.compile(model, backend="graphopt", options={"downstream": downstream})(x)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for g, r in zip([p.grad for p in model.parameters()], ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_llama_gradients_match_eager():
+    from graphopt.models import LLAMA_SHAPES, llama
+
+    model, (ids,) = llama(LLAMA_SHAPES["tiny-llama"], seq_len=8)
+    model.train()  # dropout is 0 in LLaMA configs; train mode exercises the training graph
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, backend="graphopt", options={"downstream": "eager"})
+    loss2 = compiled(ids, labels=ids).loss
+    loss2.backward()
+    torch.testing.assert_close(loss2, loss, rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+class _BrokenPass(GraphPass):
+    """Mutates the graph half-way, then raises: the framework must restore the graph."""
+
+    name = "broken_for_test"
+
+    def run(self, ctx):
+        for node in list(ctx.gm.graph.nodes):
+            if node.op == "call_function":
+                with ctx.gm.graph.inserting_before(node):
+                    ctx.gm.graph.call_function(torch.neg, (node.args[0],))
+                node.args = (node.args[0],) + tuple(node.args[1:])
+                break
+        raise RuntimeError("deliberately broken pass")
+
+
+def test_a_pass_that_raises_is_logged_and_skipped(caplog):
+    register_extra_pass(_BrokenPass())
+    try:
+        torch.manual_seed(0)
+        model, x = MLP(), torch.randn(3, 16)
+        with caplog.at_level("WARNING", logger="graphopt"):
+            report = graphopt.explain(model, x, downstream="eager")
+        torch.testing.assert_close(report.output, model(x))
+        failed = [d for d in report.decisions if d.pass_name == "broken_for_test"]
+        assert failed and not failed[0].applied and "deliberately broken pass" in failed[0].reason
+        assert "broken_for_test failed and was skipped" in caplog.text
+    finally:
+        unregister_extra_pass("broken_for_test")
+
+
+class _FrozenLinearPass(GraphPass):
+    """A stand-in weight-rewriting pass: bakes each linear weight (scaled by 1) into the graph."""
+
+    name = "frozen_linear_for_test"
+
+    def run(self, ctx):
+        for match in find_linears(ctx):
+            ok, why = ctx.can_freeze(match.weight_node)
+            if not ok:
+                ctx.record(self.name, False, why, node=match.node)
+                continue
+            const = ctx.add_constant(match.weight(ctx).clone(), "w")
+            bias = match.bias_node
+            ctx.record(self.name, True, "test", node=match.node)
+            replace_with_call(ctx, match.node, F.linear, (match.input, const, bias))
+
+
+def test_frozen_weights_are_guarded_against_later_updates():
+    register_extra_pass(_FrozenLinearPass())
+    try:
+        torch.manual_seed(0)
+        model, x = MLP().eval(), torch.randn(3, 16)
+        compiled = torch.compile(model, backend="graphopt", options={"downstream": "eager"})
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
+            model.fc1.weight.mul_(2.0)  # in-place update after compile
+            torch.testing.assert_close(compiled(x), model(x))
+    finally:
+        unregister_extra_pass("frozen_linear_for_test")
+
+
+def test_weight_passes_decline_training_graphs():
+    register_extra_pass(_FrozenLinearPass())
+    try:
+        model, x = MLP(), torch.randn(3, 16)
+        torch._dynamo.reset()
+        sink = []
+        from graphopt import backend
+
+        backend._DECISION_SINKS.append(sink)
+        try:
+            torch.compile(model, backend="graphopt", options={"downstream": "eager"})(x)  # grad enabled
+        finally:
+            backend._DECISION_SINKS.remove(sink)
+        decisions = [d for d in sink if d.pass_name == "frozen_linear_for_test"]
+        assert decisions and not any(d.applied for d in decisions)
+        assert "requires grad" in decisions[0].reason
+    finally:
+        unregister_extra_pass("frozen_linear_for_test")
+
+
+def test_bad_option_reaches_the_user():
+    with pytest.raises(Exception, match="unknown graphopt option 'fp4'"):
+        torch.compile(nn.Linear(2, 2), backend="graphopt", options={"fp4": True})(torch.randn(1, 2))

@@ -1,0 +1,54 @@
+import json
+
+import pytest
+
+from graphopt.cli import build_parser, main
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for command in ("explain", "demo", "ablate", "export", "calibrate", "tune", "explore-fft", "fftchain"):
+        assert command in text
+
+
+def test_bad_pass_name_is_a_clear_error(capsys):
+    assert main(["explain", "--passes", "atention"]) == 2
+    assert "unknown pass 'atention'" in capsys.readouterr().err
+
+
+def test_calibrate_without_gpu_says_so(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="needs|measures a CUDA GPU"):
+        main(["calibrate"])
+
+
+def test_ablate_writes_table_json_and_plot(tmp_path, capsys):
+    code = main(["ablate", "--model", "tiny-llama", "--seq-len", "16", "--passes", "attention",
+                 "--downstream", "eager", "--rep-ms", "20", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "ablation.json").read_text())
+    names = [v["name"] for v in data["variants"]]
+    assert names[:2] == ["eager", "inductor"] and any(n.startswith("graphopt") for n in names)
+    for v in data["variants"]:
+        assert v["median_ms"] > 0 and v["rel_err"] < 1e-3
+    assert (tmp_path / "ablation.png").stat().st_size > 1000
+    assert "ablation: tiny-llama" in capsys.readouterr().out
+
+
+def test_variant_sets_deduplicate():
+    from graphopt.ablation import variant_sets
+
+    assert [s for _, s in variant_sets(["attention"])] == [["attention"], []]
+    sets = variant_sets(["attention", "fp4_linear", "q4_linear"])
+    assert len(sets) == 1 + 3 + 3
+    with pytest.raises(ValueError, match="valid choices"):
+        variant_sets(["flash"])
+
+
+def test_parser_builds():
+    assert build_parser().prog == "graphopt"

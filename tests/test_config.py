@@ -1,0 +1,72 @@
+import pytest
+
+from graphopt.config import DEFAULT_PASSES, PASS_NAMES, GraphOptConfig
+
+
+def test_defaults_enable_only_lossless_passes():
+    config = GraphOptConfig.from_options(None, environ={})
+    assert config.passes == DEFAULT_PASSES
+    assert config.enabled("attention") and not config.enabled("fp4_linear")
+
+
+def test_unknown_option_names_valid_keys():
+    with pytest.raises(ValueError, match=r"unknown graphopt option 'pases'.*did you mean 'passes'.*valid choices"):
+        GraphOptConfig.from_options({"pases": {}}, environ={})
+
+
+def test_misspelt_pass_name_lists_valid_passes():
+    with pytest.raises(ValueError) as info:
+        GraphOptConfig.from_options({"passes": {"atention": True}}, environ={})
+    message = str(info.value)
+    assert "'atention'" in message and "did you mean 'attention'" in message
+    for name in PASS_NAMES:
+        assert name in message
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"target": "h300"}, "target='h300'"),
+        ({"downstream": "xla"}, "downstream='xla'"),
+        ({"fp4_format": "nf4"}, "fp4_format='nf4'"),
+        ({"passes": {"attention": "yes"}}, "must be True or False"),
+        ({"error_budget": {"fp4_linear": -1}}, "non-negative"),
+        ({"error_budget": {"attention": 0.1}}, "unknown pass 'attention' in error_budget"),
+        ({"force": 1}, "force must be True or False"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_valid_choices(options, fragment):
+    with pytest.raises(ValueError, match="valid choices|must be|non-negative") as info:
+        GraphOptConfig.from_options(options, environ={})
+    assert fragment in str(info.value)
+
+
+def test_tensorrt_downstream_without_the_extra_names_it():
+    pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("torch_tensorrt") is not None:
+        pytest.skip("torch-tensorrt is installed here")
+    with pytest.raises(ValueError, match=r"torch-tensorrt.*graphopt\[tensorrt\].*inductor, eager"):
+        GraphOptConfig.from_options({"downstream": "tensorrt"}, environ={})
+
+
+def test_environment_toggles_passes():
+    config = GraphOptConfig.from_options(
+        {"passes": {"fp4_linear": True}},
+        environ={"GRAPHOPT_DISABLE": "attention, fp4_linear", "GRAPHOPT_ENABLE": "q4_linear"},
+    )
+    assert not config.enabled("attention")
+    assert not config.enabled("fp4_linear")
+    assert config.enabled("q4_linear")
+
+
+def test_environment_with_unknown_pass_is_an_error():
+    with pytest.raises(ValueError, match="GRAPHOPT_ENABLE"):
+        GraphOptConfig.from_options({}, environ={"GRAPHOPT_ENABLE": "flash"})
+
+
+def test_partial_budget_keeps_other_defaults():
+    config = GraphOptConfig.from_options({"error_budget": {"fp4_linear": 20}}, environ={})
+    assert config.error_budget["fp4_linear"] == 20.0
+    assert config.error_budget["sparse_attention"] == 0.06

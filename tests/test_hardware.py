@@ -1,0 +1,42 @@
+import json
+
+import pytest
+
+from graphopt import hardware
+from graphopt.hardware import SPECS, get_spec, spec_for_device_name
+
+
+def test_every_spec_has_positive_rates():
+    for key, spec in SPECS.items():
+        assert spec.bf16_flops > 0 and spec.memory_bandwidth > 0 and spec.launch_overhead_s > 0, key
+        assert spec.matrix_ceiling < spec.bf16_flops or not spec.is_gpu
+
+
+def test_h200_has_h100_compute_and_more_bandwidth():
+    assert SPECS["h200"].bf16_flops == SPECS["h100"].bf16_flops
+    assert SPECS["h200"].memory_bandwidth > SPECS["h100"].memory_bandwidth
+
+
+def test_device_name_detection_prefers_h200_over_h100():
+    assert spec_for_device_name("NVIDIA H200") is SPECS["h200"]
+    assert spec_for_device_name("NVIDIA H100 80GB HBM3") is SPECS["h100"]
+    assert spec_for_device_name("NVIDIA GeForce RTX 3060") is SPECS["rtx3060"]
+    assert spec_for_device_name("Some Other GPU") is None
+
+
+def test_target_overrides_detection_and_rejects_unknown():
+    assert get_spec("rtx3060") is SPECS["rtx3060"]
+    with pytest.raises(ValueError, match="valid choices"):
+        get_spec("h300")
+
+
+def test_calibration_round_trip_sets_measured_ceilings(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    hardware.save_calibration("NVIDIA H100 80GB HBM3", {"bf16_flops": 700e12, "memory_bandwidth": 2.9e12,
+                                                         "launch_overhead_s": 5e-6})
+    stored = json.loads((tmp_path / "calibration.json").read_text())
+    assert "NVIDIA H100 80GB HBM3" in stored
+    spec = hardware._with_calibration(SPECS["h100"], "NVIDIA H100 80GB HBM3")
+    assert spec.calibrated and spec.matrix_ceiling == 700e12 and spec.memory_ceiling == 2.9e12
+    assert spec.launch_overhead == 5e-6
+    assert not hardware._with_calibration(SPECS["h100"], "NVIDIA H200").calibrated
