@@ -152,3 +152,19 @@ def test_weight_passes_decline_training_graphs():
 def test_bad_option_reaches_the_user():
     with pytest.raises(Exception, match="unknown graphopt option 'fp4'"):
         torch.compile(nn.Linear(2, 2), backend="graphopt", options={"fp4": True})(torch.randn(1, 2))
+
+
+def test_graphopt_log_turns_on_decision_logging(monkeypatch, caplog):
+    from graphopt import logging_setup
+
+    monkeypatch.setenv("GRAPHOPT_LOG", "info")
+    logging_setup.configure_logging()
+    import logging
+
+    assert logging.getLogger("graphopt").level == logging.INFO
+    monkeypatch.setenv("GRAPHOPT_LOG", "loud")
+    with pytest.raises(ValueError, match="GRAPHOPT_LOG='loud'.*valid choices: info, debug, warning"):
+        logging_setup.configure_logging()
+    monkeypatch.setenv("GRAPHOPT_LOG", "")
+    logging_setup.configure_logging()
+    assert logging.getLogger("graphopt").level == logging.WARNING
