@@ -85,7 +85,10 @@ class _FrozenWeightGuard:
         return False
 
     def __call__(self, *args: Any):
-        call_args = args[0] if self.boxed else args
+        # Inductor's output is "boxed" (one list argument), but Dynamo may call a wrapper either
+        # way; graph inputs are tensors and ints, never lists, so the shape of `args` tells.
+        boxed = len(args) == 1 and isinstance(args[0], list)
+        call_args = args[0] if boxed else args
         if self._stale(call_args):
             # Same downstream as the first compile, so the same (boxed or not) calling convention.
             compiled, ctx = self.recompile(list(call_args))

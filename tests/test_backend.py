@@ -115,12 +115,13 @@ class _FrozenLinearPass(GraphPass):
             replace_with_call(ctx, match.node, F.linear, (match.input, const, bias))
 
 
-def test_frozen_weights_are_guarded_against_later_updates():
+@pytest.mark.parametrize("downstream", ["eager", "inductor"])
+def test_frozen_weights_are_guarded_against_later_updates(downstream):
     register_extra_pass(_FrozenLinearPass())
     try:
         torch.manual_seed(0)
         model, x = MLP().eval(), torch.randn(3, 16)
-        compiled = torch.compile(model, backend="graphopt", options={"downstream": "eager"})
+        compiled = torch.compile(model, backend="graphopt", options={"downstream": downstream})
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), model(x))
             model.fc1.weight.mul_(2.0)  # in-place update after compile

@@ -135,6 +135,13 @@ class PassContext:
         name = f"_graphopt_{hint}_{self._constant_count}"
         self._constant_count += 1
         self.gm.register_buffer(name, tensor, persistent=False)
+        # AOTAutograd (under Inductor) lifts buffers of a Dynamo graph and looks up where each
+        # came from; ours come from the compile itself.
+        sources = getattr(self.gm, "_param_name_to_source", None)
+        if sources is not None:
+            from torch._dynamo.source import ConstantSource
+
+            sources[name] = ConstantSource(name)
         with self.gm.graph.inserting_after(self._placeholders[-1] if self._placeholders else None):
             node = self.gm.graph.get_attr(name)
         node.meta["example_value"] = tensor
