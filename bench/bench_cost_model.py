@@ -94,8 +94,6 @@ def main() -> None:
                 rows.append(_row(f"sdpa {backend}", shape, ms,
                                  cm.sdpa(datasheet, 1, h, length, length, d, backend=backend, causal=causal),
                                  cm.sdpa(measured, 1, h, length, length, d, backend=backend, causal=causal)))
-            del mask
-        del q, k, v
         torch.cuda.empty_cache()
     summary = {}
     for label in ("datasheet", "calibrated"):

@@ -76,7 +76,7 @@ def _load_pass_modules() -> None:
 class _RewrittenModule(torch.nn.Module):
     """The rewritten graph, with parameters and buffers held as module state (ONNX initializers)."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list, user_positions: list[int]):
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, user_positions: dict[int, int]):
         super().__init__()
         self.gm = gm
         self.user_positions = user_positions
@@ -86,9 +86,10 @@ class _RewrittenModule(torch.nn.Module):
                 self.register_buffer(f"state_{i}", value.detach() if isinstance(value, torch.Tensor) else value)
 
     def forward(self, *user_inputs):
-        args, it = [], iter(user_inputs)
-        for i in range(self.n_inputs):
-            args.append(next(it) if i in self.user_positions else getattr(self, f"state_{i}"))
+        # user_positions maps a graph placeholder to the user's argument: Dynamo orders
+        # placeholders by first use, not by the order of the forward's arguments.
+        args = [user_inputs[self.user_positions[i]] if i in self.user_positions else getattr(self, f"state_{i}")
+                for i in range(self.n_inputs)]
         out = self.gm(*args)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
 
@@ -110,8 +111,8 @@ def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, **options) 
     with torch.no_grad():
         torch.compile(model, backend=capture, fullgraph=True)(*example_inputs)
     torch._dynamo.reset()
-    user_ids = {id(t) for t in example_inputs}
-    positions = [i for i, t in enumerate(captured["inputs"]) if id(t) in user_ids]
+    user_index = {id(t): j for j, t in enumerate(example_inputs)}
+    positions = {i: user_index[id(t)] for i, t in enumerate(captured["inputs"]) if id(t) in user_index}
     return _RewrittenModule(captured["gm"], captured["inputs"], positions).eval(), captured["decisions"]
 
 

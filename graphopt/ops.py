@@ -14,16 +14,366 @@ from __future__ import annotations
 import torch  # noqa: F401  (sections below use it)
 
 # ==== attention (graphopt/kernels/flash_attention.py, passes/attention.py) ====================
+# graphopt::attention(q, k, v, bias, scale, is_causal, num_kv_groups, backend) -> out
+#   q (B, H, Lq, D); k (B, Hkv, Lk, D); v (B, Hkv, Lk, Dv) with H == Hkv * num_kv_groups (GQA:
+#   query head h reads kv head h // num_kv_groups, as SDPA's enable_gqa and HF's repeat_kv);
+#   bias None, bool (True = attend) or additive float, broadcastable to (B, H, Lq, Lk);
+#   is_causal: top-left aligned (query i sees keys j <= i), as SDPA. Output (B, H, Lq, Dv),
+#   contiguous, in q's dtype.
+# `backend` is the implementation the attention pass chose at compile time: "triton" (our
+# flash-attention kernel), "flash" / "cudnn" / "efficient" / "math" (SDPA with that backend only,
+# falling back to math if PyTorch rejects the inputs at run time), or "sdpa_cpu". CPU tensors
+# always run SDPA's CPU kernel, whatever the backend says.
+# Backward (register_autograd): SDPA backends recompute the forward through SDPA's own autograd
+# and differentiate it (this also gives the bias gradient, e.g. T5's learned position bias; under
+# torch.compile it traces into SDPA's fused backward). Triton: graphopt::attention_backward, an
+# opaque op running the kernel's backward (the log-sum-exp is recomputed by one extra forward,
+# since the forward op returns only `out`).
+from typing import Optional as _Optional
+
+ATTENTION_OP_BACKENDS: tuple[str, ...] = ("triton", "flash", "cudnn", "efficient", "math", "sdpa_cpu")
+# SDPA backends that take K/V with fewer heads than Q (enable_gqa); the others get K/V repeated.
+_SDPA_GQA_BACKENDS = ("flash", "math", "sdpa_cpu")
+
+
+def _attention_check(q, k, v, bias, num_kv_groups: int, backend: str) -> None:
+    if backend not in ATTENTION_OP_BACKENDS:
+        raise ValueError(f"graphopt::attention: unknown backend {backend!r}; valid choices: {', '.join(ATTENTION_OP_BACKENDS)}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"graphopt::attention expects 4-D (B, H, L, D) q, k, v; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[1] * num_kv_groups != q.shape[1] or v.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"graphopt::attention: q has {q.shape[1]} heads, k {k.shape[1]}, v {v.shape[1]}, num_kv_groups={num_kv_groups}; "
+            "need q heads == k heads * num_kv_groups and k heads == v heads")
+    if bias is not None and bias.dim() > 4:
+        raise ValueError(f"graphopt::attention: bias must broadcast to (B, H, Lq, Lk), got shape {tuple(bias.shape)}")
+
+
+def _attention_merge_causal(q, k, bias):
+    """bias with the top-left causal mask folded in (SDPA refuses attn_mask together with is_causal)."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()  # (Lq, Lk)
+    if bias.dtype == torch.bool:
+        return bias & allowed
+    # The dtype's lowest finite value, not -inf: a row masked everywhere then averages uniformly,
+    # as the eager form with HF's finfo.min masks does, instead of producing NaN.
+    return bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
+
+
+def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups: int, backend: str):
+    import torch.nn.functional as F
+
+    if bias is not None:
+        if bias.is_floating_point() and bias.dtype != q.dtype:
+            # Clamp first: fp32's -3.4e38 (HF's finfo.min) would round to -inf in bf16/fp16.
+            bias = bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)
+        if is_causal:
+            bias, is_causal = _attention_merge_causal(q, k, bias), False
+    on_cpu = q.device.type == "cpu"
+    gqa = num_kv_groups > 1
+    if gqa and not on_cpu and backend not in _SDPA_GQA_BACKENDS:
+        k = k.repeat_interleave(num_kv_groups, dim=1)
+        v = v.repeat_interleave(num_kv_groups, dim=1)
+        gqa = False
+    kwargs = dict(attn_mask=bias, is_causal=is_causal, scale=scale)
+    if gqa:
+        kwargs["enable_gqa"] = True
+    if on_cpu or backend in ("sdpa_cpu", "triton"):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+    order = [chosen] if chosen == SDPBackend.MATH else [chosen, SDPBackend.MATH]
+    try:
+        context = sdpa_kernel(order, set_priority=True)
+    except TypeError:  # torch without set_priority: the list is a set, math only as the fallback
+        context = sdpa_kernel(order)
+    with context:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+@torch.library.custom_op("graphopt::attention", mutates_args=())
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: _Optional[torch.Tensor],
+    scale: float, is_causal: bool, num_kv_groups: int, backend: str,
+) -> torch.Tensor:
+    _attention_check(q, k, v, bias, num_kv_groups, backend)
+    if backend == "triton" and q.is_cuda:
+        from graphopt.kernels.flash_attention import flash_attention_forward
+
+        out, _ = flash_attention_forward(q, k, v, bias, scale=scale, is_causal=is_causal)
+    else:
+        out = _attention_sdpa(q, k, v, bias, scale, is_causal, num_kv_groups, backend)
+    return out.contiguous()
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, bias, scale, is_causal, num_kv_groups, backend):
+    _attention_check(q, k, v, bias, num_kv_groups, backend)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad):
+    """Explicit-formula backward in fp32 (materializes the (Lq, Lk) scores): the CPU/fallback body
+    of graphopt::attention_backward, checked in the tests against autograd of the reference."""
+    f32 = torch.float32
+    qf, do, of = q.to(f32), grad_out.to(f32), out.to(f32)
+    kf = k.to(f32).repeat_interleave(num_kv_groups, dim=1)  # (B, H, Lk, D)
+    vf = v.to(f32).repeat_interleave(num_kv_groups, dim=1)  # (B, H, Lk, Dv)
+    s = scale * (qf @ kf.transpose(-2, -1))  # (B, H, Lq, Lk)
+    if bias is not None:
+        s = s.masked_fill(~bias, float("-inf")) if bias.dtype == torch.bool else s + bias.to(f32)
+    if is_causal:
+        allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~allowed, float("-inf"))
+    p = s.softmax(-1)
+    dv = p.transpose(-2, -1) @ do  # (B, H, Lk, Dv)
+    dp = do @ vf.transpose(-2, -1)
+    ds = p * (dp - (do * of).sum(-1, keepdim=True))  # d(scores incl. bias)
+    dq = scale * (ds @ kf)
+    dk = scale * (ds.transpose(-2, -1) @ qf)
+    if num_kv_groups > 1:
+        b, h, lk = k.shape[0], k.shape[1], k.shape[2]
+        dk = dk.view(b, h, num_kv_groups, lk, -1).sum(2)
+        dv = dv.view(b, h, num_kv_groups, lk, -1).sum(2)
+    dbias = q.new_empty(0)
+    if bias_grad:
+        dbias = ds.sum_to_size(bias.shape).to(bias.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
+
+
+@torch.library.custom_op("graphopt::attention_backward", mutates_args=())
+def attention_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: _Optional[torch.Tensor],
+    out: torch.Tensor, scale: float, is_causal: bool, num_kv_groups: int, bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias) of graphopt::attention for the Triton backend (an opaque op: AOTAutograd
+    cannot trace into a Triton launch). dbias is empty unless bias_grad. On CUDA without a bias
+    gradient: the Triton kernel's backward; else the explicit fp32 formulas."""
+    if q.is_cuda and not bias_grad:
+        from graphopt.kernels.flash_attention import flash_attention_backward, flash_attention_forward
+
+        _, lse = flash_attention_forward(q, k, v, bias, scale=scale, is_causal=is_causal)  # recompute LSE
+        dq, dk, dv = flash_attention_backward(grad_out, q, k, v, bias, out, lse, scale=scale, is_causal=is_causal)
+        return dq, dk, dv, q.new_empty(0)
+    return _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad)
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad):
+    dbias = torch.empty_like(bias) if bias_grad else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, bias, scale, is_causal, num_kv_groups, backend = inputs
+    ctx.save_for_backward(q, k, v, bias, output)
+    ctx.options = (scale, is_causal, num_kv_groups, backend)
+
+
+def _attention_autograd(ctx, grad_out):
+    q, k, v, bias, out = ctx.saved_tensors
+    scale, is_causal, num_kv_groups, backend = ctx.options
+    bias_grad = bool(bias is not None and bias.is_floating_point() and ctx.needs_input_grad[3])
+    if backend == "triton" and q.is_cuda and not bias_grad:
+        dq, dk, dv, _ = torch.ops.graphopt.attention_backward(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, False)
+        return dq, dk, dv, None, None, None, None, None
+    # SDPA backends (and a trainable bias): recompute the forward through SDPA's autograd and
+    # differentiate it. Under torch.compile this traces into SDPA's own fused backward.
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        bias_leaf = bias.detach().requires_grad_(True) if bias_grad else bias
+        sdpa_backend = "efficient" if backend == "triton" else backend
+        recomputed = _attention_sdpa(*leaves, bias_leaf, scale, is_causal, num_kv_groups, sdpa_backend)
+        grads = torch.autograd.grad(recomputed, leaves + ([bias_leaf] if bias_grad else []), grad_out)
+    return grads[0], grads[1], grads[2], (grads[3] if bias_grad else None), None, None, None, None
+
+
+attention.register_autograd(_attention_autograd, setup_context=_attention_setup_context)
 # ==== end attention ============================================================================
 
 # ==== sparse_attention (graphopt/kernels/sparse_attention.py, passes/sparse_attention.py) ======
+# graphopt::sparse_attention(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd) -> out
+#   q (B, H, Lq, D); k, v (B, Hkv, Lk, D), H % Hkv == 0 (GQA reads kv head h // (H // Hkv));
+#   thresholds are float32 (H,) tensors (pvthreshd empty (0,) = PV skipping off). Output (B, H, Lq, D)
+#   in q's dtype. CUDA: the Triton predictor + block-sparse kernel; elsewhere: the torch reference
+#   (same block mask, same PV skipping). Inference only: no autograd formula is registered, so
+#   backward through it raises (the sparse_attention pass is opt-in and meant for inference).
+@torch.library.custom_op("graphopt::sparse_attention", mutates_args=())
+def sparse_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool,
+    simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, pvthreshd: torch.Tensor,
+) -> torch.Tensor:
+    from graphopt.kernels.sparse_attention import sparse_attention
+
+    pv = None if pvthreshd.numel() == 0 else pvthreshd  # empty: PV skipping off (no device sync)
+    out = sparse_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
+                           cdfthreshd=cdfthreshd, pvthreshd=pv)
+    return out.contiguous()
+
+
+@sparse_attention_op.register_fake
+def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 # ==== end sparse_attention =====================================================================
 
 # ==== fp4 (graphopt/kernels/fp4.py, passes/fp4_linear.py) =====================================
+# graphopt::fp4_linear(x, codes, codes_fp4, scales, global_scale, bias, out_features, in_features,
+#                      format) -> y
+#   x (..., K) -> y (..., N) in x's dtype; y = x @ W^T + bias, W the MXFP4/NVFP4 weight in the
+#   kernel layout of graphopt.kernels.fp4.to_kernel_layout: codes uint8 (N, Kp/2); codes_fp4 the
+#   same bytes viewed as torch.float4_e2m1fn_x2 (read only by the standard ONNX form, which needs a
+#   FLOAT4E2M1 initializer; it shares storage with codes); scales (N, Kp/bs) uint8 e8m0 (mxfp4) or
+#   float8_e4m3fn (nvfp4); global_scale fp32 (1,) (1.0 for mxfp4); format "mxfp4" | "nvfp4".
+#   CPU: the torch reference (dequantize to fp32, F.linear in fp32, cast). CUDA: the Triton decode
+#   (GEMV/split-K) or prefill (dequantize + tensor cores) kernel, chosen per token count by the
+#   cost model. Inference only: no autograd formula (the weights are frozen constants, and the
+#   pass only rewrites graphs whose weights do not require grad).
+from typing import Optional as _OptionalTensorFp4  # noqa: E402  (own import: sections are independent)
+
+
+@torch.library.custom_op("graphopt::fp4_linear", mutates_args=())
+def fp4_linear_op(
+    x: torch.Tensor, codes: torch.Tensor, codes_fp4: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+    bias: _OptionalTensorFp4[torch.Tensor], out_features: int, in_features: int, format: str,
+) -> torch.Tensor:
+    from graphopt.kernels import fp4
+
+    if x.is_cuda:
+        return fp4.fp4_linear_triton(x, codes, scales, global_scale, bias, out_features, in_features, format)
+    return fp4.reference_fp4_linear(x, codes, scales, global_scale, bias, out_features, in_features, format)
+
+
+@fp4_linear_op.register_fake
+def _(x, codes, codes_fp4, scales, global_scale, bias, out_features, in_features, format):
+    return x.new_empty((*x.shape[:-1], out_features))
 # ==== end fp4 ==================================================================================
 
 # ==== q4 (graphopt/kernels/q4.py, passes/q4_linear.py) ========================================
+# Q4_0 weights (kernel layout from graphopt.kernels.q4.pack_q4_0: qweight uint8 [N, Kp/2], scales
+# fp16 [Kp/32, N]) times Q8_1-quantized activations. Inference only (no autograd). CPU runs the
+# torch references (integer math of the same formula), CUDA the Triton kernels.
+#   graphopt::quantize_q8_1(x [..., K]) -> ggml block_q8_1 bytes uint8 [..., K/32, 36]
+#   graphopt::q4_q8_gemm(xq [..., K/32, 36], qweight, scales, bias?, out_dtype) -> [..., N]
+#   graphopt::q4_linear(x [..., K], qweight, scales, bias?, mode) -> [..., N] in x's dtype;
+#       mode "fused" (quantization inside the GEMM / decode kernel) or "separate" (two kernels);
+#       both give the same numbers up to fp32 summation order.
+#   graphopt::q4_linear_static(x, act_scale, qweight, scales, bias?, qmin, qmax) -> [..., N]: the
+#       fake-quant idiom (round(x / s).clamp(qmin, qmax) * s) @ W_q4.T with a per-tensor or per-row
+#       scale s, fused (integer dots), in the promoted dtype of x and s.
+Q4_LINEAR_MODES: tuple[str, ...] = ("fused", "separate")
+
+
+def _q4_out_features(qweight: torch.Tensor, scales: torch.Tensor, k: int) -> int:
+    if qweight.dim() != 2 or qweight.dtype != torch.uint8:
+        raise ValueError(f"graphopt q4 ops: qweight must be uint8 [N, Kp/2], got {qweight.dtype} {tuple(qweight.shape)}")
+    if k % 32 or not (2 * qweight.shape[1] - 64 < k <= 2 * qweight.shape[1]):
+        raise ValueError(f"graphopt q4 ops: K={k} does not fit qweight {tuple(qweight.shape)} (K % 32 == 0, Kp = K rounded up to 64)")
+    if scales.dim() != 2 or scales.shape[1] != qweight.shape[0]:
+        raise ValueError(f"graphopt q4 ops: scales must be [Kp/32, N={qweight.shape[0]}], got {tuple(scales.shape)}")
+    return qweight.shape[0]
+
+
+@torch.library.custom_op("graphopt::quantize_q8_1", mutates_args=())
+def q4_quantize_q8_1(x: torch.Tensor) -> torch.Tensor:
+    from graphopt.kernels import q4
+
+    return q4.quantize_q8_1_triton(x) if x.is_cuda else q4.quantize_q8_1(x)
+
+
+@q4_quantize_q8_1.register_fake
+def _q4_quantize_q8_1_fake(x):
+    if x.shape[-1] % 32:
+        raise ValueError(f"graphopt::quantize_q8_1: the last dimension ({x.shape[-1]}) must be a multiple of 32")
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 32, 36), dtype=torch.uint8)
+
+
+@torch.library.custom_op("graphopt::q4_q8_gemm", mutates_args=())
+def q4_q8_gemm(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: _Optional[torch.Tensor],
+               out_dtype: torch.dtype) -> torch.Tensor:
+    from graphopt.kernels import q4
+
+    if xq.is_cuda:
+        return q4.q4_q8_gemm_triton(xq, qweight, scales, bias, out_dtype)
+    return q4.reference_q4_q8_gemm(xq, qweight, scales, bias, out_dtype)
+
+
+@q4_q8_gemm.register_fake
+def _q4_q8_gemm_fake(xq, qweight, scales, bias, out_dtype):
+    n = _q4_out_features(qweight, scales, xq.shape[-2] * 32)
+    return xq.new_empty((*xq.shape[:-2], n), dtype=out_dtype)
+
+
+@torch.library.custom_op("graphopt::q4_linear", mutates_args=())
+def q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: _Optional[torch.Tensor],
+              mode: str) -> torch.Tensor:
+    from graphopt.kernels import q4
+
+    if mode not in Q4_LINEAR_MODES:
+        raise ValueError(f"graphopt::q4_linear: mode {mode!r} is not valid; valid choices: {', '.join(Q4_LINEAR_MODES)}")
+    if x.is_cuda:
+        return q4.q4_linear_triton(x, qweight, scales, bias, mode)
+    return q4.reference_q4_linear(x, qweight, scales, bias)
+
+
+@q4_linear.register_fake
+def _q4_linear_fake(x, qweight, scales, bias, mode):
+    if mode not in Q4_LINEAR_MODES:
+        raise ValueError(f"graphopt::q4_linear: mode {mode!r} is not valid; valid choices: {', '.join(Q4_LINEAR_MODES)}")
+    n = _q4_out_features(qweight, scales, x.shape[-1])
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.custom_op("graphopt::q4_linear_static", mutates_args=())
+def q4_linear_static(x: torch.Tensor, act_scale: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     bias: _Optional[torch.Tensor], qmin: int, qmax: int) -> torch.Tensor:
+    from graphopt.kernels import q4
+
+    if x.is_cuda:
+        return q4.q4_linear_static_triton(x, act_scale, qweight, scales, bias, qmin, qmax)
+    return q4.reference_q4_linear_static(x, act_scale, qweight, scales, bias, qmin, qmax)
+
+
+@q4_linear_static.register_fake
+def _q4_linear_static_fake(x, act_scale, qweight, scales, bias, qmin, qmax):
+    n = _q4_out_features(qweight, scales, x.shape[-1])
+    return x.new_empty((*x.shape[:-1], n), dtype=torch.promote_types(x.dtype, act_scale.dtype))
 # ==== end q4 ===================================================================================
 
 # ==== fft_chain (graphopt/kernels/fft_chain.py, passes/fft_linear.py) =========================
+# y = sum_k BC(C_k) P_k x + bias from spectral coefficient planes coeff_real/coeff_imag (C, N, F)
+# and the K-1 non-identity permutations perms (K-1, in). impl: auto | torch | triton | dft.
+# CPU: the torch rfft reference; CUDA: the chosen kernel. The kernel module is imported lazily
+# (it imports this package for the cost model).
+@torch.library.custom_op("graphopt::fft_chain_linear", mutates_args=())
+def fft_chain_linear(
+    x: torch.Tensor, coeff_real: torch.Tensor, coeff_imag: torch.Tensor, perms: torch.Tensor,
+    bias: torch.Tensor | None, block_size: int, out_features: int, impl: str,
+) -> torch.Tensor:
+    from graphopt.kernels import fft_chain as _fft
+
+    return _fft.fft_chain_linear(x, coeff_real, coeff_imag, perms, bias, block_size, out_features, impl)
+
+
+@fft_chain_linear.register_fake
+def _fft_chain_linear_fake(x, coeff_real, coeff_imag, perms, bias, block_size, out_features, impl):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def _fft_chain_linear_setup(ctx, inputs, output):
+    x, coeff_real, coeff_imag, perms, bias, block_size, _, _ = inputs
+    ctx.save_for_backward(x, coeff_real, coeff_imag, perms)
+    ctx.block_size, ctx.has_bias = block_size, bias is not None
+
+
+def _fft_chain_linear_backward(ctx, grad):
+    from graphopt.kernels import fft_chain as _fft
+
+    x, coeff_real, coeff_imag, perms = ctx.saved_tensors
+    d_x, d_real, d_imag, d_bias = _fft.fft_chain_backward(grad, x, coeff_real, coeff_imag, perms, ctx.has_bias, ctx.block_size)
+    return d_x, d_real, d_imag, None, d_bias, None, None, None
+
+
+fft_chain_linear.register_autograd(_fft_chain_linear_backward, setup_context=_fft_chain_linear_setup)
 # ==== end fft_chain ============================================================================

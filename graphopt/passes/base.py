@@ -125,10 +125,19 @@ class PassContext:
         ok, why = self.can_freeze(node)
         if not ok:
             raise ValueError(why)
-        index = self.placeholder_index(node)
-        value = self.example_inputs[index]
-        self.frozen[index] = FrozenWeight(index, weakref.ref(value), value._version)
-        return value.detach()
+        return self.guard_tensor(node).detach()
+
+    def guard_tensor(self, node: fx.Node) -> torch.Tensor | None:
+        """Record that a rewrite relied on the compile-time value of a graph input (a parameter,
+        or a buffer such as a causal mask): the compiled graph is rebuilt if it changes in place
+        or is replaced. Returns the value, or None for a node that is not a tensor input."""
+        index = self.placeholder_index(node) if node.op == "placeholder" else None
+        value = self.example_value(node)
+        if index is None or not isinstance(value, torch.Tensor):
+            return None
+        if index not in self.frozen:
+            self.frozen[index] = FrozenWeight(index, weakref.ref(value), value._version)
+        return value
 
     def add_constant(self, tensor: torch.Tensor, hint: str) -> fx.Node:
         """Store a tensor on the GraphModule and return a get_attr node reading it."""

@@ -1,0 +1,400 @@
+"""Attention benchmark (issue 3, item 6): naive attention under eager / Inductor / graphopt against
+SDPA's flash and cuDNN backends and our Triton kernel, then a LLaMA-7B-shaped end-to-end prefill.
+
+    python bench/bench_attention.py                  # one H100/H200, bf16, well under 5 minutes
+    python bench/bench_attention.py --cpu-smoke      # whole script at tiny sizes on CPU (interpreter)
+    python bench/bench_attention.py --skip-e2e --lengths 4096,8192
+
+Kernel rows: bf16, D=128, H=32, L in {1k, 4k, 8k, 16k}, causal and not, B = 16384 // L (16k tokens
+per row, so short sequences still fill the GPU). FLOPs = 4*B*H*L*L*D, halved when causal. Every
+variant is first checked against SDPA (default backend) - max |err| / max |ref| <= 2e-2 - then timed
+with bench.common.median_ms. "x SDPA best" = time / fastest of SDPA flash and cuDNN (< 1 is faster).
+Naive variants materialize (B, H, L, L) scores; they are skipped when that does not fit in free
+memory (the row says so).
+
+Backward rows: our Triton fwd+bwd against SDPA flash / cuDNN fwd+bwd, gradients checked against
+SDPA's, at L in {1k, 4k}.
+
+End-to-end rows: transformers LlamaForCausalLM with LLaMA-7B shapes (hidden 4096, 32 heads,
+intermediate 11008, vocab 32000), 2 layers, random weights, bf16, batch 1, prefill of 2048 and
+4096 tokens under torch.no_grad(): attn_implementation="eager" under eager / Inductor / graphopt,
+and attn_implementation="sdpa" under Inductor (the baseline). Logits are checked against eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+if "--cpu-smoke" in sys.argv:  # Triton kernels run in the interpreter; must be set before import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench.common import median_ms, print_table, tflops, write_json  # noqa: E402
+
+CHECK_TOL = 2e-2  # bf16: max |out - ref| / max |ref|
+E2E_TOL = 3e-2  # bf16 through two layers: ||logits - eager|| / ||eager||
+
+
+class NaiveAttention(nn.Module):
+    """softmax(q @ k^T * scale) @ v, as users write it; causal through a triu mask and masked_fill."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, L, L)
+        if self.causal:
+            len_q, len_k = scores.shape[-2:]
+            upper = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(upper, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _free_gpu_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _free_bytes() -> float:
+    if torch.cuda.is_available():
+        return float(torch.cuda.mem_get_info()[0])
+    return float("inf")
+
+
+def _rel_err(out, ref) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))
+
+
+def _ms(value) -> str:
+    return f"{value:10.4f}" if value is not None else f"{'-':>10}"
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text[:90]
+
+
+class _Decisions:
+    """Collects graphopt's Decisions while compiling (the sink graphopt.explain uses)."""
+
+    def __enter__(self):
+        from graphopt import backend
+
+        self.items = []
+        backend._DECISION_SINKS.append(self.items)
+        return self
+
+    def __exit__(self, *exc):
+        from graphopt import backend
+
+        backend._DECISION_SINKS.remove(self.items)
+
+    def summary(self) -> str:
+        applied = [d for d in self.items if d.pass_name == "attention" and d.applied]
+        declined = [d for d in self.items if d.pass_name == "attention" and not d.applied]
+        impls = sorted({d.implementation or "?" for d in applied})
+        text = f"{len(applied)} attention rewrite(s)" + (f" -> {', '.join(impls)}" if impls else "")
+        if declined:
+            text += f"; declined: {declined[0].reason[:60]}"
+        return text
+
+
+def _compile(module, backend: str):
+    torch._dynamo.reset()
+    return torch.compile(module, backend=backend, dynamic=False)
+
+
+def _sdpa(backend_name: str | None, causal: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}.get(backend_name)
+
+    def run(q, k, v):
+        if chosen is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        with sdpa_kernel([chosen]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel rows
+# ---------------------------------------------------------------------------------------------
+def bench_kernels(args, device, dtype) -> list[dict]:
+    from graphopt.kernels import flash_attention as fa
+
+    rows = []
+    heads, head_dim = args.heads, args.head_dim
+    for length in args.lengths:
+        batch = max(1, args.tokens // length)
+        for causal in (False, True):
+            _free_gpu_memory()
+            gen = torch.Generator(device=device).manual_seed(length)
+            q, k, v = (torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, generator=gen)
+                       for _ in range(3))
+            flops = 4.0 * batch * heads * length * length * head_dim / (2 if causal else 1)
+            ref = _sdpa(None, causal)(q, k, v)
+            naive_bytes = 3.0 * batch * heads * length * length * q.element_size()  # scores, masked, probs
+
+            variants = []
+            variants.append(("naive eager", lambda: NaiveAttention(causal), naive_bytes))
+            variants.append(("naive + Inductor", lambda: _compile(NaiveAttention(causal), "inductor"), naive_bytes * 2 / 3))
+            variants.append(("naive + graphopt", lambda: _compile(NaiveAttention(causal), "graphopt"), 0.0))
+            variants.append(("SDPA flash", lambda: _sdpa("flash", causal), 0.0))
+            variants.append(("SDPA cuDNN", lambda: _sdpa("cudnn", causal), 0.0))
+            variants.append(("Triton (ours)", lambda: (lambda q, k, v: fa.flash_attention_forward(
+                q, k, v, scale=head_dim ** -0.5, is_causal=causal)[0]), 0.0))
+
+            shape_rows = []
+            for name, build, need_bytes in variants:
+                row = {"B": batch, "H": heads, "L": length, "D": head_dim, "causal": causal, "variant": name,
+                       "check": "", "ms": None, "TFLOP/s": None, "x SDPA best": None, "note": ""}
+                shape_rows.append(row)
+                if need_bytes > 0.85 * _free_bytes():
+                    row["check"] = "skipped"
+                    row["note"] = f"needs ~{need_bytes / 2**30:.0f} GiB for (B,H,L,L) scores; {_free_bytes() / 2**30:.0f} GiB free"
+                    continue
+                try:
+                    t0 = time.perf_counter()
+                    if name == "naive + graphopt":
+                        with _Decisions() as decisions:
+                            fn = build()
+                            out = fn(q, k, v)
+                        row["note"] = decisions.summary()
+                    else:
+                        fn = build()
+                        out = fn(q, k, v)
+                    _sync()
+                    if "Inductor" in name or "graphopt" in name:
+                        row["note"] = (row["note"] + "; " if row["note"] else "") + f"compile {time.perf_counter() - t0:.1f}s"
+                    err = _rel_err(out, ref)
+                    del out
+                    row["check"] = f"{'PASS' if err <= CHECK_TOL else 'FAIL'} {err:.1e}"
+                    row["ms"] = median_ms(lambda: fn(q, k, v), warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+                    row["TFLOP/s"] = tflops(flops, row["ms"])
+                    if name == "Triton (ours)":
+                        best = getattr(fa._flash_attention_fwd_kernel, "best_config", None)
+                        if best is not None:
+                            row["note"] = (f"BM{best.kwargs['BLOCK_M']} BN{best.kwargs['BLOCK_N']} "
+                                           f"w{best.num_warps} s{best.num_stages}")
+                except Exception as exc:  # one failing variant never stops the run
+                    row["check"] = "FAIL"
+                    row["note"] = _short(exc)
+                    if args.verbose:
+                        traceback.print_exc()
+                finally:
+                    fn = None
+                    _free_gpu_memory()
+                print(f"  L={length:>6} causal={causal!s:5} {name:18} {row['check']:14} "
+                      f"{_ms(row['ms'])} ms  {row['note']}", flush=True)
+            sdpa_ms = [r["ms"] for r in shape_rows if r["variant"] in ("SDPA flash", "SDPA cuDNN") and r["ms"]]
+            if sdpa_ms:
+                for r in shape_rows:
+                    if r["ms"]:
+                        r["x SDPA best"] = r["ms"] / min(sdpa_ms)
+            rows += shape_rows
+            del q, k, v, ref
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# backward rows
+# ---------------------------------------------------------------------------------------------
+def bench_backward(args, device, dtype) -> list[dict]:
+    from graphopt.kernels import flash_attention as fa
+
+    rows = []
+    heads, head_dim = args.heads, args.head_dim
+    for length in args.bwd_lengths:
+        batch = max(1, args.tokens // length)
+        for causal in (False, True):
+            _free_gpu_memory()
+            gen = torch.Generator(device=device).manual_seed(length + 1)
+            q, k, v, grad_out = (torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, generator=gen)
+                                 for _ in range(4))
+            flops = 4.0 * batch * heads * length * length * head_dim / (2 if causal else 1) * 3.5  # fwd 1 + bwd 2.5
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            F.scaled_dot_product_attention(*leaves, is_causal=causal).backward(grad_out)
+            ref_grads = [t.grad for t in leaves]
+
+            def fwd_bwd(attn):
+                qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                attn(qq, kk, vv).backward(grad_out)
+                return qq.grad, kk.grad, vv.grad
+
+            variants = [
+                ("SDPA flash fwd+bwd", _sdpa("flash", causal)),
+                ("SDPA cuDNN fwd+bwd", _sdpa("cudnn", causal)),
+                ("Triton fwd+bwd (ours)", lambda q_, k_, v_: fa.flash_attention(q_, k_, v_, is_causal=causal)),
+            ]
+            shape_rows = []
+            for name, attn in variants:
+                row = {"B": batch, "H": heads, "L": length, "D": head_dim, "causal": causal, "variant": name,
+                       "check": "", "ms": None, "TFLOP/s": None, "x SDPA best": None, "note": ""}
+                shape_rows.append(row)
+                try:
+                    grads = fwd_bwd(attn)
+                    err = max(_rel_err(g, r) for g, r in zip(grads, ref_grads))
+                    row["check"] = f"{'PASS' if err <= CHECK_TOL else 'FAIL'} {err:.1e}"
+                    row["ms"] = median_ms(lambda: fwd_bwd(attn), warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+                    row["TFLOP/s"] = tflops(flops, row["ms"])
+                except Exception as exc:
+                    row["check"] = "FAIL"
+                    row["note"] = _short(exc)
+                    if args.verbose:
+                        traceback.print_exc()
+                print(f"  bwd L={length:>6} causal={causal!s:5} {name:22} {row['check']:14} {_ms(row['ms'])} ms  {row['note']}",
+                      flush=True)
+            sdpa_ms = [r["ms"] for r in shape_rows if r["variant"].startswith("SDPA") and r["ms"]]
+            if sdpa_ms:
+                for r in shape_rows:
+                    if r["ms"]:
+                        r["x SDPA best"] = r["ms"] / min(sdpa_ms)
+            rows += shape_rows
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# end-to-end rows
+# ---------------------------------------------------------------------------------------------
+def bench_e2e(args, device, dtype) -> list[dict]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rows = []
+    shape = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                 vocab_size=32000) if not args.cpu_smoke else dict(
+                 hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    common = dict(num_hidden_layers=2, max_position_embeddings=max(args.e2e_lengths), **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        eager_model = LlamaForCausalLM(LlamaConfig(attn_implementation="eager", **common)).to(dtype).eval()
+        sdpa_model = LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **common)).to(dtype).eval()
+    sdpa_model.load_state_dict(eager_model.state_dict())
+
+    for length in args.e2e_lengths:
+        ids = torch.randint(0, common["vocab_size"], (1, length), device=device,
+                            generator=torch.Generator(device=device).manual_seed(length))
+        with torch.no_grad():
+            ref = eager_model(input_ids=ids, use_cache=False).logits
+        variants = [
+            ("eager-attn, eager", lambda: eager_model),
+            ("eager-attn + Inductor", lambda: _compile(eager_model, "inductor")),
+            ("eager-attn + graphopt", lambda: _compile(eager_model, "graphopt")),
+            ("sdpa-attn + Inductor", lambda: _compile(sdpa_model, "inductor")),
+        ]
+        shape_rows = []
+        for name, build in variants:
+            row = {"model": "LLaMA-7B shapes, 2 layers" if not args.cpu_smoke else "LLaMA tiny, 2 layers",
+                   "tokens": length, "variant": name, "check": "", "ms": None, "x sdpa+Inductor": None, "note": ""}
+            shape_rows.append(row)
+            try:
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    if name == "eager-attn + graphopt":
+                        with _Decisions() as decisions:
+                            model = build()
+                            logits = model(input_ids=ids, use_cache=False).logits
+                        row["note"] = decisions.summary()
+                    else:
+                        model = build()
+                        logits = model(input_ids=ids, use_cache=False).logits
+                    _sync()
+                    if "+" in name:
+                        row["note"] = (row["note"] + "; " if row["note"] else "") + f"compile {time.perf_counter() - t0:.1f}s"
+                    err = float((logits.float() - ref.float()).norm() / ref.float().norm())
+                    del logits
+                    row["check"] = f"{'PASS' if err <= E2E_TOL else 'FAIL'} {err:.1e}"
+                    row["ms"] = median_ms(lambda: model(input_ids=ids, use_cache=False), warmup_ms=args.warmup_ms,
+                                          rep_ms=args.rep_ms)
+            except Exception as exc:
+                row["check"] = "FAIL"
+                row["note"] = _short(exc)
+                if args.verbose:
+                    traceback.print_exc()
+            finally:
+                model = None
+                _free_gpu_memory()
+            print(f"  e2e tokens={length:>5} {name:22} {row['check']:14} {_ms(row['ms'])} ms  {row['note']}", flush=True)
+        base = next((r["ms"] for r in shape_rows if r["variant"] == "sdpa-attn + Inductor" and r["ms"]), None)
+        if base:
+            for r in shape_rows:
+                if r["ms"]:
+                    r["x sdpa+Inductor"] = r["ms"] / base
+        rows += shape_rows
+    torch._dynamo.reset()
+    return rows
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (Triton interpreter), fp32")
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--skip-backward", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        args.heads, args.head_dim, args.tokens = 2, 32, 48
+        args.lengths = args.lengths or [48]
+        args.bwd_lengths = [40]
+        args.e2e_lengths = [24]
+        args.warmup_ms, args.rep_ms = 1, 5
+    else:
+        args.heads, args.head_dim, args.tokens = 32, 128, 16384
+        args.lengths = args.lengths or [1024, 4096, 8192, 16384]
+        args.bwd_lengths = [1024, 4096]
+        args.e2e_lengths = [2048, 4096]
+        args.warmup_ms, args.rep_ms = 25, 100
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.cpu_smoke:
+        device, dtype = "cpu", torch.float32
+    elif torch.cuda.is_available():
+        device, dtype = "cuda", torch.bfloat16
+    else:
+        sys.exit("bench_attention needs a CUDA GPU (or --cpu-smoke)")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    start = time.perf_counter()
+    kernel_rows = bench_kernels(args, device, dtype)
+    backward_rows = [] if args.skip_backward else bench_backward(args, device, dtype)
+    e2e_rows = [] if args.skip_e2e else bench_e2e(args, device, dtype)
+    path = write_json("bench_attention", kernel_rows + backward_rows, e2e=e2e_rows,
+                      dtype=str(dtype), elapsed_s=time.perf_counter() - start)
+    print(f"\nwrote {path}; total {time.perf_counter() - start:.0f}s\n")
+    if backward_rows:
+        print_table("Attention fwd+bwd (TFLOP/s counts 3.5x forward FLOPs)", backward_rows)
+    if e2e_rows:
+        print_table("End-to-end prefill (logits vs eager)", e2e_rows)
+    print_table(f"Attention forward, {str(dtype).replace('torch.', '')}, FLOPs 4*B*H*L*L*D (/2 causal)", kernel_rows)
+
+
+if __name__ == "__main__":
+    main()

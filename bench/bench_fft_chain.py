@@ -1,0 +1,135 @@
+"""FFT-chain (block-circulant) linear layers vs cuBLAS bf16 on one H100/H200.
+
+1. The explorer's --quick sweep (LLaMA-2-13B MLP shapes, 8 (B, K) combos) at 16, 256, 4096 tokens:
+   per-config lines, success rates, cost model agreement (target >= 90%).
+2. The kernel candidates side by side for 5120->13824 and 13824->5120 at B=512, K=2:
+   correctness of each against a float64 reference (PASS/FAIL), then times of cuBLAS bf16 and
+   of each implementation (torch: cuFFT + complex bmm; triton: cuFFT + Triton contraction;
+   dft: fused DFT-as-matmul kernels), plain launches and CUDA-graph replays, with the cost
+   model's prediction. Targets: >= 3x cuBLAS at <= 16 tokens, >= 1.0x at 256 tokens.
+
+    python bench/bench_fft_chain.py              # GPU, well under 6 minutes
+    python bench/bench_fft_chain.py --cpu-smoke  # tiny sizes on CPU (Triton interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+if "--cpu-smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module import
+
+from bench.common import cuda_graph_ms, median_ms, out_dir, print_table, write_json  # noqa: E402
+from graphopt import cost_model  # noqa: E402
+from graphopt.fft_explorer import explore_fft  # noqa: E402
+from graphopt.hardware import get_spec  # noqa: E402
+from graphopt.kernels import fft_chain as fft  # noqa: E402
+
+
+def check(impl, x, layer, cr, ci, bias, b, out_f):
+    ref = fft.reference_fft_chain(x.double(), layer.coeffs.detach().double(), layer.perms, bias.double(), b, out_f)
+    y = fft._LAUNCHERS[impl](x, cr, ci, layer.perms[1:].contiguous(), bias, b, out_f)
+    err = fft.relative_error(y, ref)
+    return err, err < (2e-2 if x.dtype == torch.bfloat16 else 1e-3)
+
+
+def kernel_candidates(shapes, token_counts, b, k, device, smoke):
+    hw = get_spec("auto") if device.type == "cuda" else get_spec("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    impls = fft.available_implementations(device.type) if not smoke else fft.IMPLEMENTATIONS
+    rows = []
+    for in_f, out_f in shapes:
+        torch.manual_seed(0)
+        layer = fft.FFTChainLinear(in_f, out_f, b, k).to(device)
+        with torch.no_grad():
+            cr, ci = fft.spectral_coefficients(layer.coeffs)
+        bias = layer.bias.detach().to(dtype)
+        perms = layer.perms[1:].contiguous()
+        w = (torch.randn(out_f, in_f, device=device) / in_f**0.5).to(dtype)
+        # correctness (small token count)
+        xc = torch.randn(8, in_f, device=device).to(dtype)
+        verdict = {}
+        for impl in impls:
+            try:
+                err, ok = check(impl, xc, layer, cr, ci, bias, b, out_f)
+                verdict[impl] = (ok, err)
+                print(f"{'PASS' if ok else 'FAIL'} {impl:<6} {in_f}->{out_f} B={b} K={k}: rel. error {err:.2e} vs float64 reference")
+            except Exception as exc:  # noqa: BLE001
+                verdict[impl] = (False, float("nan"))
+                print(f"FAIL {impl:<6} {in_f}->{out_f}: {type(exc).__name__}: {exc}")
+        for t in token_counts:
+            x = torch.randn(t, in_f, device=device).to(dtype)
+            dense_fn = lambda: torch.nn.functional.linear(x, w, bias)  # noqa: E731
+            dense_ms = median_ms(dense_fn)
+            dense_graph = cuda_graph_ms(dense_fn) if device.type == "cuda" else dense_ms
+            dense_pred = cost_model.linear(hw, t, in_f, out_f, bias=True).ms
+            chosen, _ = fft.choose_implementation(hw, t, in_f, out_f, b, k, device_type=device.type)
+            for impl in impls:
+                row = {"shape": f"{in_f}->{out_f}", "tokens": t, "impl": impl, "correct": verdict[impl][0],
+                       "cublas_ms": dense_ms, "cublas_graph_ms": dense_graph}
+                fn = lambda impl=impl: fft._LAUNCHERS[impl](x, cr, ci, perms, bias, b, out_f)  # noqa: E731
+                try:
+                    ms = median_ms(fn)
+                    graph = cuda_graph_ms(fn) if device.type == "cuda" else ms
+                except Exception as exc:  # noqa: BLE001
+                    print(f"FAIL timing {impl} {in_f}->{out_f} T={t}: {type(exc).__name__}: {exc}")
+                    ms = graph = float("nan")
+                pred = fft.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl).ms
+                row.update(ms=ms, graph_ms=graph, speedup=dense_ms / ms, graph_speedup=dense_graph / graph,
+                           predicted_ms=pred, predicted_speedup=dense_pred / pred, chosen_by_cost_model=impl == chosen,
+                           spectra_GBps=(8.0 * t * (k * -(-in_f // b) + -(-out_f // b)) * (b // 2 + 1) * 2) / (graph * 1e-3) / 1e9)
+                rows.append(row)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU to exercise the script")
+    parser.add_argument("--skip-explorer", action="store_true")
+    args = parser.parse_args()
+    smoke = args.cpu_smoke
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    if device.type != "cuda" and not smoke:
+        print("no CUDA device: run with --cpu-smoke for the CPU exercise")
+        return 1
+    token_counts = [4, 8] if smoke else [16, 256, 4096]
+    explorer = {}
+    if not args.skip_explorer:
+        for t in token_counts:
+            kw = dict(hidden=64, intermediate=96, combos=[(16, 2), (32, 4)], layers=[0, 39], runs=3, warmup=1) if smoke else {}
+            res = explore_fft("quick", seq_len=t, device=str(device), out_dir=out_dir() / "explore_fft", **kw)
+            explorer[t] = res["analysis"]
+    shapes = [(64, 96), (96, 64)] if smoke else [(5120, 13824), (13824, 5120)]
+    b, k = (16, 2) if smoke else (512, 2)
+    rows = kernel_candidates(shapes, token_counts, b, k, device, smoke)
+    agree = sum(a["agreement"]["agree"] for a in explorer.values())
+    total = sum(a["agreement"]["total"] for a in explorer.values())
+    targets = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for t, goal in zip(token_counts, (3.0, 1.0, None)):
+            cands = [r for r in rows if r["shape"] == shape and r["tokens"] == t and r["correct"] and r["graph_speedup"] == r["graph_speedup"]]
+            best = max(cands, key=lambda r: r["graph_speedup"], default=None)
+            if best:
+                targets.append({"shape": shape, "tokens": t, "best_impl": best["impl"], "speedup_vs_cublas": best["graph_speedup"],
+                                "target": goal, "met": (best["graph_speedup"] >= goal) if goal else None})
+    path = write_json("bench_fft_chain", rows, block_size=b, k=k, targets=targets,
+                      explorer_agreement={"agree": agree, "total": total, "rate": agree / total if total else None},
+                      explorer={str(t): a for t, a in explorer.items()})
+    print(f"explorer cost-model agreement over all token counts: {agree}/{total}" + (f" = {100 * agree / total:.0f}% (target >= 90%)" if total else ""))
+    print(f"JSON: {path}")
+    print_table("FFT-chain targets (best correct implementation, CUDA-graph replay vs cuBLAS bf16)", targets)
+    print_table(f"FFT-chain kernel candidates, B={b}, K={k} (speedup = cuBLAS bf16 / impl)", rows,
+                ["shape", "tokens", "impl", "correct", "cublas_ms", "ms", "speedup", "cublas_graph_ms", "graph_ms", "graph_speedup",
+                 "predicted_speedup", "chosen_by_cost_model", "spectra_GBps"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Q4_0 x Q8_1 linear layers: cuBLAS bf16 vs separate quantize+GEMM vs fused vs pre-quantized.
+
+    python bench/bench_q4.py              # one H100/H200, well under 5 minutes
+    python bench/bench_q4.py --cpu-smoke  # whole script at tiny sizes on CPU (Triton interpreter)
+
+Shapes and token counts are those of the FP4 benchmark. For every (shape, tokens) it first checks
+each variant against dequantize-then-matmul (PASS/FAIL with the error), then times: cuBLAS bf16
+(F.linear), separate (Q8_1 quantize kernel + integer GEMM), fused (quantization inside the GEMM /
+decode kernel, autotuned), pre-quantized activations + GEMM (the case where fusion cannot pay),
+and every fused tile config on its own. Decode sizes (<= 16 tokens) are timed as CUDA-graph
+replays. GB/s counts the fewest bytes each variant must move (bf16 weights for cuBLAS, Q4_0 weights
+and scales for the others, plus activations and outputs); TOPS = 2*M*N*K / time. A last row runs a
+LLaMA-7B-shaped 2-layer model on one token, Inductor bf16 vs graphopt with q4_linear on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ARGS.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU through the Triton interpreter")
+ARGS.add_argument("--no-e2e", action="store_true", help="skip the end-to-end LLaMA row")
+OPTS = ARGS.parse_args()
+if OPTS.cpu_smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.common import cuda_graph_ms, gbps, median_ms, print_table, tflops, write_json  # noqa: E402
+from graphopt.kernels import q4  # noqa: E402
+
+GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
+DEVICE = "cuda" if GPU else "cpu"
+DTYPE = torch.bfloat16 if GPU else torch.float32
+if GPU:
+    SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (13824, 5120), (4096, 14336)]
+    TOKENS = [1, 4, 16, 64, 256, 4096]
+else:
+    SHAPES = [(64, 96), (96, 64)]
+    TOKENS = [1, 4, 17]
+DECODE_TOKENS = 16
+
+
+def time_ms(fn, tokens: int) -> float:
+    if not GPU:
+        return median_ms(fn, rep_ms=5)
+    if tokens <= DECODE_TOKENS:
+        return cuda_graph_ms(fn, rep_ms=40)
+    return median_ms(fn, warmup_ms=10, rep_ms=40)
+
+
+def weight_bytes(n: int, k: int) -> int:
+    kp = 64 * ((k + 63) // 64)
+    return n * kp // 2 + n * (kp // 32) * 2
+
+
+def check(name: str, got: torch.Tensor, ref: torch.Tensor, results: list) -> bool:
+    err = ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+    ok = err < (2e-2 if got.dtype == torch.bfloat16 else 1e-4)  # bf16 output rounding vs fp32 sum order
+    print(f"  {'PASS' if ok else 'FAIL'} {name}: max error / max |ref| = {err:.2e}")
+    results.append({"check": name, "ok": ok, "rel_err": err})
+    return ok
+
+
+def bench_shape(k: int, n: int, rows: list, checks: list) -> None:
+    g = torch.Generator(device=DEVICE).manual_seed(k * 7 + n)
+    w = (torch.randn(n, k, device=DEVICE, generator=g) * 0.02).to(DTYPE)
+    qweight, scales = q4.quantize_weight(w)
+    w_deq = q4.dequantize_packed(qweight, scales, k)  # fp32 (N, K)
+    for tokens in TOKENS:
+        x = torch.randn(tokens, k, device=DEVICE, generator=g).to(DTYPE)
+        xq = q4.quantize_q8_1_triton(x)
+        ref = q4.dequantize_q8_1(q4.quantize_q8_1(x)) @ w_deq.T  # dequantize-then-matmul, fp32
+        variants = {
+            "cublas_bf16": lambda: F.linear(x, w),
+            "separate": lambda: q4.q4_linear_triton(x, qweight, scales, None, "separate"),
+            "fused": lambda: q4.q4_linear_triton(x, qweight, scales, None, "fused"),
+            "prequant_gemm": lambda: q4.q4_q8_gemm_triton(xq, qweight, scales, None, x.dtype),
+        }
+        for config in q4.candidate_configs(tokens, fused=True):
+            variants[f"fused:{config.name}"] = (lambda c=config: q4.q4_linear_triton(x, qweight, scales, None, "fused", config=c))
+        print(f"{k}->{n}, {tokens} tokens")
+        timings: dict[str, float] = {}
+        for name, fn in variants.items():
+            try:
+                out = fn()  # also autotunes on first call, outside the timing
+                if name != "cublas_bf16" and not check(f"{k}->{n} t={tokens} {name}", out, ref, checks):
+                    continue
+                timings[name] = time_ms(fn, tokens)
+            except Exception as exc:  # one failing variant never stops the run
+                print(f"  FAIL {name}: {type(exc).__name__}: {exc}")
+                checks.append({"check": f"{k}->{n} t={tokens} {name}", "ok": False, "error": repr(exc)})
+        flops = 2.0 * tokens * n * k
+        act = tokens * k * x.element_size()
+        out_bytes = tokens * n * x.element_size()
+        moved = {"cublas_bf16": n * k * w.element_size() + act + out_bytes,
+                 "prequant_gemm": weight_bytes(n, k) + tokens * k * 36 / 32 + out_bytes}
+        configs = {name: ms for name, ms in timings.items() if name.startswith("fused:")}
+        best_config = min(configs, key=configs.get) if configs else None
+        for name, ms in timings.items():
+            if name.startswith("fused:"):
+                continue
+            nbytes = moved.get(name, weight_bytes(n, k) + act + out_bytes)
+            rows.append({
+                "shape": f"{k}->{n}", "tokens": tokens, "variant": name, "ms": ms,
+                "GB/s": gbps(nbytes, ms), "TOPS": tflops(flops, ms),
+                "vs_cublas": timings.get("cublas_bf16", float("nan")) / ms,
+                "fused_vs_separate": (timings["separate"] / timings["fused"]) if name == "fused" and "separate" in timings else None,
+                "best_fused_tile": best_config if name == "fused" else None,
+                "best_tile_ms": configs.get(best_config) if name == "fused" and best_config else None,
+            })
+        rows.extend({"shape": f"{k}->{n}", "tokens": tokens, "variant": name, "ms": ms, "GB/s": gbps(weight_bytes(n, k) + act + out_bytes, ms),
+                     "TOPS": tflops(flops, ms), "tile_sweep": True} for name, ms in configs.items())
+
+
+def bench_e2e(rows: list) -> None:
+    """One token through a LLaMA-7B-shaped 2-layer model: Inductor bf16 vs graphopt q4_linear."""
+    from graphopt.models import build
+
+    name = "llama-7b-2l" if GPU else "tiny-llama"
+    model, inputs = build(name, seq_len=1, device=DEVICE, dtype=DTYPE)
+    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    model.requires_grad_(False)
+    results = {}
+    with torch.no_grad():
+        eager = model(*inputs).logits.float()
+        setups = [("inductor_bf16", dict(backend="inductor"))] if GPU else [("eager", None)]
+        setups += [("graphopt_q4", dict(backend="graphopt", options={"passes": {"q4_linear": True}}))]
+        if not GPU:
+            setups[-1][1]["options"]["downstream"] = "eager"
+            setups[-1][1]["options"]["force"] = True
+        for label, kwargs in setups:
+            try:
+                torch._dynamo.reset()
+                fn = model if kwargs is None else torch.compile(model, **kwargs)
+                start = time.perf_counter()
+                logits = fn(*inputs).logits.float()
+                compile_s = time.perf_counter() - start
+                err = ((logits - eager).norm() / eager.norm()).item()
+                ms = median_ms(lambda: fn(*inputs), rep_ms=100 if GPU else 5)
+                results[label] = ms
+                print(f"  e2e {label}: {ms:.4f} ms, rel. logits error {err:.3e}, first call {compile_s:.1f} s")
+                rows.append({"shape": f"{name} e2e", "tokens": 1, "variant": label, "ms": ms, "rel_logit_err": err})
+            except Exception as exc:
+                print(f"  FAIL e2e {label}: {type(exc).__name__}: {exc}")
+                traceback.print_exc(limit=3)
+    base = results.get("inductor_bf16", results.get("eager"))
+    for row in rows:
+        if row.get("shape", "").endswith("e2e") and base:
+            row["vs_cublas"] = base / row["ms"]
+
+
+def main() -> None:
+    rows: list[dict] = []
+    checks: list[dict] = []
+    start = time.perf_counter()
+    for k, n in SHAPES:
+        try:
+            bench_shape(k, n, rows, checks)
+        except Exception as exc:
+            print(f"FAIL shape {k}->{n}: {type(exc).__name__}: {exc}")
+            traceback.print_exc(limit=3)
+    if not OPTS.no_e2e:
+        try:
+            bench_e2e(rows)
+        except Exception as exc:
+            print(f"FAIL e2e: {type(exc).__name__}: {exc}")
+    failed = [c for c in checks if not c["ok"]]
+    print(f"correctness: {len(checks) - len(failed)}/{len(checks)} PASS; total {time.perf_counter() - start:.0f} s")
+    path = write_json("bench_q4", rows, checks=checks, tuned={str(k): v.name for k, v in q4._TUNED.items()})
+    print(f"wrote {path}")
+    sweep = [r for r in rows if r.get("tile_sweep")]
+    print_table("Q4_0 x Q8_1 fused tile sweep", sweep, ["shape", "tokens", "variant", "ms", "GB/s", "TOPS"])
+    main_rows = [r for r in rows if not r.get("tile_sweep")]
+    print_table("Q4_0 x Q8_1 linear (ratios: vs_cublas = cuBLAS ms / variant ms; fused_vs_separate = separate ms / fused ms)",
+                main_rows, ["shape", "tokens", "variant", "ms", "GB/s", "TOPS", "vs_cublas", "fused_vs_separate",
+                            "best_fused_tile", "best_tile_ms"])
+
+
+if __name__ == "__main__":
+    main()

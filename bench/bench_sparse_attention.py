@@ -1,0 +1,268 @@
+"""Block-sparse attention (graphopt.kernels.sparse_attention) vs FlexAttention vs cuDNN dense.
+
+    python bench/bench_sparse_attention.py            # H100/H200: bf16, D=128, B=1, H=16
+    python bench/bench_sparse_attention.py --cpu-smoke  # tiny sizes on CPU (interpreter), logic only
+
+For L in {4k, 8k, 16k, 32k}, causal and not, and block density 100/50/25/10 %:
+- a random block mask at 128x128 granularity (under causality: a fraction of the blocks at/below
+  the diagonal, with the diagonal blocks always kept), the same for every kernel;
+- ours: the Triton kernel over the mask (its 128x64 blocks are the 128x128 ones split in two);
+- FlexAttention (torch.compile'd flex_attention) with a BlockMask of the same blocks (full blocks
+  unmasked; diagonal blocks partial with the causal mask_mod);
+- cuDNN dense SDPA as the baseline (density 100 % means the same work as dense).
+Correctness first: ours against FlexAttention on the same mask (and against cuDNN at 100 %).
+Then the predictor: its time on structured local+sink inputs (overhead as % of cuDNN dense),
+the sparsity it finds there with the default thresholds, and the end-to-end time (predictor +
+kernel) against dense. Writes JSON and a speed-vs-density PNG to $OUT (or bench/out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DENSITIES = (1.0, 0.5, 0.25, 0.1)
+FLEX_BLOCK = 128
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (TRITON_INTERPRET=1) to exercise the logic")
+    p.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 4096,8192,16384,32768)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--skip-flex-above", type=int, default=32768,
+                   help="skip FlexAttention for non-causal L above this (compile time); default: never skip")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.cpu_smoke:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.common import median_ms, out_dir, print_table, tflops, write_json  # noqa: E402
+from graphopt.kernels import sparse_attention as sa  # noqa: E402
+
+DEVICE = "cpu" if ARGS.cpu_smoke else "cuda"
+DTYPE = torch.float32 if ARGS.cpu_smoke else torch.bfloat16
+LENGTHS = [int(x) for x in ARGS.lengths.split(",")] if ARGS.lengths else ([256, 384] if ARGS.cpu_smoke else [4096, 8192, 16384, 32768])
+HEADS = 2 if ARGS.cpu_smoke else ARGS.heads
+HEAD_DIM = 32 if ARGS.cpu_smoke else ARGS.head_dim
+
+
+def time_ms(fn) -> float:
+    if ARGS.cpu_smoke:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return median_ms(fn)
+
+
+def random_block_mask(heads: int, length: int, density: float, causal: bool, seed: int) -> torch.Tensor:
+    """bool (1, H, nQ, nK) at 128x128 blocks: `density` of the candidate blocks, diagonal kept."""
+    n = -(-length // FLEX_BLOCK)
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(1, heads, n, n, generator=gen)
+    idx = torch.arange(n)
+    allowed = (idx[None, :] <= idx[:, None]) if causal else torch.ones(n, n, dtype=torch.bool)
+    diagonal = torch.eye(n, dtype=torch.bool)
+    scores = scores.masked_fill(~allowed, -1.0).masked_fill(diagonal, 2.0)  # diagonal first, never disallowed
+    per_row = allowed.sum(-1)  # candidates per row
+    keep_count = torch.clamp((per_row.float() * density).round().long(), min=1)  # (nQ,)
+    ranks = scores.argsort(-1, descending=True).argsort(-1)
+    return (ranks < keep_count[:, None]) & allowed
+
+
+def to_kernel_mask(mask128: torch.Tensor, length: int) -> torch.Tensor:
+    """Split each 128-wide key block into two 64-wide ones (the kernel's BLOCK_N)."""
+    assert sa.BLOCK_M == FLEX_BLOCK and FLEX_BLOCK % sa.BLOCK_N == 0
+    mask = mask128.repeat_interleave(FLEX_BLOCK // sa.BLOCK_N, dim=-1)
+    return mask[..., : -(-length // sa.BLOCK_N)].contiguous()
+
+
+_FLEX_MASK_MODS: dict = {}
+
+
+def flex_runner(q, k, v, mask128: torch.Tensor, causal: bool):
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    n = mask128.shape[-1]
+    idx = torch.arange(n, device=mask128.device)
+    diagonal = (idx[:, None] == idx[None, :]) if causal else torch.zeros(n, n, dtype=torch.bool, device=mask128.device)
+    partial = mask128 & diagonal
+    full = mask128 & ~diagonal
+    partial_idx, partial_cnt = sa.block_mask_to_lut(partial)
+    full_idx, full_cnt = sa.block_mask_to_lut(full)
+
+    # The mask_mod also encodes the block mask (eager flex evaluates it densely; the compiled
+    # kernel calls it only inside partial blocks). It reads one buffer per (L, causal), updated in
+    # place, so the compiled flex_attention is not recompiled for every density.
+    key = (mask128.shape, causal)
+    if key not in _FLEX_MASK_MODS:
+        buffer = torch.zeros_like(mask128)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = buffer[0, h, q_idx // FLEX_BLOCK, kv_idx // FLEX_BLOCK]
+            return keep & (q_idx >= kv_idx) if causal else keep
+
+        _FLEX_MASK_MODS[key] = (buffer, mask_mod)
+    buffer, mask_mod = _FLEX_MASK_MODS[key]
+    buffer.copy_(mask128)
+    block_mask = BlockMask.from_kv_blocks(partial_cnt, partial_idx, full_cnt, full_idx, BLOCK_SIZE=FLEX_BLOCK,
+                                          mask_mod=mask_mod)
+    fn = flex_attention if ARGS.cpu_smoke else FLEX_COMPILED
+    return lambda: fn(q, k, v, block_mask=block_mask)
+
+
+FLEX_COMPILED = None if ARGS.cpu_smoke else torch.compile(__import__(
+    "torch.nn.attention.flex_attention", fromlist=["flex_attention"]).flex_attention, dynamic=False)
+
+
+def cudnn_dense(q, k, v, causal):
+    if ARGS.cpu_smoke:
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
+    err = (out.float() - ref.float()).abs().max().item()
+    ok = err <= tol
+    print(f"{'PASS' if ok else 'FAIL'} {name}: max abs error {err:.3e} (tol {tol:g})")
+    return ok
+
+
+def main() -> int:
+    rows: list[dict] = []
+    predictor_rows: list[dict] = []
+    tol = 1e-4 if DTYPE == torch.float32 else 2e-2
+    for length in LENGTHS:
+        for causal in (False, True):
+            gen = torch.Generator().manual_seed(length)
+            q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, generator=gen).to(DEVICE, DTYPE) for _ in range(3))
+            dense_fn = cudnn_dense(q, k, v, causal)
+            dense_flops = 4.0 * HEADS * length * length * HEAD_DIM * (0.5 if causal else 1.0)
+            try:
+                dense_out = dense_fn()
+                dense_ms = time_ms(dense_fn)
+            except Exception as exc:
+                print(f"FAIL cuDNN dense L={length} causal={causal}: {type(exc).__name__}: {exc}")
+                dense_out, dense_ms = None, float("nan")
+            for density in DENSITIES:
+                mask128 = random_block_mask(HEADS, length, density, causal, seed=length + int(density * 100)).to(DEVICE)
+                mask = to_kernel_mask(mask128, length)
+                lut, counts = sa.block_mask_to_lut(mask)
+                real_density = mask128.sum().item() / (random_block_mask(HEADS, length, 1.0, causal, 0).sum().item())
+                row = {"L": length, "causal": causal, "density": round(real_density, 3), "cudnn_ms": dense_ms}
+
+                def ours():
+                    return sa.block_sparse_attention(q, k, v, lut, counts, is_causal=causal)
+                try:
+                    out = ours()
+                    flex_fn = None
+                    if not causal and length > ARGS.skip_flex_above:
+                        print(f"skip FlexAttention L={length} non-causal (--skip-flex-above)")
+                    else:
+                        flex_fn = flex_runner(q, k, v, mask128, causal)
+                    if flex_fn is not None:
+                        flex_out = flex_fn()
+                        check(f"ours vs FlexAttention L={length} causal={causal} density={density:.0%}", out, flex_out, tol)
+                    if density == 1.0 and dense_out is not None:
+                        check(f"ours vs cuDNN dense L={length} causal={causal}", out, dense_out, tol)
+                    row["ours_ms"] = time_ms(ours)
+                    row["ours_TFLOPs_eff"] = tflops(dense_flops * real_density, row["ours_ms"])
+                    row["speedup_vs_cudnn"] = dense_ms / row["ours_ms"]
+                except Exception as exc:
+                    print(f"FAIL ours L={length} causal={causal} density={density}: {type(exc).__name__}: {exc}")
+                try:
+                    if flex_fn is not None:
+                        row["flex_ms"] = time_ms(flex_fn)
+                        row["flex_speedup_vs_cudnn"] = dense_ms / row["flex_ms"]
+                        if "ours_ms" in row:
+                            row["ours_vs_flex"] = row["flex_ms"] / row["ours_ms"]
+                except Exception as exc:
+                    print(f"FAIL FlexAttention L={length} causal={causal} density={density}: {type(exc).__name__}: {exc}")
+                rows.append(row)
+            # the predictor on structured inputs: overhead, sparsity found, end to end
+            try:
+                qs, ks, vs = sa.local_sink_qkv(1, HEADS, length, HEAD_DIM, seed=1, window=max(256, length // 64),
+                                               dtype=DTYPE, device=DEVICE)
+                predict = lambda: sa.predict_block_lut(qs, ks, is_causal=causal)  # noqa: E731
+                lut_s, counts_s = predict()
+                if ARGS.cpu_smoke or length <= 4096:
+                    ref_mask = sa.predict_block_mask(qs, ks, is_causal=causal)
+                    same = (sa.lut_to_block_mask(lut_s, counts_s) == ref_mask).float().mean().item()
+                    print(f"{'PASS' if same > 0.999 else 'FAIL'} Triton predictor vs torch predictor L={length} "
+                          f"causal={causal}: {same:.4%} of blocks agree")
+                full = lambda: sa.sparse_attention(qs, ks, vs, is_causal=causal)  # noqa: E731
+                _, skipped = sa.sparse_attention(qs, ks, vs, is_causal=causal, return_sparsity=True)
+                dense_s = cudnn_dense(qs, ks, vs, causal)
+                out_s = full()
+                ref_s = dense_s()
+                l1 = ((out_s.float() - ref_s.float()).abs().sum() / ref_s.float().abs().sum()).item()
+                dense_s_ms = time_ms(dense_s)
+                predictor_ms = time_ms(predict)
+                e2e_ms = time_ms(full)
+                predictor_rows.append({"L": length, "causal": causal, "sparsity_found": round(skipped, 3),
+                                       "rel_L1_vs_dense": l1, "predictor_ms": predictor_ms,
+                                       "predictor_%_of_dense": 100 * predictor_ms / dense_s_ms,
+                                       "sparse_e2e_ms": e2e_ms, "cudnn_ms": dense_s_ms, "e2e_speedup": dense_s_ms / e2e_ms})
+            except Exception as exc:
+                print(f"FAIL predictor L={length} causal={causal}: {type(exc).__name__}: {exc}")
+    write_json("bench_sparse_attention", rows, predictor=predictor_rows,
+               config={"B": 1, "H": HEADS, "D": HEAD_DIM, "dtype": str(DTYPE), "block_m": sa.BLOCK_M, "block_n": sa.BLOCK_N})
+    plot(rows)
+    print_table("sparse attention: predictor on local+sink inputs (default thresholds)", predictor_rows)
+    print_table("sparse attention vs FlexAttention vs cuDNN dense (same block masks)", rows,
+                ["L", "causal", "density", "cudnn_ms", "ours_ms", "flex_ms", "speedup_vs_cudnn", "flex_speedup_vs_cudnn",
+                 "ours_vs_flex", "ours_TFLOPs_eff"])
+    return 0
+
+
+def plot(rows: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, causal in zip(axes, (False, True)):
+        for length in LENGTHS:
+            sel = [r for r in rows if r["L"] == length and r["causal"] == causal and "ours_ms" in r]
+            if not sel:
+                continue
+            line, = ax.plot([100 * (1 - r["density"]) for r in sel], [r["speedup_vs_cudnn"] for r in sel], "o-",
+                            label=f"ours L={length}")
+            flex = [r for r in sel if "flex_ms" in r]
+            if flex:
+                ax.plot([100 * (1 - r["density"]) for r in flex], [r["flex_speedup_vs_cudnn"] for r in flex], "x--",
+                        color=line.get_color(), alpha=0.6, label=f"Flex L={length}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("block sparsity (%)")
+        ax.set_title(f"{'causal' if causal else 'non-causal'}, D={HEAD_DIM}, H={HEADS}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("speedup over cuDNN dense")
+    axes[1].legend(fontsize=7, ncol=2)
+    path = out_dir() / "sparse_attention_speed_vs_sparsity.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,757 @@
+"""FP4 (e2m1) weights: the MXFP4 and NVFP4 formats, and Triton weight-only GEMMs that read them.
+
+Formats (`quantize_fp4` / `dequantize_fp4`, one `Fp4Tensor` per weight of shape (N, K)):
+  e2m1 codes: 4 bits, sign | exponent (2 bits) | mantissa (1 bit); magnitudes
+  {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Codes are packed two per byte along K, element 2i in the LOW
+  nibble and element 2i+1 in the HIGH nibble (the OCP MX, ONNX FLOAT4E2M1 and
+  torch.float4_e2m1fn_x2 order).
+  MXFP4 (OCP MX v1.0): blocks of 32 along K share an e8m0 scale 2^(floor(log2(amax)) - 2),
+  stored as its biased exponent byte (uint8, value 2^(byte - 127)). Exponents are clamped to
+  [-126, 127] (bytes 1..254): blocks whose amax is below 2^-124 (denormal-range weights) lose
+  their smallest values, and the NaN byte 255 is never written.
+  NVFP4: blocks of 16 share an e4m3 scale (torch.float8_e4m3fn); one fp32 per-tensor
+  `global_scale = amax(|W|) / (6 * 448)` makes the block scales span e4m3's range. A block's
+  decode scale is e4m3 * global_scale.
+  Quantization divides by the block scale, rounds to the nearest e2m1 value with ties to even
+  (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4) and saturates at +-6.
+  `scale_search=True` tries a few scales per block and keeps the one with the lowest squared
+  error (any scale is a valid MXFP4/NVFP4 tensor; decoders are unchanged).
+  K that is not a multiple of the block is zero-padded inside the format; `shape` keeps the
+  real (N, K). NaN/Inf weights are rejected.
+
+Kernel layout (`to_kernel_layout` / `from_kernel_layout`), arranged once at compile time:
+  * K is zero-padded to a multiple of 64 (KERNEL_K_MULTIPLE), so every kernel K-tile is full
+    (tile configs whose BLOCK_K does not divide the padded K are skipped) and rows start 32-byte
+    aligned; only activations are masked at the K tail.
+  * Within each scale block of BS elements (BS = 32 MXFP4, 16 NVFP4), byte j holds element j in
+    its low nibble and element j + BS/2 in its high nibble. The low nibbles of a block's BS/2
+    bytes are then the block's first half and the high nibbles its second half, so a kernel
+    decodes `codes & 15` and `codes >> 4` into two contiguous half-blocks and pairs them with
+    two contiguous slices of x: no nibble interleaving in registers. A block's bytes never mix
+    with another block's, so read as FLOAT4E2M1 the bytes are a within-block permutation of W
+    (the ONNX standard form undoes it with Reshape/Transpose).
+  * Block scales stay (N, K_padded / BS), one byte each; the kernels decode e8m0 / e4m3 with bit
+    arithmetic (no fp8 hardware needed), and e2m1 by placing its 3 magnitude bits into an fp16
+    exponent/mantissa (exact: the result is value * 2^-14, folded into the block scale).
+
+Kernels (CUDA; on CPU they run under TRITON_INTERPRET=1 for tests):
+  * `_fp4_gemv_kernel`, decode, 1-16 tokens: each program streams a (BLOCK_N rows x K-range)
+    strip of packed weights, optionally split along K (SPLIT_K > 1 reduces with fp32 atomics).
+    One token (BLOCK_M == 1) reduces with FMAs on CUDA cores and applies each block scale after
+    its partial sum; 2-16 tokens use tensor cores with the tokens as the narrow MMA dimension
+    (out^T = W x^T, "swap AB"), so nothing is padded to 64 rows.
+  * `_fp4_gemm_kernel`, prefill, >= 64 tokens: tiles of the weight are dequantized to bf16/fp16
+    in registers and fed to tl.dot (weight tile as the left operand), grouped tile order for L2.
+  `choose_fp4_path` picks the kernel per token count from the roofline cost model
+  (`estimate_fp4_linear`, families fp4_gemv / fp4_gemm). Activations: bf16 or fp16 (fp32 is
+  cast to bf16 for the kernel and the output cast back). Accumulation is fp32. Bias optional.
+  Inference only: there is no autograd formula (weights are frozen constants).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FORMATS: tuple[str, ...] = ("mxfp4", "nvfp4")
+BLOCK_SIZES: dict[str, int] = {"mxfp4": 32, "nvfp4": 16}
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E8M0_MIN_EXP, E8M0_MAX_EXP = -126, 127
+KERNEL_K_MULTIPLE = 64
+# The 16 code values, indexed by code (bit 3 = sign).
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# Rounding boundaries between consecutive magnitudes, and whether a tie rounds up (to the even
+# code above) or down. Code = number of boundaries below |x| (or at it, for ties that round up).
+_E2M1_BOUNDS: tuple[tuple[float, bool], ...] = (
+    (0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False),
+)
+# Candidate scale multipliers of the MSE search (NVFP4: times amax/6; MXFP4: powers of two).
+_NVFP4_SEARCH_FACTORS: tuple[float, ...] = (1.0, 0.8, 0.85, 0.9, 0.95, 1.05, 1.1, 1.2, 1.3, 1.5)
+_MXFP4_SEARCH_EXPONENTS: tuple[int, ...] = (0, -1, 1)
+
+
+def _check_format(format: str) -> int:
+    if format not in FORMATS:
+        raise ValueError(f"unknown FP4 format {format!r}; valid choices: {', '.join(FORMATS)}")
+    return BLOCK_SIZES[format]
+
+
+@dataclass(frozen=True)
+class Fp4Tensor:
+    """A weight (N, K) in MXFP4 or NVFP4, in the standard (OCP / ONNX) packing.
+
+    codes:        uint8 (N, K_blocks / 2); element 2i in the low nibble, 2i + 1 in the high one.
+    scales:       (N, K_blocks / block_size); MXFP4: uint8 e8m0 exponent bytes,
+                  NVFP4: torch.float8_e4m3fn.
+    global_scale: fp32 scalar tensor; NVFP4 per-tensor decode scale, 1.0 for MXFP4.
+    shape:        the real (N, K); K_blocks is K rounded up to the block size.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    shape: tuple[int, int]
+    format: str
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZES[self.format]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() + (4 if self.format == "nvfp4" else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Element rounding and packing
+# ---------------------------------------------------------------------------------------------
+def round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """4-bit e2m1 codes (uint8, 0..15) of already-scaled values: nearest, ties to even, saturating."""
+    magnitude = x.abs().to(torch.float32)
+    # code = number of boundaries strictly below |x|; a tie that rounds up uses the float just
+    # below its boundary, so |x| == boundary counts it.
+    bounds = torch.tensor([b for b, _ in _E2M1_BOUNDS], dtype=torch.float32, device=x.device)
+    tie_up = torch.tensor([t for _, t in _E2M1_BOUNDS], device=x.device)
+    bounds = torch.where(tie_up, torch.nextafter(bounds, torch.zeros_like(bounds)), bounds)
+    code = torch.bucketize(magnitude, bounds).to(torch.uint8)
+    negative = (x < 0) & (code > 0)  # canonical +0 for values that round to zero
+    return code | (negative.to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 4-bit codes (any integer dtype)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """(..., 2n) codes -> (..., n) bytes, element 2i in the low nibble."""
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(..., n) bytes -> (..., 2n) codes, inverse of pack_nibbles."""
+    packed = packed.view(torch.uint8)
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def _blocks(w: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(N, K) -> fp32 (N, ceil(K / bs), bs), zero-padded along K."""
+    n, k = w.shape
+    pad = (-k) % block_size
+    wf = w.detach().to(torch.float32)
+    if pad:
+        wf = F.pad(wf, (0, pad))
+    return wf.reshape(n, -1, block_size)
+
+
+def _quantize_blocks(blocks: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes for blocks (N, B, bs) under per-block decode scales (N, B); also the squared error."""
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = round_to_e2m1_codes(blocks / safe[..., None])
+    codes = torch.where(scale[..., None] > 0, codes, torch.zeros_like(codes))
+    err = (e2m1_values(codes) * scale[..., None] - blocks).square().sum(-1)
+    return codes, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Public format API
+# ---------------------------------------------------------------------------------------------
+def quantize_fp4(w: torch.Tensor, format: str = "nvfp4", *, scale_search: bool = False) -> Fp4Tensor:
+    """Quantize a 2-D weight (N, K) along K into MXFP4 or NVFP4 (see the module docstring).
+
+    `scale_search=True`: per block, try a few decode scales around the amax rule (MXFP4: the
+    power of two below and above; NVFP4: multipliers 0.8-1.5 of amax/6, each rounded to e4m3)
+    and keep the one with the lowest squared error. Never worse than the amax rule, per block.
+    """
+    block_size = _check_format(format)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_fp4 expects a 2-D floating-point weight (N, K), got "
+                         f"{type(w).__name__} {tuple(getattr(w, 'shape', ()))} {getattr(w, 'dtype', '')}")
+    if w.numel() and not bool(torch.isfinite(w).all()):
+        raise ValueError("quantize_fp4: the weight contains NaN or Inf")
+    n, k = w.shape
+    blocks = _blocks(w, block_size)  # (N, B, bs)
+    amax = blocks.abs().amax(-1)  # (N, B)
+    if format == "mxfp4":
+        _, exponent = torch.frexp(amax)  # amax = m * 2^e with m in [0.5, 1): floor(log2 amax) = e - 1
+        base = torch.where(amax > 0, exponent - 1 - 2, torch.full_like(exponent, E8M0_MIN_EXP))
+        offsets = _MXFP4_SEARCH_EXPONENTS if scale_search else (0,)
+        best_codes = best_err = best_exp = None
+        for offset in offsets:
+            exp = (base + offset).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+            codes, err = _quantize_blocks(blocks, torch.exp2(exp.to(torch.float32)))
+            if best_err is None:
+                best_codes, best_err, best_exp = codes, err, exp
+            else:
+                better = err < best_err
+                best_codes = torch.where(better[..., None], codes, best_codes)
+                best_exp = torch.where(better, exp, best_exp)
+                best_err = torch.minimum(err, best_err)
+        scales = (best_exp + 127).to(torch.uint8)
+        global_scale = torch.ones((), dtype=torch.float32, device=w.device)
+    else:
+        tensor_amax = amax.max() if amax.numel() else torch.zeros((), device=w.device)
+        global_scale = torch.where(tensor_amax > 0, tensor_amax / (E2M1_MAX * E4M3_MAX),
+                                   torch.ones_like(tensor_amax)).to(torch.float32)
+        target = amax / E2M1_MAX / global_scale  # block scale in units of global_scale, <= 448
+        factors = _NVFP4_SEARCH_FACTORS if scale_search else (1.0,)
+        best_codes = best_err = best_s8 = None
+        for factor in factors:
+            s8 = (target * factor).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+            codes, err = _quantize_blocks(blocks, s8.to(torch.float32) * global_scale)
+            if best_err is None:
+                best_codes, best_err, best_s8 = codes, err, s8
+            else:
+                better = err < best_err
+                best_codes = torch.where(better[..., None], codes, best_codes)
+                best_s8 = torch.where(better, s8.view(torch.uint8), best_s8.view(torch.uint8)).view(torch.float8_e4m3fn)
+                best_err = torch.minimum(err, best_err)
+        scales = best_s8
+    packed = pack_nibbles(best_codes.reshape(n, -1))
+    return Fp4Tensor(packed.contiguous(), scales.contiguous(), global_scale.reshape(()), (n, k), format)
+
+
+def block_decode_scales(q: Fp4Tensor) -> torch.Tensor:
+    """fp32 decode scale of every block, (N, K_blocks / block_size)."""
+    if q.format == "mxfp4":
+        return torch.exp2(q.scales.view(torch.uint8).to(torch.float32) - 127.0)
+    return q.scales.view(torch.float8_e4m3fn).to(torch.float32) * q.global_scale.to(torch.float32)
+
+
+def dequantize_fp4(q: Fp4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The (N, K) weight an Fp4Tensor represents."""
+    _check_format(q.format)
+    n, k = q.shape
+    values = e2m1_values(unpack_nibbles(q.codes)).reshape(n, -1, q.block_size)
+    w = (values * block_decode_scales(q)[..., None]).reshape(n, -1)[:, :k]
+    return w.to(dtype)
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 10 log10(sum ref^2 / sum (ref - approx)^2), in dB."""
+    ref = reference.detach().to(torch.float64)
+    noise = (ref - approximation.detach().to(torch.float64)).square().sum()
+    signal = ref.square().sum()
+    if noise == 0:
+        return math.inf
+    return float(10.0 * torch.log10(signal / noise))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel layout
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fp4KernelWeight:
+    """An Fp4Tensor arranged for the Triton kernels (see the module docstring).
+
+    codes:        uint8 (N, K_padded / 2), K_padded = K rounded up to KERNEL_K_MULTIPLE; in each
+                  block of bs elements byte j = element j (low nibble) | element j + bs/2 (high).
+    scales:       (N, K_padded / bs), dtype as in Fp4Tensor, zero bytes in the padding.
+    global_scale: fp32 (1,).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    out_features: int
+    in_features: int
+    format: str
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZES[self.format]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() + self.global_scale.numel() * 4
+
+
+def _padded_k(k: int) -> int:
+    return max(KERNEL_K_MULTIPLE, -(-k // KERNEL_K_MULTIPLE) * KERNEL_K_MULTIPLE)
+
+
+def to_kernel_layout(q: Fp4Tensor) -> Fp4KernelWeight:
+    """Rearrange a standard Fp4Tensor into the layout the kernels read (inverse: from_kernel_layout)."""
+    bs = _check_format(q.format)
+    n, k = q.shape
+    k_padded = _padded_k(k)
+    codes = unpack_nibbles(q.codes)  # (N, K_blocks) standard order
+    codes = F.pad(codes, (0, k_padded - codes.shape[1])).reshape(n, k_padded // bs, bs)
+    arranged = codes[..., : bs // 2] | (codes[..., bs // 2:] << 4)  # (N, blocks, bs/2)
+    scales = q.scales.view(torch.uint8)
+    scales = F.pad(scales, (0, k_padded // bs - scales.shape[1])).view(q.scales.dtype)
+    return Fp4KernelWeight(
+        arranged.reshape(n, k_padded // 2).contiguous(), scales.contiguous(),
+        q.global_scale.reshape(1).to(torch.float32).contiguous(), n, k, q.format,
+    )
+
+
+def from_kernel_layout(kw: Fp4KernelWeight) -> Fp4Tensor:
+    """Back to the standard packing; exact inverse of to_kernel_layout."""
+    bs = _check_format(kw.format)
+    n, k = kw.out_features, kw.in_features
+    k_blocks = -(-k // bs) * bs
+    arranged = kw.codes.view(torch.uint8).reshape(n, -1, bs // 2)
+    codes = torch.cat((arranged & 15, arranged >> 4), dim=-1).reshape(n, -1)[:, :k_blocks]
+    scales = kw.scales.view(torch.uint8)[:, : k_blocks // bs].contiguous().view(kw.scales.dtype)
+    return Fp4Tensor(pack_nibbles(codes).contiguous(), scales, kw.global_scale.reshape(()).clone(), (n, k), kw.format)
+
+
+def dequantize_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                             out_features: int, in_features: int, format: str) -> torch.Tensor:
+    """fp32 (N, K) weight from kernel-layout tensors (the op's arguments)."""
+    bs = _check_format(format)
+    arranged = codes.view(torch.uint8).reshape(out_features, -1, bs // 2)
+    values = e2m1_values(torch.cat((arranged & 15, arranged >> 4), dim=-1))  # (N, blocks, bs)
+    if format == "mxfp4":
+        block_scale = torch.exp2(scales.view(torch.uint8).to(torch.float32) - 127.0)
+    else:
+        block_scale = scales.view(torch.float8_e4m3fn).to(torch.float32) * global_scale.reshape(()).to(torch.float32)
+    return (values * block_scale[..., None]).reshape(out_features, -1)[:, :in_features]
+
+
+def reference_fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                         bias: torch.Tensor | None, out_features: int, in_features: int, format: str) -> torch.Tensor:
+    """Plain torch: dequantize the kernel-layout weight to fp32, F.linear in fp32, cast to x.dtype."""
+    w = dequantize_kernel_layout(codes, scales, global_scale, out_features, in_features, format)
+    b = None if bias is None else bias.to(torch.float32)
+    return F.linear(x.to(torch.float32), w.to(x.device), b).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model: bytes and FLOPs of each path, and the path choice per token count
+# ---------------------------------------------------------------------------------------------
+DECODE_TOKENS_PER_PASS = 16  # the decode kernel re-reads the weights once per 16 tokens
+
+
+def fp4_weight_bytes(in_features: int, out_features: int, format: str) -> int:
+    """Bytes the kernels read for one weight: packed codes, block scales, global scale."""
+    bs = _check_format(format)
+    k_padded = _padded_k(in_features)
+    return out_features * k_padded // 2 + out_features * k_padded // bs + 4
+
+
+def estimate_fp4_linear(hw, tokens: int, in_features: int, out_features: int, fmt: str = "nvfp4", *,
+                        dtype_bytes: int = 2, bias: bool = False, path: str | None = None):
+    """Predicted time of graphopt::fp4_linear (the cheaper path unless `path` names one).
+
+    GPU: `gemv` (family fp4_gemv) reads the packed weights once per 16 tokens; `gemm` (family
+    fp4_gemm) reads them once and runs bf16 tensor-core MMAs padded to 64 tokens. CPU: the op
+    dequantizes to fp32 and runs a dense fp32 linear, which is always slower than the original.
+    """
+    from graphopt.cost_model import chain, linear, roofline
+
+    tokens = max(int(tokens), 1)
+    w_bytes = fp4_weight_bytes(in_features, out_features, fmt)
+    act_bytes = dtype_bytes * tokens * (in_features + out_features) + (dtype_bytes * out_features if bias else 0)
+    if not hw.is_gpu:
+        dequant = roofline(hw, "FP4 dequantize (torch)", bytes_moved=w_bytes + 4 * in_features * out_features,
+                           family="pointwise")
+        dense = linear(hw, tokens, in_features, out_features, dtype_bytes=4, bias=bias)
+        return chain("FP4 reference (dequantize + fp32 linear)", dequant, dense)
+    passes = -(-tokens // DECODE_TOKENS_PER_PASS)
+    gemv = roofline(hw, "FP4 GEMV/split-K (Triton)", flops=2.0 * tokens * in_features * out_features,
+                    bytes_moved=w_bytes * passes + act_bytes, family="fp4_gemv")
+    gemm = roofline(hw, "FP4 dequant-GEMM (Triton)", flops=2.0 * max(tokens, 64) * in_features * out_features,
+                    bytes_moved=w_bytes + act_bytes, family="fp4_gemm")
+    if path == "gemv":
+        return gemv
+    if path == "gemm":
+        return gemm
+    if path is not None:
+        raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: gemv, gemm")
+    return gemv if gemv.ms <= gemm.ms else gemm
+
+
+def choose_fp4_path(hw, tokens: int, in_features: int, out_features: int, fmt: str = "nvfp4") -> str:
+    """'gemv' or 'gemm', whichever the cost model predicts faster for this token count."""
+    gemv = estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, path="gemv")
+    gemm = estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, path="gemm")
+    return "gemv" if gemv.ms <= gemm.ms else "gemm"
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU reference works without Triton
+    triton = None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes of one launch. BLOCK_K is in elements (a multiple of the scale block)."""
+
+    block_n: int
+    block_m: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Candidates the launcher times once per (path, token bucket, N, K, format, dtype) on a GPU. Kept
+# short: every distinct tile compiles once (~1 s). Decode: BLOCK_M = 1 is the CUDA-core FMA path
+# (one token), 16 the tensor-core path (2-16 tokens); BLOCK_K 256 = 128 bytes of codes per row.
+DECODE_CONFIGS: tuple[KernelConfig, ...] = tuple(
+    KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=s)
+    for bm in (1, 16)
+    for bn, bk, w, s in ((16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3))
+    for sk in (1, 2, 4)
+)
+PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
+    KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
+    KernelConfig(128, 128, 128, num_warps=8, num_stages=3),
+    KernelConfig(128, 64, 128, num_warps=4, num_stages=4),
+    KernelConfig(256, 128, 64, num_warps=8, num_stages=3),
+)
+# Small tiles for TRITON_INTERPRET=1 (tests on CPU).
+INTERPRET_DECODE_CONFIG = KernelConfig(16, 16, 64, split_k=2, num_warps=4, num_stages=1)
+INTERPRET_PREFILL_CONFIG = KernelConfig(16, 16, 64, num_warps=4, num_stages=1)
+
+if triton is not None:
+
+    @triton.jit
+    def _e2m1_times_2_pow_minus_14(nibble):
+        """uint8 codes in the low 4 bits -> fp32 value * 2^-14, exactly (fp16 bit placement)."""
+        n16 = nibble.to(tl.uint16)
+        bits = ((n16 & 7) << 9) | ((n16 & 8) << 12)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _block_scales(scale_bytes, IS_NVFP4: tl.constexpr):
+        """Scale bytes -> fp32: e4m3 value * 2^-8 (NVFP4) or 2^(byte - 127) (MXFP4)."""
+        if IS_NVFP4:
+            b16 = scale_bytes.to(tl.uint16)
+            bits = ((b16 & 0x7F) << 7) | ((b16 & 0x80) << 8)
+            return bits.to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            return (scale_bytes.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _mma(w, x, acc, UPCAST_DOT: tl.constexpr):
+        """acc (BN, BM) += w (BN, BK) @ x (BM, BK)^T. UPCAST_DOT: compute from fp32 copies of the
+        bf16/fp16 operands (same products, exact in fp32) - only for TRITON_INTERPRET=1, whose
+        bf16 tl.dot returns garbage in Triton 3.9."""
+        if UPCAST_DOT:
+            return tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(w, tl.trans(x), acc)
+
+    @triton.jit
+    def _fp4_gemv_kernel(
+        x_ptr, codes_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr,
+        M, N, K, K_PADDED,
+        stride_xm, stride_cn, stride_sn, stride_om,
+        IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+    ):
+        """out[M, N] (+)= x[M, K] @ W[N, K]^T for few tokens. Grid: (N / BLOCK_N, SPLIT_K, M / BLOCK_M).
+
+        SPLIT_K > 1: out is an fp32 buffer, zeroed by the launcher, reduced into with atomics.
+        """
+        HALF: tl.constexpr = BLOCK_SIZE // 2
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_g = tl.arange(0, BLOCKS_PER_ITER)
+        offs_j = tl.arange(0, HALF)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+
+        n_iters = K_PADDED // (BLOCK_SIZE * BLOCKS_PER_ITER)
+        per_split = tl.cdiv(n_iters, SPLIT_K)
+        it_start = pid_k * per_split
+        it_end = tl.minimum(it_start + per_split, n_iters)
+        # Undo the 2^-14 of the e2m1 decode and the 2^-8 of the e4m3 decode.
+        if IS_NVFP4:
+            multiplier = tl.load(global_scale_ptr) * 4194304.0  # 2^22
+        else:
+            multiplier = tl.load(global_scale_ptr) * 16384.0  # 2^14
+
+        code_ptrs = codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :]  # (BN, G, HALF)
+        scale_ptrs = scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :]  # (BN, G)
+        k_in_iter = offs_g[:, None] * BLOCK_SIZE + offs_j[None, :]  # (G, HALF): low-half elements
+
+        if BLOCK_M == 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for it in range(it_start, it_end):
+            block0 = it * BLOCKS_PER_ITER
+            codes = tl.load(code_ptrs + block0 * HALF, mask=n_mask[:, None, None], other=0)  # (BN, G, HALF) uint8
+            scale = _block_scales(tl.load(scale_ptrs + block0, mask=n_mask[:, None], other=0), IS_NVFP4) * multiplier
+            w_lo = _e2m1_times_2_pow_minus_14(codes & 15)  # elements block*BS + j
+            w_hi = _e2m1_times_2_pow_minus_14(codes >> 4)  # elements block*BS + BS/2 + j
+            k_lo = block0 * BLOCK_SIZE + k_in_iter  # (G, HALF)
+            if BLOCK_M == 1:
+                x_row = x_ptr + pid_m * stride_xm
+                x_lo = tl.load(x_row + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)
+                x_hi = tl.load(x_row + k_lo + HALF, mask=(k_lo + HALF) < K, other=0.0).to(tl.float32)
+                partial = tl.sum(w_lo * x_lo[None, :, :], axis=2) + tl.sum(w_hi * x_hi[None, :, :], axis=2)  # (BN, G)
+                acc += tl.sum(partial * scale, axis=1)
+            else:
+                w_lo = tl.reshape((w_lo * scale[:, :, None]).to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCKS_PER_ITER * HALF))
+                w_hi = tl.reshape((w_hi * scale[:, :, None]).to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCKS_PER_ITER * HALF))
+                x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + k_lo[None, :, :]  # (BM, G, HALF)
+                x_lo = tl.load(x_ptrs, mask=m_mask[:, None, None] & (k_lo[None, :, :] < K), other=0.0)
+                x_hi = tl.load(x_ptrs + HALF, mask=m_mask[:, None, None] & (k_lo[None, :, :] + HALF < K), other=0.0)
+                x_lo = tl.reshape(x_lo, (BLOCK_M, BLOCKS_PER_ITER * HALF))
+                x_hi = tl.reshape(x_hi, (BLOCK_M, BLOCKS_PER_ITER * HALF))
+                acc = _mma(w_lo, x_lo, acc, UPCAST_DOT)  # (BN, BM): tokens are the narrow MMA dimension
+                acc = _mma(w_hi, x_hi, acc, UPCAST_DOT)
+
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if SPLIT_K > 1:
+                bias = tl.where(pid_k == 0, bias, 0.0)
+            if BLOCK_M == 1:
+                acc += bias
+            else:
+                acc += bias[:, None]
+        if BLOCK_M == 1:
+            out_ptrs = out_ptr + pid_m * stride_om + offs_n
+            out_mask = n_mask
+        else:
+            out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
+            out_mask = n_mask[:, None] & m_mask[None, :]
+        if SPLIT_K > 1:
+            tl.atomic_add(out_ptrs, acc, mask=out_mask)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _fp4_gemm_kernel(
+        x_ptr, codes_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr,
+        M, N, K, K_PADDED,
+        stride_xm, stride_cn, stride_sn, stride_om,
+        IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, GROUP_M: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+    ):
+        """out[M, N] = x[M, K] @ W[N, K]^T for many tokens; 1-D grid over (M / BLOCK_M) * (N / BLOCK_N)
+        tiles in groups of GROUP_M token tiles, so neighbouring programs share weight tiles in L2."""
+        HALF: tl.constexpr = BLOCK_SIZE // 2
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        tiles_per_group = GROUP_M * num_n
+        group = pid // tiles_per_group
+        first_m = group * GROUP_M
+        group_size = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % tiles_per_group) % group_size
+        pid_n = (pid % tiles_per_group) // group_size
+
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        offs_g = tl.arange(0, BLOCKS_PER_ITER)
+        offs_j = tl.arange(0, HALF)
+        if IS_NVFP4:
+            multiplier = tl.load(global_scale_ptr) * 4194304.0
+        else:
+            multiplier = tl.load(global_scale_ptr) * 16384.0
+
+        code_ptrs = codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :]  # (BN, G, HALF)
+        scale_ptrs = scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :]  # (BN, G)
+        k_in_iter = offs_g[:, None] * BLOCK_SIZE + offs_j[None, :]  # (G, HALF)
+        x_base = x_ptr + offs_m[:, None, None] * stride_xm  # (BM, 1, 1)
+
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for it in range(0, K_PADDED // (BLOCK_SIZE * BLOCKS_PER_ITER)):
+            block0 = it * BLOCKS_PER_ITER
+            codes = tl.load(code_ptrs + block0 * HALF, mask=n_mask[:, None, None], other=0)
+            scale = _block_scales(tl.load(scale_ptrs + block0, mask=n_mask[:, None], other=0), IS_NVFP4) * multiplier
+            w_lo = _e2m1_times_2_pow_minus_14(codes & 15) * scale[:, :, None]
+            w_hi = _e2m1_times_2_pow_minus_14(codes >> 4) * scale[:, :, None]
+            w_lo = tl.reshape(w_lo.to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCKS_PER_ITER * HALF))
+            w_hi = tl.reshape(w_hi.to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCKS_PER_ITER * HALF))
+            k_lo = block0 * BLOCK_SIZE + k_in_iter
+            x_lo = tl.load(x_base + k_lo[None, :, :], mask=m_mask[:, None, None] & (k_lo[None, :, :] < K), other=0.0)
+            x_hi = tl.load(x_base + k_lo[None, :, :] + HALF, mask=m_mask[:, None, None] & (k_lo[None, :, :] + HALF < K), other=0.0)
+            x_lo = tl.reshape(x_lo, (BLOCK_M, BLOCKS_PER_ITER * HALF))
+            x_hi = tl.reshape(x_hi, (BLOCK_M, BLOCKS_PER_ITER * HALF))
+            acc = _mma(w_lo, x_lo, acc, UPCAST_DOT)  # (BN, BM)
+            acc = _mma(w_hi, x_hi, acc, UPCAST_DOT)
+
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+PATHS: tuple[str, ...] = ("gemv", "gemm")
+_TUNED: dict[tuple, KernelConfig] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _hardware_for(device_index: int):
+    from graphopt.hardware import detect
+
+    return detect(f"cuda:{device_index}")
+
+
+def _token_bucket(m: int) -> int:
+    return 1 if m <= 1 else 1 << (m - 1).bit_length()
+
+
+def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, block_size: int) -> bool:
+    """Whether a tile config can run this shape (correctness, not speed)."""
+    if cfg.block_k % block_size or k_padded % cfg.block_k or (cfg.block_k // block_size) * (block_size // 2) < 16:
+        return False
+    if path == "gemv":
+        return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in (1, 16)
+    return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
+
+
+def _worth_timing(cfg: KernelConfig, path: str, m: int, k_padded: int) -> bool:
+    """Tuning filter: one token uses the FMA decode path, 2-16 tokens the MMA one; a K split keeps
+    at least two K tiles per program."""
+    if path != "gemv":
+        return True
+    if (m == 1) != (cfg.block_m == 1):
+        return False
+    return cfg.split_k == 1 or (k_padded // cfg.block_k) // cfg.split_k >= 2
+
+
+def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias, out_features: int, in_features: int,
+            format: str, out_dtype: torch.dtype) -> torch.Tensor:
+    m = x2.shape[0]
+    n, k_padded = out_features, codes.shape[1] * 2
+    bs = BLOCK_SIZES[format]
+    common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.block_k // bs,
+                  UPCAST_DOT=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    bias_arg = bias if bias is not None else global_scale  # never read when HAS_BIAS is False
+    if path == "gemv":
+        if cfg.split_k > 1:
+            out = torch.zeros((m, n), dtype=torch.float32, device=x2.device)
+        else:
+            out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
+        grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
+        _fp4_gemv_kernel[grid](
+            x2, codes, scales, global_scale, bias_arg, out, m, n, in_features, k_padded,
+            x2.stride(0), codes.stride(0), scales.stride(0), out.stride(0), SPLIT_K=cfg.split_k, **common,
+        )
+        return out.to(out_dtype) if out.dtype != out_dtype else out
+    out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _fp4_gemm_kernel[grid](
+        x2, codes, scales, global_scale, bias_arg, out, m, n, in_features, k_padded,
+        x2.stride(0), codes.stride(0), scales.stride(0), out.stride(0), GROUP_M=cfg.group_m, **common,
+    )
+    return out
+
+
+def _pick_config(path: str, args: tuple) -> KernelConfig:
+    """The fastest valid candidate for this shape, timed once per key on the GPU (cached)."""
+    x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
+    m, k_padded, bs = x2.shape[0], codes.shape[1] * 2, BLOCK_SIZES[format]
+    if _interpreting() or not x2.is_cuda:
+        if path == "gemm":
+            return INTERPRET_PREFILL_CONFIG
+        cfg = INTERPRET_DECODE_CONFIG
+        return dataclasses.replace(cfg, block_m=1 if m == 1 else cfg.block_m,
+                                   split_k=min(cfg.split_k, k_padded // cfg.block_k))
+    key = (path, _token_bucket(m), out_features, k_padded, format, x2.dtype, bias is not None, x2.device.index)
+    if key in _TUNED:
+        return _TUNED[key]
+    from triton.testing import do_bench
+
+    candidates = DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS
+    best, best_ms = None, math.inf
+    for cfg in candidates:
+        if not (_valid_config(cfg, path, m, out_features, k_padded, bs) and _worth_timing(cfg, path, m, k_padded)):
+            continue
+        try:
+            ms = do_bench(lambda: _launch(path, cfg, *args), warmup=5, rep=20, return_mode="median")
+        except Exception:  # e.g. out of shared memory for this tile on this GPU
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError(f"no FP4 {path} kernel configuration compiled for M={m} N={out_features} K={in_features}")
+    _TUNED[key] = best
+    return best
+
+
+def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                      bias: torch.Tensor | None, out_features: int, in_features: int, format: str, *,
+                      path: str | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """y = x @ W^T + bias with W in the kernel layout (to_kernel_layout). x: (..., K) bf16/fp16
+    (fp32 is computed from a bf16 copy, output fp32). `path`: gemv | gemm | None (cost model)."""
+    if triton is None:
+        raise RuntimeError("fp4_linear_triton needs Triton; use reference_fp4_linear on CPU")
+    bs = _check_format(format)
+    if path is not None and path not in PATHS:
+        raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: {', '.join(PATHS)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fp4_linear: activations must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"fp4_linear: x has {x.shape[-1]} features, the weight expects {in_features}")
+    k_padded = _padded_k(in_features)
+    if codes.dtype != torch.uint8 or tuple(codes.shape) != (out_features, k_padded // 2):
+        raise ValueError(f"fp4_linear: codes must be uint8 ({out_features}, {k_padded // 2}) in the kernel layout "
+                         f"(to_kernel_layout), got {codes.dtype} {tuple(codes.shape)}")
+    if tuple(scales.shape) != (out_features, k_padded // bs):
+        raise ValueError(f"fp4_linear: {format} scales must be ({out_features}, {k_padded // bs}), got {tuple(scales.shape)}")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"fp4_linear: bias must be ({out_features},), got {tuple(bias.shape)}")
+    for name, t in (("codes", codes), ("scales", scales), ("global_scale", global_scale)) + ((("bias", bias),) if bias is not None else ()):
+        if t.device != x.device:
+            raise ValueError(f"fp4_linear: {name} is on {t.device} but x is on {x.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"fp4_linear: {name} must be contiguous")
+    out_dtype = x.dtype
+    x2 = x.reshape(-1, in_features)
+    if x2.dtype == torch.float32:
+        x2 = x2.to(torch.bfloat16)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty((*x.shape[:-1], out_features))
+    if path is None:
+        hw = _hardware_for(x.device.index or 0) if x.is_cuda else None
+        path = choose_fp4_path(hw, m, in_features, out_features, format) if hw is not None and hw.is_gpu else (
+            "gemv" if m <= DECODE_TOKENS_PER_PASS else "gemm")
+    args = (x2, codes, scales.view(torch.uint8), global_scale, bias, out_features, in_features, format, out_dtype)
+    cfg = config or _pick_config(path, args)
+    if not _valid_config(cfg, path, m, out_features, k_padded, bs):
+        raise ValueError(f"fp4_linear: config {cfg} is not valid for path {path} with M={m}, K_padded={k_padded}, "
+                         f"block {bs} (BLOCK_K must divide K_padded, be a multiple of the block and give MMA K >= 16; "
+                         f"SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1 or 16; prefill tiles >= 16 without split)")
+    out = _launch(path, cfg, *args)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def fp4_linear(x: torch.Tensor, weight: Fp4KernelWeight, bias: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """Convenience: the Triton kernel on CUDA (or under the interpreter), else the torch reference."""
+    args = (x, weight.codes, weight.scales, weight.global_scale, bias, weight.out_features, weight.in_features, weight.format)
+    if x.is_cuda or _interpreting():
+        return fp4_linear_triton(*args, **kwargs)
+    return reference_fp4_linear(*args)

@@ -1,0 +1,432 @@
+"""The `q4_linear` pass: Q4_0 weights x Q8_1 activations, and quantize->GEMM fusion (lossy, opt-in).
+
+Three rewrites, run in this order over the graph:
+1. `graphopt::quantize_q8_1(x)` feeding `graphopt::q4_q8_gemm` -> one `graphopt::q4_linear(...,
+   "fused")` node: the activation quantization moves inside the GEMM. Same numbers: both paths
+   quantize with the same Q8_1 rule and compute the same integer formula (kernels/q4.py).
+2. The fake-quant idiom of quantization-aware models, `(round(x / s).clamp(qmin, qmax) * s)` fed to a
+   linear / matmul whose weight is a parameter lying exactly on a Q4_0 grid (dequantize(quantize(W))
+   == W in float32), with s a number or a per-tensor / per-row tensor -> one
+   `graphopt::q4_linear_static` node. "Same numbers" here means: the same integers q (the quotient
+   rounded to the promoted dtype, round half to even, the same clamp), the same weight values, and
+   the dot products summed in fp32 -- equal to the idiom up to fp32 rounding and summation order.
+   Only float32 idioms are fused: in bf16/fp16 the idiom rounds q*s to the half type before its
+   matmul, which the integer kernel does not reproduce, so those are declined with that reason.
+3. Every remaining linear against a frozen 2-D parameter: quantize the weight to Q4_0 once (ggml
+   rule), check its SQNR against error_budget["q4_linear"] (dB), and emit `graphopt::q4_linear`
+   with the mode the cost model picks (option q4_mode: auto | fused | separate), or keep the
+   dense layer where dense bf16 is predicted faster (large token counts).
+
+Cost model (estimate_* below, on graphopt.cost_model.roofline with families q4_gemv / q4_gemm):
+the fused kernel reads bf16 activations once per N tile and quantizes them again in every N tile
+(CUDA-core work that grows with M*K*N/BLOCK_N), and stages bf16 rather than int8 activation tiles
+in shared memory; when that leaves one resident CTA per SM, its memory rate is derated
+(FUSED_SINGLE_CTA_DERATE), and a tile that does not fit at all is infeasible. The separate path
+pays one more launch and a write+read of the Q8_1 activations (1.125 bytes per value).
+
+ONNX: `q4_linear` exports as DequantizeLinear(INT4 weight = nibble - 8, scale d, axis 1, block_size
+32) -> MatMul ("standard"), or as com.microsoft.MatMulNBits ("matmulnbits": onnxruntime's fast
+kernel; its 4-bit blobs pack element 2i in the low and 2i+1 in the high nibble of byte i, and with
+no zero_points input the zero point is 8, which is exactly Q4_0's offset). The nibble plane is
+unpacked with ONNX ops on the stored initializers; onnxruntime folds that at session start.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.fx as fx
+
+from graphopt import cost_model
+from graphopt.cost_model import Estimate, roofline
+from graphopt.hardware import HardwareSpec
+from graphopt.kernels import q4 as q4k
+from graphopt.onnx_export import register_onnx_translation
+from graphopt.passes.base import GraphPass, PassContext
+from graphopt.passes.fx_utils import arg, canonical, dtype, find_linears, replace_with_call, shape
+
+# CUDA-core operations per activation value to quantize it to Q8_1 in registers (abs, max-reduce
+# share, multiply, round via truncation + compare, convert, sum-reduce share, int8 pack).
+QUANT_OPS_PER_VALUE = 12
+# fp32 operations per (row, column, 32-block) of the per-block epilogue d4*(d8*dot - 8*s8) + acc.
+EPILOGUE_OPS_PER_BLOCK = 5
+# Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
+# own quantization with another CTA's loads. An assumption to be refit from bench/bench_q4.py.
+FUSED_SINGLE_CTA_DERATE = 0.7
+
+
+def _weight_bytes(n: int, k: int) -> float:
+    kp = 64 * math.ceil(k / 64)
+    return n * kp / 2 + n * (kp // 32) * 2
+
+
+def ctas_per_sm(hw: HardwareSpec, config: q4k.TileConfig, act_bytes: int) -> int:
+    """Resident CTAs per SM allowed by shared memory (the fused kernel stages bf16 tiles)."""
+    need = config.shared_memory_bytes(act_bytes)
+    if need == 0 or not hw.is_gpu:
+        return 8
+    return hw.shared_memory_per_sm // need
+
+
+def _kernel(hw: HardwareSpec, name: str, family: str, *, int8_ops: float, fp32_ops: float, moved: float,
+            launches: int = 1, memory_derate: float = 1.0) -> Estimate:
+    """One kernel doing tensor-core int8 work, CUDA-core fp32 work and memory traffic."""
+    compute_ms = 0.0
+    if int8_ops:
+        compute_ms += roofline(hw, name, flops=int8_ops, family=family, unit="int8", launches=0).ms
+    if fp32_ops:
+        compute_ms += roofline(hw, name, flops=fp32_ops, family=family, unit="fp32", launches=0).ms
+    memory_ms = roofline(hw, name, bytes_moved=moved, family=family, launches=0).ms / memory_derate
+    launch_ms = launches * hw.launch_overhead * 1e3
+    body = max(compute_ms, memory_ms)
+    bound = "launch" if launch_ms > body else ("compute" if compute_ms >= memory_ms else "memory")
+    return Estimate(name, body + launch_ms, int8_ops + fp32_ops, moved, launches, bound)
+
+
+def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *,
+                      act_bytes: int = 2, bias: bool = False, config: q4k.TileConfig | None = None) -> Estimate:
+    """The fused kernel (decode GEMV at <= 4 tokens, tiled int8 GEMM above), quantizing in registers."""
+    m, k, n = tokens, in_features, out_features
+    if config is None:  # the launcher times the candidates on the GPU; predict the best of them
+        return min((estimate_q4_fused(hw, m, k, n, act_bytes=act_bytes, bias=bias, config=c)
+                    for c in q4k.candidate_configs(m, fused=True)), key=lambda e: e.ms)
+    moved = _weight_bytes(n, k) + m * k * act_bytes + m * n * act_bytes + (n * act_bytes if bias else 0)
+    family = "q4_gemv" if m <= q4k.DECODE_MAX_TOKENS else "q4_gemm"
+    if config.kernel == "gemv":
+        fp32 = 2.0 * m * n * k + EPILOGUE_OPS_PER_BLOCK * m * n * (k / 32) + QUANT_OPS_PER_VALUE * m * k * math.ceil(n / config.block_n)
+        return _kernel(hw, "Q4 fused GEMV (decode)", family, int8_ops=0.0, fp32_ops=fp32, moved=moved)
+    m_pad = config.block_m * math.ceil(m / config.block_m)
+    occupancy = ctas_per_sm(hw, config, act_bytes)
+    if occupancy < 1:
+        return Estimate("Q4 fused GEMM (tile exceeds shared memory)", math.inf, 0.0, moved, 1, "memory")
+    derate = FUSED_SINGLE_CTA_DERATE if occupancy == 1 else 1.0
+    fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + QUANT_OPS_PER_VALUE * m_pad * k * math.ceil(n / config.block_n)
+    return _kernel(hw, f"Q4 fused GEMM ({config.name}, {occupancy} CTA/SM)", family,
+                   int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved, memory_derate=derate)
+
+
+def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *,
+                         act_bytes: int = 2, bias: bool = False, config: q4k.TileConfig | None = None) -> Estimate:
+    """Q8_1 quantization kernel, then the int8 GEMM reading Q8_1 activations."""
+    m, k, n = tokens, in_features, out_features
+    q8_bytes = m * k * q4k.Q8_1_BLOCK_BYTES / q4k.QK
+    quant = roofline(hw, "Q8_1 quantize", flops=QUANT_OPS_PER_VALUE * m * k, bytes_moved=m * k * act_bytes + q8_bytes,
+                     family="pointwise", unit="fp32")
+    if config is None:
+        return min((estimate_q4_separate(hw, m, k, n, act_bytes=act_bytes, bias=bias, config=c)
+                    for c in q4k.candidate_configs(m, fused=False)), key=lambda e: e.ms)
+    m_pad = config.block_m * math.ceil(m / config.block_m)
+    family = "q4_gemv" if m <= q4k.DECODE_MAX_TOKENS else "q4_gemm"
+    moved = _weight_bytes(n, k) + q8_bytes + m * n * act_bytes + (n * act_bytes if bias else 0)
+    fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + m_pad * k * math.ceil(n / config.block_n)  # + row sums
+    gemm = _kernel(hw, f"Q4xQ8_1 GEMM ({config.name})", family, int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved)
+    return cost_model.chain("Q4 separate (quantize + GEMM)", quant, gemm)
+
+
+def _dtype_bytes(dt: torch.dtype | None) -> int:
+    return 4 if dt == torch.float32 else 2
+
+
+def _is_op(node, packet) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (packet, packet.default)
+
+
+def _name(node) -> str | None:
+    """canonical() plus the ops the fake-quant idiom uses (round, clamp)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function":
+        if node.target in (torch.round,):
+            return "round"
+        if node.target in (torch.clamp, torch.clip):
+            return "clamp"
+    if node.op == "call_method" and node.target in ("round", "clamp", "clip"):
+        return "clamp" if node.target in ("clamp", "clip") else "round"
+    return canonical(node)
+
+
+class Q4LinearPass(GraphPass):
+    name = "q4_linear"
+    lossless = False
+
+    def run(self, ctx: PassContext) -> None:
+        self._fuse_prequantized(ctx)
+        self._fuse_fake_quant(ctx)
+        self._quantize_linears(ctx)
+
+    # -- 1. graphopt::quantize_q8_1 -> graphopt::q4_q8_gemm --------------------------------------
+    def _fuse_prequantized(self, ctx: PassContext) -> None:
+        ops = torch.ops.graphopt
+        for node in list(ctx.gm.graph.nodes):
+            if not _is_op(node, ops.q4_q8_gemm):
+                continue
+            xq = arg(node, 0, "xq")
+            if not _is_op(xq, ops.quantize_q8_1):
+                ctx.record(self.name, False, "q4_q8_gemm input is not produced by graphopt::quantize_q8_1 in this graph",
+                           node=node, implementation=None)
+                continue
+            x = arg(xq, 0, "x")
+            qweight, scales = arg(node, 1, "qweight"), arg(node, 2, "scales")
+            bias, out_dtype = arg(node, 3, "bias"), arg(node, 4, "out_dtype")
+            if dtype(x) is not None and out_dtype != dtype(x):
+                ctx.record(self.name, False, f"GEMM output dtype {out_dtype} differs from the activation dtype {dtype(x)}; "
+                           "the fused op returns the activation dtype", node=node)
+                continue
+            xs, ws = shape(x), shape(qweight)
+            tokens = math.prod(xs[:-1]) if xs else 1
+            k = xs[-1] if xs else (2 * ws[1] if ws else 64)
+            n = ws[0] if ws else 1
+            act = _dtype_bytes(dtype(x))
+            before = estimate_q4_separate(ctx.hardware, tokens, k, n, act_bytes=act, bias=bias is not None)
+            after = estimate_q4_fused(ctx.hardware, tokens, k, n, act_bytes=act, bias=bias is not None)
+            if ctx.config.q4_mode == "separate":
+                ctx.record(self.name, False, "q4_mode='separate' keeps quantization and GEMM as two kernels",
+                           node=node, before=before, after=after)
+                continue
+            ok, why = (True, "q4_mode='fused'") if ctx.config.q4_mode == "fused" else self.accept(ctx, before, after)
+            if not ok:
+                ctx.record(self.name, False, f"quantize->GEMM fusion: {why}", node=node, before=before, after=after)
+                continue
+            ctx.record(self.name, True, f"quantize_q8_1 -> q4_q8_gemm fused: {why}", node=node, before=before,
+                       after=after, implementation="q4_linear fused", fusion="quantize_q8_1+q4_q8_gemm")
+            replace_with_call(ctx, node, ops.q4_linear.default, (x, qweight, scales, bias, "fused"), matched=[xq])
+
+    # -- 2. fake-quant idiom: (round(x / s).clamp(a, b) * s) @ W_q4 ------------------------------
+    def _fuse_fake_quant(self, ctx: PassContext) -> None:
+        for m in find_linears(ctx):
+            idiom = _match_fake_quant(m.input)
+            if idiom is None:
+                continue  # not an idiom: the plain linear rewrite below sees it
+            x, scale, qmin, qmax, nodes = idiom
+            node = m.node
+            promoted = dtype(node)
+            if promoted != torch.float32:
+                ctx.record(self.name, False, f"fake-quant idiom in {promoted}: the idiom rounds q*s to {promoted} before "
+                           "its matmul, which the fused integer kernel does not reproduce; only float32 idioms are fused",
+                           node=node)
+                continue
+            ok, why = ctx.can_freeze(m.weight_node)
+            if not ok:
+                ctx.record(self.name, False, why, node=node)
+                continue
+            if m.in_features % q4k.QK:
+                ctx.record(self.name, False, f"in_features={m.in_features} is not a multiple of 32", node=node)
+                continue
+            w = ctx.example_value(m.weight_node).detach()
+            w = w.t() if m.weight_transposed else w
+            blocks = q4k.quantize_q4_0(w)
+            if not torch.equal(q4k.dequantize_q4_0(blocks), w.to(torch.float32)):
+                ctx.record(self.name, False, "fake-quant idiom, but the weight does not lie exactly on a Q4_0 grid "
+                           "(dequantize(quantize(W)) != W); left to the plain q4_linear rewrite", node=node)
+                continue
+            tokens = m.tokens() or 1
+            before = cost_model.chain(
+                "fake-quant + dense linear",
+                roofline(ctx.hardware, "round(x/s).clamp()*s", bytes_moved=8.0 * tokens * m.in_features, family="pointwise"),
+                cost_model.linear(ctx.hardware, tokens, m.in_features, m.out_features, dtype_bytes=4, bias=m.bias_node is not None))
+            after = estimate_q4_fused(ctx.hardware, tokens, m.in_features, m.out_features, act_bytes=4,
+                                      bias=m.bias_node is not None)
+            ok, why = self.accept(ctx, before, after)
+            if not ok:
+                ctx.record(self.name, False, f"fake-quant fusion: {why}", node=node, before=before, after=after)
+                continue
+            qweight, scales = q4k.pack_q4_0(blocks)
+            m.weight(ctx)  # freeze
+            qw_node = ctx.add_constant(qweight, "q4_weight")
+            sc_node = ctx.add_constant(scales, "q4_scales")
+            if not isinstance(scale, fx.Node):
+                scale = ctx.add_constant(torch.tensor(float(scale), dtype=torch.float32, device=w.device), "q4_act_scale")
+            ctx.record(self.name, True, f"fake-quant idiom + Q4_0-grid weight fused: {why}", node=node, before=before,
+                       after=after, implementation="q4_linear_static", fusion="fake_quant+linear", qmin=qmin, qmax=qmax)
+            replace_with_call(ctx, node, torch.ops.graphopt.q4_linear_static.default,
+                              (x, scale, qw_node, sc_node, m.bias_node, qmin, qmax), matched=[*nodes, *m.extra_nodes])
+
+    # -- 3. plain linears ------------------------------------------------------------------------
+    def _quantize_linears(self, ctx: PassContext) -> None:
+        budget = ctx.config.error_budget["q4_linear"]
+        for m in find_linears(ctx):
+            node = m.node
+            ok, why = ctx.can_freeze(m.weight_node)
+            if not ok:
+                ctx.record(self.name, False, why, node=node)
+                continue
+            k, n = m.in_features, m.out_features
+            if k % q4k.QK:
+                ctx.record(self.name, False, f"in_features={k} is not a multiple of 32 (Q4_0 blocks)", node=node)
+                continue
+            act_dtype = dtype(m.input)
+            if act_dtype not in q4k.SUPPORTED_ACT_DTYPES:
+                ctx.record(self.name, False, f"activation dtype {act_dtype} not supported (float16, bfloat16, float32)", node=node)
+                continue
+            if m.bias_node is not None and len(shape(m.bias_node) or ()) != 1:
+                ctx.record(self.name, False, "bias is not a 1-D [out_features] tensor", node=node)
+                continue
+            tokens = m.tokens()
+            note = "" if tokens is not None else " (symbolic token count: estimated at 1 token)"
+            tokens = tokens or 1
+            act = _dtype_bytes(act_dtype)
+            has_bias = m.bias_node is not None
+            before = cost_model.linear(ctx.hardware, tokens, k, n, dtype_bytes=act, bias=has_bias)
+            fused = estimate_q4_fused(ctx.hardware, tokens, k, n, act_bytes=act, bias=has_bias)
+            separate = estimate_q4_separate(ctx.hardware, tokens, k, n, act_bytes=act, bias=has_bias)
+            mode = ctx.config.q4_mode
+            if mode == "auto":
+                mode = "fused" if fused.ms <= separate.ms else "separate"
+            after = fused if mode == "fused" else separate
+            details = dict(fused_ms=fused.ms, separate_ms=separate.ms, tokens=tokens)
+            ok, why = self.accept(ctx, before, after)
+            if not ok:
+                ctx.record(self.name, False, why + note, node=node, before=before, after=after, **details)
+                continue
+            w = ctx.example_value(m.weight_node).detach()
+            w = w.t() if m.weight_transposed else w
+            qweight, scales = q4k.quantize_weight(w)
+            sqnr = q4k.weight_sqnr_db(w, qweight, scales)
+            if sqnr < budget:
+                ctx.record(self.name, False, f"weight SQNR {sqnr:.1f} dB is below the budget of {budget:.1f} dB",
+                           node=node, before=before, after=after, sqnr_db=sqnr, **details)
+                continue
+            m.weight(ctx)  # freeze
+            saved = w.numel() * w.element_size() - qweight.numel() - scales.numel() * scales.element_size()
+            ctx.record(self.name, True, f"{why}; Q4_0 weight SQNR {sqnr:.1f} dB{note}", node=node, before=before,
+                       after=after, implementation=f"q4_linear {mode}", sqnr_db=sqnr, memory_saved_bytes=saved,
+                       **details)
+            qw_node = ctx.add_constant(qweight, "q4_weight")
+            sc_node = ctx.add_constant(scales, "q4_scales")
+            replace_with_call(ctx, node, torch.ops.graphopt.q4_linear.default,
+                              (m.input, qw_node, sc_node, m.bias_node, mode), matched=list(m.extra_nodes))
+
+
+def _same_scale(a, b) -> bool:
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return a is b
+    return isinstance(a, numbers.Real) and isinstance(b, numbers.Real) and float(a) == float(b)
+
+
+def _row_scale_ok(scale, x) -> bool:
+    """A number, or a tensor that is per-tensor or per-row ([..., 1] matching x's leading dims)."""
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        return float(scale) > 0
+    if not isinstance(scale, fx.Node):
+        return False
+    s, xs = shape(scale), shape(x)
+    if s is None or xs is None:
+        return False
+    if math.prod(s) == 1:
+        return True
+    return len(s) >= 1 and s[-1] == 1 and torch.Size(torch.broadcast_shapes(s, (*xs[:-1], 1))) == torch.Size((*xs[:-1], 1))
+
+
+def _clamp_bounds(node: fx.Node) -> tuple[int, int] | None:
+    lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and float(v) == int(v) for v in (lo, hi)):
+        return None
+    lo, hi = int(lo), int(hi)
+    return (lo, hi) if -128 <= lo <= hi <= 127 else None
+
+
+def _match_fake_quant(node):
+    """(x, s, qmin, qmax, matched nodes) of `round(x / s).clamp(qmin, qmax) * s`, else None."""
+    if _name(node) != "mul" or len(node.args) != 2 or node.kwargs:
+        return None
+    for clamped, scale in (node.args, node.args[::-1]):
+        if _name(clamped) != "clamp" or len(clamped.users) != 1:
+            continue
+        bounds = _clamp_bounds(clamped)
+        rounded = clamped.args[0]
+        if bounds is None or _name(rounded) != "round" or len(rounded.users) != 1 or len(rounded.args) != 1 \
+                or rounded.kwargs.get("decimals", 0):
+            continue
+        quotient = rounded.args[0]
+        if _name(quotient) != "div" or len(quotient.users) != 1 or quotient.kwargs.get("rounding_mode") is not None:
+            continue
+        x, divisor = quotient.args[0], quotient.args[1]
+        if not isinstance(x, fx.Node) or not _same_scale(divisor, scale) or not _row_scale_ok(scale, x):
+            continue
+        if len(node.users) != 1:
+            return None
+        return x, scale, bounds[0], bounds[1], [node, clamped, rounded, quotient]
+    return None
+
+
+PASS = Q4LinearPass()
+
+
+# =============================================================================================
+# ONNX translations of graphopt::q4_linear
+# =============================================================================================
+def _onnx_nibbles(op, qweight, in_features: int):
+    """Unsigned nibbles [N, K] (natural K order) of the kernel layout, as UINT8, with ONNX ops."""
+    n, half = qweight.shape
+    lo = op.BitwiseAnd(qweight, op.Constant(value=_u8(15)))
+    hi = op.BitShift(qweight, op.Constant(value=_u8(4)), direction="RIGHT")
+    pairs = [op.Reshape(t, op.Constant(value_ints=[n, half // 32, 1, 32])) for t in (lo, hi)]
+    nib = op.Reshape(op.Concat(*pairs, axis=2), op.Constant(value_ints=[n, 2 * half]))
+    return op.Slice(nib, op.Constant(value_ints=[0]), op.Constant(value_ints=[in_features]), op.Constant(value_ints=[1]))
+
+
+def _u8(v: int):
+    import numpy as np
+    import onnx
+
+    return onnx.numpy_helper.from_array(np.array(v, dtype=np.uint8))
+
+
+def _onnx_scales(op, scales, x, in_features: int):
+    """d as [N, K/32] in x's type."""
+    d = op.Slice(scales, op.Constant(value_ints=[0]), op.Constant(value_ints=[in_features // 32]),
+                 op.Constant(value_ints=[0]))
+    return op.CastLike(op.Transpose(d, perm=[1, 0]), x)
+
+
+@register_onnx_translation(torch.ops.graphopt.q4_linear.default, form="standard")
+def _q4_linear_onnx_standard(x, qweight, scales, bias=None, mode: str = "fused"):
+    """DequantizeLinear(INT4 nibble-8, scale d, axis=1, block_size=32) -> MatMul (+ Add)."""
+    import onnx
+    from onnxscript import opset23 as op
+
+    k = int(x.shape[-1])
+    signed = op.Sub(op.Cast(_onnx_nibbles(op, qweight, k), to=onnx.TensorProto.INT8),
+                    op.Constant(value=onnx.numpy_helper.from_array(__import__("numpy").array(8, dtype="int8"))))
+    w_int4 = op.Cast(signed, to=onnx.TensorProto.INT4)  # (N, K)
+    w = op.DequantizeLinear(w_int4, _onnx_scales(op, scales, x, k), axis=1, block_size=32)  # (N, K) in x's type
+    y = op.MatMul(x, op.Transpose(w, perm=[1, 0]))
+    return y if bias is None else op.Add(y, op.CastLike(bias, y))
+
+
+def _matmul_nbits_schema():
+    """onnx ships no schema for onnxruntime's contrib ops; the exporter needs one to build the node."""
+    from onnx.defs import OpSchema
+
+    param = OpSchema.FormalParameter
+    return OpSchema(
+        "MatMulNBits", "com.microsoft", 1,
+        inputs=[param("A", "T1"), param("B", "T2"), param("scales", "T1")],
+        outputs=[param("Y", "T1")],
+        type_constraints=[("T1", ["tensor(float)", "tensor(float16)"], ""), ("T2", ["tensor(uint8)"], "")],
+        attributes=[OpSchema.Attribute(name, OpSchema.AttrType.INT, "") for name in ("K", "N", "bits", "block_size")],
+    )
+
+
+@register_onnx_translation(torch.ops.graphopt.q4_linear.default, form="matmulnbits")
+def _q4_linear_onnx_matmulnbits(x, qweight, scales, bias=None, mode: str = "fused"):
+    """com.microsoft.MatMulNBits(bits=4, block_size=32), no zero points (default 8)."""
+    from onnxscript import opset23 as op
+    from onnxscript.values import Op, Opset
+
+    matmul_nbits = Op(Opset("com.microsoft", 1), "MatMulNBits", _matmul_nbits_schema())
+    k = int(x.shape[-1])
+    n = int(qweight.shape[0])
+    nib = op.Reshape(_onnx_nibbles(op, qweight, k), op.Constant(value_ints=[n, k // 2, 2]))
+    even = op.Slice(nib, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[2]))
+    odd = op.Slice(nib, op.Constant(value_ints=[1]), op.Constant(value_ints=[2]), op.Constant(value_ints=[2]))
+    packed = op.BitwiseOr(even, op.BitShift(odd, op.Constant(value=_u8(4)), direction="LEFT"))
+    blobs = op.Reshape(packed, op.Constant(value_ints=[n, k // 32, 16]))
+    d = op.Reshape(_onnx_scales(op, scales, x, k), op.Constant(value_ints=[-1]))
+    y = matmul_nbits(x, blobs, d, K=k, N=n, bits=4, block_size=32)
+    return y if bias is None else op.Add(y, op.CastLike(bias, y))
+
+
+__all__ = ["PASS", "Q4LinearPass", "estimate_q4_fused", "estimate_q4_separate", "ctas_per_sm"]

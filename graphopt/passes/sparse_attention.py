@@ -1,0 +1,316 @@
+"""The `sparse_attention` pass (lossy, opt-in): re-lowers `graphopt::attention` nodes to
+`graphopt::sparse_attention` (SpargeAttn-style predicted block sparsity, graphopt/kernels/sparse_attention.py).
+
+It runs after the `attention` pass and rewrites the `graphopt::attention` nodes that pass emitted;
+when the attention pass is disabled it runs that pass's matcher itself (`find_attention` +
+`rewrite_attention`) to get them.
+
+Thresholds, per layer and head, come from the plan's "sparse_attention" section written by
+`graphopt tune` (layers keyed by the attention's module path, or "#i" for the i-th attention of a
+graph without module paths). Heads the tuner left dense get cdfthreshd=1, simthreshd1=-1 and no PV
+skipping; a layer whose heads are all dense is declined. Without a plan (or for a layer the plan
+does not name) the documented defaults apply: simthreshd1=0.6, cdfthreshd=0.98, PV skipping off;
+their error was not measured on this model, which the decision says.
+
+The cost model decides: dense time (the backend the attention pass chose, on the target GPU)
+against the predictor (4 launches reading Q and K once) plus the block-sparse kernel at the plan's
+measured sparsity (without a plan: an assumed ASSUMED_SPARSITY_WITHOUT_PLAN, recorded as such).
+Short sequences lose (fixed predictor cost, little to skip) and are declined with the reason.
+
+Declined, with the reason recorded: a bias or mask other than causal (the kernel applies none);
+Lq != Lk under causality; v's head dim differing from q's or above 256; a plan layer whose head
+count does not match; a plan tuned under a larger L1 budget than the config's error_budget;
+non-GPU targets unless `force` (the CPU op runs the slow torch reference).
+
+ONNX: `graphopt::sparse_attention` exports as the standard `Attention` (opset 23) with the
+predicted block mask, computed in-graph from pooled Q/K with standard ops, expanded to a boolean
+attn_mask (and the token-level causal mask). It is exact when PV skipping is off; PV skipping is
+not expressible in `Attention` and is dropped (the exported model is then the mask-only variant).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from graphopt import cost_model
+from graphopt.cost_model import Estimate
+from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N, DEFAULT_CDFTHRESHD, DEFAULT_SIMTHRESHD1
+from graphopt.onnx_export import register_onnx_translation
+from graphopt.passes.base import GraphPass, PassContext, module_path
+from graphopt.passes.fx_utils import dtype, fake, replace_with_call, shape
+
+ASSUMED_SPARSITY_WITHOUT_PLAN = 0.5  # fraction of QK blocks skipped, for the cost model only
+PREDICTOR_LAUNCHES = 4  # pool Q, pool K, pooled QK^T, top-cdf + compaction
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model
+# ---------------------------------------------------------------------------------------------
+def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, dtype_bytes: int = 2) -> Estimate:
+    """Pool Q and K blocks (read each once), the pooled QK^T, and the per-row top-cdf."""
+    n_q, n_k = -(-lq // BLOCK_M), -(-lk // BLOCK_N)
+    moved = dtype_bytes * (b * h * lq * d + b * hkv * lk * d) + 4 * (b * h * n_q * d + b * hkv * n_k * d)
+    moved += 4 * 3 * b * h * n_q * n_k  # scores written, read; LUT written
+    flops = 2.0 * b * h * n_q * n_k * d
+    return roofline_chain("sparse attention predictor", hw, flops, moved, PREDICTOR_LAUNCHES)
+
+
+def roofline_chain(name, hw, flops, moved, launches) -> Estimate:
+    return cost_model.roofline(hw, name, flops=flops, bytes_moved=moved, launches=launches, family="pointwise", unit="fp32")
+
+
+def estimate_sparse_attention(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
+                              dtype_bytes: int = 2) -> Estimate:
+    """Predictor + block-sparse flash kernel doing (1 - sparsity) of the dense work."""
+    density = max(0.0, min(1.0, 1.0 - sparsity))
+    flops = cost_model.attention_flops(b, h, lq, lk, d, causal=causal) * density
+    # Q and O once; each kept K/V tile once per query block that keeps it (reuse across the
+    # query blocks of a head mostly hits L2, so count K/V once per head, scaled by density).
+    moved = dtype_bytes * (2 * b * h * lq * d + 2 * b * hkv * lk * d * max(density, 1.0 / max(1, -(-lk // BLOCK_N))))
+    moved += 4 * b * h * (-(-lq // BLOCK_M)) * (-(-lk // BLOCK_N))  # LUT read
+    kernel = cost_model.roofline(hw, "Triton block-sparse attention", flops=flops, bytes_moved=moved, family="triton_sparse")
+    predictor = estimate_predictor(hw, b, h, hkv, lq, lk, d, dtype_bytes=dtype_bytes)
+    return cost_model.chain(f"sparse attention ({sparsity:.0%} of blocks skipped)", predictor, kernel)
+
+
+def estimate_dense(hw, backend: str, b, h, hkv, lq, lk, d, *, causal: bool, dtype_bytes: int = 2) -> Estimate:
+    """The dense attention the attention pass chose (its op's `backend` argument)."""
+    if backend == "triton":
+        return cost_model.fused_attention(hw, b, h, lq, lk, d, family="triton_flash", causal=causal,
+                                          dtype_bytes=dtype_bytes, kv_heads=hkv, name="Triton flash (dense)")
+    sdpa_backend = backend if backend in cost_model.SDPA_BACKENDS else "cudnn"
+    return cost_model.sdpa(hw, b, h, lq, lk, d, backend=sdpa_backend, causal=causal, dtype_bytes=dtype_bytes, kv_heads=hkv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan lookup
+# ---------------------------------------------------------------------------------------------
+def layer_thresholds(section: dict | None, key: str, heads: int):
+    """(simthreshd1, cdfthreshd, pvthreshd or None, measured sparsity or None, layer dict or None, note)."""
+    layer = (section or {}).get("layers", {}).get(key)
+    if layer is None:
+        note = "no plan" if section is None else f"plan has no layer {key!r}"
+        return ([DEFAULT_SIMTHRESHD1] * heads, [DEFAULT_CDFTHRESHD] * heads, None, None, None,
+                f"{note}: untuned defaults simthreshd1={DEFAULT_SIMTHRESHD1}, cdfthreshd={DEFAULT_CDFTHRESHD} (error not measured)")
+    if layer.get("heads") != heads or len(layer.get("cdfthreshd", [])) != heads:
+        raise _Decline(f"plan layer {key!r} has {layer.get('heads')} heads, the attention has {heads}")
+    dense = layer.get("dense", [False] * heads)
+    sim = [-1.0 if dense[i] else float(layer["simthreshd1"][i]) for i in range(heads)]
+    cdf = [1.0 if dense[i] else float(layer["cdfthreshd"][i]) for i in range(heads)]
+    pv_list = [math.inf if dense[i] or layer["pvthreshd"][i] is None else float(layer["pvthreshd"][i]) for i in range(heads)]
+    pv = None if all(math.isinf(x) for x in pv_list) else pv_list
+    sparsity = [0.0 if dense[i] else float(layer["sparsity"][i] or 0.0) for i in range(heads)]
+    return sim, cdf, pv, sum(sparsity) / heads, layer, f"tuned plan ({sum(not x for x in dense)}/{heads} heads sparse)"
+
+
+class _Decline(Exception):
+    """A recorded decline: the reason, and the estimates when the cost model made the call."""
+
+    def __init__(self, reason: str, before: Estimate | None = None, after: Estimate | None = None):
+        super().__init__(reason)
+        self.before, self.after = before, after
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass
+# ---------------------------------------------------------------------------------------------
+def _attention_nodes(ctx: PassContext, pass_name: str) -> list:
+    nodes = [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.graphopt.attention.default]
+    if nodes or ctx.config.enabled("attention"):
+        return nodes
+    from graphopt.passes.attention import find_attention, rewrite_attention
+
+    for match in find_attention(ctx):
+        if match.reason is not None:
+            ctx.record(pass_name, False, f"attention not matched: {match.reason}",
+                       node=match.output if match.output is not None else match.softmax)
+            continue
+        nodes.append(rewrite_attention(ctx, match))
+    return nodes
+
+
+def _dtype_bytes(dt) -> int:
+    return torch.finfo(dt).bits // 8 if dt is not None and dt.is_floating_point else 2
+
+
+class SparseAttentionPass(GraphPass):
+    name = "sparse_attention"
+    lossless = False
+
+    def run(self, ctx: PassContext) -> None:
+        from graphopt.plan import plan_section
+        from graphopt.tune import attention_key
+
+        section = plan_section(ctx, self.name)
+        budget = ctx.config.error_budget.get(self.name, 0.06)
+        for index, node in enumerate(_attention_nodes(ctx, self.name)):
+            try:
+                self._rewrite(ctx, node, attention_key(node, index), section, budget)
+            except _Decline as why:
+                ctx.record(self.name, False, str(why), node=node, before=why.before, after=why.after)
+
+    def _rewrite(self, ctx: PassContext, node, key: str, section, budget: float) -> None:
+        q, k, v, bias, scale, is_causal, num_kv_groups, backend = node.args
+        if bias is not None:
+            raise _Decline("attention has a bias or mask other than causal (padding mask, position bias); "
+                           "the block-sparse kernel applies only the causal mask")
+        qs, ks, vs = shape(q), shape(k), shape(v)
+        if qs is None or ks is None or vs is None:
+            raise _Decline("symbolic shapes: the cost model needs static sequence lengths")
+        b, h, lq, d = qs
+        hkv, lk, dv = ks[1], ks[2], vs[3]
+        if dv != d or d > 256:
+            raise _Decline(f"head dims q {d} / v {dv}: the kernel needs equal head dims up to 256")
+        if is_causal and lq != lk:
+            raise _Decline(f"causal attention with Lq {lq} != Lk {lk} (cached decoding): not supported")
+        dt = dtype(q)
+        if dt not in (torch.float16, torch.bfloat16, torch.float32):
+            raise _Decline(f"dtype {dt}: the kernel takes float16, bfloat16 or float32")
+        if not ctx.hardware.is_gpu and not ctx.config.force:
+            raise _Decline(f"target {ctx.hardware.name} is not a GPU: the CPU op runs the slow torch reference "
+                           "(force=True applies it anyway)")
+        sim, cdf, pv, sparsity, layer, source = layer_thresholds(section, key, h)
+        if layer is not None:
+            if all(layer.get("dense", [])):
+                raise _Decline(f"the tuned plan marks every head of {key!r} dense (no head reached useful sparsity "
+                               "within the L1 budget)")
+            if float(section.get("l1", 0.0)) > budget + 1e-12:
+                raise _Decline(f"plan tuned for L1 < {section.get('l1')}, over this config's error_budget {budget}")
+        assumed = sparsity is None
+        if assumed:
+            sparsity = ASSUMED_SPARSITY_WITHOUT_PLAN
+        nbytes = _dtype_bytes(dt)
+        before = estimate_dense(ctx.hardware, backend, b, h, hkv, lq, lk, d, causal=bool(is_causal), dtype_bytes=nbytes)
+        after = estimate_sparse_attention(ctx.hardware, b, h, hkv, lq, lk, d, causal=bool(is_causal),
+                                          sparsity=sparsity, dtype_bytes=nbytes)
+        ok, why = self.accept(ctx, before, after)
+        at = f"{sparsity:.0%} sparsity ({'assumed, no measurement' if assumed else 'measured by the tuner'})"
+        if not ok:
+            raise _Decline(f"{why} at {at}, L={lq}", before, after)
+        device = fake(q).device if isinstance(fake(q), torch.Tensor) else torch.device("cpu")
+        consts = [ctx.add_constant(torch.tensor(x, dtype=torch.float32, device=device), name)
+                  for x, name in ((sim, "sparse_sim1"), (cdf, "sparse_cdf"))]
+        pv_tensor = torch.tensor(pv, dtype=torch.float32, device=device) if pv is not None else torch.empty(0, device=device)
+        consts.append(ctx.add_constant(pv_tensor, "sparse_pv"))
+        ctx.record(self.name, True, f"{why} at {at}; thresholds: {source}", node=node, before=before, after=after,
+                   implementation="triton_sparse", layer=key, sparsity=sparsity, sparsity_assumed=assumed,
+                   simthreshd1=sim, cdfthreshd=cdf, pvthreshd=pv, dense_backend=backend,
+                   l1=None if layer is None else layer.get("l1"), heldout_l1=None if layer is None else layer.get("heldout_l1"),
+                   location_key=module_path(node))
+        replace_with_call(ctx, node, torch.ops.graphopt.sparse_attention.default,
+                          (q, k, v, float(scale), bool(is_causal), *consts))
+
+
+PASS = SparseAttentionPass()
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX: standard Attention with the predicted block mask as attn_mask
+# ---------------------------------------------------------------------------------------------
+def _onnx_sparse_attention():
+    from onnxscript import opset23 as op
+
+    def pool(x, block: int):
+        """x (B, H, L, D) -> pooled (B, H, n, D), self-similarity (B, H, n), n = ceil(L / block)."""
+        zero = op.Constant(value_ints=[0])
+        one = op.Constant(value_ints=[1])
+        shape_x = op.Shape(x)
+        length = op.Slice(shape_x, op.Constant(value_ints=[2]), op.Constant(value_ints=[3]))  # (1,)
+        blk = op.Constant(value_ints=[block])
+        n = op.Div(op.Sub(op.Add(length, blk), one), blk)
+        pad_len = op.Sub(op.Mul(n, blk), length)
+        xf = op.Cast(x, to=1)
+        pads = op.Concat(zero, zero, zero, zero, zero, zero, pad_len, zero, axis=0)
+        xp = op.Pad(xf, pads)
+        b_h = op.Slice(shape_x, zero, op.Constant(value_ints=[2]))
+        d = op.Slice(shape_x, op.Constant(value_ints=[3]), op.Constant(value_ints=[4]))
+        xb = op.Reshape(xp, op.Concat(b_h, n, blk, d, axis=0))  # (B, H, n, block, D)
+        pos = op.Range(op.Constant(value_int=0), op.Squeeze(n, zero), op.Constant(value_int=1))
+        counts = op.Cast(op.Min(op.Sub(length, op.Mul(pos, op.Constant(value_int=block))), blk), to=1)  # (n,)
+        pooled = op.Div(op.ReduceSum(xb, op.Constant(value_ints=[3]), keepdims=0), op.Unsqueeze(counts, one))
+        norm = op.Max(op.Sqrt(op.ReduceSum(op.Mul(xb, xb), op.Constant(value_ints=[-1]), keepdims=1)),
+                      op.Constant(value_float=1e-12))
+        unit_sum = op.ReduceSum(op.Div(xb, norm), op.Constant(value_ints=[3]), keepdims=0)  # (B, H, n, D)
+        sim = op.Div(op.ReduceSum(op.Mul(unit_sum, unit_sum), op.Constant(value_ints=[-1]), keepdims=0),
+                     op.Mul(counts, counts))
+        return pooled, sim, n
+
+    def sparse_attention(q, k, v, scale: float, is_causal: bool, simthreshd1, cdfthreshd, pvthreshd):
+        # PV skipping (pvthreshd) is dropped: Attention has no equivalent; exact when it is off.
+        zero = op.Constant(value_ints=[0])
+        one = op.Constant(value_ints=[1])
+        neg_inf = op.Constant(value_float=-math.inf)
+        pooled_q, sim_q, n_q = pool(q, BLOCK_M)
+        pooled_k, sim_k, n_k = pool(k, BLOCK_N)
+        shape_q = op.Shape(q)
+        heads = op.Slice(shape_q, one, op.Constant(value_ints=[2]))
+        kv_heads = op.Slice(op.Shape(k), one, op.Constant(value_ints=[2]))
+        group = op.Div(heads, kv_heads)
+        # GQA: repeat pooled K per query head (kv head h // group)
+        pooled_k = op.Reshape(op.Tile(op.Unsqueeze(pooled_k, op.Constant(value_ints=[2])),
+                                      op.Concat(one, one, group, one, one, axis=0)),
+                              op.Concat(op.Slice(op.Shape(pooled_k), zero, one), heads, n_k,
+                                        op.Slice(op.Shape(pooled_k), op.Constant(value_ints=[3]), op.Constant(value_ints=[4])), axis=0))
+        sim_k = op.Reshape(op.Tile(op.Unsqueeze(sim_k, op.Constant(value_ints=[2])), op.Concat(one, one, group, one, axis=0)),
+                           op.Concat(op.Slice(op.Shape(sim_k), zero, one), heads, n_k, axis=0))
+        sim1 = op.Reshape(simthreshd1, op.Constant(value_ints=[1, -1, 1]))
+        cdf = op.Reshape(cdfthreshd, op.Constant(value_ints=[1, -1, 1, 1]))
+        q_similar = op.Unsqueeze(op.Greater(sim_q, sim1), op.Constant(value_ints=[3]))  # (B, H, nQ, 1)
+        k_similar = op.Unsqueeze(op.Greater(sim_k, sim1), op.Constant(value_ints=[2]))  # (B, H, 1, nK)
+        scores = op.Mul(op.MatMul(pooled_q, op.Transpose(pooled_k, perm=[0, 1, 3, 2])), op.Constant(value_float=scale))
+        lq = op.Slice(shape_q, op.Constant(value_ints=[2]), op.Constant(value_ints=[3]))
+        lk = op.Slice(op.Shape(k), op.Constant(value_ints=[2]), op.Constant(value_ints=[3]))
+        i = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(n_q, zero), op.Constant(value_int=1)), one)  # (nQ, 1)
+        j = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(n_k, zero), op.Constant(value_int=1)), zero)  # (1, nK)
+        if is_causal:
+            last_query = op.Sub(op.Min(op.Mul(op.Add(i, op.Constant(value_int=1)), op.Constant(value_int=BLOCK_M)), lq),
+                                op.Constant(value_int=1))
+            last_key = op.Sub(op.Min(op.Mul(op.Add(j, op.Constant(value_int=1)), op.Constant(value_int=BLOCK_N)), lk),
+                              op.Constant(value_int=1))
+            allowed = op.LessOrEqual(op.Mul(j, op.Constant(value_int=BLOCK_N)), last_query)  # (nQ, nK)
+            diagonal = op.And(allowed, op.Greater(last_key, op.Mul(i, op.Constant(value_int=BLOCK_M))))
+        else:
+            allowed = op.Expand(op.Cast(op.Constant(value_ints=[1]), to=9), op.Concat(n_q, n_k, axis=0))  # all True
+            diagonal = op.Not(allowed)
+        candidates = op.And(k_similar, allowed)
+        logits = op.Where(candidates, scores, neg_inf)
+        row_max = op.ReduceMax(logits, op.Constant(value_ints=[-1]), keepdims=1)
+        row_max = op.Where(op.Equal(row_max, neg_inf), op.Constant(value_float=0.0), row_max)
+        weights = op.Where(candidates, op.Exp(op.Sub(logits, row_max)), op.Constant(value_float=0.0))
+        probs = op.Div(weights, op.Max(op.ReduceSum(weights, op.Constant(value_ints=[-1]), keepdims=1),
+                                       op.Constant(value_float=1e-30)))
+        sorted_p, _ = op.TopK(probs, n_k, axis=-1, largest=1, sorted=1)
+        mass_before = op.Sub(op.CumSum(sorted_p, op.Constant(value_int=-1)), sorted_p)
+        inf = op.Constant(value_float=math.inf)
+        smallest = op.ReduceMin(op.Where(op.Less(mass_before, cdf), sorted_p, inf), op.Constant(value_ints=[-1]), keepdims=1)
+        keep = op.And(op.GreaterOrEqual(probs, smallest), candidates)
+        whole = op.Or(op.Or(op.Not(q_similar), op.Not(k_similar)), op.GreaterOrEqual(cdf, op.Constant(value_float=1.0)))
+        keep = op.And(op.Or(op.Or(keep, whole), diagonal), allowed)
+        best = op.ArgMax(op.Where(allowed, scores, neg_inf), axis=-1, keepdims=1)  # (B, H, nQ, 1)
+        kept_count = op.ReduceSum(op.Cast(keep, to=7), op.Constant(value_ints=[-1]), keepdims=1)  # int64
+        none_kept = op.Equal(kept_count, op.Constant(value_int=0))
+        keep = op.Or(keep, op.And(none_kept, op.Equal(j, best)))  # (B, H, nQ, nK)
+        # block mask -> token mask (B, H, Lq, Lk)
+        shape_keep = op.Shape(keep)
+        b_h = op.Slice(shape_keep, zero, op.Constant(value_ints=[2]))
+        blk_m = op.Constant(value_ints=[BLOCK_M])
+        blk_n = op.Constant(value_ints=[BLOCK_N])
+        tiled = op.Expand(op.Unsqueeze(keep, op.Constant(value_ints=[3, 5])), op.Concat(b_h, n_q, blk_m, n_k, blk_n, axis=0))
+        token_mask = op.Reshape(tiled, op.Concat(b_h, op.Mul(n_q, blk_m), op.Mul(n_k, blk_n), axis=0))
+        token_mask = op.Slice(token_mask, op.Constant(value_ints=[0, 0]), op.Concat(lq, lk, axis=0), op.Constant(value_ints=[2, 3]))
+        if is_causal:
+            qi = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(lq, zero), op.Constant(value_int=1)), one)
+            kj = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(lk, zero), op.Constant(value_int=1)), zero)
+            token_mask = op.And(token_mask, op.LessOrEqual(kj, qi))
+        y, _, _, _ = op.Attention(q, k, v, token_mask, scale=float(scale))
+        return y
+
+    return sparse_attention
+
+
+try:  # registration needs onnxscript; the pass itself does not
+    register_onnx_translation(torch.ops.graphopt.sparse_attention.default, form="standard")(_onnx_sparse_attention())
+except Exception:  # pragma: no cover - onnxscript missing or too old
+    pass

@@ -1,0 +1,226 @@
+"""Q4_0 / Q8_1 formats (byte-exact with ggml's reference quantizers), the kernel weight layout, and
+the Triton kernels (under TRITON_INTERPRET=1 without a GPU) against float64 references."""
+
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import graphopt  # noqa: F401  (registers graphopt::* ops)
+from graphopt.kernels import q4
+
+F32 = np.float32
+
+
+# ---- scalar ports of ggml's C reference quantizers, building the bytes by hand ---------------
+def _fp16_bytes(value: np.float32) -> bytes:
+    return np.array([value], dtype=np.float16).tobytes()  # round to nearest even, like F16C
+
+
+def _hand_q4_0_block(xs: list[float]) -> bytes:
+    x = [F32(v) for v in xs]
+    amax, vmax = F32(0), F32(0)
+    for v in x:
+        if amax < abs(v):  # strict: the first value of largest magnitude wins
+            amax, vmax = abs(v), v
+    d = F32(vmax / F32(-8))
+    inv_d = F32(F32(1) / d) if d != 0 else F32(0)
+    out = bytearray(_fp16_bytes(d))
+    for j in range(16):
+        lo = min(15, math.trunc(float(F32(F32(x[j] * inv_d) + F32(8.5)))))
+        hi = min(15, math.trunc(float(F32(F32(x[j + 16] * inv_d) + F32(8.5)))))
+        out.append(lo | (hi << 4))
+    return bytes(out)
+
+
+def _roundf(v: np.float32) -> int:
+    return int(math.copysign(math.floor(abs(float(v)) + 0.5), float(v)))  # exact for |v| < 2^23
+
+
+def _hand_q8_1_block(xs: list[float]) -> bytes:
+    x = [F32(v) for v in xs]
+    amax = F32(0)
+    for v in x:
+        amax = max(amax, abs(v))
+    d = F32(amax / F32(127))
+    inv_d = F32(F32(1) / d) if d != 0 else F32(0)
+    qs = [_roundf(F32(v * inv_d)) for v in x]
+    s = F32(F32(sum(qs)) * d)
+    return _fp16_bytes(d) + _fp16_bytes(s) + struct.pack("32b", *qs)
+
+
+def _blocks(rng: np.random.Generator) -> list[list[float]]:
+    blocks = [list(rng.standard_normal(32) * s) for s in (1.0, 1e-3, 300.0)]
+    blocks.append([0.0] * 32)  # d = 0
+    tie = list(rng.uniform(-1, 1, 32))
+    tie[3], tie[20] = -2.0, 2.0  # equal magnitude: the first (negative) one sets the sign of d
+    blocks.append(tie)
+    pos = list(rng.uniform(0, 1, 32))
+    pos[7] = 1.5  # positive max: d < 0, the most negative values clamp to nibble 15
+    blocks.append(pos)
+    halves = [(i - 16) * 0.5 for i in range(32)]  # x * (1/d) lands on .5 boundaries
+    blocks.append(halves)
+    return blocks
+
+
+def test_q4_0_bytes_match_hand_built_ggml_blocks():
+    rng = np.random.default_rng(0)
+    blocks = _blocks(rng)
+    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float32).reshape(1, -1)
+    got = q4.quantize_q4_0(x)
+    assert got.shape == (1, len(blocks), 18) and got.dtype == torch.uint8
+    expected = b"".join(_hand_q4_0_block(b) for b in blocks)
+    assert bytes(got.flatten().tolist()) == expected
+
+
+def test_q8_1_bytes_match_hand_built_ggml_blocks():
+    rng = np.random.default_rng(1)
+    blocks = _blocks(rng) + [[(i - 16) * 127 / 254 for i in range(32)]]  # exact .5 quotients
+    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float32).reshape(1, -1)
+    got = q4.quantize_q8_1(x)
+    assert got.shape == (1, len(blocks), 36)
+    expected = b"".join(_hand_q8_1_block(b) for b in blocks)
+    assert bytes(got.flatten().tolist()) == expected
+
+
+def test_dequantize_reads_the_layout():
+    d = np.float16(0.0375)
+    nibbles = list(range(16)) + list(range(15, -1, -1))
+    block = _fp16_bytes(np.float32(d)) + bytes(nibbles[j] | (nibbles[j + 16] << 4) for j in range(16))
+    values = q4.dequantize_q4_0(torch.tensor(list(block), dtype=torch.uint8).reshape(1, 1, 18))
+    assert torch.equal(values[0], (torch.tensor(nibbles, dtype=torch.float32) - 8) * float(d))
+    qs = list(range(-16, 16))
+    q8 = _fp16_bytes(np.float32(0.5)) + _fp16_bytes(np.float32(-8.0)) + struct.pack("32b", *qs)
+    values = q4.dequantize_q8_1(torch.tensor(list(q8), dtype=torch.uint8).reshape(1, 1, 36))
+    assert torch.equal(values[0], torch.tensor(qs, dtype=torch.float32) * 0.5)
+
+
+@pytest.mark.parametrize("k", [64, 96, 4096])
+def test_kernel_layout_round_trips_losslessly(k):
+    w = torch.randn(6, k)
+    blocks = q4.quantize_q4_0(w)
+    qweight, scales = q4.pack_q4_0(blocks)
+    assert qweight.shape == (6, 32 * math.ceil(k / 64)) and scales.shape == (2 * math.ceil(k / 64), 6)
+    assert torch.equal(q4.unpack_q4_0(qweight, scales, k), blocks)
+    assert torch.equal(q4.dequantize_packed(qweight, scales, k), q4.dequantize_q4_0(blocks))
+
+
+def test_k_not_multiple_of_32_is_a_clear_error():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q4.quantize_q4_0(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q4.quantize_q8_1(torch.randn(4, 33))
+
+
+def test_weight_sqnr_of_gaussian_weights():
+    w = torch.randn(64, 4096)
+    qweight, scales = q4.quantize_weight(w)
+    sqnr = q4.weight_sqnr_db(w, qweight, scales)
+    assert 17.0 < sqnr < 25.0  # 4-bit blocks of 32 with an absmax scale: ~20 dB on Gaussians
+
+
+# ---- references and kernels --------------------------------------------------------------
+def _problem(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    qweight, scales = q4.quantize_weight(torch.randn(n, k, generator=g))
+    bias = torch.randn(n, generator=g)
+    return x, qweight, scales, bias
+
+
+def _dequant_matmul64(x, qweight, scales, bias=None):
+    """dequantize(Q8_1(x)) @ dequantize(Q4_0(W)).T in float64."""
+    a = q4.dequantize_q8_1(q4.quantize_q8_1(x)).double()
+    w = q4.dequantize_packed(qweight, scales, x.shape[-1], torch.float64)
+    y = a @ w.T
+    return y if bias is None else y + bias.double()
+
+
+def _assert_close_fp32_sum(y, ref64, out_dtype):
+    """Equal up to fp32 summation order (and the output dtype's rounding)."""
+    scale = ref64.abs().max().item()
+    eps = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[out_dtype]
+    err = (y.double() - ref64).abs().max().item()
+    assert err <= eps * scale + 1e-6, f"max error {err:.3e} vs output scale {scale:.3e}"
+
+
+def test_reference_formula_equals_dequantize_then_matmul():
+    x, qweight, scales, bias = _problem(5, 40, 96, torch.float32)
+    ref = _dequant_matmul64(x, qweight, scales, bias)
+    _assert_close_fp32_sum(q4.reference_q4_linear(x, qweight, scales, bias), ref, torch.float32)
+    xq = q4.quantize_q8_1(x)
+    _assert_close_fp32_sum(q4.reference_q4_q8_gemm(xq, qweight, scales, bias), ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_q8_1_quantization_is_byte_exact(dtype):
+    x = (torch.randn(3, 160) * 4).to(dtype)
+    x[1, :32] = 0  # an all-zero block
+    assert torch.equal(q4.quantize_q8_1_triton(x), q4.quantize_q8_1(x))
+
+
+GEMM_CONFIGS = [q4.TileConfig("gemm", 16, 32, 2, 4, 3), q4.TileConfig("gemm", 32, 16, 1, 4, 2)]
+
+
+@pytest.mark.parametrize("config", GEMM_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("m,n,k", [(5, 40, 96), (17, 24, 128)])  # odd sizes: partial tiles, odd block count
+def test_fused_kernel_equals_dequantize_then_matmul(config, m, n, k):
+    x, qweight, scales, bias = _problem(m, n, k, torch.float32, seed=m)
+    y = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
+    _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_decode_gemv_kernel_equals_dequantize_then_matmul(m):
+    x, qweight, scales, bias = _problem(m, 40, 96, torch.float32, seed=m)
+    y = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=q4.TileConfig("gemv", 0, 16, 1, 2, 1))
+    _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
+
+
+def test_separate_integer_gemm_equals_dequantize_then_matmul():
+    x, qweight, scales, _ = _problem(6, 40, 96, torch.float32, seed=3)
+    y = q4.q4_q8_gemm_triton(q4.quantize_q8_1_triton(x), qweight, scales, None, torch.float32, config=GEMM_CONFIGS[0])
+    _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales), torch.float32)
+
+
+def test_bf16_activations_through_the_fused_kernel():
+    x, qweight, scales, _ = _problem(4, 32, 64, torch.bfloat16, seed=4)
+    y = q4.q4_linear_triton(x, qweight, scales, None, "fused", config=GEMM_CONFIGS[0])
+    assert y.dtype == torch.bfloat16
+    _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales), torch.bfloat16)
+    dense = x.double() @ q4.dequantize_packed(qweight, scales, 64, torch.float64).T
+    noise = (y.double() - dense).pow(2).sum()
+    assert 10 * math.log10(dense.pow(2).sum() / noise) > 30  # Q8_1 activations cost little
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_static_scale_kernel_matches_fake_quant_idiom(per_row):
+    x, qweight, scales, bias = _problem(5, 24, 64, torch.float32, seed=5)
+    s = x.abs().amax(-1, keepdim=True) / 100 if per_row else torch.tensor(0.015)
+    w = q4.dequantize_packed(qweight, scales, 64)
+    idiom = (torch.round(x / s).clamp(-128, 127) * s) @ w.T + bias
+    y = q4.q4_linear_static_triton(x, s, qweight, scales, bias, -128, 127, config=GEMM_CONFIGS[1])
+    _assert_close_fp32_sum(y, idiom.double(), torch.float32)
+    _assert_close_fp32_sum(q4.reference_q4_linear_static(x, s, qweight, scales, bias), idiom.double(), torch.float32)
+
+
+def test_ops_cpu_fake_and_bad_inputs():
+    x, qweight, scales, bias = _problem(3, 40, 96, torch.float32)
+    y = torch.ops.graphopt.q4_linear(x, qweight, scales, bias, "separate")
+    assert torch.equal(y, q4.reference_q4_linear(x, qweight, scales, bias))
+    xq = torch.ops.graphopt.quantize_q8_1(x)
+    assert torch.equal(xq, q4.quantize_q8_1(x))
+    assert torch.equal(torch.ops.graphopt.q4_q8_gemm(xq, qweight, scales, bias, torch.float32), y)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x3 = x.reshape(1, 3, 96).to(torch.bfloat16)
+    with FakeTensorMode() as mode:
+        fx_ = mode.from_tensor(x3)
+        out = torch.ops.graphopt.q4_linear(fx_, mode.from_tensor(qweight), mode.from_tensor(scales), None, "fused")
+        assert out.shape == (1, 3, 40) and out.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="valid choices: fused, separate"):
+        torch.ops.graphopt.q4_linear(x, qweight, scales, bias, "fastest")
+    with pytest.raises(ValueError, match="K=64"):
+        q4.reference_q4_linear(x[:, :64], qweight, scales)

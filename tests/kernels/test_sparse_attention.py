@@ -1,0 +1,201 @@
+"""Block-sparse attention (SpargeAttn style): predictor semantics, the torch reference against
+float64 dense attention, and the Triton kernels under TRITON_INTERPRET=1 against the reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphopt  # noqa: F401  (registers graphopt::sparse_attention)
+from graphopt.kernels import sparse_attention as sa
+
+
+def dense_attention(q, k, v, *, is_causal=False, scale=None):
+    """float64 SDPA (k/v repeated for GQA)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=is_causal, scale=scale)
+
+
+def rel_l1(out, ref):
+    return ((out.double() - ref.double()).abs().sum() / ref.double().abs().sum()).item()
+
+
+def randn(*shape, seed, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+# (B, H, Hkv, L, D): odd lengths not multiple of either block, GQA, MiniLM's D=32, a non-pow2 D
+SHAPES = [(1, 2, 2, 200, 32), (2, 4, 2, 256, 64), (1, 3, 1, 333, 48)]
+
+
+# -- 1. cdfthreshd=1 with simthreshd1=-1 is dense attention (causal: exact inside diagonal blocks)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_keep_all_thresholds_equal_dense_reference(shape, is_causal):
+    B, H, Hkv, L, D = shape
+    q, k, v = randn(B, H, L, D, seed=1), randn(B, Hkv, L, D, seed=2), randn(B, Hkv, L, D, seed=3)
+    out, skipped = sa.reference_sparse_attention(q, k, v, is_causal=is_causal, simthreshd1=-1.0, cdfthreshd=1.0,
+                                                 return_sparsity=True)
+    assert skipped == 0.0
+    torch.testing.assert_close(out.double(), dense_attention(q, k, v, is_causal=is_causal), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_keep_all_thresholds_equal_dense_triton(shape, is_causal):
+    B, H, Hkv, L, D = shape
+    q, k, v = randn(B, H, L, D, seed=4), randn(B, Hkv, L, D, seed=5), randn(B, Hkv, L, D, seed=6)
+    out = sa.sparse_attention(q, k, v, is_causal=is_causal, simthreshd1=-1.0, cdfthreshd=1.0, implementation="triton")
+    torch.testing.assert_close(out.double(), dense_attention(q, k, v, is_causal=is_causal), atol=2e-6, rtol=2e-5)
+
+
+def test_causal_mask_inside_diagonal_block_is_token_exact():
+    # Only the diagonal blocks are kept: query i must see exactly keys 0..i of them (query 0 sees
+    # only key 0, so its output is v[0]); a block-level-only mask would mix in later keys.
+    L, D = 128, 32
+    q, k, v = randn(1, 1, L, D, seed=7), randn(1, 1, L, D, seed=8), randn(1, 1, L, D, seed=9)
+    mask = torch.zeros(1, 1, 1, 2, dtype=torch.bool)
+    mask[..., :] = True  # both key blocks cross the diagonal of query block 0
+    lut, counts = sa.block_mask_to_lut(mask)
+    for out in (sa.block_sparse_attention_reference(q, k, v, mask, is_causal=True),
+                sa.block_sparse_attention(q, k, v, lut, counts, is_causal=True)):
+        torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out.double(), dense_attention(q, k, v, is_causal=True), atol=2e-6, rtol=2e-5)
+
+
+# -- 2. structured local + sink inputs reach real sparsity within the L1 budget -------------------
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_structured_inputs_are_sparse_within_budget(is_causal):
+    q, k, v = sa.local_sink_qkv(1, 2, 1024, 64, seed=11)
+    out, skipped = sa.reference_sparse_attention(q, k, v, is_causal=is_causal, return_sparsity=True)  # documented defaults
+    error = rel_l1(out, dense_attention(q, k, v, is_causal=is_causal))
+    assert skipped >= 0.5, f"only {skipped:.0%} of blocks skipped on local+sink inputs"
+    assert error < 0.06, f"relative L1 {error:.4f} over the 0.06 budget at {skipped:.0%} sparsity"
+    # what is kept is the sink column and a band around the diagonal, nothing far from it
+    mask = sa.predict_block_mask(q, k, is_causal=is_causal)[0, 0]
+    i, j = torch.nonzero(mask, as_tuple=True)
+    assert ((j == 0) | ((j - 2 * i).abs() <= 4)).all()
+
+
+# -- 3. unstructured random inputs fall back to near-dense --------------------------------------
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_random_inputs_fall_back_to_dense(is_causal):
+    q, k, v = randn(1, 2, 512, 64, seed=12), randn(1, 2, 512, 64, seed=13), randn(1, 2, 512, 64, seed=14)
+    _, sim_q = sa.pool_blocks(q, sa.BLOCK_M)
+    assert sim_q.max() < 0.6  # random tokens are not self-similar: every block is computed
+    out, skipped = sa.reference_sparse_attention(q, k, v, is_causal=is_causal, return_sparsity=True)
+    assert skipped <= 0.05
+    assert rel_l1(out, dense_attention(q, k, v, is_causal=is_causal)) < 1e-5
+
+
+# -- 4. causality: later blocks never change earlier outputs -------------------------------------
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+def test_perturbing_later_blocks_never_changes_earlier_outputs(implementation):
+    L, D, t = 384, 64, 256  # t: start of query block 2 (and key block 4)
+    q, k, v = sa.local_sink_qkv(1, 2, L, D, seed=15)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for x in (q2, k2, v2):
+        x[..., t:, :] = randn(1, 2, L - t, D, seed=16) * 5
+    kwargs = dict(is_causal=True, cdfthreshd=0.9, pvthreshd=6.0, implementation=implementation)
+    before, after = sa.sparse_attention(q, k, v, **kwargs), sa.sparse_attention(q2, k2, v2, **kwargs)
+    assert torch.equal(before[..., :t, :], after[..., :t, :])
+    assert not torch.equal(before[..., t:, :], after[..., t:, :])
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+def test_fixed_mask_later_tokens_inside_a_block_do_not_leak(implementation):
+    # With the block mask fixed, a token never sees later tokens even inside its own block.
+    L, D, t = 256, 32, 150
+    q, k, v = randn(1, 1, L, D, seed=17), randn(1, 1, L, D, seed=18), randn(1, 1, L, D, seed=19)
+    mask = sa.predict_block_mask(q, k, is_causal=True, simthreshd1=-1.0, cdfthreshd=1.0)
+    k2, v2 = k.clone(), v.clone()
+    k2[..., t:, :] += 3.0
+    v2[..., t:, :] -= 3.0
+    if implementation == "reference":
+        run = lambda k_, v_: sa.block_sparse_attention_reference(q, k_, v_, mask, is_causal=True)  # noqa: E731
+    else:
+        lut, counts = sa.block_mask_to_lut(mask)
+        run = lambda k_, v_: sa.block_sparse_attention(q, k_, v_, lut, counts, is_causal=True)  # noqa: E731
+    assert torch.equal(run(k, v)[..., :t, :], run(k2, v2)[..., :t, :])
+
+
+# -- 5. the Triton kernels under TRITON_INTERPRET=1 against the reference -----------------------
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_matches_reference_on_predicted_mask(shape, is_causal):
+    B, H, Hkv, L, D = shape
+    q, k, v = randn(B, H, L, D, seed=21), randn(B, Hkv, L, D, seed=22), randn(B, Hkv, L, D, seed=23)
+    # per-head thresholds, with a similarity threshold every block passes so the mask is sparse
+    sim1 = torch.full((H,), -1.0)
+    cdf = torch.linspace(0.3, 0.9, H)
+    mask = sa.predict_block_mask(q, k, is_causal=is_causal, simthreshd1=sim1, cdfthreshd=cdf)
+    assert not mask.all(), "test needs a sparse mask"
+    lut, counts = sa.predict_block_lut(q, k, is_causal=is_causal, simthreshd1=sim1, cdfthreshd=cdf)
+    assert torch.equal(sa.lut_to_block_mask(lut, counts), mask), "Triton predictor differs from the torch predictor"
+    ref = sa.block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal)
+    out = sa.block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_triton_pv_skipping_matches_reference(is_causal):
+    q, k, v = sa.local_sink_qkv(1, 2, 512, 64, seed=24, noise=0.1)
+    kwargs = dict(is_causal=is_causal, cdfthreshd=1.0, simthreshd1=-1.0)
+    dense = dense_attention(q, k, v, is_causal=is_causal)
+    no_skip = sa.reference_sparse_attention(q, k, v, **kwargs)
+    ref = sa.reference_sparse_attention(q, k, v, pvthreshd=8.0, **kwargs)
+    out = sa.sparse_attention(q, k, v, pvthreshd=8.0, implementation="triton", **kwargs)
+    assert not torch.equal(ref, no_skip), "PV skipping never triggered"
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    assert rel_l1(ref, dense) < 0.01  # skipped tiles weigh < 2^-8 of the row max each
+
+
+def test_triton_half_precision_matches_reference():
+    q, k, v = (t.to(torch.float16) for t in sa.local_sink_qkv(1, 2, 256, 32, seed=25))
+    mask = sa.predict_block_mask(q, k, cdfthreshd=0.9)
+    lut, counts = sa.block_mask_to_lut(mask)
+    ref = sa.block_sparse_attention_reference(q.float(), k.float(), v.float(), mask)
+    out = sa.block_sparse_attention(q, k, v, lut, counts)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_predictor_rules():
+    q, k, _ = sa.local_sink_qkv(1, 1, 512, 64, seed=26)
+    # cdfthreshd=1 keeps everything; causal keeps exactly the allowed blocks
+    assert sa.predict_block_mask(q, k, cdfthreshd=1.0).all()
+    allowed, diagonal = sa.causal_block_geometry(4, 8, 512, 512, sa.BLOCK_M, sa.BLOCK_N)
+    assert torch.equal(sa.predict_block_mask(q, k, is_causal=True, cdfthreshd=1.0)[0, 0], allowed)
+    # a tiny cdf keeps the top block of each row (causal: plus the diagonal blocks)
+    tiny = sa.predict_block_mask(q, k, cdfthreshd=1e-6)
+    assert (tiny.sum(-1) == 1).all()
+    tiny_causal = sa.predict_block_mask(q, k, is_causal=True, cdfthreshd=1e-6)[0, 0]
+    assert (tiny_causal & diagonal).equal(diagonal) and ((tiny_causal & ~diagonal).sum(-1) <= 1).all()
+    assert not (tiny_causal & ~allowed).any()
+    # a query block that is not self-similar is computed as a whole row; a key block as a column
+    q2, k2 = q.clone(), k.clone()
+    q2[..., 128:256, :] = randn(1, 1, 128, 64, seed=27) * 3
+    k2[..., 64:128, :] = randn(1, 1, 64, 64, seed=28) * 3
+    mask = sa.predict_block_mask(q2, k2, cdfthreshd=0.5)
+    assert mask[0, 0, 1].all() and mask[0, 0, :, 1].all()
+    assert not mask[0, 0, 0].all()
+
+
+def test_sparse_attention_op_cpu_matches_reference():
+    q, k, v = sa.local_sink_qkv(1, 2, 256, 32, seed=29)
+    sim1, cdf, pv = torch.full((2,), 0.6), torch.tensor([0.9, 0.95]), torch.empty(0)
+    out = torch.ops.graphopt.sparse_attention(q, k, v, 32**-0.5, True, sim1, cdf, pv)
+    ref = sa.reference_sparse_attention(q, k, v, is_causal=True, simthreshd1=sim1, cdfthreshd=cdf)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+def test_input_errors_name_the_problem():
+    q = randn(1, 2, 64, 32, seed=30)
+    with pytest.raises(ValueError, match="one entry per head"):
+        sa.sparse_attention(q, q, q, cdfthreshd=torch.tensor([0.9, 0.9, 0.9]))
+    with pytest.raises(ValueError, match="Lq == Lk"):
+        sa.sparse_attention(q, q[:, :, :32], q[:, :, :32], is_causal=True)
+    with pytest.raises(ValueError, match="valid choices"):
+        sa.sparse_attention(q, q, q, implementation="cuda")
+    with pytest.raises(ValueError, match="multiple"):
+        sa.sparse_attention(q, randn(1, 3, 64, 32, seed=31), randn(1, 3, 64, 32, seed=32))

@@ -1,0 +1,180 @@
+"""The fp4_linear pass: what it rewrites, what it declines and why, numerics, ONNX forms.
+
+The LLaMA test compiles with the default downstream (Inductor); the decision-only tests use
+downstream="eager" to stay fast (the passes and the rewritten graph are the same).
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphopt
+from graphopt.kernels import fp4
+from graphopt.passes.fp4_linear import SCALE_SEARCH
+
+
+def _llama_tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_llama_tiny_every_linear_rewritten_logits_match_dequantized_reference(fmt):
+    model = _llama_tiny()
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    report = graphopt.explain(model, ids, passes={"fp4_linear": True}, force=True, fp4_format=fmt)
+    decisions = [d for d in report.decisions if d.pass_name == "fp4_linear"]
+    linears = [name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
+    assert len(decisions) == len(linears) == 15
+    for d in decisions:
+        assert d.applied or d.reason, d
+    applied = [d for d in decisions if d.applied]
+    assert {d.location for d in applied} == set(linears)  # nothing declined on this model
+    for d in applied:
+        assert d.details["format"] == fmt and d.details["sqnr_db"] >= 15.0
+        assert d.details["memory_saved_bytes"] == d.details["dense_weight_bytes"] - d.details["fp4_weight_bytes"]
+
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for mod in reference.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(fp4.dequantize_fp4(fp4.quantize_fp4(mod.weight, fmt, scale_search=SCALE_SEARCH)))
+        expected = reference(ids).logits
+        original = model(ids).logits
+    got = report.output.logits
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert (got - original).abs().max() > 1e-4  # the weights really changed
+
+
+def test_cpu_target_declines_without_force():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64)).eval()
+    report = graphopt.explain(model, torch.randn(3, 64), passes={"fp4_linear": True}, downstream="eager")
+    (d,) = report.decisions
+    assert not d.applied and "cost model predicts no win" in d.reason
+
+
+def test_gpu_target_applies_large_layer_and_declines_tiny_one():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big = torch.nn.Linear(1024, 2048, bias=False)
+            self.tiny = torch.nn.Linear(2048, 16)  # 16 outputs: launch-bound either way
+
+        def forward(self, x):
+            return self.tiny(self.big(x))
+
+    model = Two().eval().to(torch.bfloat16)
+    x = torch.randn(1, 1024, dtype=torch.bfloat16)
+    report = graphopt.explain(model, x, passes={"fp4_linear": True}, target="h100", downstream="eager")
+    by_location = {d.location: d for d in report.decisions}
+    big, tiny = by_location["big"], by_location["tiny"]
+    assert big.applied and big.implementation == "fp4_gemv" and big.predicted_speedup > 1.1  # launch-bound size
+    assert big.details["memory_saved_bytes"] == 1024 * 2048 * 2 - (2048 * 512 + 2048 * 64 + 4)
+    assert not tiny.applied and "below 1.05x" in tiny.reason
+    assert report.output.dtype == torch.bfloat16 and report.output.shape == (1, 16)
+
+
+def test_sqnr_budget_declines_with_reason():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    report = graphopt.explain(model, torch.randn(2, 64), passes={"fp4_linear": True}, force=True,
+                              error_budget={"fp4_linear": 40.0}, downstream="eager")
+    (d,) = report.decisions
+    assert not d.applied and "SQNR" in d.reason and "below the budget of 40.00 dB" in d.reason
+
+
+def test_weight_that_is_not_a_parameter_is_not_rewritten():
+    def f(x, w):
+        return F.linear(x, w)
+
+    x, w = torch.randn(2, 64), torch.randn(32, 64)
+    report = graphopt.explain(_Wrap(f), x, w, passes={"fp4_linear": True}, force=True, downstream="eager")
+    assert report.counts.get("fp4_linear", 0) == 0
+    assert torch.equal(report.output, f(x, w))
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def test_training_graph_is_not_rewritten():
+    model = torch.nn.Linear(64, 32)
+    decisions = []
+    from graphopt import backend
+
+    backend._DECISION_SINKS.append(decisions)
+    try:
+        compiled = torch.compile(model, backend="graphopt",
+                                 options={"passes": {"fp4_linear": True}, "force": True, "downstream": "eager"})
+        x = torch.randn(2, 64)
+        y = compiled(x)  # grad mode on, weight requires grad
+        y.sum().backward()
+    finally:
+        backend._DECISION_SINKS.remove(decisions)
+    (d,) = [d for d in decisions if d.pass_name == "fp4_linear"]
+    assert not d.applied and "requires grad" in d.reason
+    assert torch.allclose(y, model(x)) and model.weight.grad is not None
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(256, 96)  # codes (96, 128): over onnxscript's constant-folding limit
+        self.down = torch.nn.Linear(96, 40, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_onnx_runnable_form_matches_pytorch_in_onnxruntime(fmt, tmp_path):
+    import onnx
+
+    from graphopt.onnx_export import capture_rewritten, run_onnxruntime
+
+    torch.manual_seed(0)
+    model, x = _Mlp().eval(), torch.randn(2, 3, 256)
+    options = dict(passes={"fp4_linear": True}, force=True, fp4_format=fmt)
+    path = graphopt.export_onnx(model, (x,), tmp_path / "fp4.onnx", onnx_forms={"graphopt::fp4_linear": "runnable"}, **options)
+    proto = onnx.load(str(path))
+    assert "Gather" in [n.op_type for n in proto.graph.node]
+    assert not any(i.data_type == onnx.TensorProto.FLOAT and list(i.dims) in ([96, 256], [256, 96]) for i in proto.graph.initializer)
+    (y,) = run_onnxruntime(path, x)
+    rewritten, decisions = capture_rewritten(model, (x,), **options)
+    assert sum(d.applied for d in decisions) == 2
+    with torch.no_grad():
+        expected = rewritten(x).numpy()
+    np.testing.assert_allclose(y, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_onnx_standard_form_is_float4_dequantize_linear(fmt, tmp_path):
+    import onnx
+
+    model, x = _Mlp().eval(), torch.randn(2, 256)
+    path = graphopt.export_onnx(model, (x,), tmp_path / "fp4_std.onnx", passes={"fp4_linear": True}, force=True,
+                                fp4_format=fmt)
+    proto = onnx.load(str(path))
+    onnx.checker.check_model(proto, full_check=True)
+    kinds = [n.op_type for n in proto.graph.node]
+    assert "DequantizeLinear" in kinds and "MatMul" in kinds and "Gather" not in kinds
+    fp4_inits = [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT4E2M1]
+    assert sorted(list(i.dims) for i in fp4_inits) == [[40, 128], [96, 256]]  # (N, K padded to 64)
+    fp4_names = {i.name for i in fp4_inits}
+    dequant = [n for n in proto.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in fp4_names]
+    assert len(dequant) == 2
+    for n in dequant:
+        attrs = {a.name: a.i for a in n.attribute}
+        assert attrs["block_size"] == fp4.BLOCK_SIZES[fmt] and attrs["axis"] == 1

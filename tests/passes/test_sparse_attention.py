@@ -1,0 +1,156 @@
+"""The sparse_attention pass: re-lowering of graphopt::attention, plan thresholds, cost-model
+declines with reasons, negative cases, and ONNX export run in onnxruntime."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import graphopt
+from graphopt.hardware import get_spec
+from graphopt.kernels import sparse_attention as sa
+from graphopt.passes import sparse_attention as sp
+
+
+class HandWrittenAttention(torch.nn.Module):
+    """softmax(q k^T * scale [+ causal / padding mask]) v, as models write it."""
+
+    def __init__(self, length: int, head_dim: int, *, causal: bool = False, padding_bias: bool = False):
+        super().__init__()
+        self.scale = head_dim**-0.5
+        self.causal = causal
+        self.register_buffer("tril", torch.ones(length, length, dtype=torch.bool).tril(), persistent=False)
+        self.padding_bias = padding_bias
+
+    def forward(self, q, k, v, key_bias=None):
+        q = q * self.scale  # q first: Dynamo orders graph inputs by first use
+        scores = q @ k.transpose(-2, -1)
+        if self.causal:
+            scores = scores.masked_fill(~self.tril, float("-inf"))
+        if key_bias is not None:
+            scores = scores + key_bias
+        return scores.softmax(dim=-1) @ v
+
+
+def explain(model, *inputs, **options):
+    options = {"passes": {"sparse_attention": True}, "downstream": "eager", **options}
+    return graphopt.explain(model, *inputs, **options)
+
+
+def sparse_decisions(report):
+    return [d for d in report.decisions if d.pass_name == "sparse_attention"]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_forced_rewrite_runs_sparse_attention_with_default_thresholds(is_causal):
+    q, k, v = sa.local_sink_qkv(1, 2, 512, 32, seed=1)
+    model = HandWrittenAttention(512, 32, causal=is_causal)
+    report = explain(model, q, k, v, force=True)
+    assert report.counts["sparse_attention"] == 1, str(report)
+    (decision,) = sparse_decisions(report)
+    assert decision.details["sparsity_assumed"] and "untuned defaults" in decision.reason
+    expected = sa.reference_sparse_attention(q, k, v, is_causal=is_causal)
+    torch.testing.assert_close(report.output, expected, atol=1e-6, rtol=1e-5)
+    dense = model(q, k, v)
+    assert not torch.allclose(report.output, dense, atol=1e-6), "defaults should skip blocks on local inputs"
+
+
+def test_short_sequence_is_declined_by_the_cost_model():
+    q, k, v = sa.local_sink_qkv(1, 2, 128, 64, seed=2)
+    report = explain(HandWrittenAttention(128, 64, causal=True), q, k, v, target="h100")
+    (decision,) = sparse_decisions(report)
+    assert not decision.applied
+    assert "predicts no win" in decision.reason and "L=128" in decision.reason
+    assert decision.predicted_ms_after > decision.predicted_ms_before
+
+
+def test_cost_model_prefers_sparse_only_at_length():
+    hw = get_spec("h100")
+    for length, wins in ((256, False), (16384, True)):
+        dense = sp.estimate_dense(hw, "cudnn", 1, 16, 16, length, length, 128, causal=False)
+        sparse = sp.estimate_sparse_attention(hw, 1, 16, 16, length, length, 128, causal=False, sparsity=0.5)
+        assert (sparse.ms < dense.ms) == wins, (length, dense, sparse)
+    # predictor overhead is small against dense at long context
+    predictor = sp.estimate_predictor(hw, 1, 16, 16, 16384, 16384, 128)
+    assert predictor.ms < 0.05 * sp.estimate_dense(hw, "cudnn", 1, 16, 16, 16384, 16384, 128, causal=False).ms
+
+
+def test_padding_bias_is_declined_with_reason():
+    q, k, v = sa.local_sink_qkv(1, 2, 256, 32, seed=3)
+    bias = torch.zeros(1, 1, 1, 256)
+    bias[..., 200:] = torch.finfo(torch.float32).min
+    report = explain(HandWrittenAttention(256, 32), q, k, v, bias, force=True)
+    (decision,) = sparse_decisions(report)
+    assert not decision.applied and "bias or mask other than causal" in decision.reason
+    torch.testing.assert_close(report.output, HandWrittenAttention(256, 32)(q, k, v, bias))
+
+
+def _plan(tmp_path, key, *, heads=2, dense=(False, False), cdf=(0.9, 1.0), l1=0.06):
+    layer = {"heads": heads, "is_causal": True, "seq_len": 512, "head_dim": 32,
+             "simthreshd1": [0.6, -1.0], "cdfthreshd": list(cdf), "pvthreshd": [None, None], "dense": list(dense),
+             "sparsity": [0.6, 0.0], "l1": [0.03, 0.0], "pv_l1": [0.03, 0.0], "heldout_l1": [0.04, 0.0]}
+    path = tmp_path / "plan.json"
+    graphopt.plan.save_plan(path, {"sparse_attention": {"version": 1, "block_m": 128, "block_n": 64, "l1": l1,
+                                                        "pv_l1": 0.07, "layers": {key: layer}}})
+    return str(path)
+
+
+def test_plan_thresholds_are_used_per_head(tmp_path):
+    q, k, v = sa.local_sink_qkv(1, 2, 512, 32, seed=4)
+    model = HandWrittenAttention(512, 32, causal=True)
+    plan = _plan(tmp_path, "#0", dense=(False, True))
+    report = explain(model, q, k, v, force=True, plan=plan, passes={"attention": False, "sparse_attention": True})
+    (decision,) = sparse_decisions(report)
+    assert decision.applied and "tuned plan (1/2 heads sparse)" in decision.reason
+    assert decision.details["cdfthreshd"] == [0.9, 1.0] and decision.details["simthreshd1"] == [0.6, -1.0]
+    assert not decision.details["sparsity_assumed"] and math.isclose(decision.details["sparsity"], 0.3)
+    expected = sa.reference_sparse_attention(q, k, v, is_causal=True, simthreshd1=torch.tensor([0.6, -1.0]),
+                                             cdfthreshd=torch.tensor([0.9, 1.0]))
+    torch.testing.assert_close(report.output, expected, atol=1e-6, rtol=1e-5)
+    # the dense head is exact
+    torch.testing.assert_close(report.output[:, 1], model(q, k, v)[:, 1], atol=1e-5, rtol=1e-5)
+
+
+def test_all_dense_plan_and_over_budget_plan_are_declined(tmp_path):
+    q, k, v = sa.local_sink_qkv(1, 2, 256, 32, seed=5)
+    model = HandWrittenAttention(256, 32, causal=True)
+    report = explain(model, q, k, v, force=True, plan=_plan(tmp_path, "#0", dense=(True, True)))
+    assert "every head" in sparse_decisions(report)[0].reason
+    report = explain(model, q, k, v, force=True, plan=_plan(tmp_path, "#0", l1=0.2))
+    assert "over this config's error_budget" in sparse_decisions(report)[0].reason
+
+
+def test_cpu_target_declines_without_force():
+    q, k, v = sa.local_sink_qkv(1, 1, 256, 32, seed=6)
+    report = explain(HandWrittenAttention(256, 32), q, k, v, target="cpu")
+    assert "not a GPU" in sparse_decisions(report)[0].reason
+
+
+def test_non_attention_softmax_is_not_rewritten():
+    class Classifier(torch.nn.Module):
+        def forward(self, x):
+            return (x * 2).softmax(-1)
+
+    report = explain(Classifier(), torch.randn(4, 10), force=True)
+    assert report.counts.get("sparse_attention", 0) == 0
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_onnx_export_matches_reference_in_onnxruntime(tmp_path, is_causal):
+    pytest.importorskip("onnxruntime")
+    from graphopt.onnx_export import run_onnxruntime
+
+    L = 320  # not a multiple of either block size
+    q, k, v = sa.local_sink_qkv(1, 2, L, 32, seed=7)
+    model = HandWrittenAttention(L, 32, causal=is_causal)
+    path = graphopt.export_onnx(model, (q, k, v), tmp_path / "sparse.onnx", force=True,
+                                passes={"sparse_attention": True})
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert "Attention" in ops and not any("graphopt" in o for o in ops)
+    (out,) = run_onnxruntime(path, q, k, v)
+    expected = sa.reference_sparse_attention(q, k, v, is_causal=is_causal)
+    assert not torch.allclose(expected, model(q, k, v), atol=1e-5), "the mask should be sparse here"
+    torch.testing.assert_close(torch.from_numpy(out), expected, atol=1e-5, rtol=1e-4)

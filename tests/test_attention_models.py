@@ -1,0 +1,175 @@
+"""The attention pass on real `transformers` models (tiny random configs, eager attention, CPU,
+fp32): every attention layer is rewritten, outputs match eager, output_attentions=True is left
+alone, gradients match, and the rewritten BERT exports to ONNX with standard Attention nodes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import graphopt
+
+transformers = pytest.importorskip("transformers")
+T = transformers
+
+SEQ = 12
+
+
+def _config(family: str):
+    small = dict(vocab_size=97)
+    if family == "gpt2":
+        return T.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0, **small), 2
+    if family == "llama":
+        return T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, **small), 2
+    if family == "mistral":  # GQA: 4 query heads over 2 kv heads
+        return T.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, **small), 2
+    if family == "qwen2":  # GQA, q/k/v projections with bias
+        return T.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **small), 2
+    if family == "gemma":  # MQA, head_dim != hidden/heads
+        return T.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16, **small), 2
+    if family == "phi":
+        return T.PhiConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **small), 2
+    if family == "opt":
+        return T.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, word_embed_proj_dim=32, max_position_embeddings=64, **small), 2
+    if family == "bert":
+        return T.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, **small), 2
+    if family == "t5":  # encoder self, decoder self (causal + position bias), decoder cross: 3 per layer pair
+        return T.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, decoder_start_token_id=0, **small), 6
+    raise KeyError(family)
+
+
+class Logits(torch.nn.Module):
+    """Model -> one tensor (logits or last hidden state), with fixed keyword inputs."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__()
+        self.model, self.kwargs = model, kwargs
+
+    def forward(self, input_ids, attention_mask=None):
+        extra = dict(self.kwargs)
+        if attention_mask is not None:
+            extra["attention_mask"] = attention_mask
+        out = self.model(input_ids, **extra)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def build(family: str, **kwargs):
+    torch.manual_seed(0)
+    config, n_attention = _config(family)
+    cls = T.AutoModel if family in ("bert", "t5") else T.AutoModelForCausalLM
+    model = cls.from_config(config, attn_implementation="eager").eval()
+    extra = dict(use_cache=False, **kwargs)
+    if family == "t5":
+        extra["decoder_input_ids"] = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(2))
+    if family == "bert":
+        extra.pop("use_cache")
+    return Logits(model, **extra), n_attention
+
+
+def inputs(family: str):
+    ids = torch.randint(1, 97, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    if family == "bert":  # padding in the second sequence
+        return ids, torch.tensor([[1] * SEQ, [1] * (SEQ - 3) + [0] * 3])
+    return (ids,)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "gemma", "phi", "opt", "bert", "t5"])
+def test_every_attention_layer_is_rewritten(family):
+    model, n_attention = build(family)
+    args = inputs(family)
+    report = graphopt.explain(model, *args, downstream="eager")
+    assert report.counts["attention"] == n_attention, str(report)
+    with torch.no_grad():
+        expected = model(*args)
+    torch.testing.assert_close(report.output, expected, atol=2e-4, rtol=0)
+    decoders = [d for d in report.applied("attention") if "encoder" not in d.location and "EncDec" not in d.location]
+    if family not in ("bert", "t5"):  # decoder-only: the HF causal mask is proven causal, no bias left
+        assert all(d.details["is_causal"] and d.details["bias"] == "none" for d in decoders)
+    if family in ("mistral", "qwen2", "gemma"):
+        assert all(d.details["num_kv_groups"] > 1 for d in decoders)
+
+
+def test_inductor_downstream():
+    model, n_attention = build("llama")
+    args = inputs("llama")
+    report = graphopt.explain(model, *args)  # downstream="inductor" (the default)
+    assert report.counts["attention"] == n_attention
+    with torch.no_grad():
+        torch.testing.assert_close(report.output, model(*args), atol=2e-4, rtol=0)
+
+
+def test_output_attentions_leaves_attention_alone():
+    model, n_attention = build("llama", output_attentions=True)
+
+    class LogitsAndAttentions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model.model
+
+        def forward(self, ids):
+            out = self.inner(ids, **self_kwargs)
+            return out.logits, out.attentions
+
+    self_kwargs = model.kwargs
+    wrapped = LogitsAndAttentions()
+    report = graphopt.explain(wrapped, *inputs("llama"), downstream="eager")
+    assert report.counts["attention"] == 0
+    declined = report.declined("attention")
+    assert len(declined) == n_attention and all("users" in d.reason for d in declined)
+    with torch.no_grad():
+        logits, attentions = wrapped(*inputs("llama"))
+    torch.testing.assert_close(report.output[0], logits)
+    for got, want in zip(report.output[1], attentions):
+        torch.testing.assert_close(got, want)
+
+
+def test_llama_gradients_match_eager():
+    model, _ = build("llama")
+    model.train()  # attention dropout p=0: the pass still applies
+    (ids,) = inputs("llama")
+    eager, trained = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = torch.compile(trained, backend="graphopt", options={"downstream": "eager"})
+    from graphopt import backend as backend_module
+
+    sink = []
+    backend_module._DECISION_SINKS.append(sink)
+    try:
+        loss = torch.nn.functional.cross_entropy(compiled(ids).flatten(0, 1), ids.flatten())
+    finally:
+        backend_module._DECISION_SINKS.remove(sink)
+    assert sum(d.applied for d in sink if d.pass_name == "attention") == 2
+    loss.backward()
+    expected = torch.nn.functional.cross_entropy(eager(ids).flatten(0, 1), ids.flatten())
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
+    for (name, p), (_, q) in zip(eager.named_parameters(), trained.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_bert_onnx_export_uses_standard_attention(tmp_path):
+    import onnx
+
+    from graphopt.onnx_export import run_onnxruntime
+
+    model, n_attention = build("bert")
+    ids, mask = inputs("bert")
+
+    class IdsFirst(torch.nn.Module):
+        # Works around graphopt.export_onnx mapping user inputs to graph placeholders by position:
+        # Dynamo orders placeholders by first use, and BERT reads attention_mask before input_ids.
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.inner(input_ids.clone(), attention_mask)
+
+    path = graphopt.export_onnx(IdsFirst(), (ids, mask), tmp_path / "bert.onnx")
+    graph = onnx.load(str(path)).graph
+    assert sum(n.op_type == "Attention" for n in graph.node) == n_attention
+    assert not any(n.op_type == "Softmax" for n in graph.node)
+    (out,) = run_onnxruntime(path, ids, mask)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(out), model(ids, mask), atol=1e-3, rtol=0)
