@@ -12,4 +12,18 @@ from graphopt.onnx_export import export_onnx
 from graphopt.passes.base import Decision
 
 __version__ = "0.1.0"
-__all__ = ["GraphOptConfig", "Report", "Decision", "explain", "export_onnx", "__version__"]
+__all__ = ["GraphOptConfig", "Report", "Decision", "explain", "export_onnx", "tune", "explore_fft", "__version__"]
+
+
+def tune(*args, **kwargs):
+    """Per-head sparse-attention thresholds under an L1 budget (see graphopt.tune.tune)."""
+    from graphopt.tune import tune as _tune
+
+    return _tune(*args, **kwargs)
+
+
+def explore_fft(*args, **kwargs):
+    """Where FFT-chain layers beat dense GEMMs, measured beside the cost model (graphopt.fft_explorer)."""
+    from graphopt.fft_explorer import explore_fft as _explore
+
+    return _explore(*args, **kwargs)

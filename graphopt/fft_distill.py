@@ -93,7 +93,7 @@ def _tiny_llama() -> tuple[nn.Module, tuple]:
     return model, (torch.randint(0, 512, (8, 32)),)
 
 
-_FALLBACK_MODELS = {"minilm": _minilm, "tiny-llama": _tiny_llama}
+_CALIBRATION_MODELS = {"minilm": _minilm, "tiny-llama": _tiny_llama}
 
 
 def resolve_model(spec: str) -> tuple[nn.Module, tuple]:
@@ -103,18 +103,13 @@ def resolve_model(spec: str) -> tuple[nn.Module, tuple]:
         out = getattr(importlib.import_module(module_name), fn_name)()
         model, inputs = out
         return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    try:  # the lead's model zoo, when present
-        models = importlib.import_module("graphopt.models")
-        for fn_name in ("load_model", "get_model", "load"):
-            fn = getattr(models, fn_name, None)
-            if callable(fn):
-                model, inputs = fn(spec)
-                return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    except (ImportError, KeyError, ValueError):
-        pass
-    if spec in _FALLBACK_MODELS:
-        return _FALLBACK_MODELS[spec]()
-    raise ValueError(f"unknown model {spec!r}; valid choices: {', '.join(_FALLBACK_MODELS)} or module:function")
+    if spec in _CALIBRATION_MODELS:  # built-ins with a calibration batch sized for distillation
+        return _CALIBRATION_MODELS[spec]()
+    from graphopt.models import BUILTIN_MODELS, build
+
+    if spec in BUILTIN_MODELS:
+        return build(spec, device="cpu", dtype=torch.float32)
+    raise ValueError(f"unknown model {spec!r}; valid choices: {', '.join(BUILTIN_MODELS)} or module:function")
 
 
 def layer_index(name: str) -> int | None:

@@ -9,11 +9,7 @@ Two kinds of match, one Decision each:
    site's token count and writes it into the node, and (b) when the coefficients are an inference
    graph's parameter (`ctx.can_freeze`), folds the coefficient spectrum (rfft -> permute -> real /
    imag in the graph) into constants, removing those kernels from every call. Lossless: always
-   applied. Folding is done only for the `eager` downstream for now: AOTAutograd asserts that
-   every buffer of a Dynamo graph module has a Dynamo source, and rejects real (non-fake)
-   tensors held as plain attributes, so constants a backend pass adds break an Inductor compile
-   (the framework's PassContext.add_constant has the same problem; reported to the lead). Under
-   Inductor the small coefficient rfft stays in the graph and Inductor compiles it.
+   applied.
 2. Dense linears (`find_linears`). Rewritten only through a plan: the plan's "fft_linear" section
    (written by `graphopt fftchain distill`) names fitted coefficients for the layer at that
    module path, in a safetensors file beside the plan, with the relative output error measured on
@@ -46,25 +42,6 @@ from graphopt.passes.fx_utils import arg, device, dtype, find_linears, replace_w
 from graphopt.plan import plan_section
 
 OP = torch.ops.graphopt.fft_chain_linear.default
-
-
-def _add_constant(ctx: PassContext, tensor: torch.Tensor, hint: str) -> fx.Node:
-    """Like PassContext.add_constant, but as a plain tensor attribute, not a registered buffer:
-    AOTAutograd (Inductor downstream) asserts that every buffer of a Dynamo graph module has a
-    Dynamo source, which a pass-made buffer lacks. A plain attribute is traced as a constant."""
-    name = f"_graphopt_{hint}_{ctx._constant_count}"
-    ctx._constant_count += 1
-    ctx.gm.register_buffer(name, tensor, persistent=False)
-    sources = getattr(ctx.gm, "_param_name_to_source", None)
-    if sources is not None:
-        from torch._dynamo.source import ConstantSource
-
-        sources[name] = ConstantSource(name)
-    placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
-    with ctx.gm.graph.inserting_after(placeholders[-1] if placeholders else None):
-        node = ctx.gm.graph.get_attr(name)
-    node.meta["example_value"] = tensor
-    return node
 
 
 def _tokens(node) -> int | None:
@@ -168,10 +145,6 @@ class FFTLinearPass(GraphPass):
             node.update_kwarg("impl", impl)
 
     def _fold_spectrum(self, ctx: PassContext, node: fx.Node, coeff_real, coeff_imag) -> bool:
-        if ctx.config.downstream != "eager":
-            # Inductor/AOTAutograd reject tensors a backend pass attaches to a Dynamo graph module
-            # (see the module docstring); leave the rfft of the coefficients to the downstream.
-            return False
         found = {}
         for which in (coeff_real, coeff_imag):
             if not isinstance(which, fx.Node) or which.op == "get_attr":
@@ -186,8 +159,8 @@ class FFTLinearPass(GraphPass):
                 values[p] = ctx.freeze(p)
             with torch.no_grad():
                 _evaluate(nodes, values, ctx)
-        real = _add_constant(ctx, values[coeff_real].detach().contiguous(), "fft_coeff_real")
-        imag = _add_constant(ctx, values[coeff_imag].detach().contiguous(), "fft_coeff_imag")
+        real = ctx.add_constant(values[coeff_real].detach().contiguous(), "fft_coeff_real")
+        imag = ctx.add_constant(values[coeff_imag].detach().contiguous(), "fft_coeff_imag")
         node.replace_input_with(coeff_real, real)
         node.replace_input_with(coeff_imag, imag)
         dead = [n for nodes, _ in found.values() for n in reversed(nodes)]
@@ -242,12 +215,12 @@ class FFTLinearPass(GraphPass):
         dev = device(m.input) or torch.device("cpu")
         cr, ci = fft.spectral_coefficients(coeffs.to(dev))
         m.weight(ctx)  # freeze: a changed dense weight recompiles (the plan then no longer matches it)
-        args = [m.input, _add_constant(ctx, cr, "fft_coeff_real"), _add_constant(ctx, ci, "fft_coeff_imag"),
-                _add_constant(ctx, perms[1:].to(dev).contiguous(), "fft_perms")]
+        args = [m.input, ctx.add_constant(cr, "fft_coeff_real"), ctx.add_constant(ci, "fft_coeff_imag"),
+                ctx.add_constant(perms[1:].to(dev).contiguous(), "fft_perms")]
         if has_bias:  # keep the model's own bias (unchanged by the fit)
             args.append(m.bias_node)
         elif entry.get("bias") and f"{location}.bias" in tensors:
-            args.append(_add_constant(ctx, tensors[f"{location}.bias"].to(dev), "fft_bias"))
+            args.append(ctx.add_constant(tensors[f"{location}.bias"].to(dev), "fft_bias"))
         else:
             args.append(None)
         args += [block_size, m.out_features, impl]

@@ -41,19 +41,6 @@ SCALE_SEARCH = True
 MIN_PREDICTED_SPEEDUP = 1.05
 
 
-def _add_constant(ctx: PassContext, tensor: torch.Tensor, hint: str):
-    """ctx.add_constant plus a Dynamo source for the new buffer: AOTAutograd (the Inductor
-    downstream) asserts that every buffer of a Dynamo graph module has one. Local workaround until
-    PassContext.add_constant does this itself (requested in the report)."""
-    node = ctx.add_constant(tensor, hint)
-    sources = getattr(ctx.gm, "_param_name_to_source", None)
-    if sources is not None:
-        from torch._dynamo.source import ConstantSource
-
-        sources[node.target] = ConstantSource(node.target)
-    return node
-
-
 def _dtype_bytes(dt: torch.dtype | None) -> int:
     return torch.empty((), dtype=dt).element_size() if dt is not None else 2
 
@@ -122,10 +109,10 @@ class Fp4LinearPass(GraphPass):
         path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_f, fmt) if ctx.hardware.is_gpu else "reference")
         dense_bytes = weight.numel() * weight.element_size()
         saved = dense_bytes - kw.nbytes
-        codes = _add_constant(ctx, kw.codes, "fp4_codes")
-        codes_fp4 = _add_constant(ctx, kw.codes.view(torch.float4_e2m1fn_x2), "fp4_codes_e2m1")
-        scales = _add_constant(ctx, kw.scales, "fp4_scales")
-        global_scale = _add_constant(ctx, kw.global_scale, "fp4_global_scale")
+        codes = ctx.add_constant(kw.codes, "fp4_codes")
+        codes_fp4 = ctx.add_constant(kw.codes.view(torch.float4_e2m1fn_x2), "fp4_codes_e2m1")
+        scales = ctx.add_constant(kw.scales, "fp4_scales")
+        global_scale = ctx.add_constant(kw.global_scale, "fp4_global_scale")
         ctx.record(
             self.name, True, reason + tokens_note, node=node, before=before, after=after,
             implementation=f"fp4_{path}" if path != "reference" else "fp4_reference",

@@ -33,7 +33,7 @@ def test_rewrites_fft_chain_layer_and_declines_dense_without_plan(downstream):
         report = graphopt.explain(model, x, passes={"fft_linear": True}, downstream=downstream)
     applied, declined = _decisions(report, True), _decisions(report, False)
     assert len(applied) == 1 and applied[0].implementation.startswith("fft_chain[")
-    assert applied[0].details["spectrum_folded"] == (downstream == "eager")
+    assert applied[0].details["spectrum_folded"]  # inference graph: coefficients are constants
     assert len(declined) == 1 and declined[0].location == "dense" and "no fft_linear plan" in declined[0].reason
     torch.testing.assert_close(report.output, ref, rtol=1e-5, atol=1e-6)
 
