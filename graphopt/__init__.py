@@ -16,8 +16,8 @@ __all__ = ["GraphOptConfig", "Report", "Decision", "explain", "export_onnx", "tu
 
 
 def tune(*args, **kwargs):
-    """Per-head sparse-attention thresholds under an L1 budget (see graphopt.tune.tune)."""
-    from graphopt.tune import tune as _tune
+    """Per-head sparse-attention thresholds under an L1 budget (see graphopt.sparse_tuning.tune)."""
+    from graphopt.sparse_tuning import tune as _tune
 
     return _tune(*args, **kwargs)
 

@@ -6,7 +6,7 @@ Subcommands:
   ablate       all passes / each alone / all but one: latency, error, memory, compile time
   export       the rewritten graph as ONNX
   calibrate    measure this GPU's copy bandwidth, bf16 matmul rate and launch overhead
-  tune         per-head sparse-attention thresholds under an L1 budget (graphopt.tune)
+  tune         per-head sparse-attention thresholds under an L1 budget (graphopt.sparse_tuning)
   explore-fft  when does an FFT-chain layer beat a dense GEMM (graphopt.fft_explorer)
   fftchain     FFT-chain distillation (graphopt.fft_distill)
 """
@@ -20,7 +20,7 @@ import sys
 
 # Commands implemented in their own modules: each defines add_arguments(parser) and run(args) -> int.
 PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
-    "tune": ("graphopt.tune", "tune sparse-attention thresholds per head under an L1 budget; writes a plan"),
+    "tune": ("graphopt.sparse_tuning", "tune sparse-attention thresholds per head under an L1 budget; writes a plan"),
     "explore-fft": ("graphopt.fft_explorer", "measure where FFT-chain layers beat dense GEMMs, with predictions"),
     "fftchain": ("graphopt.fft_distill", "FFT-chain layer tools: `graphopt fftchain distill ...`"),
 }

@@ -1,4 +1,4 @@
-"""graphopt.tune: SpargeAttn's per-head search under an L1 budget, held-out checks, plans the
+"""graphopt.tune (graphopt.sparse_tuning): SpargeAttn's per-head search under an L1 budget, held-out checks, plans the
 sparse_attention pass reads, and the `graphopt tune` CLI hook."""
 
 import argparse
@@ -7,7 +7,7 @@ import json
 import torch
 
 import graphopt
-from graphopt import tune as T
+from graphopt import sparse_tuning as T
 from graphopt.kernels import sparse_attention as sa
 
 L, D = 512, 64
@@ -91,3 +91,10 @@ def test_model_without_attention_is_an_error():
 
     with pytest.raises(ValueError, match="no attention"):
         T.tune(torch.nn.Linear(4, 4), [(torch.randn(2, 4),)], show=False)
+
+
+def test_public_tune_stays_callable_after_the_module_is_imported():
+    import graphopt
+    import graphopt.sparse_tuning  # noqa: F401  (importing the module must not shadow the function)
+
+    assert callable(graphopt.tune) and graphopt.tune.__module__ == "graphopt"

@@ -141,7 +141,7 @@ class SparseAttentionPass(GraphPass):
 
     def run(self, ctx: PassContext) -> None:
         from graphopt.plan import plan_section
-        from graphopt.tune import attention_key
+        from graphopt.sparse_tuning import attention_key
 
         section = plan_section(ctx, self.name)
         budget = ctx.config.error_budget.get(self.name, 0.06)

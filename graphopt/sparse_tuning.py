@@ -1,6 +1,6 @@
 """Per-head tuning of sparse-attention thresholds under an L1 error budget (SpargeAttn's procedure).
 
-    plan = graphopt.tune.tune(model, calibration_inputs, l1=0.06, pv_l1=0.07,
+    plan = graphopt.tune(model, calibration_inputs, l1=0.06, pv_l1=0.07,
                               heldout_inputs=heldout, plan_path="plan.json")
     torch.compile(model, backend="graphopt", options={"passes": {"sparse_attention": True}, "plan": "plan.json"})
 
