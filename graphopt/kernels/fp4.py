@@ -341,13 +341,21 @@ def fp4_weight_bytes(in_features: int, out_features: int, format: str) -> int:
     return out_features * k_padded // 2 + out_features * k_padded // bs + 4
 
 
+# The fused prefill kernel (_fp4_gemm_kernel) measured 133-142 TFLOP/s on an H200 at 4096 tokens
+# (round 1: 0.17-0.18x cuBLAS bf16), about a quarter of what the fp4_gemm family's compute
+# efficiency assumes; its compute term is scaled by this until the kernel is faster.
+FUSED_GEMM_MEASURED_SLOWDOWN = 4.0
+
+
 def estimate_fp4_linear(hw, tokens: int, in_features: int, out_features: int, fmt: str = "nvfp4", *,
                         dtype_bytes: int = 2, bias: bool = False, path: str | None = None):
-    """Predicted time of graphopt::fp4_linear (the cheaper path unless `path` names one).
+    """Predicted time of graphopt::fp4_linear (the cheapest path unless `path` names one).
 
     GPU: `gemv` (family fp4_gemv) reads the packed weights once per 16 tokens; `gemm` (family
-    fp4_gemm) reads them once and runs bf16 tensor-core MMAs padded to 64 tokens. CPU: the op
-    dequantizes to fp32 and runs a dense fp32 linear, which is always slower than the original.
+    fp4_gemm) reads them once and runs bf16 tensor-core MMAs padded to 64 tokens; `dequant`
+    writes W in bf16 once (pointwise family: packed read + 2 bytes/weight written) and runs the
+    cuBLAS linear on it. CPU: the op dequantizes to fp32 and runs a dense fp32 linear, which is
+    always slower than the original.
     """
     from graphopt.cost_model import chain, linear, roofline
 
@@ -360,24 +368,30 @@ def estimate_fp4_linear(hw, tokens: int, in_features: int, out_features: int, fm
         dense = linear(hw, tokens, in_features, out_features, dtype_bytes=4, bias=bias)
         return chain("FP4 reference (dequantize + fp32 linear)", dequant, dense)
     passes = -(-tokens // DECODE_TOKENS_PER_PASS)
-    gemv = roofline(hw, "FP4 GEMV/split-K (Triton)", flops=2.0 * tokens * in_features * out_features,
-                    bytes_moved=w_bytes * passes + act_bytes, family="fp4_gemv")
-    gemm = roofline(hw, "FP4 dequant-GEMM (Triton)", flops=2.0 * max(tokens, 64) * in_features * out_features,
-                    bytes_moved=w_bytes + act_bytes, family="fp4_gemm")
-    if path == "gemv":
-        return gemv
-    if path == "gemm":
-        return gemm
+    estimates = {
+        "gemv": roofline(hw, "FP4 GEMV/split-K (Triton)", flops=2.0 * tokens * in_features * out_features,
+                         bytes_moved=w_bytes * passes + act_bytes, family="fp4_gemv"),
+        "gemm": roofline(hw, "FP4 dequant-GEMM (Triton)",
+                         flops=2.0 * max(tokens, 64) * in_features * out_features * FUSED_GEMM_MEASURED_SLOWDOWN,
+                         bytes_moved=w_bytes + act_bytes, family="fp4_gemm"),
+        "dequant": chain(
+            "FP4 dequantize (Triton) + cuBLAS bf16",
+            roofline(hw, "FP4 dequantize to bf16 (Triton)", bytes_moved=w_bytes + 2 * in_features * out_features,
+                     family="pointwise"),
+            linear(hw, tokens, in_features, out_features, dtype_bytes=dtype_bytes, bias=bias),
+        ),
+    }
     if path is not None:
-        raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: gemv, gemm")
-    return gemv if gemv.ms <= gemm.ms else gemm
+        if path not in estimates:
+            raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: {', '.join(estimates)}")
+        return estimates[path]
+    return min(estimates.values(), key=lambda e: e.ms)
 
 
 def choose_fp4_path(hw, tokens: int, in_features: int, out_features: int, fmt: str = "nvfp4") -> str:
-    """'gemv' or 'gemm', whichever the cost model predicts faster for this token count."""
-    gemv = estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, path="gemv")
-    gemm = estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, path="gemm")
-    return "gemv" if gemv.ms <= gemm.ms else "gemm"
+    """'gemv', 'gemm' or 'dequant', whichever the cost model predicts fastest for this token count."""
+    times = {p: estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, path=p).ms for p in PATHS}
+    return min(times, key=times.get)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,13 +422,16 @@ class KernelConfig:
 
 
 # Candidates the launcher times once per (path, token bucket, N, K, format, dtype) on a GPU. Kept
-# short: every distinct tile compiles once (~1 s). Decode: BLOCK_M = 1 is the CUDA-core FMA path
-# (one token), 16 the tensor-core path (2-16 tokens); BLOCK_K 256 = 128 bytes of codes per row.
-DECODE_CONFIGS: tuple[KernelConfig, ...] = tuple(
-    KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=s)
-    for bm in (1, 16)
-    for bn, bk, w, s in ((16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3))
-    for sk in (1, 2, 4)
+# short: every distinct tile compiles once (~1 s). Decode: BLOCK_M 1, 2 or 4 is the CUDA-core
+# kernel (_fp4_gemv_kernel, that many tokens per program), 16 the tensor-core one
+# (_fp4_gemv_mma_kernel, up to 16 tokens per program); BLOCK_K 256 = 128 bytes of codes per row.
+DECODE_CONFIGS: tuple[KernelConfig, ...] = (
+    tuple(KernelConfig(bn, 1, bk, sk, num_warps=w, num_stages=1)
+          for bn, bk, w in ((32, 256, 4), (64, 256, 4), (32, 512, 4)) for sk in (1, 2, 4, 8))
+    + tuple(KernelConfig(bn, bm, 256, sk, num_warps=4, num_stages=1)
+            for bm in (2, 4) for bn in (16, 32) for sk in (1, 2, 4))
+    + tuple(KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=3)
+            for bn, bk in ((16, 256), (32, 256), (64, 128)) for sk in (1, 2, 4))
 )
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
@@ -422,6 +439,7 @@ PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 64, 128, num_warps=4, num_stages=4),
     KernelConfig(256, 128, 64, num_warps=8, num_stages=3),
 )
+FMA_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # decode BLOCK_M values of the CUDA-core kernel
 # Small tiles for TRITON_INTERPRET=1 (tests on CPU).
 INTERPRET_DECODE_CONFIG = KernelConfig(16, 16, 64, split_k=2, num_warps=4, num_stages=1)
 INTERPRET_PREFILL_CONFIG = KernelConfig(16, 16, 64, num_warps=4, num_stages=1)
@@ -455,8 +473,212 @@ if triton is not None:
         else:
             return tl.dot(w, tl.trans(x), acc)
 
+    # --- e2m1 decode on 32-bit words -------------------------------------------------------
+    # A kernel-layout word (4 bytes of one scale block, little endian) holds 8 codes. Shifting it
+    # right by SHIFT in {0, 4, 8, 12} puts one code at bits 0-3 and another at bits 16-19, so
+    # 5 integer ops give TWO fp16 bit patterns at once (value * 2^-14, exact). Which elements:
+    # byte j of a block = element j (low nibble) | element j + BS/2 (high nibble), so for word q
+    # of a block (bytes 4q..4q+3) the (low, high) halves are elements
+    #   SHIFT 0: (4q, 4q+2)  4: (4q+H, 4q+2+H)  8: (4q+1, 4q+3)  12: (4q+1+H, 4q+3+H),  H = BS/2.
+    @triton.jit
+    def _e2m1_pair_bits(words, SHIFT: tl.constexpr):
+        """int32 words -> int32 with two fp16 bit patterns: the code at bit SHIFT (low half) and at
+        bit SHIFT + 16 (high half), each as sign << 15 | magnitude << 9."""
+        if SHIFT == 0:
+            t = words
+        else:
+            t = words >> SHIFT  # arithmetic shift: the extended sign bits are masked off below
+        return ((t << 9) & 0x0E000E00) | ((t << 12) & -2147450880)  # -2147450880 == 0x80008000
+
+    @triton.jit
+    def _fp16_halves(bits):
+        """int32 holding two fp16 bit patterns -> (low, high) as fp32."""
+        lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _decode_shift(words, SHIFT: tl.constexpr):
+        return _fp16_halves(_e2m1_pair_bits(words, SHIFT))
+
+    @triton.jit
+    def _token_block_sums(x_row, k_word, K, w0a, w0b, w4a, w4b, w8a, w8b, w12a, w12b, HALF: tl.constexpr):
+        """sum over each block's elements of w * x for one token: (BN, G, Q) decoded words ->
+        (BN, G). k_word (G, Q): element index of each word's first low-nibble element."""
+        xa = tl.load(x_row + k_word, mask=k_word < K, other=0.0).to(tl.float32)
+        xb = tl.load(x_row + k_word + 2, mask=k_word + 2 < K, other=0.0).to(tl.float32)
+        part = w0a * xa[None, :, :] + w0b * xb[None, :, :]
+        xa = tl.load(x_row + k_word + HALF, mask=k_word + HALF < K, other=0.0).to(tl.float32)
+        xb = tl.load(x_row + k_word + (HALF + 2), mask=k_word + (HALF + 2) < K, other=0.0).to(tl.float32)
+        part += w4a * xa[None, :, :] + w4b * xb[None, :, :]
+        xa = tl.load(x_row + k_word + 1, mask=k_word + 1 < K, other=0.0).to(tl.float32)
+        xb = tl.load(x_row + k_word + 3, mask=k_word + 3 < K, other=0.0).to(tl.float32)
+        part += w8a * xa[None, :, :] + w8b * xb[None, :, :]
+        xa = tl.load(x_row + k_word + (HALF + 1), mask=k_word + (HALF + 1) < K, other=0.0).to(tl.float32)
+        xb = tl.load(x_row + k_word + (HALF + 3), mask=k_word + (HALF + 3) < K, other=0.0).to(tl.float32)
+        part += w12a * xa[None, :, :] + w12b * xb[None, :, :]
+        return tl.sum(part, axis=2)  # the words of a block are in one thread: no shuffles
+
+    @triton.jit
+    def _finish_row(acc, token, offs_n, n_mask, N, bias, out_ptr, stride_om, ws_ptr, pid_k,
+                    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+        """SPLIT_K == 1: out = acc + bias, stored in out's dtype. Otherwise add into the fp32
+        workspace row (the last split copies it out, see _fp4_gemv_kernel)."""
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += bias
+            tl.store(out_ptr + token * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        else:
+            tl.atomic_add(ws_ptr + token * N + offs_n, acc, mask=n_mask, sem="relaxed")
+
+    @triton.jit
+    def _drain_row(token, offs_n, n_mask, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS: tl.constexpr):
+        total = tl.atomic_xchg(ws_ptr + token * N + offs_n, tl.zeros_like(offs_n).to(tl.float32), mask=n_mask)
+        if HAS_BIAS:
+            total += bias
+        tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
     @triton.jit
     def _fp4_gemv_kernel(
+        x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
+        M, N, K, K_PADDED,
+        stride_xm, stride_wn, stride_sn, stride_om,
+        IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
+    ):
+        """Decode, 1-4 tokens per program on CUDA cores: out[M, N] = x[M, K] @ W[N, K]^T.
+        Grid: (N / BLOCK_N, SPLIT_K, M / BLOCK_M); every split owns >= 1 K iteration.
+
+        Per iteration a program reads a (BLOCK_N rows x BLOCKS_PER_ITER blocks) tile of int32 code
+        words (rows contiguous: BLOCK_K / 2 bytes each) and its block scales, prefetched one
+        iteration ahead in registers; decodes two codes per 5 integer ops (_e2m1_pair_bits);
+        sums w * x within each block in-thread, applies the block scale once per block and keeps a
+        (BLOCK_N, BLOCKS_PER_ITER) fp32 accumulator per token, reduced across threads only once
+        at the end. SPLIT_K > 1: partial rows are added into a zeroed fp32 workspace (ws_ptr, M x
+        N) with atomics; the split that arrives last (per-tile counter) copies the rows out with
+        bias in the output dtype and re-zeroes the workspace and the counter, so a call is a single
+        launch and the workspace is ready for the next one.
+        """
+        WPB: tl.constexpr = BLOCK_SIZE // 8  # int32 words per scale block
+        HALF: tl.constexpr = BLOCK_SIZE // 2
+        ITER_WORDS: tl.constexpr = BLOCKS_PER_ITER * WPB
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        rows = tl.minimum(offs_n, N - 1)  # clamped: the hot loop needs no masks
+        offs_g = tl.arange(0, BLOCKS_PER_ITER)
+        offs_q = tl.arange(0, WPB)
+        word_ptrs = words_ptr + rows[:, None, None] * stride_wn + offs_g[None, :, None] * WPB + offs_q[None, None, :]  # (BN, G, Q)
+        scale_ptrs = scales_ptr + rows[:, None] * stride_sn + offs_g[None, :]  # (BN, G)
+        k_word = offs_g[:, None] * BLOCK_SIZE + offs_q[None, :] * 4  # (G, Q)
+        if IS_NVFP4:  # undo 2^-14 (e2m1 decode) and 2^-8 (e4m3 decode)
+            multiplier = tl.load(global_scale_ptr) * 4194304.0
+        else:
+            multiplier = tl.load(global_scale_ptr) * 16384.0
+
+        token0 = pid_m * BLOCK_M
+        x_row0 = x_ptr + tl.minimum(token0, M - 1) * stride_xm
+        x_row1 = x_ptr + tl.minimum(token0 + 1, M - 1) * stride_xm
+        x_row2 = x_ptr + tl.minimum(token0 + 2, M - 1) * stride_xm
+        x_row3 = x_ptr + tl.minimum(token0 + 3, M - 1) * stride_xm
+        acc0 = tl.zeros((BLOCK_N, BLOCKS_PER_ITER), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, BLOCKS_PER_ITER), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCKS_PER_ITER), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCKS_PER_ITER), dtype=tl.float32)
+
+        n_iters = K_PADDED // (BLOCK_SIZE * BLOCKS_PER_ITER)
+        per_split = tl.cdiv(n_iters, SPLIT_K)
+        it_start = pid_k * per_split
+        it_end = tl.minimum(it_start + per_split, n_iters)
+        words = tl.load(word_ptrs + it_start * ITER_WORDS)
+        scale_bytes = tl.load(scale_ptrs + it_start * BLOCKS_PER_ITER)
+        for it in range(it_start, it_end):
+            # Prefetch the next tile (the last iteration re-reads its own, an L1/L2 hit).
+            nxt = tl.minimum(it + 1, it_end - 1)
+            next_words = tl.load(word_ptrs + nxt * ITER_WORDS)
+            next_scale_bytes = tl.load(scale_ptrs + nxt * BLOCKS_PER_ITER)
+
+            scale = _block_scales(scale_bytes, IS_NVFP4) * multiplier  # (BN, G)
+            w0a, w0b = _decode_shift(words, 0)
+            w4a, w4b = _decode_shift(words, 4)
+            w8a, w8b = _decode_shift(words, 8)
+            w12a, w12b = _decode_shift(words, 12)
+            k_it = k_word + it * (BLOCKS_PER_ITER * BLOCK_SIZE)
+            acc0 += scale * _token_block_sums(x_row0, k_it, K, w0a, w0b, w4a, w4b, w8a, w8b, w12a, w12b, HALF)
+            if BLOCK_M > 1:
+                acc1 += scale * _token_block_sums(x_row1, k_it, K, w0a, w0b, w4a, w4b, w8a, w8b, w12a, w12b, HALF)
+            if BLOCK_M > 2:
+                acc2 += scale * _token_block_sums(x_row2, k_it, K, w0a, w0b, w4a, w4b, w8a, w8b, w12a, w12b, HALF)
+                acc3 += scale * _token_block_sums(x_row3, k_it, K, w0a, w0b, w4a, w4b, w8a, w8b, w12a, w12b, HALF)
+            words = next_words
+            scale_bytes = next_scale_bytes
+
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows).to(tl.float32)
+        else:
+            bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        _finish_row(tl.sum(acc0, axis=1), token0, offs_n, n_mask, N, bias, out_ptr, stride_om, ws_ptr, pid_k,
+                    HAS_BIAS, SPLIT_K)
+        if BLOCK_M > 1:
+            _finish_row(tl.sum(acc1, axis=1), token0 + 1, offs_n, n_mask & (token0 + 1 < M), N, bias, out_ptr,
+                        stride_om, ws_ptr, pid_k, HAS_BIAS, SPLIT_K)
+        if BLOCK_M > 2:
+            _finish_row(tl.sum(acc2, axis=1), token0 + 2, offs_n, n_mask & (token0 + 2 < M), N, bias, out_ptr,
+                        stride_om, ws_ptr, pid_k, HAS_BIAS, SPLIT_K)
+            _finish_row(tl.sum(acc3, axis=1), token0 + 3, offs_n, n_mask & (token0 + 3 < M), N, bias, out_ptr,
+                        stride_om, ws_ptr, pid_k, HAS_BIAS, SPLIT_K)
+        if SPLIT_K > 1:
+            tl.debug_barrier()  # every thread's workspace atomics precede the counter's release
+            counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # the last split of this tile: copy out, re-arm
+                _drain_row(token0, offs_n, n_mask, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
+                if BLOCK_M > 1:
+                    _drain_row(token0 + 1, offs_n, n_mask & (token0 + 1 < M), N, bias, out_ptr, stride_om, ws_ptr,
+                               HAS_BIAS)
+                if BLOCK_M > 2:
+                    _drain_row(token0 + 2, offs_n, n_mask & (token0 + 2 < M), N, bias, out_ptr, stride_om, ws_ptr,
+                               HAS_BIAS)
+                    _drain_row(token0 + 3, offs_n, n_mask & (token0 + 3 < M), N, bias, out_ptr, stride_om, ws_ptr,
+                               HAS_BIAS)
+                tl.atomic_xchg(counter, 0)
+
+    @triton.jit
+    def _fp4_dequantize_kernel(
+        codes_ptr, scales_ptr, global_scale_ptr, out_ptr, N, K,
+        stride_cn, stride_sn, stride_on,
+        IS_NVFP4: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROG: tl.constexpr,
+    ):
+        """W (N, K) in out's dtype from the kernel layout, for the prefill path (then cuBLAS).
+        Grid: (N / BLOCK_N, K_padded / (BLOCK_SIZE * BLOCKS_PER_PROG)). Each program decodes a
+        (BLOCK_N, BLOCKS_PER_PROG blocks) tile: byte j of a block -> elements j and j + BS/2,
+        written as two runs of BS/2 contiguous elements per block (16-byte stores for NVFP4)."""
+        HALF: tl.constexpr = BLOCK_SIZE // 2
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_g = pid_k * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
+        offs_j = tl.arange(0, HALF)
+        n_mask = offs_n < N
+        codes = tl.load(codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :],
+                        mask=n_mask[:, None, None], other=0)  # (BN, G, HALF) uint8
+        scale_bytes = tl.load(scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=n_mask[:, None], other=0)
+        if IS_NVFP4:
+            multiplier = tl.load(global_scale_ptr) * 4194304.0
+        else:
+            multiplier = tl.load(global_scale_ptr) * 16384.0
+        scale = (_block_scales(scale_bytes, IS_NVFP4) * multiplier)[:, :, None]
+        k_lo = offs_g[None, :, None] * BLOCK_SIZE + offs_j[None, None, :]  # (1, G, HALF)
+        out_rows = out_ptr + offs_n[:, None, None] * stride_on
+        w_lo = (_e2m1_times_2_pow_minus_14(codes & 15) * scale).to(out_ptr.dtype.element_ty)
+        tl.store(out_rows + k_lo, w_lo, mask=n_mask[:, None, None] & (k_lo < K))
+        w_hi = (_e2m1_times_2_pow_minus_14(codes >> 4) * scale).to(out_ptr.dtype.element_ty)
+        tl.store(out_rows + k_lo + HALF, w_hi, mask=n_mask[:, None, None] & (k_lo + HALF < K))
+
+    @triton.jit
+    def _fp4_gemv_mma_kernel(
         x_ptr, codes_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr,
         M, N, K, K_PADDED,
         stride_xm, stride_cn, stride_sn, stride_om,
@@ -604,8 +826,13 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------
-PATHS: tuple[str, ...] = ("gemv", "gemm")
+PATHS: tuple[str, ...] = ("gemv", "gemm", "dequant")
 _TUNED: dict[tuple, KernelConfig] = {}
+# Split-K workspaces of the CUDA-core decode kernel, per (device, M, N): an fp32 (M, N) buffer and
+# per-tile arrival counters, both all-zero between calls (the last split of a tile re-zeroes its
+# part). Shared by every launch with that key: two such launches must not run concurrently on
+# different streams.
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -621,21 +848,50 @@ def _token_bucket(m: int) -> int:
 
 def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, block_size: int) -> bool:
     """Whether a tile config can run this shape (correctness, not speed)."""
+    if path == "dequant":
+        return True
     if cfg.block_k % block_size or k_padded % cfg.block_k or (cfg.block_k // block_size) * (block_size // 2) < 16:
         return False
     if path == "gemv":
-        return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in (1, 16)
+        return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + (16,)
     return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
 
 
 def _worth_timing(cfg: KernelConfig, path: str, m: int, k_padded: int) -> bool:
-    """Tuning filter: one token uses the FMA decode path, 2-16 tokens the MMA one; a K split keeps
-    at least two K tiles per program."""
+    """Tuning filter. 1-4 tokens: the CUDA-core kernel with BLOCK_M = the token bucket; 5-16
+    tokens: CUDA-core with 4 tokens per program or the tensor-core kernel. A K split keeps at
+    least two K tiles per program."""
     if path != "gemv":
         return True
-    if (m == 1) != (cfg.block_m == 1):
+    if m <= 4 and cfg.block_m != _token_bucket(m):
+        return False
+    if m > 4 and cfg.block_m not in (4, 16):
         return False
     return cfg.split_k == 1 or (k_padded // cfg.block_k) // cfg.split_k >= 2
+
+
+def _workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, m, n)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = (torch.zeros((m, n), dtype=torch.float32, device=device),
+                            torch.zeros((m * triton.cdiv(n, 16),), dtype=torch.int32, device=device))
+    return _WORKSPACES[key]
+
+
+def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, out_features: int,
+                      in_features: int, format: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(N, K) weight in `dtype` from kernel-layout tensors, on the device (one Triton launch)."""
+    bs = _check_format(format)
+    w = torch.empty((out_features, in_features), dtype=dtype, device=codes.device)
+    blocks_per_prog = KERNEL_K_MULTIPLE // bs
+    block_n = 16 if _interpreting() else 64
+    grid = (triton.cdiv(out_features, block_n), codes.shape[1] * 2 // KERNEL_K_MULTIPLE)
+    _fp4_dequantize_kernel[grid](
+        codes, scales.view(torch.uint8), global_scale, w, out_features, in_features,
+        codes.stride(0), scales.stride(0), w.stride(0),
+        IS_NVFP4=format == "nvfp4", BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCKS_PER_PROG=blocks_per_prog, num_warps=4,
+    )
+    return w
 
 
 def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias, out_features: int, in_features: int,
@@ -643,17 +899,35 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
     m = x2.shape[0]
     n, k_padded = out_features, codes.shape[1] * 2
     bs = BLOCK_SIZES[format]
+    bias_arg = bias if bias is not None else global_scale  # never read when HAS_BIAS is False
+    if path == "dequant":  # prefill for many tokens: decode W once (bf16/fp16), then cuBLAS
+        w = dequantize_triton(codes, scales, global_scale, n, in_features, format, x2.dtype)
+        out = F.linear(x2, w, None if bias is None else bias.to(x2.dtype))
+        return out.to(out_dtype) if out.dtype != out_dtype else out
+    if path == "gemv" and cfg.block_m in FMA_BLOCK_M:
+        n_iters = k_padded // cfg.block_k
+        split_k = triton.cdiv(n_iters, triton.cdiv(n_iters, cfg.split_k))  # every split owns >= 1 tile
+        out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
+        ws, counters = _workspace(x2.device, m, n) if split_k > 1 else (out, out)
+        grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))
+        _fp4_gemv_kernel[grid](
+            x2, codes.view(torch.int32), scales, global_scale, bias_arg, out, ws, counters, m, n, in_features, k_padded,
+            x2.stride(0), k_padded // 8, scales.stride(0), out.stride(0),
+            IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.block_k // bs, SPLIT_K=split_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
     common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.block_k // bs,
                   UPCAST_DOT=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    bias_arg = bias if bias is not None else global_scale  # never read when HAS_BIAS is False
     if path == "gemv":
         if cfg.split_k > 1:
             out = torch.zeros((m, n), dtype=torch.float32, device=x2.device)
         else:
             out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
         grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
-        _fp4_gemv_kernel[grid](
+        _fp4_gemv_mma_kernel[grid](
             x2, codes, scales, global_scale, bias_arg, out, m, n, in_features, k_padded,
             x2.stride(0), codes.stride(0), scales.stride(0), out.stride(0), SPLIT_K=cfg.split_k, **common,
         )
@@ -667,15 +941,22 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
     return out
 
 
+DEQUANT_CONFIG = KernelConfig(64, 1, KERNEL_K_MULTIPLE)  # placeholder: the dequant path has no tile choice
+
+
 def _pick_config(path: str, args: tuple) -> KernelConfig:
-    """The fastest valid candidate for this shape, timed once per key on the GPU (cached)."""
+    """The fastest valid candidate for this shape, timed once per key on the GPU (cached). A
+    candidate whose output disagrees with the first one that ran is dropped (a guard against a
+    miscompiled tile being 'fastest')."""
     x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
     m, k_padded, bs = x2.shape[0], codes.shape[1] * 2, BLOCK_SIZES[format]
+    if path == "dequant":
+        return DEQUANT_CONFIG
     if _interpreting() or not x2.is_cuda:
         if path == "gemm":
             return INTERPRET_PREFILL_CONFIG
         cfg = INTERPRET_DECODE_CONFIG
-        return dataclasses.replace(cfg, block_m=1 if m == 1 else cfg.block_m,
+        return dataclasses.replace(cfg, block_m=_token_bucket(m) if m <= 4 else cfg.block_m,
                                    split_k=min(cfg.split_k, k_padded // cfg.block_k))
     key = (path, _token_bucket(m), out_features, k_padded, format, x2.dtype, bias is not None, x2.device.index)
     if key in _TUNED:
@@ -683,11 +964,16 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
     from triton.testing import do_bench
 
     candidates = DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS
-    best, best_ms = None, math.inf
+    best, best_ms, first_out = None, math.inf, None
     for cfg in candidates:
         if not (_valid_config(cfg, path, m, out_features, k_padded, bs) and _worth_timing(cfg, path, m, k_padded)):
             continue
         try:
+            out = _launch(path, cfg, *args).float()
+            if first_out is None:
+                first_out = out
+            elif not torch.allclose(out, first_out, rtol=2e-2, atol=2e-2 * float(first_out.abs().max()) + 1e-6):
+                continue
             ms = do_bench(lambda: _launch(path, cfg, *args), warmup=5, rep=20, return_mode="median")
         except Exception:  # e.g. out of shared memory for this tile on this GPU
             continue

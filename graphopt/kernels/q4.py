@@ -28,21 +28,28 @@ The GEMM, per output (m, n) and 32-block b (q4u = unsigned nibble 0..15, q8 int8
   (The stored s is still written, for byte-exactness with ggml.)
 
 Kernels:
-  _quantize_q8_1_kernel  bf16/fp16/fp32 [M, K] -> ggml block_q8_1 bytes [M, K/32, 36].
-  _q4_gemm_kernel        tensor-core int8 tl.dot, int32 per block, fp32 accumulation, with the
-                         activation source a constexpr: ACT_PREQUANTIZED (reads block_q8_1 bytes;
-                         the "separate" path), ACT_FUSED (bf16/fp16 in, Q8_1 quantization of each
-                         K tile in registers: the fused kernel), ACT_STATIC (the fake-quant idiom
+  _quantize_q8_1_kernel  bf16/fp16/fp32 [M, K] -> ggml block_q8_1 bytes [M, K/32, 36] (byte-exact on
+                         the GPU too: x * (1/d) is rounded by an explicit mul_rn, see _q8_1_quantize).
+  _q4_gemm_kernel        tensor-core int8 tl.dot of depth 32 per block, int32 per block, fp32 across
+                         blocks, with the activation source a constexpr: ACT_PREQUANTIZED (block_q8_1
+                         bytes; the "separate" path), ACT_FUSED (bf16/fp16 in, Q8_1 quantization of
+                         each K tile in registers: the fused kernel), ACT_STATIC (the fake-quant idiom
                          round(x / s).clamp(qmin, qmax) with a per-tensor or per-row scale s).
-  _q4_gemv_kernel        decode path (1-4 tokens): fused quantization, fp32 FMAs on the integer
-                         values (exact), no tensor cores, small N tiles for many CTAs.
-  The launchers pick a tile config by token count; on a GPU they time the candidate configs once
-  per (path, token bucket, N, K, dtype) and cache the fastest (GRAPHOPT_Q4_AUTOTUNE=0 disables it).
+  _q4_gemv_kernel        decode (1-8 tokens): streaming split-K GEMV on CUDA cores, fused Q8_1
+                         quantization, nibbles -> fp32 by bit tricks, fp32 FMAs (exact products).
+  Both kernels split K over programs when the config asks (TileConfig.split_k; 0 = enough programs
+  for PROGRAMS_PER_SM per SM) and combine the fp32 partials through a [SPLIT_K, M, N] workspace or
+  atomics into a zeroed [M, N] buffer, then _splitk_sum_kernel (+ bias, cast).
+  The launchers pick a config by token count; on a GPU they time the candidates once per (path,
+  token bucket, N, K, dtype) -- decode sizes as CUDA-graph replays -- and cache the fastest
+  (GRAPHOPT_Q4_AUTOTUNE=0 disables it).
 
 Caveats: inference only (no autograd). Activations must be contiguous in their last dim (the
-launchers make them so). The fused kernel re-quantizes the activation tile once per N tile, which
-is redundant CUDA-core work that grows with M*K*N/BLOCK_N; at large token counts the separate path
-(quantize once) or dense bf16 wins, and the q4_linear pass's cost model says so.
+launchers make them so). The fused kernels re-quantize the activation tile once per N tile (and
+the gemv once per token row and N tile): redundant CUDA-core work that grows with M*K*N/BLOCK_N;
+at large token counts the separate path (quantize once) or dense bf16 wins, and the q4_linear
+pass's cost model says so. Split-K sums in a different fp32 order than the unsplit kernel, and
+the atomic reduction is not bitwise deterministic run to run.
 """
 
 from __future__ import annotations
@@ -55,6 +62,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+try:  # libdevice mul_rn: a multiply rounded on its own, never contracted into an FMA
+    from triton.language.extra import libdevice as _libdevice
+except ImportError:  # pragma: no cover (triton without the extra libdevice module)
+    _libdevice = None
 
 QK = 32  # values per Q4_0 / Q8_1 block
 Q4_0_BLOCK_BYTES = 18
@@ -316,18 +328,43 @@ def reference_q4_linear_static(x: torch.Tensor, act_scale: torch.Tensor, qweight
 # =============================================================================================
 @dataclass(frozen=True)
 class TileConfig:
-    """One launch shape of the Q4 kernels. PAIRS block pairs (64 K values each) per K step."""
+    """One launch shape of the Q4 kernels.
 
-    kernel: str  # "gemm" (tensor cores) | "gemv" (fp32 FMAs, decode)
+    kernel "gemm": tensor-core int8 tl.dot; a BLOCK_M x BLOCK_N output tile, PAIRS block pairs
+      (64 K values, one 32-deep dot per block) per K step.
+    kernel "gemv": the decode kernel (fp32 FMAs, no tensor cores); block_m token rows per program
+      (0: min(GEMV_MAX_ROWS, next power of two of the token count)), block_n weight rows per program,
+      PAIRS block pairs per iteration (every weight row streams 32 * PAIRS contiguous bytes a step).
+    split_k: programs along K (1: none; 0: enough for PROGRAMS_PER_SM programs per SM). Their fp32
+      partial sums are combined by `reduce`: "workspace" (split s writes slice s of an fp32
+      [SPLIT_K, M, N] buffer; a small kernel sums the slices, adds the bias and casts) or "atomic"
+      (tl.atomic_add into a zeroed fp32 [M, N] buffer, then the same small kernel with one slice).
+    """
+
+    kernel: str  # "gemm" | "gemv"
     block_m: int
     block_n: int
     pairs: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+    reduce: str = "workspace"
+
+    def __post_init__(self):
+        if self.kernel not in ("gemm", "gemv"):
+            raise ValueError(f"TileConfig.kernel {self.kernel!r} is not valid; valid choices: gemm, gemv")
+        if self.reduce not in ("workspace", "atomic"):
+            raise ValueError(f"TileConfig.reduce {self.reduce!r} is not valid; valid choices: workspace, atomic")
+        if self.kernel == "gemv" and (self.pairs & (self.pairs - 1) or self.block_m > GEMV_MAX_ROWS
+                                      or self.block_m & (self.block_m - 1)):
+            raise ValueError(f"gemv configs need power-of-two pairs and block_m (0..{GEMV_MAX_ROWS}), got {self}")
 
     @property
     def name(self) -> str:
-        return f"{self.kernel}_m{self.block_m}n{self.block_n}k{64 * self.pairs}_w{self.num_warps}s{self.num_stages}"
+        base = f"{self.kernel}_m{self.block_m}n{self.block_n}k{64 * self.pairs}_w{self.num_warps}s{self.num_stages}"
+        if self.split_k == 1:
+            return base
+        return f"{base}_sk{'auto' if self.split_k == 0 else self.split_k}{'A' if self.reduce == 'atomic' else 'W'}"
 
     def shared_memory_bytes(self, act_bytes: int) -> int:
         """Estimate of the shared memory one CTA needs: pipelined activation and weight tiles
@@ -341,27 +378,28 @@ class TileConfig:
         return staged + operands
 
 
-GEMV_MAX_TOKENS = 4  # the fp32 decode kernel handles up to this many rows
+GEMV_MAX_ROWS = 8  # token rows one gemv program handles (more rows: more programs along M)
+GEMV_MAX_TOKENS = 8  # token counts for which the gemv kernel is a candidate
 DECODE_MAX_TOKENS = 16
+PROGRAMS_PER_SM = 4  # split_k=0 aims at this many programs per SM
 
-_GEMV_CONFIGS = [TileConfig("gemv", 0, bn, 1, w, 1) for bn, w in ((16, 2), (32, 4), (64, 4), (32, 2))]
-_DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, 4, s) for bn, p, s in
-                        ((32, 1, 4), (32, 2, 3), (64, 1, 4), (64, 2, 3), (128, 1, 3), (16, 2, 4))]
-_MID_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in
-                ((32, 64, 1, 4, 4), (32, 128, 1, 4, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3), (64, 128, 2, 8, 3),
-                 (32, 64, 2, 4, 3))]
-_LARGE_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in
-                  ((128, 128, 1, 8, 3), (128, 128, 2, 8, 3), (128, 256, 1, 8, 3), (64, 256, 1, 8, 3),
-                   (128, 64, 1, 4, 4), (64, 128, 2, 4, 4))]
+_GEMV_CONFIGS = [TileConfig("gemv", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
+    (32, 8, 4, 1, 0, "workspace"), (64, 8, 4, 1, 0, "workspace"), (64, 8, 4, 1, 0, "atomic"),
+    (64, 4, 4, 1, 0, "workspace"), (64, 8, 4, 3, 0, "workspace"), (32, 8, 4, 1, 1, "workspace"))]
+_DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
+    (64, 2, 4, 3, 0, "workspace"), (128, 2, 4, 3, 0, "workspace"), (64, 4, 4, 3, 0, "atomic"),
+    (32, 2, 4, 4, 0, "workspace"), (64, 2, 4, 3, 1, "workspace"))]
+_MID_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s, sk) for bm, bn, p, w, s, sk in (
+    (32, 64, 2, 4, 3, 0), (64, 64, 2, 4, 3, 0), (32, 128, 2, 4, 3, 0), (64, 128, 2, 8, 3, 1), (32, 64, 1, 4, 4, 1))]
+_LARGE_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in (
+    (128, 128, 1, 8, 3), (128, 128, 2, 8, 3), (128, 128, 2, 8, 4), (128, 64, 2, 4, 4), (64, 128, 2, 4, 4))]
 
 
 def candidate_configs(m: int, fused: bool) -> list[TileConfig]:
-    """Tile configs worth timing for `m` token rows (the decode GEMV only where it applies: it
-    quantizes in-kernel, so it is a fused-path kernel)."""
-    if m <= GEMV_MAX_TOKENS:
-        return (_GEMV_CONFIGS if fused else []) + _DECODE_GEMM_CONFIGS
+    """Tile configs worth timing for `m` token rows (the gemv kernel quantizes in-kernel, so it is
+    a candidate of the fused path only)."""
     if m <= DECODE_MAX_TOKENS:
-        return _DECODE_GEMM_CONFIGS
+        return (_GEMV_CONFIGS if fused and m <= GEMV_MAX_TOKENS else []) + _DECODE_GEMM_CONFIGS
     if m <= 64:
         return _MID_CONFIGS
     return _LARGE_CONFIGS
@@ -370,12 +408,12 @@ def candidate_configs(m: int, fused: bool) -> list[TileConfig]:
 def default_config(m: int, fused: bool) -> TileConfig:
     """The untimed choice (CPU interpreter, or autotuning off)."""
     if m <= GEMV_MAX_TOKENS and fused:
-        return TileConfig("gemv", 0, 32, 1, 4, 1)
+        return _GEMV_CONFIGS[1]
     if m <= DECODE_MAX_TOKENS:
-        return TileConfig("gemm", 16, 32, 2, 4, 3)
+        return _DECODE_GEMM_CONFIGS[0]
     if m <= 64:
-        return TileConfig("gemm", 32, 64, 1, 4, 4)
-    return TileConfig("gemm", 128, 128, 1, 8, 3)
+        return _MID_CONFIGS[0]
+    return _LARGE_CONFIGS[0]
 
 
 # =============================================================================================
@@ -385,12 +423,13 @@ ACT_PREQUANTIZED = 0  # block_q8_1 bytes from _quantize_q8_1_kernel (the separat
 ACT_FUSED = 1  # bf16/fp16/fp32 activations, Q8_1 quantization in registers (the fused kernel)
 ACT_STATIC = 2  # round(x / s).clamp(qmin, qmax) with a per-row scale s (the fake-quant idiom)
 
+REDUCE_NONE, REDUCE_ATOMIC, REDUCE_WORKSPACE = 0, 1, 2
 
-@triton.jit
-def _round_half_away_tl(v):
-    t = v.to(tl.int32)  # truncation toward zero
-    frac = v - t.to(tl.float32)  # exact
-    return t + (frac >= 0.5).to(tl.int32) - (frac <= -0.5).to(tl.int32)
+# Float tricks used below (all exact, valid for |integer| < 2^22):
+#   int -> float:  bitcast(i + 0x4B400000) - 1.5*2^23   (IADD + FADD instead of a slow I2F)
+#   rint(v):       (v + 1.5*2^23) - 1.5*2^23             (round half to even; the integer is also in
+#                                                          the low bits of v + 1.5*2^23)
+#   nibble -> float: bitcast(nibble | 0x4B000000) - 2^23  (LOP3 + FADD)
 
 
 @triton.jit
@@ -404,34 +443,49 @@ def _round_half_even_tl(v):
 
 
 @triton.jit
-def _q8_1_block(x):
-    """Q8_1 of a [R, 32] fp32 tile, one block per row: (q int32 [R, 32], d fp32 [R] (the fp16-rounded
-    d that dequantizes), s fp32 [R] = d * sum q). Same float32 steps as quantize_row_q8_1_ref."""
+def _q8_1_quantize(x, EXACT: tl.constexpr):
+    """Q8_1 of an fp32 (R, 32) tile, one block per row, with the float32 steps of
+    quantize_row_q8_1_ref: d = amax / 127, id = 1 / d, q = roundf(x * id) (half away from zero).
+    Returns (q fp32 (R, 32) integer-valued, q int32 (R, 32), d fp32 (R,), d rounded to fp16 (R,)).
+
+    x * id must be rounded to fp32 before rounding to an integer: on the GPU, LLVM contracts a
+    multiply feeding an add into one FMA (exact product), which moves values lying within half an
+    ulp of .5 to the other integer than ggml's C code (byte mismatches). EXACT uses libdevice
+    mul_rn (an explicitly rounded multiply that is never contracted); the interpreter (numpy,
+    no contraction) uses a plain multiply."""
     amax = tl.max(tl.abs(x), axis=1)
     d = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
-    inv_d = tl.where(d != 0.0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d != 0.0, d, 1.0)), 0.0)
-    q = _round_half_away_tl(x * inv_d[:, None])
-    d16 = d.to(tl.float16).to(tl.float32)
-    return q, d16, d16 * tl.sum(q, axis=1).to(tl.float32)
+    nonzero = d != 0.0
+    inv_d = tl.where(nonzero, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(nonzero, d, 1.0)), 0.0)
+    inv_b = tl.broadcast_to(inv_d[:, None], x.shape)
+    if EXACT:
+        v = _libdevice.mul_rn(x, inv_b)
+    else:
+        v = x * inv_b
+    f = v + 12582912.0  # 1.5 * 2^23 + rint(v): the fp32 ulp is 1 there
+    r = f - 12582912.0  # rint(v), exact
+    diff = r - v  # exact
+    up = (diff == -0.5) & (v > 0.0)  # ties: half away from zero, not to even
+    down = (diff == 0.5) & (v < 0.0)
+    q = r + up.to(tl.float32) - down.to(tl.float32)
+    qi = f.to(tl.int32, bitcast=True) - 0x4B400000 + up.to(tl.int32) - down.to(tl.int32)
+    return q, qi, d, d.to(tl.float16).to(tl.float32)
 
 
 @triton.jit
 def _quantize_q8_1_kernel(
     x_ptr, q_ptr, ds_ptr,  # x (M, K); q int8 view (M, nb, 36) + 4; ds fp16 view (M, nb, 18)
     M, NB, stride_xm, stride_qm, stride_dsm,
-    BLOCKS: tl.constexpr,
+    BLOCKS: tl.constexpr, EXACT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)  # (BLOCKS,)
     j = tl.arange(0, 32)
     mask = (blocks < NB)[:, None]
     x = tl.load(x_ptr + pid_m * stride_xm + blocks[:, None] * 32 + j[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    d = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
-    inv_d = tl.where(d != 0.0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d != 0.0, d, 1.0)), 0.0)
-    q = _round_half_away_tl(x * inv_d[:, None])
-    s = tl.sum(q, axis=1).to(tl.float32) * d  # ggml: sum * d with the float32 d
-    tl.store(q_ptr + pid_m * stride_qm + blocks[:, None] * 36 + j[None, :], q.to(tl.int8), mask=mask)
+    _, qi, d, _ = _q8_1_quantize(x, EXACT)
+    s = tl.sum(qi, axis=1).to(tl.float32) * d  # ggml: (float) sum * d with the float32 d
+    tl.store(q_ptr + pid_m * stride_qm + blocks[:, None] * 36 + j[None, :], qi.to(tl.int8), mask=mask)
     ds_base = ds_ptr + pid_m * stride_dsm + blocks * 18
     tl.store(ds_base, d.to(tl.float16), mask=blocks < NB)
     tl.store(ds_base + 1, s.to(tl.float16), mask=blocks < NB)
@@ -441,6 +495,7 @@ def _quantize_q8_1_kernel(
 def _load_act_block(
     a_ptr, ad_ptr, offs_m, m_mask, kb, K, stride_am, stride_adm,
     ACT_MODE: tl.constexpr, QUOT_DTYPE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """Activation block kb (values 32*kb .. 32*kb+31) of rows offs_m: (q int32 [BM, 32], scale fp32
     [BM], scale * sum q fp32 [BM])."""
@@ -456,7 +511,8 @@ def _load_act_block(
         x = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :],
                     mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
         if ACT_MODE == 1:
-            return _q8_1_block(x)
+            q, qi, _, d16 = _q8_1_quantize(x, EXACT)
+            return qi, d16, d16 * tl.sum(q, axis=1)
         else:  # static scale per row (ad_ptr: fp32 [M])
             s = tl.load(ad_ptr + offs_m, mask=m_mask, other=1.0)
             v = tl.math.div_rn(x, s[:, None]).to(QUOT_DTYPE).to(tl.float32)
@@ -465,20 +521,46 @@ def _load_act_block(
 
 
 @triton.jit
+def _int_to_float(i):
+    """Exact int32 -> fp32 for |i| < 2^22 without the (quarter-rate) I2F conversion."""
+    return (i + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _write_output(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_os, stride_om,
+                  HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr):
+    """acc (BM, BN) fp32 of output rows offs_m, columns offs_n. REDUCE_NONE: (+ bias) stored in out's
+    dtype; REDUCE_ATOMIC: added into the zeroed fp32 (M, N) buffer; REDUCE_WORKSPACE: stored in slice
+    pid_k of the fp32 (SPLIT_K, M, N) workspace (the bias is added when the slices are summed)."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    offs = offs_m[:, None] * stride_om + offs_n[None, :]
+    if REDUCE == 0:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif REDUCE == 1:
+        tl.atomic_add(out_ptr + offs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(out_ptr + pid_k * stride_os + offs, acc, mask=mask)
+
+
+@triton.jit
 def _q4_gemm_kernel(
     a_ptr, ad_ptr,  # activations (see _load_act_block)
     w_ptr, ws_ptr,  # qweight (N, Kp/2) uint8, scales (Kp/32, N) fp16
-    bias_ptr, out_ptr,  # bias (N,), out (M, N)
-    M, N, K,
-    stride_am, stride_adm, stride_wn, stride_wsb, stride_om,
+    bias_ptr, out_ptr,  # bias (N,); out (M, N), or the fp32 buffers of REDUCE (see _write_output)
+    M, N, K, pairs_per_split,
+    stride_am, stride_adm, stride_wn, stride_wsb, stride_os, stride_om,
     ACT_MODE: tl.constexpr, QUOT_DTYPE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """out[m, n] = sum_b d4[b, n] * (a_scale[m, b] * dot(q8, q4u)[m, n] - 8 * a_sum[m, b]), one int8
-    tl.dot of depth 32 per block, int32 per block, fp32 across blocks."""
+    tl.dot of depth 32 per block, int32 per block, fp32 across blocks. Program (i, j, s) owns the
+    output tile (i, j) and the block pairs [s * pairs_per_split, (s + 1) * pairs_per_split)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -487,65 +569,109 @@ def _q4_gemm_kernel(
     w_rows = w_ptr + offs_n[None, :] * stride_wn + offs_j[:, None]  # (32, BN): byte j of row n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     num_pairs = tl.cdiv(K, 64)
-    for step in range(0, tl.cdiv(num_pairs, PAIRS)):
+    p_begin = pid_k * pairs_per_split
+    p_end = tl.minimum(p_begin + pairs_per_split, num_pairs)
+    for p0 in range(p_begin, p_end, PAIRS):
         for i in tl.static_range(PAIRS):
-            p = step * PAIRS + i
-            live = n_mask & (offs_n * 0 + p < num_pairs)  # (BN,): past the last pair, load nothing
+            p = p0 + i
+            live = n_mask & (offs_n * 0 + p < p_end)  # (BN,): past the last pair, load nothing
             wb = tl.load(w_rows + p * 32, mask=live[None, :], other=0)  # (32, BN) uint8
             w_lo = (wb & 0xF).to(tl.int8)  # block 2p
             w_hi = (wb >> 4).to(tl.int8)  # block 2p + 1
             d4_lo = tl.load(ws_ptr + (2 * p) * stride_wsb + offs_n, mask=live, other=0.0).to(tl.float32)
             d4_hi = tl.load(ws_ptr + (2 * p + 1) * stride_wsb + offs_n, mask=live, other=0.0).to(tl.float32)
             q_lo, sc_lo, sum_lo = _load_act_block(a_ptr, ad_ptr, offs_m, m_mask, 2 * p, K, stride_am, stride_adm,
-                                                  ACT_MODE, QUOT_DTYPE, QMIN, QMAX)
+                                                  ACT_MODE, QUOT_DTYPE, QMIN, QMAX, EXACT)
             q_hi, sc_hi, sum_hi = _load_act_block(a_ptr, ad_ptr, offs_m, m_mask, 2 * p + 1, K, stride_am, stride_adm,
-                                                  ACT_MODE, QUOT_DTYPE, QMIN, QMAX)
-            dot_lo = tl.dot(q_lo.to(tl.int8), w_lo, out_dtype=tl.int32).to(tl.float32)  # (BM, BN)
-            dot_hi = tl.dot(q_hi.to(tl.int8), w_hi, out_dtype=tl.int32).to(tl.float32)
+                                                  ACT_MODE, QUOT_DTYPE, QMIN, QMAX, EXACT)
+            # |dot| <= 32 * 15 * 128 < 2^22: the exact integer -> float trick applies
+            dot_lo = _int_to_float(tl.dot(q_lo.to(tl.int8), w_lo, out_dtype=tl.int32))  # (BM, BN)
+            dot_hi = _int_to_float(tl.dot(q_hi.to(tl.int8), w_hi, out_dtype=tl.int32))
             acc += d4_lo[None, :] * (sc_lo[:, None] * dot_lo - 8.0 * sum_lo[:, None])
             acc += d4_hi[None, :] * (sc_hi[:, None] * dot_hi - 8.0 * sum_hi[:, None])
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _write_output(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_os, stride_om,
+                  HAS_BIAS, REDUCE)
 
 
 @triton.jit
 def _q4_gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,  # x (M, K), qweight (N, Kp/2), scales (Kp/32, N)
-    M, N, K, stride_xm, stride_wn, stride_wsb, stride_om,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight (N, Kp/2) uint8; scales (Kp/32, N) fp16
+    bias_ptr, out_ptr,  # bias (N,); out (M, N), or the fp32 buffers of REDUCE (see _write_output)
+    M, N, K, pairs_per_split,
+    stride_xm, stride_wn, stride_wsb, stride_os, stride_om,
+    HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, EXACT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Decode: ROWS (<= 4) token rows, Q8_1-quantized in registers, dot products as fp32 FMAs on
-    the integer values (exact: |sum| < 2^24), BLOCK_N output rows per program."""
+    """Decode: a streaming split-K GEMV on CUDA cores. Program (j, s, i) owns weight rows
+    [j * BLOCK_N, (j + 1) * BLOCK_N), the block pairs [s * pairs_per_split, ...) and token rows
+    [i * ROWS, (i + 1) * ROWS). Each iteration loads a (BLOCK_N, CHUNK, 32) byte tile: 32 * CHUNK
+    contiguous bytes per weight row (16-byte vector loads, a warp covering whole rows), turns the
+    nibbles into fp32 (q - 8) with bit tricks, quantizes the matching activation blocks to Q8_1 in
+    registers, and accumulates d4 * sum_j (q - 8) * (q8 * d8) with fp32 FMAs. Products are exact
+    (4 x 8 x 11 bits); only the fp32 summation order differs from the integer formula."""
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_r = tl.arange(0, ROWS)
-    r_mask = offs_r < M
+    offs_c = tl.arange(0, CHUNK)
     offs_j = tl.arange(0, 32)
+    offs_r = tl.arange(0, ROWS)
+    row0 = pid_m * ROWS
+    num_pairs = tl.cdiv(K, 64)
+    p_begin = pid_k * pairs_per_split
+    p_end = tl.minimum(p_begin + pairs_per_split, num_pairs)
+    # (BN, CHUNK, 32): byte j of pair c of weight row n, relative to the chunk's first pair
+    w_tile = w_ptr + offs_n[:, None, None] * stride_wn + offs_c[None, :, None] * 32 + offs_j[None, None, :]
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for p in range(0, tl.cdiv(K, 64)):
-        wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + p * 32 + offs_j[None, :], mask=n_mask[:, None], other=0)
-        w_lo = (wb & 0xF).to(tl.float32)  # (BN, 32)
-        w_hi = (wb >> 4).to(tl.float32)
-        d4_lo = tl.load(ws_ptr + (2 * p) * stride_wsb + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        d4_hi = tl.load(ws_ptr + (2 * p + 1) * stride_wsb + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        k_lo = 64 * p + offs_j
-        x_lo = tl.load(x_ptr + offs_r[:, None] * stride_xm + k_lo[None, :],
-                       mask=r_mask[:, None] & (k_lo < K)[None, :], other=0.0).to(tl.float32)
-        x_hi = tl.load(x_ptr + offs_r[:, None] * stride_xm + (k_lo + 32)[None, :],
-                       mask=r_mask[:, None] & (k_lo + 32 < K)[None, :], other=0.0).to(tl.float32)
-        q_lo, d8_lo, s8_lo = _q8_1_block(x_lo)  # (ROWS, 32), (ROWS,), (ROWS,)
-        q_hi, d8_hi, s8_hi = _q8_1_block(x_hi)
-        dot_lo = tl.sum(q_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :], axis=2)  # (ROWS, BN)
-        dot_hi = tl.sum(q_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :], axis=2)
-        acc += d4_lo[None, :] * (d8_lo[:, None] * dot_lo - 8.0 * s8_lo[:, None])
-        acc += d4_hi[None, :] * (d8_hi[:, None] * dot_hi - 8.0 * s8_hi[:, None])
+    for p0 in range(p_begin, p_end, CHUNK):
+        pairs = p0 + offs_c  # (CHUNK,)
+        live = pairs < p_end
+        wb = tl.load(w_tile + p0 * 32, mask=n_mask[:, None, None] & live[None, :, None], other=0)
+        wi = wb.to(tl.int32)
+        w_lo = ((wi & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q - 8 (block 2p)
+        w_hi = ((wi & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 16 (q - 8) (block 2p+1)
+        scale_mask = n_mask[:, None] & live[None, :]
+        d4_lo = tl.load(ws_ptr + (2 * pairs)[None, :] * stride_wsb + offs_n[:, None], mask=scale_mask, other=0.0)
+        d4_hi = tl.load(ws_ptr + (2 * pairs + 1)[None, :] * stride_wsb + offs_n[:, None], mask=scale_mask, other=0.0)
+        d4_lo = d4_lo.to(tl.float32)  # (BN, CHUNK)
+        d4_hi = d4_hi.to(tl.float32) * 0.0625  # the 1/16 of the high nibble, exact
+        k_lo = pairs[:, None] * 64 + offs_j[None, :]  # (CHUNK, 32)
+        for r in tl.static_range(ROWS):
+            row = row0 + r
+            x_row = x_ptr + row * stride_xm
+            row_ok = (offs_c * 0 + row < M)[:, None]  # (CHUNK, 1)
+            x_lo = tl.load(x_row + k_lo, mask=(k_lo < K) & row_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + k_lo + 32, mask=(k_lo + 32 < K) & row_ok, other=0.0).to(tl.float32)
+            q_lo, _, _, d8_lo = _q8_1_quantize(x_lo, EXACT)
+            q_hi, _, _, d8_hi = _q8_1_quantize(x_hi, EXACT)
+            a_lo = q_lo * d8_lo[:, None]  # the dequantized Q8_1 values, exact in fp32
+            a_hi = q_hi * d8_hi[:, None]
+            dot_lo = tl.sum(w_lo * a_lo[None, :, :], axis=2)  # (BN, CHUNK)
+            dot_hi = tl.sum(w_hi * a_hi[None, :, :], axis=2)
+            part = tl.sum(d4_lo * dot_lo + d4_hi * dot_hi, axis=1)  # (BN,)
+            acc = tl.where(offs_r[:, None] == r, acc + part[None, :], acc)
+    rows = row0 + offs_r
+    _write_output(acc, out_ptr, bias_ptr, rows, offs_n, rows < M, n_mask, pid_k, stride_os, stride_om,
+                  HAS_BIAS, REDUCE)
+
+
+@triton.jit
+def _splitk_sum_kernel(
+    part_ptr, bias_ptr, out_ptr,  # partials fp32 (SPLITS, M, N); bias (N,); out (M, N)
+    N, SPLITS, stride_ps, stride_pm, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out[m, :] = sum_s part[s, m, :] (+ bias), cast to out's dtype."""
+    pid_m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(part_ptr + s * stride_ps + pid_m * stride_pm + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_r[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid_m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # =============================================================================================
@@ -554,11 +680,35 @@ def _q4_gemv_kernel(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def _exact_mul() -> bool:
+    """Use libdevice mul_rn in the Q8_1 rounding (compiled kernels; the interpreter has no libdevice)."""
+    return _libdevice is not None and not _interpreting()
+
+
 def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
     if x.dtype not in SUPPORTED_ACT_DTYPES:
         raise ValueError(f"{what}: activations must be float16, bfloat16 or float32, got {x.dtype}")
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 4  # interpreter: a few programs are enough to exercise split-K
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _split_k(requested: int, tiles: int, num_pairs: int, step: int, device: torch.device) -> tuple[int, int]:
+    """(programs along K, block pairs per program: a multiple of the K step)."""
+    steps = triton.cdiv(num_pairs, step)
+    if requested == 0:
+        split = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device.index if device.type == "cuda" else None), tiles)
+    else:
+        split = requested
+    split = max(1, min(split, steps))
+    pairs_per_split = step * triton.cdiv(steps, split)
+    return triton.cdiv(num_pairs, pairs_per_split), pairs_per_split
 
 
 def quantize_q8_1_triton(x: torch.Tensor, blocks_per_program: int = 8) -> torch.Tensor:
@@ -573,30 +723,57 @@ def quantize_q8_1_triton(x: torch.Tensor, blocks_per_program: int = 8) -> torch.
         q_view = out.view(torch.int8)[:, :, 4:]
         ds_view = out.view(torch.float16)
         _quantize_q8_1_kernel[grid](x2, q_view, ds_view, m, nb, x2.stride(0), out.stride(0), ds_view.stride(0),
-                                    BLOCKS=blocks_per_program)
+                                    BLOCKS=blocks_per_program, EXACT=_exact_mul())
     return out.reshape(*x.shape[:-1], nb, Q8_1_BLOCK_BYTES)
 
 
 def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, stride_adm: int, m: int, k: int,
             qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             config: TileConfig, quot_dtype=tl.float32, qmin: int = -128, qmax: int = 127) -> None:
+    """Run `config` on (M=m, K=k) activations into `out` (M, N): the main kernel, plus, with
+    split-K, the fp32 buffer it reduces into and the small kernel that sums it into `out`."""
     n = qweight.shape[0]
-    bias_arg = bias if bias is not None else out
+    num_pairs = triton.cdiv(k, 64)
     if config.kernel == "gemv":
-        if act_mode != ACT_FUSED or m > GEMV_MAX_TOKENS:
-            raise ValueError(f"the gemv decode kernel takes <= {GEMV_MAX_TOKENS} rows of unquantized activations")
-        rows = triton.next_power_of_2(max(m, 1))
-        _q4_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-            a, qweight, scales, bias_arg, out, m, n, k, stride_am, qweight.stride(0), scales.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=config.block_n, num_warps=config.num_warps)
-        return
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
-    _q4_gemm_kernel[grid](
-        a, ad, qweight, scales, bias_arg, out, m, n, k,
-        stride_am, stride_adm, qweight.stride(0), scales.stride(0), out.stride(0),
-        ACT_MODE=act_mode, QUOT_DTYPE=quot_dtype, QMIN=qmin, QMAX=qmax, HAS_BIAS=bias is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAIRS=config.pairs,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        if act_mode != ACT_FUSED:
+            raise ValueError("the gemv decode kernel takes unquantized activations (the fused path)")
+        rows = config.block_m or min(GEMV_MAX_ROWS, triton.next_power_of_2(max(m, 1)))
+        tiles_m = triton.cdiv(m, rows)
+    else:
+        tiles_m = triton.cdiv(m, config.block_m)
+    tiles_n = triton.cdiv(n, config.block_n)
+    split, pairs_per_split = _split_k(config.split_k, tiles_m * tiles_n, num_pairs, config.pairs, out.device)
+    reduce = REDUCE_NONE if split == 1 else (REDUCE_ATOMIC if config.reduce == "atomic" else REDUCE_WORKSPACE)
+    has_bias = bias is not None
+    if reduce == REDUCE_NONE:
+        dest = out
+    elif reduce == REDUCE_ATOMIC:
+        direct = out.dtype == torch.float32 and not has_bias and out.is_contiguous()
+        dest = out.zero_() if direct else torch.zeros(m, n, dtype=torch.float32, device=out.device)
+    else:
+        dest = torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+    stride_os = m * n if reduce == REDUCE_WORKSPACE else 0
+    stride_om = dest.stride(-2)
+    bias_arg = bias if has_bias else dest
+    if config.kernel == "gemv":
+        _q4_gemv_kernel[(tiles_n, split, tiles_m)](
+            a, qweight, scales, bias_arg, dest, m, n, k, pairs_per_split,
+            stride_am, qweight.stride(0), scales.stride(0), stride_os, stride_om,
+            HAS_BIAS=has_bias, REDUCE=reduce, EXACT=_exact_mul(), ROWS=rows, BLOCK_N=config.block_n,
+            CHUNK=config.pairs, num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        _q4_gemm_kernel[(tiles_m, tiles_n, split)](
+            a, ad, qweight, scales, bias_arg, dest, m, n, k, pairs_per_split,
+            stride_am, stride_adm, qweight.stride(0), scales.stride(0), stride_os, stride_om,
+            ACT_MODE=act_mode, QUOT_DTYPE=quot_dtype, QMIN=qmin, QMAX=qmax, HAS_BIAS=has_bias, REDUCE=reduce,
+            EXACT=_exact_mul(), BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAIRS=config.pairs,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+    if dest is not out:
+        splits = split if reduce == REDUCE_WORKSPACE else 1
+        block = 1024
+        _splitk_sum_kernel[(m, triton.cdiv(n, block))](
+            dest, bias_arg, out, n, splits, stride_os, dest.stride(-2), out.stride(0),
+            HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
 
 
 def _autotune_enabled() -> bool:
@@ -610,19 +787,31 @@ def _token_bucket(m: int) -> int:
 _TUNED: dict[tuple, TileConfig] = {}
 
 
+def _time_config(run, config: TileConfig, m: int) -> float:
+    """GPU time of one config: CUDA-graph replays for decode sizes (a launch costs more than the
+    kernel there, so plain do_bench would time the CPU), CUDA events otherwise."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    run(config)  # compile outside any capture
+    if m <= DECODE_MAX_TOKENS:
+        try:
+            return float(do_bench_cudagraph(lambda: run(config), rep=20, return_mode="median"))
+        except Exception:  # capture not possible here: fall back to events
+            pass
+    return float(do_bench(lambda: run(config), warmup=5, rep=20, return_mode="median"))
+
+
 def _choose(path: str, m: int, n: int, k: int, dtype: torch.dtype, fused: bool, run) -> TileConfig:
     """Fastest candidate config for this problem (timed once on the GPU, cached), or the default."""
-    if not _autotune_enabled() or torch.cuda.is_current_stream_capturing():
-        return _TUNED.get((path, _token_bucket(m), n, k, dtype), default_config(m, fused))
     key = (path, _token_bucket(m), n, k, dtype)
+    if not _autotune_enabled() or torch.cuda.is_current_stream_capturing():
+        return _TUNED.get(key, default_config(m, fused))
     if key in _TUNED:
         return _TUNED[key]
-    from triton.testing import do_bench
-
     best, best_ms = default_config(m, fused), math.inf
     for config in candidate_configs(m, fused):
         try:
-            ms = do_bench(lambda: run(config), warmup=5, rep=20, return_mode="median")
+            ms = _time_config(run, config, m)
         except Exception:  # out of shared memory / registers for this tile: skip it
             continue
         if ms < best_ms:
@@ -642,8 +831,9 @@ def _check_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
 def q4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                      mode: str = "fused", config: TileConfig | None = None) -> torch.Tensor:
     """y = Q8_1(x) @ Q4_0(W).T (+ bias) for x [..., K] -> [..., N] in x's dtype.
-    mode "fused": one kernel (the decode GEMV or the tiled GEMM, both quantizing in registers);
-    "separate": quantize_q8_1_triton, then the GEMM on the Q8_1 bytes."""
+    mode "fused": one kernel (the decode GEMV or the tiled GEMM, both quantizing in registers; plus
+    the split-K sum where the config splits K); "separate": quantize_q8_1_triton, then the GEMM
+    on the Q8_1 bytes."""
     if mode not in ("fused", "separate"):
         raise ValueError(f"q4_linear mode {mode!r} is not valid; valid choices: fused, separate")
     k = x.shape[-1]
@@ -668,6 +858,8 @@ def q4_q8_gemm_triton(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     """Pre-quantized activations (block_q8_1 bytes [..., K/32, 36]) x Q4_0 -> [..., N] in out_dtype."""
     if xq.dtype != torch.uint8 or xq.shape[-1] != Q8_1_BLOCK_BYTES:
         raise ValueError(f"q4_q8_gemm expects block_q8_1 bytes uint8 [..., K/32, 36], got {xq.dtype} {tuple(xq.shape)}")
+    if config is not None and config.kernel == "gemv":
+        raise ValueError("q4_q8_gemm takes Q8_1 bytes: only 'gemm' configs apply (the gemv kernel quantizes itself)")
     k = xq.shape[-2] * QK
     n = _check_weight(qweight, scales, k)
     bias = _check_bias(bias, n)
@@ -695,6 +887,8 @@ def q4_linear_static_triton(x: torch.Tensor, act_scale: torch.Tensor, qweight: t
     bias = _check_bias(bias, n)
     if not (-128 <= qmin <= qmax <= 127):
         raise ValueError(f"clamp bounds must lie in the int8 range [-128, 127], got ({qmin}, {qmax})")
+    if config is not None and config.kernel == "gemv":
+        raise ValueError("q4_linear_static runs the tensor-core kernel: only 'gemm' configs apply")
     out_dtype = torch.promote_types(x.dtype, act_scale.dtype)
     x2 = _rows(x, "q4_linear_static")
     m = x2.shape[0]
@@ -702,7 +896,7 @@ def q4_linear_static_triton(x: torch.Tensor, act_scale: torch.Tensor, qweight: t
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m:
         quot = _TL_DTYPES[out_dtype]
-        cfg = config or (default_config(m, False) if m > DECODE_MAX_TOKENS else TileConfig("gemm", 16, 32, 2, 4, 3))
+        cfg = config or (default_config(m, False) if m > DECODE_MAX_TOKENS else _DECODE_GEMM_CONFIGS[0])
         _launch(ACT_STATIC, x2, s, x2.stride(0), 1, m, k, qweight, scales, bias, out, cfg, quot, qmin, qmax)
     return out.reshape(*x.shape[:-1], n)
 
@@ -710,7 +904,7 @@ def q4_linear_static_triton(x: torch.Tensor, act_scale: torch.Tensor, qweight: t
 @functools.lru_cache(maxsize=None)
 def describe_configs() -> str:
     rows = [f"{c.name}: ~{c.shared_memory_bytes(2) // 1024} KiB smem fused / {c.shared_memory_bytes(1) // 1024} KiB separate"
-            for c in _DECODE_GEMM_CONFIGS + _MID_CONFIGS + _LARGE_CONFIGS]
+            for c in _GEMV_CONFIGS + _DECODE_GEMM_CONFIGS + _MID_CONFIGS + _LARGE_CONFIGS]
     return "\n".join(rows)
 
 

@@ -50,8 +50,12 @@ from graphopt.passes.fx_utils import arg, canonical, dtype, find_linears, replac
 # CUDA-core operations per activation value to quantize it to Q8_1 in registers (abs, max-reduce
 # share, multiply, round via truncation + compare, convert, sum-reduce share, int8 pack).
 QUANT_OPS_PER_VALUE = 12
-# fp32 operations per (row, column, 32-block) of the per-block epilogue d4*(d8*dot - 8*s8) + acc.
-EPILOGUE_OPS_PER_BLOCK = 5
+# CUDA-core operations per (row, column, 32-block) of the per-block epilogue d4*(d8*dot - 8*s8) + acc
+# (int32 -> fp32 by the exact IADD + FADD trick, then two FMAs).
+EPILOGUE_OPS_PER_BLOCK = 4
+# CUDA-core operations per weight value in the gemv decode kernel besides one FMA per token row:
+# half a byte extract, one LOP3 (nibble | exponent bits) and one FADD (remove the offset).
+GEMV_UNPACK_OPS_PER_VALUE = 2.5
 # Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
 # own quantization with another CTA's loads. An assumption to be refit from bench/bench_q4.py.
 FUSED_SINGLE_CTA_DERATE = 0.7
@@ -68,6 +72,24 @@ def ctas_per_sm(hw: HardwareSpec, config: q4k.TileConfig, act_bytes: int) -> int
     if need == 0 or not hw.is_gpu:
         return 8
     return hw.shared_memory_per_sm // need
+
+
+def _output_tiles(config: q4k.TileConfig, tokens: int, out_features: int) -> int:
+    rows = (config.block_m or min(q4k.GEMV_MAX_ROWS, 1 << max(tokens - 1, 0).bit_length())) \
+        if config.kernel == "gemv" else config.block_m
+    return math.ceil(tokens / rows) * math.ceil(out_features / config.block_n)
+
+
+def split_k(hw: HardwareSpec, config: q4k.TileConfig, tokens: int, in_features: int, out_features: int) -> int:
+    """Programs along K that the launcher gives `config` (q4k._split_k with this GPU's SM count)."""
+    if config.split_k == 1:
+        return 1
+    tiles = _output_tiles(config, tokens, out_features)
+    pairs = math.ceil(in_features / 64)
+    steps = math.ceil(pairs / config.pairs)
+    wanted = config.split_k or math.ceil(q4k.PROGRAMS_PER_SM * hw.sm_count / tiles)
+    per_split = config.pairs * math.ceil(steps / max(1, min(wanted, steps)))
+    return math.ceil(pairs / per_split)
 
 
 def _kernel(hw: HardwareSpec, name: str, family: str, *, int8_ops: float, fp32_ops: float, moved: float,
@@ -87,24 +109,32 @@ def _kernel(hw: HardwareSpec, name: str, family: str, *, int8_ops: float, fp32_o
 
 def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *,
                       act_bytes: int = 2, bias: bool = False, config: q4k.TileConfig | None = None) -> Estimate:
-    """The fused kernel (decode GEMV at <= 4 tokens, tiled int8 GEMM above), quantizing in registers."""
+    """The fused kernel (decode GEMV at <= GEMV_MAX_TOKENS tokens, tiled int8 GEMM above, both with
+    split-K where the config asks), quantizing in registers."""
     m, k, n = tokens, in_features, out_features
     if config is None:  # the launcher times the candidates on the GPU; predict the best of them
         return min((estimate_q4_fused(hw, m, k, n, act_bytes=act_bytes, bias=bias, config=c)
                     for c in q4k.candidate_configs(m, fused=True)), key=lambda e: e.ms)
-    moved = _weight_bytes(n, k) + m * k * act_bytes + m * n * act_bytes + (n * act_bytes if bias else 0)
+    splits = split_k(hw, config, m, k, n)
+    launches = 1 if splits == 1 else 2  # + the split-K sum
+    # fewer programs than SMs leave SMs idle: the memory rate scales with the filled fraction
+    fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
+    moved = _weight_bytes(n, k) + m * k * act_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
+        + (2 * 4 * splits * m * n if splits > 1 else 0)  # fp32 partials written and read back
     family = "q4_gemv" if m <= q4k.DECODE_MAX_TOKENS else "q4_gemm"
     if config.kernel == "gemv":
-        fp32 = 2.0 * m * n * k + EPILOGUE_OPS_PER_BLOCK * m * n * (k / 32) + QUANT_OPS_PER_VALUE * m * k * math.ceil(n / config.block_n)
-        return _kernel(hw, "Q4 fused GEMV (decode)", family, int8_ops=0.0, fp32_ops=fp32, moved=moved)
+        fp32 = (GEMV_UNPACK_OPS_PER_VALUE + m) * n * k + EPILOGUE_OPS_PER_BLOCK * m * n * (k / 32) \
+            + QUANT_OPS_PER_VALUE * m * k * math.ceil(n / config.block_n)
+        return _kernel(hw, f"Q4 fused GEMV (decode, {config.name})", family, int8_ops=0.0, fp32_ops=fp32, moved=moved,
+                       launches=launches, memory_derate=fill)
     m_pad = config.block_m * math.ceil(m / config.block_m)
     occupancy = ctas_per_sm(hw, config, act_bytes)
     if occupancy < 1:
         return Estimate("Q4 fused GEMM (tile exceeds shared memory)", math.inf, 0.0, moved, 1, "memory")
-    derate = FUSED_SINGLE_CTA_DERATE if occupancy == 1 else 1.0
+    derate = (FUSED_SINGLE_CTA_DERATE if occupancy == 1 else 1.0) * fill
     fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + QUANT_OPS_PER_VALUE * m_pad * k * math.ceil(n / config.block_n)
     return _kernel(hw, f"Q4 fused GEMM ({config.name}, {occupancy} CTA/SM)", family,
-                   int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved, memory_derate=derate)
+                   int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved, memory_derate=derate, launches=launches)
 
 
 def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *,
@@ -119,9 +149,13 @@ def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_fe
                     for c in q4k.candidate_configs(m, fused=False)), key=lambda e: e.ms)
     m_pad = config.block_m * math.ceil(m / config.block_m)
     family = "q4_gemv" if m <= q4k.DECODE_MAX_TOKENS else "q4_gemm"
-    moved = _weight_bytes(n, k) + q8_bytes + m * n * act_bytes + (n * act_bytes if bias else 0)
+    splits = split_k(hw, config, m, k, n)
+    moved = _weight_bytes(n, k) + q8_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
+        + (2 * 4 * splits * m * n if splits > 1 else 0)
     fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + m_pad * k * math.ceil(n / config.block_n)  # + row sums
-    gemm = _kernel(hw, f"Q4xQ8_1 GEMM ({config.name})", family, int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved)
+    fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
+    gemm = _kernel(hw, f"Q4xQ8_1 GEMM ({config.name})", family, int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved,
+                   launches=1 if splits == 1 else 2, memory_derate=fill)
     return cost_model.chain("Q4 separate (quantize + GEMM)", quant, gemm)
 
 
@@ -429,4 +463,4 @@ def _q4_linear_onnx_matmulnbits(x, qweight, scales, bias=None, mode: str = "fuse
     return y if bias is None else op.Add(y, op.CastLike(bias, y))
 
 
-__all__ = ["PASS", "Q4LinearPass", "estimate_q4_fused", "estimate_q4_separate", "ctas_per_sm"]
+__all__ = ["PASS", "Q4LinearPass", "estimate_q4_fused", "estimate_q4_separate", "ctas_per_sm", "split_k"]

@@ -161,28 +161,75 @@ def test_triton_q8_1_quantization_is_byte_exact(dtype):
     assert torch.equal(q4.quantize_q8_1_triton(x), q4.quantize_q8_1(x))
 
 
+def test_triton_q8_1_rounding_ties_match_hand_built_ggml_blocks():
+    """x * (1/d) landing on (or within an ulp of) .5: roundf goes away from zero, unlike rint."""
+    rng = np.random.default_rng(2)
+    exact_ties = [127.0] + [i - 15.5 for i in range(31)]  # d = 1: x * (1/d) = k + 0.5 exactly
+    blocks = _blocks(rng) + [exact_ties, [(i - 16) * 127 / 254 for i in range(32)], [(i - 16) * 0.5 + 1e-7 for i in range(32)]]
+    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float32).reshape(1, -1)
+    expected = b"".join(_hand_q8_1_block(b) for b in blocks)
+    assert bytes(q4.quantize_q8_1_triton(x).flatten().tolist()) == expected
+
+
 GEMM_CONFIGS = [q4.TileConfig("gemm", 16, 32, 2, 4, 3), q4.TileConfig("gemm", 32, 16, 1, 4, 2)]
+SPLIT_GEMM_CONFIGS = [q4.TileConfig("gemm", 16, 32, 1, 4, 2, split_k=3, reduce="workspace"),
+                      q4.TileConfig("gemm", 16, 16, 2, 4, 2, split_k=0, reduce="atomic")]
 
 
-@pytest.mark.parametrize("config", GEMM_CONFIGS, ids=lambda c: c.name)
-@pytest.mark.parametrize("m,n,k", [(5, 40, 96), (17, 24, 128)])  # odd sizes: partial tiles, odd block count
+@pytest.mark.parametrize("config", GEMM_CONFIGS + SPLIT_GEMM_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("m,n,k", [(5, 40, 96), (17, 24, 224)])  # odd sizes: partial tiles, odd block count
 def test_fused_kernel_equals_dequantize_then_matmul(config, m, n, k):
     x, qweight, scales, bias = _problem(m, n, k, torch.float32, seed=m)
     y = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
     _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
 
 
-@pytest.mark.parametrize("m", [1, 3])
-def test_decode_gemv_kernel_equals_dequantize_then_matmul(m):
-    x, qweight, scales, bias = _problem(m, 40, 96, torch.float32, seed=m)
-    y = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=q4.TileConfig("gemv", 0, 16, 1, 2, 1))
+# gemv: rows per program (0 = all, up to 8), weight rows, pairs per iteration, warps, stages, split-K
+GEMV_CONFIGS = [q4.TileConfig("gemv", 0, 16, 2, 2, 1),
+                q4.TileConfig("gemv", 2, 16, 1, 2, 1, split_k=2, reduce="workspace"),
+                q4.TileConfig("gemv", 0, 32, 4, 4, 1, split_k=0, reduce="atomic")]
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 24, 224), (16, 24, 160)])  # K not a multiple of the chunk
+def test_decode_gemv_kernel_equals_dequantize_then_matmul(config, m, n, k):
+    x, qweight, scales, bias = _problem(m, n, k, torch.float32, seed=m)
+    y = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
     _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
 
 
-def test_separate_integer_gemm_equals_dequantize_then_matmul():
-    x, qweight, scales, _ = _problem(6, 40, 96, torch.float32, seed=3)
-    y = q4.q4_q8_gemm_triton(q4.quantize_q8_1_triton(x), qweight, scales, None, torch.float32, config=GEMM_CONFIGS[0])
-    _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales), torch.float32)
+@pytest.mark.parametrize("config", [GEMV_CONFIGS[1], SPLIT_GEMM_CONFIGS[1]], ids=lambda c: c.name)
+def test_split_k_bf16_output_with_bias(config):
+    x, qweight, scales, bias = _problem(2, 24, 128, torch.bfloat16, seed=6)
+    y = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 24)
+    _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.bfloat16)
+
+
+def test_split_k_program_count_and_pairs():
+    # 216 block pairs (K = 13824), 80 output tiles, 4 programs per SM on 132 SMs -> 7 splits of 32 pairs
+    assert q4._split_k(7, 80, 216, 8, torch.device("cpu")) == (7, 32)
+    assert q4._split_k(1, 80, 216, 8, torch.device("cpu")) == (1, 216)
+    assert q4._split_k(64, 1, 3, 2, torch.device("cpu")) == (2, 2)  # never more splits than K steps
+
+
+def test_tile_config_rejects_invalid_choices():
+    with pytest.raises(ValueError, match="valid choices: workspace, atomic"):
+        q4.TileConfig("gemv", 0, 32, 4, reduce="tree")
+    with pytest.raises(ValueError, match="valid choices: gemm, gemv"):
+        q4.TileConfig("mma", 16, 32)
+    with pytest.raises(ValueError, match="power-of-two"):
+        q4.TileConfig("gemv", 0, 32, 3)
+    x, qweight, scales, _ = _problem(1, 16, 64, torch.float32)
+    with pytest.raises(ValueError, match="only 'gemm' configs"):
+        q4.q4_q8_gemm_triton(q4.quantize_q8_1(x), qweight, scales, None, torch.float32, config=GEMV_CONFIGS[0])
+
+
+@pytest.mark.parametrize("config", [GEMM_CONFIGS[0], SPLIT_GEMM_CONFIGS[0]], ids=lambda c: c.name)
+def test_separate_integer_gemm_equals_dequantize_then_matmul(config):
+    x, qweight, scales, bias = _problem(6, 40, 96, torch.float32, seed=3)
+    y = q4.q4_q8_gemm_triton(q4.quantize_q8_1_triton(x), qweight, scales, bias, torch.float32, config=config)
+    _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
 
 
 def test_bf16_activations_through_the_fused_kernel():
