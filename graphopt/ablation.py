@@ -20,7 +20,7 @@ import torch
 
 from graphopt import backend as backend_module
 from graphopt.config import PASS_NAMES
-from graphopt.passes.base import Decision
+from graphopt.passes.base import Decision, count_applied
 from graphopt.timing import first_tensor, median_ms
 
 
@@ -97,10 +97,7 @@ def measure(model, inputs, *, backend: str | None, options: dict | None, device:
         diff = (output - reference).abs()
         max_abs = float(diff.max())
         rel = float(diff.norm() / reference.norm().clamp(min=1e-30))
-    counts: dict[str, int] = {}
-    for d in sink:
-        counts[d.pass_name] = counts.get(d.pass_name, 0) + int(d.applied)
-    return VariantResult(name, passes, ms, compile_s, max_abs, rel, peak, rewrites=counts), output, sink
+    return VariantResult(name, passes, ms, compile_s, max_abs, rel, peak, rewrites=count_applied(sink)), output, sink
 
 
 def run_ablation(

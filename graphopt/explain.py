@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from graphopt.passes.base import Decision
+from graphopt.passes.base import Decision, count_applied
 
 
 @dataclass
@@ -20,10 +20,7 @@ class Report:
     @property
     def counts(self) -> dict[str, int]:
         """Rewrites applied per pass (every enabled pass appears, with 0 when nothing applied)."""
-        counts: dict[str, int] = {}
-        for d in self.decisions:
-            counts[d.pass_name] = counts.get(d.pass_name, 0) + int(d.applied)
-        return counts
+        return count_applied(self.decisions)
 
     def applied(self, pass_name: str | None = None) -> list[Decision]:
         return [d for d in self.decisions if d.applied and (pass_name is None or d.pass_name == pass_name)]

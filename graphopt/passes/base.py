@@ -42,6 +42,14 @@ class Decision:
         return None
 
 
+def count_applied(decisions: list[Decision]) -> dict[str, int]:
+    """Rewrites applied per pass; every pass with a decision appears, with 0 when none applied."""
+    counts: dict[str, int] = {}
+    for d in decisions:
+        counts[d.pass_name] = counts.get(d.pass_name, 0) + int(d.applied)
+    return counts
+
+
 @dataclass
 class FrozenWeight:
     """A parameter whose value a pass baked into the compiled graph (see PassContext.freeze)."""
@@ -158,10 +166,7 @@ class PassContext:
 
     @property
     def counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for d in self.decisions:
-            counts[d.pass_name] = counts.get(d.pass_name, 0) + int(d.applied)
-        return counts
+        return count_applied(self.decisions)
 
 
 class GraphPass:

@@ -38,20 +38,12 @@ from graphopt import cost_model
 from graphopt.kernels import fft_chain as fft
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
-from graphopt.passes.fx_utils import arg, device, dtype, find_linears, replace_with_call, shape
+from graphopt.passes.fx_utils import arg, device, dtype, find_linears, replace_with_call, shape, tokens
 from graphopt.plan import plan_section
 
 OP = torch.ops.graphopt.fft_chain_linear.default
 
 
-def _tokens(node) -> int | None:
-    s = shape(node)
-    if s is None:
-        return None
-    n = 1
-    for d in s[:-1]:
-        n *= d
-    return n
 
 
 def _device_type(node) -> str:
@@ -121,20 +113,20 @@ class FFTLinearPass(GraphPass):
         x, coeff_real, coeff_imag, perms, bias = (arg(node, i, n) for i, n in enumerate(("x", "coeff_real", "coeff_imag", "perms", "bias")))
         block_size, out_features = arg(node, 5, "block_size"), arg(node, 6, "out_features")
         x_shape, c_shape, p_shape = shape(x), shape(coeff_real), shape(perms)
-        tokens = _tokens(x)
-        if None in (x_shape, c_shape, p_shape, tokens):
+        rows = tokens(x)
+        if None in (x_shape, c_shape, p_shape, rows):
             ctx.record(self.name, False, "shapes of the fft_chain_linear inputs are unknown (dynamic shapes); left at impl='auto'", node=node)
             return
         in_features, k = x_shape[-1], p_shape[0] + 1
         dt = dtype(x)
         dtype_bytes = torch.empty((), dtype=dt).element_size() if dt is not None else 4
         has_bias = bias is not None
-        impl, after = fft.choose_implementation(ctx.hardware, tokens, in_features, out_features, block_size, k,
+        impl, after = fft.choose_implementation(ctx.hardware, rows, in_features, out_features, block_size, k,
                                                 device_type=_device_type(x), dtype_bytes=dtype_bytes, bias=has_bias)
-        before = fft.estimate_fft_chain(ctx.hardware, tokens, in_features, out_features, block_size, k, "torch",
+        before = fft.estimate_fft_chain(ctx.hardware, rows, in_features, out_features, block_size, k, "torch",
                                         dtype_bytes=dtype_bytes, bias=has_bias)
         folded = self._fold_spectrum(ctx, node, coeff_real, coeff_imag)
-        reason = (f"FFTChainLinear {in_features}->{out_features} B={block_size} K={k}: {impl} kernel for {tokens} tokens "
+        reason = (f"FFTChainLinear {in_features}->{out_features} B={block_size} K={k}: {impl} kernel for {rows} tokens "
                   f"(predicted {before.ms:.4f} ms with the torch path -> {after.ms:.4f} ms)"
                   + ("; coefficient spectrum folded into constants" if folded else "; spectrum computed per call (trainable)"))
         ctx.record(self.name, True, reason, node=node, before=before, after=after, implementation=f"fft_chain[{impl}]",

@@ -92,6 +92,17 @@ def device(node: Any) -> torch.device | None:
     return value.device if isinstance(value, torch.Tensor) else None
 
 
+def tokens(node: Any) -> int | None:
+    """Rows of a (..., features) activation: the product of all but the last dimension."""
+    s = shape(node)
+    if s is None:
+        return None
+    n = 1
+    for d in s[:-1]:
+        n *= d
+    return n
+
+
 def single_user(node: fx.Node) -> bool:
     return len(node.users) == 1
 
@@ -179,13 +190,7 @@ class LinearMatch:
         return s[1] if self.weight_transposed else s[0]
 
     def tokens(self) -> int | None:
-        s = shape(self.input)
-        if s is None:
-            return None
-        n = 1
-        for d in s[:-1]:
-            n *= d
-        return n
+        return tokens(self.input)
 
 
 def _param_2d(ctx: PassContext, node: Any) -> bool:
