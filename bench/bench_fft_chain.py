@@ -4,11 +4,13 @@
    per-config lines, success rates, cost model agreement (target >= 90%).
 2. The kernel candidates side by side for 5120->13824 and 13824->5120 at B=512, K=2:
    correctness of each against a float64 reference (PASS/FAIL), then times of cuBLAS bf16 and
-   of each implementation (torch: cuFFT + complex bmm; triton: cuFFT + Triton contraction;
-   dft: fused DFT-as-matmul kernels), plain launches and CUDA-graph replays, with the cost
-   model's prediction. Targets: >= 3x cuBLAS at <= 16 tokens, >= 1.0x at 256 tokens.
+   of each implementation (torch: cuFFT + complex bmm, ~13 launches; triton: cuFFT + Triton
+   contraction, ~9 launches; dft: packed real DFT as B x B tensor-core GEMMs + packed
+   contraction, 3 launches), plain launches and CUDA-graph replays, with the cost model's
+   predicted ms beside them (the JSON keeps the model constants, for a refit).
+   Targets: >= 3x cuBLAS at <= 16 tokens, >= 1.0x at 256 tokens.
 
-    python bench/bench_fft_chain.py              # GPU, well under 6 minutes
+    python bench/bench_fft_chain.py              # GPU, under 4 minutes
     python bench/bench_fft_chain.py --cpu-smoke  # tiny sizes on CPU (Triton interpreter)
 """
 
@@ -121,13 +123,15 @@ def main() -> int:
                                 "target": goal, "met": (best["graph_speedup"] >= goal) if goal else None})
     path = write_json("bench_fft_chain", rows, block_size=b, k=k, targets=targets,
                       explorer_agreement={"agree": agree, "total": total, "rate": agree / total if total else None},
-                      explorer={str(t): a for t, a in explorer.items()})
+                      explorer={str(t): a for t, a in explorer.items()},
+                      cost_model_constants={"launch_fraction_in_graph": fft.LAUNCH_FRACTION_IN_GRAPH, "fma_efficiency": fft.FMA_EFFICIENCY,
+                                            "serial_step_s": fft.SERIAL_STEP_S, "fft_chain_efficiency": cost_model.KERNEL_EFFICIENCY["fft_chain"]})
     print(f"explorer cost-model agreement over all token counts: {agree}/{total}" + (f" = {100 * agree / total:.0f}% (target >= 90%)" if total else ""))
     print(f"JSON: {path}")
     print_table("FFT-chain targets (best correct implementation, CUDA-graph replay vs cuBLAS bf16)", targets)
     print_table(f"FFT-chain kernel candidates, B={b}, K={k} (speedup = cuBLAS bf16 / impl)", rows,
                 ["shape", "tokens", "impl", "correct", "cublas_ms", "ms", "speedup", "cublas_graph_ms", "graph_ms", "graph_speedup",
-                 "predicted_speedup", "chosen_by_cost_model", "spectra_GBps"])
+                 "predicted_ms", "predicted_speedup", "chosen_by_cost_model", "spectra_GBps"])
     return 0
 
 

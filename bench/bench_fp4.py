@@ -7,10 +7,15 @@
 For every (format, shape K->N, tokens) it first checks the Triton kernel against
 dequantize-then-matmul in fp32 (PASS/FAIL with the relative error) and reports the output SQNR
 against the bf16 linear with the original weights. Then it times cuBLAS bf16 (F.linear) and the
-FP4 kernel the cost model picks (gemv = decode/split-K, gemm = prefill); <= 16 tokens are timed as
-CUDA-graph replays for both (launch gaps would otherwise dominate). GB/s counts the fewest bytes
-each must move (weights + scales + activations + outputs) and is compared with a device-to-device
-copy measured in the same run. Tile configs are tuned on the first call of each shape (not timed).
+FP4 kernel the cost model picks (gemv = decode/split-K, gemm = fused prefill, dequant = Triton
+decode of W to bf16 + cuBLAS); >= 64 tokens also time both prefill paths (gemm_ms, dequant_ms).
+<= 16 tokens are timed as CUDA-graph replays for both (launch gaps would otherwise dominate), twice:
+`*_ms` replays one call (its weights may stay in the 50 MB L2 between replays: the FP4 weights of
+every shape here fit), `*_cold_ms` replays a graph of calls over enough distinct weight copies
+(>= 120 MB) that every call reads its weights from HBM, as the layers of a real model do. GB/s
+(from the cold time where there is one) counts the fewest bytes each must move (weights + scales
++ activations + outputs) and is compared with a device-to-device copy measured in the same run.
+Tile configs are tuned on the first call of each shape (not timed).
 The last rows run transformers LLaMA with 7B shapes, 2 layers, one token, under Inductor bf16 and
 under graphopt with fp4_linear.
 """
@@ -18,6 +23,8 @@ under graphopt with fp4_linear.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import traceback
@@ -61,6 +68,39 @@ def time_ms(fn, tokens: int) -> float:
     return median_ms(fn, warmup_ms=10, rep_ms=50)
 
 
+COLD_BYTES = 120 << 20  # > 2x the H100/H200 L2 (50 MB)
+
+
+def cold_graph_ms(calls: list, reps: int = 50) -> float:
+    """Per-call median time of one CUDA graph that runs `calls` back to back (distinct weights)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, -(-COLD_BYTES // nbytes))
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a large device-to-device copy (read + write), the ceiling for streaming kernels."""
     n = (1 << 28) if GPU else (1 << 22)  # 512 MiB of bf16 on GPU
@@ -102,10 +142,29 @@ def kernel_rows(copy_bw: float) -> list[dict]:
                     fp4_ms = time_ms(run, m)
                     fp4_bytes = kw.nbytes + 2 * m * (k + n)
                     dense_bytes = 2 * (n * k + m * (k + n))
+                    row.update(cublas_ms=cublas_ms, fp4_ms=fp4_ms, speedup=cublas_ms / fp4_ms)
+                    cublas_t, fp4_t = cublas_ms, fp4_ms
+                    if GPU and m <= DECODE_TOKENS:
+                        dense_copies = [w] + [w.clone() for _ in range(copies_for(dense_bytes) - 1)]
+                        cublas_cold = cold_graph_ms([lambda wc=wc: F.linear(x, wc) for wc in dense_copies])
+                        del dense_copies
+                        fp4_copies = [kw] + [fp4.to_kernel_layout(q) for _ in range(copies_for(kw.nbytes) - 1)]
+                        fp4_cold = cold_graph_ms([
+                            lambda c=c: fp4.fp4_linear_triton(x, c.codes, c.scales, c.global_scale, None, n, k, fmt, path=path)
+                            for c in fp4_copies])
+                        del fp4_copies
+                        cublas_t, fp4_t = cublas_cold, fp4_cold
+                        row.update(cublas_cold_ms=cublas_cold, fp4_cold_ms=fp4_cold, cold_speedup=cublas_cold / fp4_cold)
+                    if m >= 64:
+                        for alt in ("gemm", "dequant"):
+                            try:
+                                row[f"{alt}_ms"] = time_ms(lambda alt=alt: fp4.fp4_linear_triton(
+                                    x, kw.codes, kw.scales, kw.global_scale, None, n, k, fmt, path=alt), m)
+                            except Exception as exc:  # noqa: BLE001
+                                print(f"[FAIL] {fmt} {k}->{n} M={m} {alt}: {type(exc).__name__}: {exc}", flush=True)
                     row.update(
-                        cublas_ms=cublas_ms, fp4_ms=fp4_ms, speedup=cublas_ms / fp4_ms,
-                        fp4_gbps=gbps(fp4_bytes, fp4_ms), fp4_of_copy_bw=fp4_bytes / (fp4_ms * 1e-3) / copy_bw,
-                        cublas_gbps=gbps(dense_bytes, cublas_ms), fp4_tflops=tflops(2.0 * m * n * k, fp4_ms),
+                        fp4_gbps=gbps(fp4_bytes, fp4_t), fp4_of_copy_bw=fp4_bytes / (fp4_t * 1e-3) / copy_bw,
+                        cublas_gbps=gbps(dense_bytes, cublas_t), fp4_tflops=tflops(2.0 * m * n * k, fp4_ms),
                         cublas_tflops=tflops(2.0 * m * n * k, cublas_ms),
                     )
                 except Exception as exc:  # one failing variant must not end the run
@@ -174,13 +233,17 @@ def main() -> None:
     print(f"device-to-device copy: {bw / 1e9:.1f} GB/s", flush=True)
     rows = kernel_rows(bw)
     e2e = [] if OPTS.no_e2e else llama_rows()
-    path = write_json("bench_fp4", rows + e2e, copy_bandwidth_gbps=bw / 1e9, formats=FORMATS)
+    path = write_json("bench_fp4", rows + e2e, copy_bandwidth_gbps=bw / 1e9, formats=FORMATS,
+                      tuned={str(key): dataclasses.asdict(cfg) for key, cfg in fp4._TUNED.items()})
     print(f"wrote {path}")
     if e2e:
         print_table("LLaMA-7B shapes, 2 layers, one token (speedup vs the first row)", e2e,
                     ["variant", "check", "logits_cosine", "e2e_ms", "speedup", "e2e_cuda_graph_ms", "graph_speedup", "error"])
-    print_table(f"FP4 weight-only linear vs cuBLAS bf16 (copy {bw / 1e9:.0f} GB/s)", rows,
+    tuned = {str(key): dataclasses.asdict(cfg) for key, cfg in fp4._TUNED.items()}
+    print("tuned configs:", json.dumps(tuned, default=str)[:4000])
+    print_table(f"FP4 weight-only linear vs cuBLAS bf16 (copy {bw / 1e9:.0f} GB/s; GB/s from the cold time)", rows,
                 ["format", "shape", "tokens", "path", "check", "rel_err", "out_sqnr_db", "cublas_ms", "fp4_ms", "speedup",
+                 "cublas_cold_ms", "fp4_cold_ms", "cold_speedup", "gemm_ms", "dequant_ms",
                  "fp4_gbps", "fp4_of_copy_bw", "cublas_tflops", "fp4_tflops", "error"])
 
 

@@ -32,16 +32,20 @@ Implementations (the op `graphopt::fft_chain_linear` chooses with the cost model
 - "triton": cuFFT rfft -> `_fft_contract_kernel` (Triton) reading rfft's interleaved output and
             writing irfft's input layout directly (no permutes), fusing the K-channel sum ->
             cuFFT irfft.
-- "dft":    the DFT as matrix products on tensor cores, fused: `_dft_forward_kernel` gathers the
-            permutation, zero-pads and multiplies input blocks by the real DFT matrix (tl.dot);
-            `_dft_contract_inverse_kernel` does the per-frequency contraction (FMA, K fused) and
-            the inverse DFT as a second tl.dot, adding the bias and cropping in its epilogue.
-            Two launches in all, the regime for few tokens.
-            Caveat: the DFT is one dense B x F product per block (2*B*B flops per real block),
-            not FlashFFTConv's b1*b2 Monarch factorization (which would cut it to ~4*B*(b1+b2));
-            it therefore loses to cuFFT at many tokens, and the cost model says so.
-Precision: the spectra are fp32 whatever the input dtype; tl.dot on fp32 runs as TF32 on GPUs
-(~1e-3 relative error), the cuFFT paths are full fp32. On CPU the op always runs the torch
+- "dft":    the real DFT as square B x B matrix products on tensor cores, on the packed
+            ("halfcomplex") spectrum of B reals per block (Re X_0..Re X_{B/2-1}, then Re X_{B/2}
+            in the slot of the always-zero Im X_0, then Im X_1..Im X_{B/2-1}); even B only.
+            Three launches: `_dft_forward_kernel` gathers P_k, zero-pads and runs the GEMM
+            (T*C, B) x (B, B); `_packed_contract_kernel` does the per-frequency complex
+            contraction (FMA, K fused in c, channel loop unrolled); `_dft_inverse_kernel` runs the
+            GEMM (T*N, B) x (B, B) with bias, crop and cast in its epilogue. The regime for few
+            and medium token counts; the DFT costs 2*B*B flops per block (vs ~2.5 B log2 B for
+            an FFT) but on tensor cores, so it loses at large B*K (the cost model says where).
+            Caveat: not FlashFFTConv's b1*b2 factorization, which would cut the DFT flops further.
+Precision: the cuFFT paths are full fp32. The dft path keeps 16-bit inputs in their dtype for
+the DFT operands and the stored spectra (fp32 accumulation, fp32 coefficients): for bf16 (and fp16, run
+in bf16 for range) about twice the relative error of rounding the output to bf16 (3.4e-3 vs 1.7e-3 on 5120->13824, B=512,
+K=2); fp32 inputs run the GEMMs as TF32 (~1e-3). On CPU the op always runs the torch
 reference (any float dtype, float64 included).
 """
 
@@ -329,88 +333,151 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 # =============================================================================================
 # Cost model (family "fft_chain")
 # =============================================================================================
+# A physical roofline per kernel launch, with four constants fitted to the H200 round-1 timings
+# (bench/results/fft_chain_h200_round1.json and explore_fft_h200/*.json; CUDA-graph replays):
+#  - LAUNCH_FRACTION_IN_GRAPH: a kernel node replayed from a CUDA graph costs this fraction of
+#    the device's eager launch overhead (hw.launch_overhead; ~2.6 us of 4 us on an H200);
+#  - cuFFT and the torch copies/casts stream at the "pointwise" family's memory efficiency;
+#  - FMA_EFFICIENCY: fraction of the fp32 CUDA-core peak reached by the complex contractions
+#    (cuBLAS cgemm on tiny per-frequency matrices, and our FMA Triton kernels);
+#  - SERIAL_STEP_S: one dependent global-load round trip of a Triton loop. A program that loops
+#    L times over the contraction dimension cannot finish faster than L such steps, times the
+#    number of waves of programs: the bound that makes few-token runs latency-bound.
+# Tensor-core GEMMs (the dft path's transforms) use the "fft_chain" family efficiencies.
+LAUNCH_FRACTION_IN_GRAPH = 0.5
+FMA_EFFICIENCY = 0.45
+SERIAL_STEP_S = 0.6e-6
+PROGRAMS_PER_SM = 4  # resident 4-warp programs per SM assumed for the wave count
+
+
 def _fft_flops(length: int, transforms: float) -> float:
     """Real FFT of `length`: ~2.5 N log2 N flops (half a complex FFT's 5 N log2 N)."""
     return 2.5 * length * math.log2(max(length, 2)) * transforms
 
 
+def _serial_bound_s(hw, programs: int, steps: int) -> float:
+    """Latency floor of a Triton kernel: waves of programs, each `steps` dependent load round trips."""
+    waves = -(-programs // max(1, hw.sm_count * PROGRAMS_PER_SM))
+    return waves * steps * SERIAL_STEP_S
+
+
 def estimate_fft_chain(hw, tokens: int, in_features: int, out_features: int, block_size: int, k: int, impl: str, *, dtype_bytes: int = 2, bias: bool = True):
-    """Predicted time of one implementation (see IMPLEMENTATIONS) on hardware `hw`.
+    """Predicted time of one implementation (see IMPLEMENTATIONS) on hardware `hw`, as run in a
+    CUDA graph. Each kernel launch is listed with its FLOPs and its DRAM bytes: activations in/out
+    (dtype_bytes), fp32 intermediates (4 bytes, 8 per complex), copies that torch inserts
+    (C2R inputs are cloned, bmm operands made contiguous), the coefficient spectra; Triton loops
+    also get their serial-latency floor (see the constants above)."""
+    from graphopt.cost_model import Estimate, chain, roofline
 
-    Counts, per kernel: FLOPs of the transforms and the contraction (complex multiply-add = 8
-    real flops), and the bytes of activations in/out (dtype_bytes), fp32 spectra (8 bytes per
-    complex) written and read once, coefficients (8 bytes per complex), gathers and pads.
-    """
-    from graphopt.cost_model import chain, roofline
-
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown fft_chain implementation {impl!r}; valid choices: {', '.join(IMPLEMENTATIONS)}")
     d = chain_dims(in_features, out_features, block_size, k)
     t, c, n, f, b = tokens, d["C"], d["N"], d["F"], block_size
     in_p, out_p = d["n_in"] * b, n * b
-    x_bytes, y_bytes = dtype_bytes * t * in_features, dtype_bytes * t * out_features
-    xspec, yspec, cspec = 8.0 * t * c * f, 8.0 * t * n * f, 8.0 * c * n * f
-    contract_flops = 8.0 * t * c * n * f
+    db = dtype_bytes
+    launch_s = hw.launch_overhead * (LAUNCH_FRACTION_IN_GRAPH if hw.is_gpu else 1.0)
     parts = []
 
-    def add(name, flops=0.0, moved=0.0, launches=1, family="fft_chain", unit="fp32"):
-        parts.append(roofline(hw, name, flops=flops, bytes_moved=moved, launches=launches, family=family, unit=unit))
+    def add(name, flops=0.0, moved=0.0, family="pointwise", unit="fp32", serial_s=0.0):
+        est = roofline(hw, name, flops=flops, bytes_moved=moved, launches=0, family=family, unit=unit)
+        body_ms = max(est.ms, serial_s * 1e3)
+        bound = "latency" if serial_s * 1e3 > est.ms else est.bound
+        parts.append(Estimate(name, body_ms + launch_s * 1e3, flops, moved, 1, bound))
 
+    def add_fma(name, flops, moved, serial_s=0.0):
+        """Complex contraction on fp32 CUDA cores at FMA_EFFICIENCY of the peak."""
+        compute_s = flops / (hw.fp32_flops * FMA_EFFICIENCY) if hw.is_gpu else 0.0
+        add(name, flops=0.0 if hw.is_gpu else flops, moved=moved, serial_s=max(serial_s, compute_s))
+
+    xspec, yspec, cspec = 8.0 * t * c * f, 8.0 * t * n * f, 8.0 * c * n * f
+    contract_flops = 8.0 * t * c * n * f
     if impl in ("torch", "triton"):
-        # cast + gather + pad into one fp32 (T, K, in_p) buffer (1 launch per step present)
-        prep_launches = 1 + (k > 1) + (in_p != in_features)
-        add("gather/pad", moved=x_bytes + 4.0 * t * k * in_p * prep_launches, launches=prep_launches, family="pointwise")
-        add("rfft", flops=_fft_flops(b, t * c), moved=4.0 * t * c * b + xspec)
+        if db != 4:
+            add("cast x to fp32", moved=(db + 4.0) * t * in_features)
+        if k > 1:
+            add("gather P_k x", moved=8.0 * t * in_features * (k - 1))
+            add("concatenate channels", moved=8.0 * t * in_features * k)
+        if in_p != in_features:
+            add("zero-pad", moved=4.0 * t * k * (in_features + in_p))
+        add("rfft (cuFFT)", flops=_fft_flops(b, t * c), moved=4.0 * t * c * b + xspec)
         if impl == "torch":
-            add("permute X", moved=2 * xspec, family="pointwise")
-            add("coeff complex+permute", moved=2 * 2 * cspec, launches=2, family="pointwise")
-            add("complex bmm", flops=contract_flops, moved=xspec + cspec + yspec)
-            add("permute Y", moved=2 * yspec, family="pointwise")
+            add("complex(coeffs)", moved=2 * cspec)
+            add("coeffs contiguous for bmm", moved=2 * cspec)
+            add("X contiguous for bmm", moved=2 * xspec)
+            add_fma("complex bmm (cuBLAS cgemm)", contract_flops, xspec + cspec + yspec)
         else:
-            add("triton contraction", flops=contract_flops, moved=xspec + cspec + yspec)
-        add("irfft", flops=_fft_flops(b, t * n), moved=yspec + 4.0 * t * out_p)
-        add("crop+bias+cast", moved=4.0 * t * out_features + y_bytes + (dtype_bytes * out_features if bias else 0), family="pointwise")
-    elif impl == "dft":
-        # tl.dot on fp32 runs as TF32: half the bf16 tensor-core rate, so count its flops twice.
-        tp = max(t, 16)  # tl.dot tiles are at least 16 tokens tall
-        fwd_flops = 2.0 * tp * c * b * 2 * f
-        add("dft forward (tl.dot)", flops=2 * fwd_flops, moved=x_bytes + 8.0 * b * f + xspec, unit="matrix")
-        r_tiles = max(1, b // _DFT_BLOCK_R)
-        inv_flops = 2.0 * tp * n * 2 * f * b
-        add("contract+inverse (tl.dot)", flops=2 * inv_flops, moved=xspec * 1.0 + cspec + 8.0 * f * b + y_bytes, unit="matrix")
-        add("contract (FMA)", flops=contract_flops * r_tiles, launches=0)
-    else:
-        raise ValueError(f"unknown fft_chain implementation {impl!r}; valid choices: {', '.join(IMPLEMENTATIONS)}")
+            # _fft_contract_kernel, first config (BT=16, BN=4, BF=32): loops over all C channels
+            programs = -(-f // 32) * -(-n // 4) * -(-t // 16)
+            add_fma("triton contraction", contract_flops, xspec * -(-n // 4) + cspec * -(-t // 16) + yspec,
+                    serial_s=_serial_bound_s(hw, programs, c))
+        add("clone irfft input (C2R)", moved=2 * yspec)
+        add("irfft (cuFFT)", flops=_fft_flops(b, t * n), moved=yspec + 4.0 * t * out_p)
+        if bias:
+            add("crop + bias", moved=8.0 * t * out_features + db * out_features)
+        if db != 4:
+            add("cast y", moved=(4.0 + db) * t * out_features)
+    else:  # dft: three kernels on the packed real spectrum
+        sb = db if db in (2,) else 4  # spectra stored in the 16-bit input dtype, else fp32
+        unit_scale = 1.0 if sb == 2 else 2.0  # fp32 operands run as TF32: half the bf16 rate
+        rows_f, rows_i = max(t * c, 16), max(t * n, 16)  # tensor-core tiles are >= 16 rows
+        # Not yet fitted (no H200 timing of these kernels): the GEMM K-loops are software-pipelined
+        # (num_stages=3: a round trip covers 3 steps; the forward's permutation gather adds one
+        # dependent load); the contraction's channel loop is unrolled UNROLL=4 (independent loads).
+        k_steps = -(-b // 64)
+        add("gather + forward DFT GEMM", flops=unit_scale * 2.0 * rows_f * b * b, family="fft_chain", unit="matrix",
+            moved=db * t * in_features * k + sb * (b * b + t * c * b),
+            serial_s=_serial_bound_s(hw, k_steps * -(-(t * c) // 32), 2 + -(-k_steps // 3)))
+        q = b // 2
+        # _packed_contract_kernel, first config (BT=16, BN=4, BQ=32, 4 channels per step)
+        programs = -(-q // 32) * -(-n // 4) * -(-t // 16)
+        add_fma("packed contraction", 4.0 * t * c * n * b, sb * t * c * b * -(-n // 4) + 4.0 * c * n * 2 * f * -(-t // 16) + sb * t * n * b,
+                serial_s=_serial_bound_s(hw, programs, -(-c // 4)))
+        add("inverse DFT GEMM + bias", flops=unit_scale * 2.0 * rows_i * b * b, family="fft_chain", unit="matrix",
+            moved=sb * (t * n * b + b * b) + db * (t * out_features + (out_features if bias else 0)),
+            serial_s=_serial_bound_s(hw, k_steps * -(-(t * n) // 32), 1 + -(-k_steps // 3)))
     return chain(f"fft_chain[{impl}] B={b} K={k}", *parts)
 
 
-def available_implementations(device_type: str) -> tuple[str, ...]:
-    """Implementations that run on a device type ("cuda" needs Triton for the Triton ones)."""
+def available_implementations(device_type: str, block_size: int | None = None) -> tuple[str, ...]:
+    """Implementations that run on a device type ("cuda" needs Triton for the Triton ones; the
+    dft path needs an even block size)."""
     if device_type == "cuda":
-        return IMPLEMENTATIONS if HAS_TRITON else ("torch",)
+        if not HAS_TRITON:
+            return ("torch",)
+        if block_size is not None and block_size % 2:
+            return ("torch", "triton")
+        return IMPLEMENTATIONS
     return ("torch",)
 
 
 def choose_implementation(hw, tokens: int, in_features: int, out_features: int, block_size: int, k: int, *, device_type: str = "cuda", dtype_bytes: int = 2, bias: bool = True):
     """(name, Estimate) of the implementation the cost model predicts fastest."""
     best = None
-    for impl in available_implementations(device_type):
+    for impl in available_implementations(device_type, block_size):
         est = estimate_fft_chain(hw, tokens, in_features, out_features, block_size, k, impl, dtype_bytes=dtype_bytes, bias=bias)
         if best is None or est.ms < best[1].ms:
             best = (impl, est)
     return best
 
-
 # =============================================================================================
 # Triton kernels
 # =============================================================================================
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_DFT_BLOCK_R = 256  # output columns per program of the fused kernel (contraction redone per tile)
 
 if HAS_TRITON:
 
-    def _configs(options: list[dict], warps: list[int]) -> list:
+    def _configs(options: list[dict], warps: list[int], stages: list[int] | None = None) -> list:
+        """Autotune configs: every option x warps x stages; an option may pin "num_warps"/"num_stages"."""
+        stages = stages or [3]
         if _INTERPRET:  # the interpreter runs every config: keep one
-            options, warps = options[:1], warps[:1]
-        return [triton.Config(o, num_warps=w) for o in options for w in warps]
+            options, warps, stages = options[:1], warps[:1], stages[:1]
+        out = []
+        for o in options:
+            meta = {key: v for key, v in o.items() if key not in ("num_warps", "num_stages")}
+            for w in ([o["num_warps"]] if "num_warps" in o else warps):
+                for st in ([o["num_stages"]] if "num_stages" in o else stages):
+                    out.append(triton.Config(meta, num_warps=w, num_stages=st))
+        return out
 
     # -----------------------------------------------------------------------------------------
     # Candidate 2: per-frequency contraction on rfft's own layout, K channels fused.
@@ -454,95 +521,141 @@ if HAS_TRITON:
         tl.store(y_ptr + y_off + 1, acc_i, mask=y_mask)
 
     # -----------------------------------------------------------------------------------------
-    # Candidate 3a: gather + zero-pad + forward real DFT as a tensor-core product.
+    # Candidate 3 ("dft"): three tensor-core-friendly kernels on the packed real spectrum.
+    # Packed ("halfcomplex") layout of one block's spectrum, B = 2Q reals, even B only:
+    #   slot q      (0 <= q < Q): Re X_q
+    #   slot Q + q  (1 <= q < Q): Im X_q
+    #   slot Q               : Re X_{B/2} (the Nyquist bin, real; Im X_0 = Im X_{B/2} = 0)
+    # so the forward and inverse real DFTs are square B x B matrix products with no padding.
     # -----------------------------------------------------------------------------------------
     @triton.autotune(
-        configs=_configs([{"BLOCK_T": 16, "BLOCK_F": 64, "BLOCK_B": 64}, {"BLOCK_T": 64, "BLOCK_F": 64, "BLOCK_B": 32},
-                          {"BLOCK_T": 128, "BLOCK_F": 64, "BLOCK_B": 32}, {"BLOCK_T": 64, "BLOCK_F": 128, "BLOCK_B": 32}], [4]),
-        key=["T_BUCKET", "C", "F", "B"],
+        configs=_configs([{"BLOCK_M": 32, "BLOCK_P": 64, "BLOCK_N": 64}, {"BLOCK_M": 16, "BLOCK_P": 64, "BLOCK_N": 64},
+                          {"BLOCK_M": 64, "BLOCK_P": 128, "BLOCK_N": 64}, {"BLOCK_M": 128, "BLOCK_P": 128, "BLOCK_N": 64, "num_warps": 8},
+                          {"BLOCK_M": 128, "BLOCK_P": 256, "BLOCK_N": 64, "num_warps": 8}], [4], [3]),
+        key=["M_BUCKET", "C", "B"],
     )
     @triton.jit
     def _dft_forward_kernel(
-        x_ptr,  # (T, IN) any float dtype
-        perm_ptr,  # (K-1, IN) int64
-        cos_ptr, nsin_ptr,  # (B, F) fp32: cos(2 pi f n / B), -sin(2 pi f n / B)
-        xr_ptr, xi_ptr,  # (T, C, F) fp32 planes out
-        T, IN, C, NIN, F, B, T_BUCKET, stride_xt,
-        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr,
+        x_ptr,  # (T, IN) input dtype
+        perm_ptr,  # (K-1, IN) int64 (a dummy when K = 1)
+        w_ptr,  # (B, B) operand dtype: packed forward real-DFT matrix, W[n, p]
+        xs_ptr,  # (T * C, B) spectrum dtype out: row t * C + c holds channel-block c of token t
+        M, IN, C, NIN, B, M_BUCKET, stride_xt,
+        FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        pid_f, ch, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        """XS = gather(x) @ W: rows (t, c = k * NIN + j), the permutation P_k and the zero padding
+        applied while loading; one tensor-core GEMM (T*C, B) x (B, B), fp32 accumulation."""
+        pid_p, pid_m = tl.program_id(0), tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) flattened (t, c)
+        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # (BP,)
+        tok = offs_m // C
+        ch = offs_m % C
         k = ch // NIN
         j = ch % NIN
-        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
-        acc_r = tl.zeros((BLOCK_T, BLOCK_F), dtype=tl.float32)
-        acc_i = tl.zeros((BLOCK_T, BLOCK_F), dtype=tl.float32)
-        for b0 in range(0, B, BLOCK_B):
-            offs_b = b0 + tl.arange(0, BLOCK_B)
-            pos = j * B + offs_b  # position in the permuted, padded input
-            valid = (pos < IN) & (offs_b < B)
-            use_perm = (pos * 0 + k) > 0  # channel 0 is the identity: no permutation row
-            permuted = tl.load(perm_ptr + (k - 1) * IN + pos, mask=valid & use_perm, other=0)
+        row_ok = offs_m < M
+        acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        for n0 in range(0, B, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)  # (BN,) time sample within the block
+            pos = j[:, None] * B + offs_n[None, :]  # (BM, BN) position in the permuted, padded row
+            valid = row_ok[:, None] & (pos < IN) & (offs_n[None, :] < B)
+            use_perm = k[:, None] > 0  # channel 0 is the identity: no permutation row
+            permuted = tl.load(perm_ptr + (k[:, None] - 1) * IN + pos, mask=valid & use_perm, other=0)
             src = tl.where(use_perm, permuted, pos)
-            xt = tl.load(x_ptr + offs_t[:, None] * stride_xt + src[None, :],
-                         mask=(offs_t[:, None] < T) & valid[None, :], other=0.0).to(tl.float32)  # (BT, BB)
-            t_mask = (offs_b[:, None] < B) & (offs_f[None, :] < F)
-            cos_t = tl.load(cos_ptr + offs_b[:, None] * F + offs_f[None, :], mask=t_mask, other=0.0)  # (BB, BF)
-            sin_t = tl.load(nsin_ptr + offs_b[:, None] * F + offs_f[None, :], mask=t_mask, other=0.0)
-            acc_r += tl.dot(xt, cos_t)
-            acc_i += tl.dot(xt, sin_t)
-        out = offs_t[:, None] * (C * F) + ch * F + offs_f[None, :]
-        out_mask = (offs_t[:, None] < T) & (offs_f[None, :] < F)
-        tl.store(xr_ptr + out, acc_r, mask=out_mask)
-        tl.store(xi_ptr + out, acc_i, mask=out_mask)
+            xt = tl.load(x_ptr + tok[:, None] * stride_xt + src, mask=valid, other=0.0)  # (BM, BN)
+            wt = tl.load(w_ptr + offs_n[:, None] * B + offs_p[None, :],
+                         mask=(offs_n[:, None] < B) & (offs_p[None, :] < B), other=0.0)  # (BN, BP)
+            if FP32_DOT:  # the CPU interpreter multiplies bf16 tl.dot operands wrongly (their uint16 storage)
+                acc += tl.dot(xt.to(tl.float32), wt.to(tl.float32))
+            else:
+                acc += tl.dot(xt.to(w_ptr.dtype.element_ty), wt)
+        out_mask = row_ok[:, None] & (offs_p[None, :] < B)
+        tl.store(xs_ptr + offs_m[:, None] * B + offs_p[None, :], acc.to(xs_ptr.dtype.element_ty), mask=out_mask)
 
-    # -----------------------------------------------------------------------------------------
-    # Candidate 3b: contraction (K fused, FMA) + inverse real DFT (tl.dot) + bias + crop.
-    # -----------------------------------------------------------------------------------------
     @triton.autotune(
-        configs=_configs([{"BLOCK_T": 16, "BLOCK_F": 32, "BLOCK_R": _DFT_BLOCK_R}, {"BLOCK_T": 32, "BLOCK_F": 32, "BLOCK_R": _DFT_BLOCK_R},
-                          {"BLOCK_T": 64, "BLOCK_F": 16, "BLOCK_R": _DFT_BLOCK_R}], [4, 8]),
-        key=["T_BUCKET", "C", "N", "F", "B"],
+        configs=_configs([{"BLOCK_T": 16, "BLOCK_N": 4, "BLOCK_Q": 32, "UNROLL": 4}, {"BLOCK_T": 16, "BLOCK_N": 2, "BLOCK_Q": 32, "UNROLL": 4},
+                          {"BLOCK_T": 16, "BLOCK_N": 4, "BLOCK_Q": 32, "UNROLL": 2}, {"BLOCK_T": 8, "BLOCK_N": 8, "BLOCK_Q": 32, "UNROLL": 4},
+                          {"BLOCK_T": 16, "BLOCK_N": 2, "BLOCK_Q": 16, "UNROLL": 8}, {"BLOCK_T": 32, "BLOCK_N": 4, "BLOCK_Q": 32, "UNROLL": 2},
+                          {"BLOCK_T": 64, "BLOCK_N": 4, "BLOCK_Q": 16, "UNROLL": 2}, {"BLOCK_T": 32, "BLOCK_N": 8, "BLOCK_Q": 32, "UNROLL": 1}], [4], [3]),
+        key=["T_BUCKET", "C", "N", "Q"],
     )
     @triton.jit
-    def _dft_contract_inverse_kernel(
-        xr_ptr, xi_ptr,  # (T, C, F) fp32
-        cr_ptr, ci_ptr,  # (C, N, F) fp32
-        icos_ptr, isin_ptr,  # (F, B) fp32: w_f cos(2 pi f r / B) / B, -w_f sin(2 pi f r / B) / B
-        bias_ptr,  # (OUT,) or dummy
-        y_ptr,  # (T, OUT) output dtype
-        T, C, N, F, B, OUT, T_BUCKET, stride_yt,
-        HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr,
+    def _packed_contract_kernel(
+        xs_ptr,  # (T, C, 2Q) packed spectra, spectrum dtype
+        cr_ptr, ci_ptr,  # (C, N, Q + 1) fp32 coefficient planes (F = Q + 1 frequencies)
+        ys_ptr,  # (T, N, 2Q) packed output spectra, spectrum dtype
+        T, C, N, Q, T_BUCKET,
+        UNROLL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
     ):
-        pid_r, i, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        """YS[t, n, q] = sum_c XS[t, c, q] * C^[c, n, q] (complex, on the packed layout; K fused in c).
+        Slot 0 is special: its 'real' slot is DC and its 'imaginary' slot is the real Nyquist bin,
+        so both multiply by real coefficients (Re C_0 and Re C_Q)."""
+        pid_q, pid_n, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        F = Q + 1
+        mask_tq = (offs_t[:, None] < T) & (offs_q[None, :] < Q)  # (BT, BQ)
+        mask_nq = (offs_n[:, None] < N) & (offs_q[None, :] < Q)  # (BN, BQ)
+        mask_ni = mask_nq & (offs_q[None, :] >= 1)  # Im C_0 is dropped (irfft ignores Im Y_0)
+        q_b = tl.where(offs_q == 0, Q, offs_q)  # coefficient partnering the 'imaginary' slot: Re C_Q at q = 0
+        x_re = xs_ptr + offs_t[:, None] * (C * 2 * Q) + offs_q[None, :]
+        c_off = offs_n[:, None] * F  # (BN, 1)
+        acc_r = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_Q), dtype=tl.float32)
+        acc_i = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_Q), dtype=tl.float32)
+        for c0 in range(0, C, UNROLL):
+            for u in tl.static_range(UNROLL):  # independent loads in flight: the loop is latency-bound at few tokens
+                c = c0 + u
+                ok = ((offs_q * 0 + c) < C)[None, :]  # (1, BQ): the unrolled tail past C
+                xr = tl.load(x_re + c * 2 * Q, mask=mask_tq & ok, other=0.0).to(tl.float32)  # (BT, BQ)
+                xi = tl.load(x_re + c * 2 * Q + Q, mask=mask_tq & ok, other=0.0).to(tl.float32)
+                base = c * N * F + c_off
+                wr = tl.load(cr_ptr + base + offs_q[None, :], mask=mask_nq & ok, other=0.0)  # (BN, BQ)
+                wi = tl.load(ci_ptr + base + offs_q[None, :], mask=mask_ni & ok, other=0.0)
+                wb = tl.load(cr_ptr + base + q_b[None, :], mask=mask_nq & ok, other=0.0)
+                xr3, xi3 = xr[:, None, :], xi[:, None, :]
+                acc_r += xr3 * wr[None, :, :] - xi3 * wi[None, :, :]
+                acc_i += xr3 * wi[None, :, :] + xi3 * wb[None, :, :]
+        y_off = offs_t[:, None, None] * (N * 2 * Q) + offs_n[None, :, None] * (2 * Q) + offs_q[None, None, :]
+        y_mask = (offs_t[:, None, None] < T) & (offs_n[None, :, None] < N) & (offs_q[None, None, :] < Q)
+        tl.store(ys_ptr + y_off, acc_r.to(ys_ptr.dtype.element_ty), mask=y_mask)
+        tl.store(ys_ptr + y_off + Q, acc_i.to(ys_ptr.dtype.element_ty), mask=y_mask)
+
+    @triton.autotune(
+        configs=_configs([{"BLOCK_M": 32, "BLOCK_R": 64, "BLOCK_P": 64}, {"BLOCK_M": 16, "BLOCK_R": 64, "BLOCK_P": 64},
+                          {"BLOCK_M": 64, "BLOCK_R": 128, "BLOCK_P": 64}, {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_P": 64, "num_warps": 8},
+                          {"BLOCK_M": 128, "BLOCK_R": 256, "BLOCK_P": 64, "num_warps": 8}], [4], [3]),
+        key=["M_BUCKET", "N", "B"],
+    )
+    @triton.jit
+    def _dft_inverse_kernel(
+        ys_ptr,  # (T * N, B) packed output spectra, spectrum dtype
+        winv_ptr,  # (B, B) operand dtype: packed inverse real-DFT matrix (irfft bin weights and 1/B folded in)
+        bias_ptr,  # (OUT,) or a dummy
+        y_ptr,  # (T, OUT) output dtype
+        M, N, B, OUT, M_BUCKET, stride_yt,
+        HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):
+        """y[t, n*B + r] = sum_p YS[t*N + n, p] Winv[p, r] + bias: one GEMM (T*N, B) x (B, B) whose
+        epilogue adds the bias, crops the padded output columns and casts."""
+        pid_r, pid_m = tl.program_id(0), tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (t, n)
         offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for f0 in range(0, F, BLOCK_F):
-            offs_f = f0 + tl.arange(0, BLOCK_F)
-            mask_tf = (offs_t[:, None] < T) & (offs_f[None, :] < F)
-            x_off = offs_t[:, None] * (C * F) + offs_f[None, :]
-            yr = tl.zeros((BLOCK_T, BLOCK_F), dtype=tl.float32)
-            yi = tl.zeros((BLOCK_T, BLOCK_F), dtype=tl.float32)
-            for c in range(0, C):
-                xr = tl.load(xr_ptr + x_off + c * F, mask=mask_tf, other=0.0)  # (BT, BF)
-                xi = tl.load(xi_ptr + x_off + c * F, mask=mask_tf, other=0.0)
-                wr = tl.load(cr_ptr + (c * N + i) * F + offs_f, mask=offs_f < F, other=0.0)[None, :]  # (1, BF)
-                wi = tl.load(ci_ptr + (c * N + i) * F + offs_f, mask=offs_f < F, other=0.0)[None, :]
-                yr += xr * wr - xi * wi
-                yi += xr * wi + xi * wr
-            g_mask = (offs_f[:, None] < F) & (offs_r[None, :] < B)
-            g_off = offs_f[:, None] * B + offs_r[None, :]
-            gr = tl.load(icos_ptr + g_off, mask=g_mask, other=0.0)  # (BF, BR)
-            gi = tl.load(isin_ptr + g_off, mask=g_mask, other=0.0)
-            acc += tl.dot(yr, gr)
-            acc += tl.dot(yi, gi)
-        cols = i * B + offs_r
-        col_mask = (offs_r < B) & (cols < OUT)
+        row_ok = offs_m < M
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for p0 in range(0, B, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            a = tl.load(ys_ptr + offs_m[:, None] * B + offs_p[None, :], mask=row_ok[:, None] & (offs_p[None, :] < B), other=0.0)
+            g = tl.load(winv_ptr + offs_p[:, None] * B + offs_r[None, :], mask=(offs_p[:, None] < B) & (offs_r[None, :] < B), other=0.0)
+            if FP32_DOT:
+                acc += tl.dot(a.to(tl.float32), g.to(tl.float32))
+            else:
+                acc += tl.dot(a.to(winv_ptr.dtype.element_ty), g)
+        tok = offs_m // N
+        cols = (offs_m % N)[:, None] * B + offs_r[None, :]  # (BM, BR) output feature
+        mask = row_ok[:, None] & (offs_r[None, :] < B) & (cols < OUT)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        y_mask = (offs_t[:, None] < T) & col_mask[None, :]
-        tl.store(y_ptr + offs_t[:, None] * stride_yt + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + tok[:, None] * stride_yt + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # =============================================================================================
@@ -553,17 +666,35 @@ def _t_bucket(t: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _dft_tables(block_size: int, device: str) -> tuple[torch.Tensor, ...]:
-    """Forward (B, F) cos / -sin and inverse (F, B) irfft matrices, fp32, built in float64."""
-    freqs = block_size // 2 + 1
+def _dft_tables(block_size: int, device: str, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed real-DFT matrices (see the packed layout above), built in float64, stored in `dtype`:
+    forward W (B, B) with XS = x @ W, inverse Winv (B, B) with x = XS @ Winv (irfft of the packed
+    spectrum: bin weights 1 (DC, Nyquist) or 2, and 1/B, folded in). Even B only."""
+    if block_size % 2:
+        raise ValueError(f"the packed real DFT needs an even block_size, got {block_size}")
+    q_len = block_size // 2
     n = torch.arange(block_size, dtype=torch.float64)
-    f = torch.arange(freqs, dtype=torch.float64)
-    angle = 2 * math.pi * torch.outer(n, f) / block_size  # (B, F)
-    w = _inverse_weights(block_size, freqs, torch.float64, "cpu")
-    fwd_cos, fwd_nsin = torch.cos(angle), -torch.sin(angle)
-    inv_cos = (w[:, None] * torch.cos(angle.T)) / block_size  # (F, B)
-    inv_nsin = -(w[:, None] * torch.sin(angle.T)) / block_size
-    return tuple(t.float().contiguous().to(device) for t in (fwd_cos, fwd_nsin, inv_cos, inv_nsin))
+    q = torch.arange(q_len, dtype=torch.float64)
+    angle = 2 * math.pi * torch.outer(n, q) / block_size  # (B, Q)
+    alternating = torch.cos(math.pi * n)  # (-1)^n: the Nyquist bin
+    fwd = torch.zeros(block_size, block_size, dtype=torch.float64)
+    fwd[:, :q_len] = torch.cos(angle)
+    fwd[:, q_len + 1:] = -torch.sin(angle[:, 1:])
+    fwd[:, q_len] = alternating
+    weight = torch.full((q_len,), 2.0, dtype=torch.float64)
+    weight[0] = 1.0
+    inv = torch.zeros(block_size, block_size, dtype=torch.float64)
+    inv[:q_len] = weight[:, None] * torch.cos(angle.T) / block_size
+    inv[q_len + 1:] = -2.0 * torch.sin(angle.T[1:]) / block_size
+    inv[q_len] = alternating / block_size
+    return fwd.to(device=device, dtype=dtype).contiguous(), inv.to(device=device, dtype=dtype).contiguous()
+
+
+def _dft_dtypes(x_dtype: torch.dtype) -> torch.dtype:
+    """Operand and spectrum storage dtype of the dft path: bf16 for 16-bit inputs (tensor cores at
+    full rate; ~2x the output-rounding error, see the module docstring; fp16 inputs too, because a
+    spectrum bin can reach B * max|x| and overflow fp16), fp32 (TF32 GEMMs) otherwise."""
+    return torch.bfloat16 if x_dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
 def _check_inputs(x, coeff_real, coeff_imag, perms, bias, block_size, out_features, impl):
@@ -620,34 +751,34 @@ def fft_chain_triton(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_f
 
 
 def fft_chain_dft(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features):
-    """Candidate 3: fused gather + DFT (tl.dot) kernel, then fused contraction + inverse DFT kernel."""
+    """Candidate 3: gather + forward DFT GEMM -> packed contraction -> inverse DFT GEMM + bias (3 launches)."""
     if not HAS_TRITON:
         raise RuntimeError("impl='dft' needs Triton; valid choices without it: torch")
-    x2d = x2d.contiguous()
+    if block_size % 2:
+        raise ValueError(f"impl='dft' needs an even block_size (packed real spectrum), got {block_size}; valid choices for odd block sizes: torch, triton")
+    out_dtype = x2d.dtype
+    op_dtype = _dft_dtypes(x2d.dtype)
+    x2d = (x2d if x2d.dtype in (torch.float16, torch.bfloat16, torch.float32) else x2d.float()).contiguous()
     t, in_features = x2d.shape
-    c_len, n_out, freqs = coeff_real.shape
+    c_len, n_out, _ = coeff_real.shape
     n_in = c_len // (perms.shape[0] + 1)
-    fwd_cos, fwd_nsin, inv_cos, inv_nsin = _dft_tables(block_size, str(x2d.device))
+    q_len = block_size // 2
+    fwd, inv = _dft_tables(block_size, str(x2d.device), op_dtype)
     perm_arg = perms.contiguous() if perms.shape[0] else torch.zeros(1, dtype=torch.int64, device=x2d.device)
-    xr = torch.empty(t, c_len, freqs, device=x2d.device, dtype=torch.float32)  # (T, C, F)
-    xi = torch.empty_like(xr)
-    bucket = _t_bucket(t)
-
-    def grid_fwd(meta):
-        return (triton.cdiv(freqs, meta["BLOCK_F"]), c_len, triton.cdiv(t, meta["BLOCK_T"]))
-
-    _dft_forward_kernel[grid_fwd](x2d, perm_arg, fwd_cos, fwd_nsin, xr, xi, t, in_features, c_len, n_in, freqs,
-                                  block_size, bucket, x2d.stride(0))
-    y = torch.empty(t, out_features, device=x2d.device, dtype=x2d.dtype)
+    xs = torch.empty(t * c_len, block_size, device=x2d.device, dtype=op_dtype)  # (T*C, B) packed spectra
+    m_fwd = t * c_len
+    _dft_forward_kernel[lambda meta: (triton.cdiv(block_size, meta["BLOCK_P"]), triton.cdiv(m_fwd, meta["BLOCK_M"]))](
+        x2d, perm_arg, fwd, xs, m_fwd, in_features, c_len, n_in, block_size, _t_bucket(m_fwd), x2d.stride(0), FP32_DOT=_INTERPRET)
+    ys = torch.empty(t * n_out, block_size, device=x2d.device, dtype=op_dtype)  # (T*N, B) packed output spectra
     cr, ci = coeff_real.float().contiguous(), coeff_imag.float().contiguous()
+    _packed_contract_kernel[lambda meta: (triton.cdiv(q_len, meta["BLOCK_Q"]), triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(t, meta["BLOCK_T"]))](
+        xs, cr, ci, ys, t, c_len, n_out, q_len, _t_bucket(t))
+    y = torch.empty(t, out_features, device=x2d.device, dtype=x2d.dtype)
     bias_arg = bias.contiguous() if bias is not None else cr
-
-    def grid_inv(meta):
-        return (triton.cdiv(block_size, meta["BLOCK_R"]), n_out, triton.cdiv(t, meta["BLOCK_T"]))
-
-    _dft_contract_inverse_kernel[grid_inv](xr, xi, cr, ci, inv_cos, inv_nsin, bias_arg, y, t, c_len, n_out, freqs,
-                                           block_size, out_features, bucket, y.stride(0), HAS_BIAS=bias is not None)
-    return y
+    m_inv = t * n_out
+    _dft_inverse_kernel[lambda meta: (triton.cdiv(block_size, meta["BLOCK_R"]), triton.cdiv(m_inv, meta["BLOCK_M"]))](
+        ys, inv, bias_arg, y, m_inv, n_out, block_size, out_features, _t_bucket(m_inv), y.stride(0), HAS_BIAS=bias is not None, FP32_DOT=_INTERPRET)
+    return y.to(out_dtype)
 
 
 _LAUNCHERS = {"torch": fft_chain_torch, "triton": fft_chain_triton, "dft": fft_chain_dft}

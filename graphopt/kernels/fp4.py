@@ -35,13 +35,23 @@ Kernel layout (`to_kernel_layout` / `from_kernel_layout`), arranged once at comp
     exponent/mantissa (exact: the result is value * 2^-14, folded into the block scale).
 
 Kernels (CUDA; on CPU they run under TRITON_INTERPRET=1 for tests):
-  * `_fp4_gemv_kernel`, decode, 1-16 tokens: each program streams a (BLOCK_N rows x K-range)
-    strip of packed weights, optionally split along K (SPLIT_K > 1 reduces with fp32 atomics).
-    One token (BLOCK_M == 1) reduces with FMAs on CUDA cores and applies each block scale after
-    its partial sum; 2-16 tokens use tensor cores with the tokens as the narrow MMA dimension
-    (out^T = W x^T, "swap AB"), so nothing is padded to 64 rows.
-  * `_fp4_gemm_kernel`, prefill, >= 64 tokens: tiles of the weight are dequantized to bf16/fp16
-    in registers and fed to tl.dot (weight tile as the left operand), grouped tile order for L2.
+  * `_fp4_gemv_kernel`, decode, 1-4 tokens per program on CUDA cores: each program streams a
+    (BLOCK_N rows x K-range) strip of the codes as int32 words, prefetching the next tile in
+    registers. A word right-shifted by 0/4/8/12 holds two codes at bits 0 and 16, so five
+    integer ops place both into fp16 bit patterns (sign << 15 | magnitude << 9 = value * 2^-14,
+    exact; the 2^14 and the scale decode's 2^8 are folded into one per-call multiplier). w * x
+    is summed within each block in-thread, the block scale is applied once per block, and rows
+    are reduced across threads once at the end. Split-K adds into a persistent zeroed fp32
+    workspace; the split that finishes a tile last (atomic counter) writes the output with bias
+    and re-zeroes the workspace: one launch per call, no memset or cast kernels.
+  * `_fp4_gemv_mma_kernel`, decode on tensor cores, up to 16 tokens per program: tokens are the
+    narrow MMA dimension (out^T = W x^T, "swap AB"); split-K via fp32 atomics into a zeroed
+    buffer, then a cast.
+  * `_fp4_gemm_kernel`, prefill (fused): tiles of the weight are dequantized to bf16/fp16 in
+    registers and fed to tl.dot (weight tile as the left operand), grouped tile order for L2.
+  * `_fp4_dequantize_kernel` + cuBLAS (path `dequant`), prefill for many tokens: W is decoded
+    once to the activation dtype (2 bytes/weight written, transient) and multiplied by cuBLAS,
+    as vLLM does for AWQ at >= 256 tokens; at 4096 tokens the decode costs a few % of the GEMM.
   `choose_fp4_path` picks the kernel per token count from the roofline cost model
   (`estimate_fp4_linear`, families fp4_gemv / fp4_gemm). Activations: bf16 or fp16 (fp32 is
   cast to bf16 for the kernel and the output cast back). Accumulation is fp32. Bias optional.
@@ -520,10 +530,11 @@ if triton is not None:
         return tl.sum(part, axis=2)  # the words of a block are in one thread: no shuffles
 
     @triton.jit
-    def _finish_row(acc, token, offs_n, n_mask, N, bias, out_ptr, stride_om, ws_ptr, pid_k,
+    def _finish_row(acc, token, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr,
                     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
         """SPLIT_K == 1: out = acc + bias, stored in out's dtype. Otherwise add into the fp32
-        workspace row (the last split copies it out, see _fp4_gemv_kernel)."""
+        workspace row (the last split copies it out, see _fp4_gemv_kernel). Tokens >= M are skipped."""
+        n_mask = n_mask & ((offs_n * 0 + token) < M)
         if SPLIT_K == 1:
             if HAS_BIAS:
                 acc += bias
@@ -532,8 +543,12 @@ if triton is not None:
             tl.atomic_add(ws_ptr + token * N + offs_n, acc, mask=n_mask, sem="relaxed")
 
     @triton.jit
-    def _drain_row(token, offs_n, n_mask, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS: tl.constexpr):
-        total = tl.atomic_xchg(ws_ptr + token * N + offs_n, tl.zeros_like(offs_n).to(tl.float32), mask=n_mask)
+    def _drain_row(token, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS: tl.constexpr):
+        n_mask = n_mask & ((offs_n * 0 + token) < M)
+        ws_row = ws_ptr + token * N + offs_n
+        zero = tl.zeros((offs_n.shape[0],), dtype=tl.float32)
+        total = tl.atomic_add(ws_row, zero, mask=n_mask, sem="relaxed")  # read at L2, where the adds landed
+        tl.store(ws_row, zero, mask=n_mask)
         if HAS_BIAS:
             total += bias
         tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -619,30 +634,27 @@ if triton is not None:
             bias = tl.load(bias_ptr + rows).to(tl.float32)
         else:
             bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        _finish_row(tl.sum(acc0, axis=1), token0, offs_n, n_mask, N, bias, out_ptr, stride_om, ws_ptr, pid_k,
+        _finish_row(tl.sum(acc0, axis=1), token0, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr,
                     HAS_BIAS, SPLIT_K)
         if BLOCK_M > 1:
-            _finish_row(tl.sum(acc1, axis=1), token0 + 1, offs_n, n_mask & (token0 + 1 < M), N, bias, out_ptr,
-                        stride_om, ws_ptr, pid_k, HAS_BIAS, SPLIT_K)
+            _finish_row(tl.sum(acc1, axis=1), token0 + 1, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr,
+                        HAS_BIAS, SPLIT_K)
         if BLOCK_M > 2:
-            _finish_row(tl.sum(acc2, axis=1), token0 + 2, offs_n, n_mask & (token0 + 2 < M), N, bias, out_ptr,
-                        stride_om, ws_ptr, pid_k, HAS_BIAS, SPLIT_K)
-            _finish_row(tl.sum(acc3, axis=1), token0 + 3, offs_n, n_mask & (token0 + 3 < M), N, bias, out_ptr,
-                        stride_om, ws_ptr, pid_k, HAS_BIAS, SPLIT_K)
+            _finish_row(tl.sum(acc2, axis=1), token0 + 2, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr,
+                        HAS_BIAS, SPLIT_K)
+            _finish_row(tl.sum(acc3, axis=1), token0 + 3, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr,
+                        HAS_BIAS, SPLIT_K)
         if SPLIT_K > 1:
             tl.debug_barrier()  # every thread's workspace atomics precede the counter's release
             counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:  # the last split of this tile: copy out, re-arm
-                _drain_row(token0, offs_n, n_mask, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
+                _drain_row(token0, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
                 if BLOCK_M > 1:
-                    _drain_row(token0 + 1, offs_n, n_mask & (token0 + 1 < M), N, bias, out_ptr, stride_om, ws_ptr,
-                               HAS_BIAS)
+                    _drain_row(token0 + 1, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
                 if BLOCK_M > 2:
-                    _drain_row(token0 + 2, offs_n, n_mask & (token0 + 2 < M), N, bias, out_ptr, stride_om, ws_ptr,
-                               HAS_BIAS)
-                    _drain_row(token0 + 3, offs_n, n_mask & (token0 + 3 < M), N, bias, out_ptr, stride_om, ws_ptr,
-                               HAS_BIAS)
+                    _drain_row(token0 + 2, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
+                    _drain_row(token0 + 3, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
                 tl.atomic_xchg(counter, 0)
 
     @triton.jit
@@ -901,8 +913,10 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
     bs = BLOCK_SIZES[format]
     bias_arg = bias if bias is not None else global_scale  # never read when HAS_BIAS is False
     if path == "dequant":  # prefill for many tokens: decode W once (bf16/fp16), then cuBLAS
-        w = dequantize_triton(codes, scales, global_scale, n, in_features, format, x2.dtype)
-        out = F.linear(x2, w, None if bias is None else bias.to(x2.dtype))
+        # fp32 callers get an fp32 product of the bf16-rounded activations, as on the other paths
+        compute_dtype = torch.float32 if out_dtype == torch.float32 else x2.dtype
+        w = dequantize_triton(codes, scales, global_scale, n, in_features, format, compute_dtype)
+        out = F.linear(x2.to(compute_dtype), w, None if bias is None else bias.to(compute_dtype))
         return out.to(out_dtype) if out.dtype != out_dtype else out
     if path == "gemv" and cfg.block_m in FMA_BLOCK_M:
         n_iters = k_padded // cfg.block_k
@@ -989,7 +1003,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                       bias: torch.Tensor | None, out_features: int, in_features: int, format: str, *,
                       path: str | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """y = x @ W^T + bias with W in the kernel layout (to_kernel_layout). x: (..., K) bf16/fp16
-    (fp32 is computed from a bf16 copy, output fp32). `path`: gemv | gemm | None (cost model)."""
+    (fp32 is computed from a bf16 copy, output fp32). `path`: gemv | gemm | dequant | None (cost model)."""
     if triton is None:
         raise RuntimeError("fp4_linear_triton needs Triton; use reference_fp4_linear on CPU")
     bs = _check_format(format)
@@ -1030,7 +1044,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     if not _valid_config(cfg, path, m, out_features, k_padded, bs):
         raise ValueError(f"fp4_linear: config {cfg} is not valid for path {path} with M={m}, K_padded={k_padded}, "
                          f"block {bs} (BLOCK_K must divide K_padded, be a multiple of the block and give MMA K >= 16; "
-                         f"SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1 or 16; prefill tiles >= 16 without split)")
+                         f"SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, 4 or 16; prefill tiles >= 16 without split)")
     out = _launch(path, cfg, *args)
     return out.reshape(*x.shape[:-1], out_features)
 

@@ -25,6 +25,12 @@ the predictor's block sizes are the kernel's):
      first tokens of the query block see themselves). Every row keeps at least one block.
   The kernel reads the kept blocks of each row as a compact list: `lut[b, h, i, :counts[b, h, i]]`
   holds the kept key-block indices in ascending order.
+  On the Triton path the predictor is two launches with no host synchronization (CUDA-graph
+  capturable): (1) pool Q and K blocks with their self-similarity into one fp32 workspace;
+  (2) per 16 query blocks: pooled scores, masked softmax, top-cdf and the compact list, in
+  registers. Step 4 there needs no sort: a block is kept iff the mass of the strictly larger
+  probabilities is < cdfthreshd, i.e. iff its probability is >= the smallest fp32 t with
+  F(t) = sum(p > t) < cdfthreshd, found by bisecting the bit patterns of t (31 steps).
 
 Kernel: online-softmax flash attention over the row's list. Under `is_causal` the token-level
 causal mask is applied inside the diagonal blocks (SpargeAttn's fast path masks only at block
@@ -36,6 +42,12 @@ PV skipping (`pvthreshd`, log2 units, None or inf = off): after QK^T of a tile, 
 the tile's exp and P.V are skipped: its weights are all below 2^-pvthreshd of the row's largest.
 This is lossy and changes results; the block mask alone (PV skipping off) is exact on the blocks
 it keeps.
+
+Kernel performance notes (Hopper): 128 x 64 tiles, 8 warps at D=128; interior tiles take the row
+max of the raw products and one FMA into exp2 (scale folded with log2 e); only diagonal / partial
+last tiles are masked; P.V accumulates into the rescaled accumulator inside the MMA; under
+causality the heaviest (last) query blocks start first. Autotuned: pipeline depth and whether the
+next block index is prefetched one iteration ahead (PREFETCH_INDEX) or left to Triton's pipeliner.
 
 Caveats: inference only (no autograd). The Triton path needs D <= 256 and q, k, v of one dtype
 (fp16, bf16 or fp32; fp32 uses IEEE dot products). `return_sparsity` synchronizes the device to
@@ -304,76 +316,143 @@ def reference_sparse_attention(
 # ---------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
+PREDICTOR_ROWS = 16  # query blocks per program of the LUT kernel (the pooled-score dot needs >= 16)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _attention_configs():
-    if _interpreting():
-        return [triton.Config({}, num_warps=4, num_stages=1)]
-    # BLOCK_M x BLOCK_N are fixed (they are the predictor's blocks); warps and pipeline depth are
-    # tuned. Hopper (H100/H200) prefers 8 warps with 3 stages at D=128; smaller D likes 4 warps.
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4)]
+    """Hopper-oriented search space (BLOCK_M x BLOCK_N are fixed: they are the predictor's blocks).
+
+    PREFETCH_INDEX=1 reads the next kept block index one iteration ahead (the K/V addresses of a
+    tile then never wait on a LUT load); 0 leaves the indirect load to Triton's pipeliner. Which
+    one pipelines better depends on the Triton version, so both are tuned."""
+    configs = [triton.Config({"PREFETCH_INDEX": p}, num_warps=8, num_stages=s) for p in (1, 0) for s in (3, 4, 2)]
+    configs += [triton.Config({"PREFETCH_INDEX": p}, num_warps=4, num_stages=s) for p in (1, 0) for s in (3, 2)]
+    return configs
+
+
+def _prune_attention_configs(configs, named_args, **kwargs):
+    """A 128 x 128 fp32 accumulator in 4 warps is 128 registers per thread before anything else:
+    head dims >= 128 use 8 warps, head dims <= 32 use 4 (too little work for 8), 64 tries both."""
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 128))
+    if head_dim >= 128:
+        kept = [c for c in configs if c.num_warps == 8]
+    elif head_dim <= 32:
+        kept = [c for c in configs if c.num_warps == 4]
+    else:
+        kept = list(configs)
+    return kept or configs
 
 
 if triton is not None:
 
+    # ------------------------------------------------------------------------ attention kernel
     @triton.jit
     def _attend_tile(
-        acc, l_i, m_i, q, k_base, v_base, block_index, offs_m, offs_n, offs_d, neg_pv_thresh,
-        stride_kn, stride_kd, stride_vn, stride_vd, Lq, Lk, qk_scale,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        acc, l_i, m_i, q, kt_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, neg_pv_thresh,
+        stride_kn, stride_vn, Lq, Lk, qk_scale,
+        HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         PV_SKIP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
-        """One (BLOCK_M x BLOCK_N) tile of online softmax: QK^T, masks, optional PV skip, P.V."""
-        start_n = block_index * BLOCK_N
+        """One (BLOCK_M x BLOCK_N) tile of online softmax (log2 domain): QK^T, token masks only when
+        MASKED (a diagonal or a partial last block), optional PV skip, then P.V into `acc`."""
         keys = start_n + offs_n  # (BLOCK_N,)
-        d_valid = offs_d < HEAD_DIM
-        kt_ptrs = k_base + keys[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (BLOCK_D, BLOCK_N)
+        kt_ptrs = kt_ptrs + start_n * stride_kn  # (BLOCK_D, BLOCK_N): K^T of the tile
+        v_ptrs = v_ptrs + start_n * stride_vn  # (BLOCK_N, BLOCK_D)
         if MASKED:
-            kt = tl.load(kt_ptrs, mask=(keys[None, :] < Lk) & d_valid[:, None], other=0.0)
+            if PAD_D:
+                kt = tl.load(kt_ptrs, mask=(keys[None, :] < Lk) & (offs_d[:, None] < HEAD_DIM), other=0.0)
+            else:
+                kt = tl.load(kt_ptrs, mask=keys[None, :] < Lk, other=0.0)
         else:
-            kt = tl.load(kt_ptrs, mask=d_valid[:, None], other=0.0)
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+            if PAD_D:
+                kt = tl.load(kt_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+            else:
+                kt = tl.load(kt_ptrs)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) raw products, fp32
         if MASKED:
             valid = keys[None, :] < Lk
             if IS_CAUSAL:
                 valid = valid & (keys[None, :] <= offs_m[:, None])
-            qk = tl.where(valid, qk, float("-inf"))
-        tile_max = tl.max(qk, 1)  # (BLOCK_M,)
-        run = True
+            scores = tl.where(valid, qk * qk_scale, float("-inf"))
+            tile_max = tl.max(scores, 1)
+        else:
+            # Interior tile: max of the raw products (qk_scale > 0), then one FMA per element below.
+            tile_max = tl.max(qk, 1) * qk_scale
         if PV_SKIP:
             # Skip only if every valid row's tile max is below its running max - pvthreshd.
             gap = tl.where(offs_m < Lq, tile_max - m_i, float("-inf"))
             run = tl.max(gap, 0) >= neg_pv_thresh
+        else:
+            run = True
         if run:
             m_new = tl.maximum(m_i, tile_max)
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_ptrs = v_base + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BLOCK_N, BLOCK_D)
             if MASKED:
-                v = tl.load(v_ptrs, mask=(keys[:, None] < Lk) & d_valid[None, :], other=0.0)
+                # A row may have seen only masked keys so far: shift by 0 instead of -inf (no NaN).
+                m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(scores - m_shift[:, None])
             else:
-                v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                m_shift = m_new
+                p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if MASKED:
+                if PAD_D:
+                    v = tl.load(v_ptrs, mask=(keys[:, None] < Lk) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+                else:
+                    v = tl.load(v_ptrs, mask=keys[:, None] < Lk, other=0.0)
+            else:
+                if PAD_D:
+                    v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+                else:
+                    v = tl.load(v_ptrs)
+            # P.V accumulates into the rescaled accumulator inside the MMA (no separate add).
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
         return acc, l_i, m_i
 
-    @triton.autotune(configs=_attention_configs(), key=["HEAD_DIM", "IS_CAUSAL", "PV_SKIP", "DOT_PRECISION"])
+    @triton.jit
+    def _attend_list(
+        acc, l_i, m_i, q, kt_ptrs, v_ptrs, lut_row, lo, hi, next_index, offs_m, offs_n, offs_d, neg_pv_thresh,
+        stride_kn, stride_vn, Lq, Lk, qk_scale,
+        HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH_INDEX: tl.constexpr,
+    ):
+        """Tiles lut_row[lo:hi]. PREFETCH_INDEX: `next_index` holds lut_row[lo] on entry and the
+        entry after hi - 1 (clamped to the list) on exit."""
+        for it in range(lo, hi):
+            if PREFETCH_INDEX:
+                block_index = next_index
+                next_index = tl.load(lut_row + tl.minimum(it + 1, hi - 1), eviction_policy="evict_last")
+            else:
+                block_index = tl.load(lut_row + it, eviction_policy="evict_last")
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, kt_ptrs, v_ptrs, block_index * BLOCK_N, offs_m, offs_n, offs_d, neg_pv_thresh,
+                stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, PAD_D, MASKED, IS_CAUSAL, PV_SKIP, DOT_PRECISION)
+        return acc, l_i, m_i, next_index
+
     @triton.jit
     def _sparse_attention_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, pv_thresh_ptr,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_ob, stride_oh, stride_om, stride_od,
-        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale,
+        q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, pv_thresh_ptr, pv_thresh,
+        stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_om,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, SEQ_BUCKET,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PV_PER_HEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PREFETCH_INDEX: tl.constexpr,
     ):
-        """Grid (nQ, B*H): one query block of one head; visits the kept key blocks of its LUT row."""
+        """Grid (nQ, B*H): one query block of one head; visits the kept key blocks of its LUT row.
+        The last dimension of q, k, v, o is contiguous (the launcher guarantees it). SEQ_BUCKET is
+        only an autotuning key (the sequence length's power-of-two bucket)."""
+        PAD_D: tl.constexpr = HEAD_DIM != BLOCK_D
         pid_m = tl.program_id(0)
+        if IS_CAUSAL:  # later query blocks keep more blocks: start them first
+            pid_m = tl.num_programs(0) - 1 - pid_m
         pid_bh = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
@@ -381,17 +460,22 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        d_valid = offs_d < HEAD_DIM
-        q_ptrs = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=(offs_m[:, None] < Lq) & d_valid[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-        k_base = k_ptr + b * stride_kb + kv_h * stride_kh
-        v_base = v_ptr + b * stride_vb + kv_h * stride_vh
+        q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+        if PAD_D:
+            q = tl.load(q_ptrs, mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            q = tl.load(q_ptrs, mask=offs_m[:, None] < Lq, other=0.0)  # (BLOCK_M, BLOCK_D)
+        kt_ptrs = k_ptr + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]
+        v_ptrs = v_ptr + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
         row = pid_bh * N_Q_BLOCKS + pid_m
         lut_row = lut_ptr + row.to(tl.int64) * N_K_BLOCKS
         count = tl.load(count_ptr + row)
         neg_pv_thresh = 0.0
         if PV_SKIP:
-            neg_pv_thresh = -tl.load(pv_thresh_ptr + h)
+            if PV_PER_HEAD:
+                neg_pv_thresh = -tl.load(pv_thresh_ptr + h)
+            else:
+                neg_pv_thresh = -pv_thresh
         # Kept blocks are ascending, so the blocks needing a token mask are a suffix of the list:
         # under causality the blocks the diagonal crosses (always kept), else a partial last block.
         if IS_CAUSAL:
@@ -399,102 +483,178 @@ if triton is not None:
             last_allowed = (tl.minimum((pid_m + 1) * BLOCK_M, Lq) - 1) // BLOCK_N
             n_masked = last_allowed - first_diagonal + 1
         else:
-            last_block = tl.load(lut_row + count - 1)
-            n_masked = ((Lk % BLOCK_N != 0) & (last_block == N_K_BLOCKS - 1)).to(tl.int32)
-        n_plain = count - n_masked
+            last_block = tl.load(lut_row + tl.maximum(count - 1, 0))
+            n_masked = ((Lk % BLOCK_N != 0) & (last_block == N_K_BLOCKS - 1) & (count > 0)).to(tl.int32)
+        n_plain = tl.maximum(count - n_masked, 0)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for it in range(0, n_plain):
-            block_index = tl.load(lut_row + it)
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, k_base, v_base, block_index, offs_m, offs_n, offs_d, neg_pv_thresh,
-                stride_kn, stride_kd, stride_vn, stride_vd, Lq, Lk, qk_scale,
-                HEAD_DIM, BLOCK_N, False, IS_CAUSAL, PV_SKIP, DOT_PRECISION)
-        for it in range(n_plain, count):
-            block_index = tl.load(lut_row + it)
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, k_base, v_base, block_index, offs_m, offs_n, offs_d, neg_pv_thresh,
-                stride_kn, stride_kd, stride_vn, stride_vd, Lq, Lk, qk_scale,
-                HEAD_DIM, BLOCK_N, True, IS_CAUSAL, PV_SKIP, DOT_PRECISION)
-        out = acc / l_i[:, None]
-        o_ptrs = o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & d_valid[None, :])
+        next_index = tl.load(lut_row, mask=count > 0, other=0)
+        acc, l_i, m_i, next_index = _attend_list(
+            acc, l_i, m_i, q, kt_ptrs, v_ptrs, lut_row, 0, n_plain, next_index, offs_m, offs_n, offs_d, neg_pv_thresh,
+            stride_kn, stride_vn, Lq, Lk, qk_scale,
+            HEAD_DIM, PAD_D, BLOCK_N, False, IS_CAUSAL, PV_SKIP, DOT_PRECISION, PREFETCH_INDEX)
+        if PREFETCH_INDEX:
+            next_index = tl.load(lut_row + tl.minimum(n_plain, tl.maximum(count - 1, 0)))
+        acc, l_i, m_i, next_index = _attend_list(
+            acc, l_i, m_i, q, kt_ptrs, v_ptrs, lut_row, n_plain, count, next_index, offs_m, offs_n, offs_d, neg_pv_thresh,
+            stride_kn, stride_vn, Lq, Lk, qk_scale,
+            HEAD_DIM, PAD_D, BLOCK_N, True, IS_CAUSAL, PV_SKIP, DOT_PRECISION, PREFETCH_INDEX)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty row (count 0) gives 0
+        o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+        if PAD_D:
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
+        else:
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < Lq)
+
+    _sparse_attention_kernel_tuned = triton.autotune(
+        configs=_attention_configs(), key=["HEAD_DIM", "IS_CAUSAL", "PV_SKIP", "DOT_PRECISION", "SEQ_BUCKET"],
+        prune_configs_by={"early_config_prune": _prune_attention_configs},
+    )(_sparse_attention_kernel)
+
+    # ------------------------------------------------------------------------ predictor kernels
+    @triton.jit
+    def _pool_tile(
+        x_base, stride_l, stride_d, L, start, pooled_ptr, sim_ptr, first_block, n_blocks,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """TOKENS tokens from `start` = TOKENS // BLOCK blocks: their means -> pooled[first_block + s]
+        (HEAD_DIM fp32) and mean pairwise cosine similarities -> sim[first_block + s]."""
+        SEGMENTS: tl.constexpr = TOKENS // BLOCK
+        offs_l = start + tl.arange(0, TOKENS)
+        offs_d = tl.arange(0, BLOCK_D)
+        x = tl.load(x_base + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
+                    mask=(offs_l[:, None] < L) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+        norm = tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)  # (TOKENS,); padded tokens stay 0 below
+        unit = x / norm[:, None]
+        x_sum = tl.sum(tl.reshape(x, (SEGMENTS, BLOCK, BLOCK_D)), 1)  # (SEGMENTS, BLOCK_D)
+        unit_sum = tl.sum(tl.reshape(unit, (SEGMENTS, BLOCK, BLOCK_D)), 1)
+        segs = tl.arange(0, SEGMENTS)
+        count = tl.minimum(tl.maximum(L - (start + segs * BLOCK), 0), BLOCK).to(tl.float32)  # (SEGMENTS,)
+        safe = tl.maximum(count, 1.0)
+        pooled = x_sum / safe[:, None]
+        sim = tl.sum(unit_sum * unit_sum, 1) / (safe * safe)
+        blocks = first_block + segs
+        seg_ok = segs < n_blocks
+        tl.store(pooled_ptr + blocks.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], pooled,
+                 mask=seg_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+        tl.store(sim_ptr + blocks, sim, mask=seg_ok)
 
     @triton.jit
-    def _pool_blocks_kernel(
-        x_ptr, pooled_ptr, sim_ptr,
-        stride_xb, stride_xh, stride_xl, stride_xd,
-        H, L, N_BLOCKS,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    def _pool_qk_kernel(
+        q_ptr, k_ptr, work_ptr,
+        stride_qb, stride_qh, stride_ql, stride_qd,
+        stride_kb, stride_kh, stride_kl, stride_kd,
+        H, HKV, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, Q_TILES, K_TILES, N_Q_PROGRAMS,
+        off_sim_q, off_pooled_k, off_sim_k,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        """Grid (n_blocks, B*H): mean of a block's tokens -> pooled (B, H, n, D) fp32 and its mean
-        pairwise cosine similarity -> sim (B, H, n) fp32."""
+        """1-D grid: the first N_Q_PROGRAMS = B*H*Q_TILES programs pool TOKENS query tokens each, the
+        next B*HKV*K_TILES programs TOKENS key tokens each, into one fp32 workspace laid out as
+        pooled_q (B*H, nQ, D) | sim_q (B*H, nQ) | pooled_k (B*HKV, nK, D) | sim_k (B*HKV, nK)."""
         pid = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        offs_l = pid * BLOCK + tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, BLOCK_D)
-        ptrs = x_ptr + b * stride_xb + h * stride_xh + offs_l[:, None] * stride_xl + offs_d[None, :] * stride_xd
-        x = tl.load(ptrs, mask=(offs_l[:, None] < L) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-        count = tl.minimum(L - pid * BLOCK, BLOCK).to(tl.float32)
-        pooled = tl.sum(x, 0) / count  # (BLOCK_D,)
-        norm = tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)
-        unit_sum = tl.sum(x / norm[:, None], 0)
-        sim = tl.sum(unit_sum * unit_sum, 0) / (count * count)
-        row = pid_bh * N_BLOCKS + pid
-        tl.store(pooled_ptr + row.to(tl.int64) * HEAD_DIM + offs_d, pooled, mask=offs_d < HEAD_DIM)
-        tl.store(sim_ptr + row, sim)
+        if pid < N_Q_PROGRAMS:
+            bh = pid // Q_TILES
+            tile = pid % Q_TILES
+            b = bh // H
+            h = bh % H
+            first = tile * (TOKENS // BLOCK_M)
+            _pool_tile(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, stride_ql, stride_qd, Lq,
+                       tile * TOKENS, work_ptr, work_ptr + off_sim_q, bh * N_Q_BLOCKS + first, N_Q_BLOCKS - first,
+                       HEAD_DIM, BLOCK_D, TOKENS, BLOCK_M)
+        else:
+            pid = pid - N_Q_PROGRAMS
+            bh = pid // K_TILES
+            tile = pid % K_TILES
+            b = bh // HKV
+            h = bh % HKV
+            first = tile * (TOKENS // BLOCK_N)
+            _pool_tile(k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh, stride_kl, stride_kd, Lk,
+                       tile * TOKENS, work_ptr + off_pooled_k, work_ptr + off_sim_k, bh * N_K_BLOCKS + first,
+                       N_K_BLOCKS - first, HEAD_DIM, BLOCK_D, TOKENS, BLOCK_N)
 
     @triton.jit
     def _predict_lut_kernel(
-        scores_ptr, sim_q_ptr, sim_k_ptr, sim_thresh_ptr, cdf_thresh_ptr, lut_ptr, count_ptr,
+        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
         H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, scale,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_K_POW2: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        off_sim_q, off_pooled_k, off_sim_k,
+        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr,
     ):
-        """Grid (nQ, B*H): one row of the block mask (top-cdf of the pooled-score softmax), written
-        as the compact ascending list lut[row, :count] the attention kernel reads."""
-        pid_m = tl.program_id(0)
+        """Grid (cdiv(nQ, ROWS), B*H): ROWS rows of the block mask, from the pooled scores to the
+        compact ascending lists lut[row, :count] the attention kernel reads. All in registers:
+        pooled QK^T (fp32 dot over D chunks), masked row softmax, top-cdf selection by bisection
+        over the fp32 bit patterns of the threshold (no sort), forced blocks, compaction."""
+        pid_r = tl.program_id(0)
         pid_bh = tl.program_id(1)
         h = pid_bh % H
         b = pid_bh // H
         kv_bh = b * (H // KV_GROUP) + h // KV_GROUP
-        row = pid_bh * N_Q_BLOCKS + pid_m
-        cols = tl.arange(0, N_K_POW2)
-        in_range = cols < N_K_BLOCKS
-        scores = tl.load(scores_ptr + row.to(tl.int64) * N_K_BLOCKS + cols, mask=in_range, other=float("-inf")) * scale
-        sim_thresh = tl.load(sim_thresh_ptr + h)
-        cdf_thresh = tl.load(cdf_thresh_ptr + h)
-        q_similar = tl.load(sim_q_ptr + row) > sim_thresh
-        k_similar = tl.load(sim_k_ptr + kv_bh * N_K_BLOCKS + cols, mask=in_range, other=0.0) > sim_thresh
-        allowed = in_range
-        diagonal = cols < 0
-        if IS_CAUSAL:
-            last_query = tl.minimum((pid_m + 1) * BLOCK_M, Lq) - 1
-            last_key = tl.minimum((cols + 1) * BLOCK_N, Lk) - 1
-            allowed = allowed & (cols * BLOCK_N <= last_query)
-            diagonal = allowed & (last_key > pid_m * BLOCK_M)
-        candidates = k_similar & allowed
-        logits = tl.where(candidates, scores, float("-inf"))
-        row_max = tl.max(logits, 0)
-        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-        weights = tl.where(candidates, tl.exp(logits - row_max), 0.0)
-        probs = weights / tl.maximum(tl.sum(weights, 0), 1e-30)
-        sorted_probs = tl.sort(probs, descending=True)
-        mass_before = tl.cumsum(sorted_probs, 0) - sorted_probs
-        smallest_kept = tl.min(tl.where(mass_before < cdf_thresh, sorted_probs, float("inf")), 0)
+        rows = pid_r * ROWS + tl.arange(0, ROWS)  # query block indices (ROWS,)
+        row_ok = rows < N_Q_BLOCKS
+        cols = tl.arange(0, N_K_POW2)  # key block indices (N_K_POW2,)
+        col_ok = cols < N_K_BLOCKS
+        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
+        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
+        # pooled scores (ROWS, N_K_POW2): pooled_q (ROWS, D) @ pooled_k^T (D, nK), in D chunks
+        scores = tl.zeros([ROWS, N_K_POW2], dtype=tl.float32)
+        for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
+            offs_d = d0 + tl.arange(0, D_CHUNK)
+            pq = tl.load(work_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
+                         mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            pkt = tl.load(work_ptr + off_pooled_k + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
+                          mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+            scores += tl.dot(pq, pkt, input_precision="ieee")
+        scores = scores * scale
+        if PER_HEAD:
+            sim_thresh = tl.load(sim_thresh_ptr + h)
+            cdf_thresh = tl.load(cdf_thresh_ptr + h)
+        cdf_thresh = cdf_thresh + tl.zeros([ROWS], dtype=tl.float32)  # (ROWS,): a tensor in every mode
         # Boolean algebra in int32 (0/1): the interpreter and the compiler agree on it.
-        keep_whole_row = ((q_similar == 0) | (cdf_thresh >= 1.0)).to(tl.int32)  # scalar
-        keep = ((probs >= smallest_kept) & candidates).to(tl.int32)
-        keep = keep | (k_similar == 0).to(tl.int32) | diagonal.to(tl.int32) | keep_whole_row
-        keep = keep & allowed.to(tl.int32)
-        best = tl.argmax(tl.where(allowed, scores, float("-inf")), 0)
-        none_kept = (tl.sum(keep, 0) == 0).to(tl.int32)
-        keep = keep | (none_kept & (cols == best).to(tl.int32))
-        position = tl.cumsum(keep, 0) - 1
-        tl.store(lut_ptr + row.to(tl.int64) * N_K_BLOCKS + position, cols, mask=keep > 0)
-        tl.store(count_ptr + row, tl.sum(keep, 0))
+        q_similar = (tl.load(work_ptr + off_sim_q + q_rows, mask=row_ok, other=0.0) > sim_thresh).to(tl.int32)
+        k_similar = (tl.load(work_ptr + off_sim_k + k_rows, mask=col_ok, other=0.0) > sim_thresh).to(tl.int32)
+        allowed = col_ok.to(tl.int32)[None, :] + tl.zeros([ROWS, N_K_POW2], dtype=tl.int32)
+        diagonal = tl.zeros([ROWS, N_K_POW2], dtype=tl.int32)
+        if IS_CAUSAL:
+            last_query = tl.minimum((rows + 1) * BLOCK_M, Lq) - 1  # (ROWS,)
+            last_key = tl.minimum((cols + 1) * BLOCK_N, Lk) - 1  # (N_K_POW2,)
+            allowed = allowed & (cols[None, :] * BLOCK_N <= last_query[:, None]).to(tl.int32)
+            diagonal = allowed & (last_key[None, :] > rows[:, None] * BLOCK_M).to(tl.int32)
+        candidates = allowed & k_similar[None, :]
+        logits = tl.where(candidates != 0, scores, float("-inf"))
+        row_max = tl.max(logits, 1)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        weights = tl.where(candidates != 0, tl.exp(logits - row_max[:, None]), 0.0)
+        probs = weights / tl.maximum(tl.sum(weights, 1), 1e-30)[:, None]
+        # Top-cdf: sorted descending, a block is kept iff the mass sorted before it is < cdf; for
+        # the first of equal values that mass is F(p) = sum of the probs > p, non-increasing in p,
+        # so the kept blocks are exactly probs >= t*, t* = the smallest fp32 t >= 0 with F(t) < cdf.
+        # Non-negative fp32 values are ordered like their bit patterns: bisect those (31 steps).
+        lo = tl.full([ROWS], -1, dtype=tl.int32)  # F(lo) >= cdf (virtual below 0)
+        hi = tl.full([ROWS], 0x7F800001, dtype=tl.int32)  # F(hi) < cdf (virtual above +inf)
+        for _ in range(31):
+            mid = lo + (hi - lo) // 2
+            t = mid.to(tl.float32, bitcast=True)
+            mass_above = tl.sum(tl.where(probs > t[:, None], probs, 0.0), 1)
+            below_cdf = mass_above < cdf_thresh
+            hi = tl.where(below_cdf, mid, hi)
+            lo = tl.where(below_cdf, lo, mid)
+        threshold = tl.minimum(hi, 0x7F800000).to(tl.float32, bitcast=True)
+        top = ((probs >= threshold[:, None]) & (hi <= 0x7F800000)[:, None]).to(tl.int32)
+        keep_whole_row = (q_similar == 0).to(tl.int32) | (cdf_thresh >= 1.0).to(tl.int32)  # (ROWS,)
+        keep = (top & candidates) | (k_similar == 0).to(tl.int32)[None, :] | diagonal | keep_whole_row[:, None]
+        keep = keep & allowed
+        # at least one block per row: the allowed block with the highest pooled score
+        best = tl.argmax(tl.where(allowed != 0, scores, float("-inf")), 1)  # (ROWS,)
+        none_kept = (tl.sum(keep, 1) == 0).to(tl.int32)
+        keep = keep | (none_kept[:, None] & (cols[None, :] == best[:, None]).to(tl.int32))
+        position = tl.cumsum(keep, 1) - 1
+        lut_rows = lut_ptr + q_rows[:, None] * N_K_BLOCKS
+        tl.store(lut_rows + position, cols[None, :] + tl.zeros([ROWS, N_K_POW2], dtype=tl.int32),
+                 mask=(keep != 0) & row_ok[:, None])
+        tl.store(count_ptr + q_rows, tl.sum(keep, 1), mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,17 +668,58 @@ def _require_triton(*tensors: torch.Tensor) -> None:
                          "valid choices on CPU: implementation='reference' or 'auto'")
 
 
-def pool_blocks_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `pool_blocks`: (B, H, L, D) -> pooled (B, H, n, D) fp32, sim (B, H, n) fp32."""
-    B, H, L, D = x.shape
-    n = triton_cdiv(L, block)
-    pooled = torch.empty(B, H, n, D, device=x.device, dtype=torch.float32)
-    sim = torch.empty(B, H, n, device=x.device, dtype=torch.float32)
-    _pool_blocks_kernel[(n, B * H)](
-        x, pooled, sim, *x.stride(), H, L, n,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK=block, num_warps=8 if block * D >= 8192 else 4,
+def _threshold_args(value, n_heads: int, name: str, device) -> tuple[torch.Tensor | None, float]:
+    """A threshold as kernel arguments: (None, value) for a float (no tensor, no launch), or
+    (fp32 (H,) tensor on `device`, 0.0) for per-head values."""
+    if value is None:
+        return None, math.inf
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None, float(value)
+    return per_head(value, n_heads, name, device), 0.0
+
+
+def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int) -> dict:
+    if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"the predictor needs q (B, H, Lq, D) and k (B, Hkv, Lk, D) with H % Hkv == 0; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    for name, block in (("block_m", block_m), ("block_n", block_n)):
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"{name}={block}: the Triton predictor needs a power of two >= 16")
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    n_q, n_k = triton_cdiv(Lq, block_m), triton_cdiv(Lk, block_n)
+    tokens = max(block_m, block_n)
+    pooled_q, sim_q = B * H * n_q * D, B * H * n_q
+    pooled_k, sim_k = B * Hkv * n_k * D, B * Hkv * n_k
+    return dict(B=B, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D, n_q=n_q, n_k=n_k, tokens=tokens,
+                q_tiles=triton_cdiv(Lq, tokens), k_tiles=triton_cdiv(Lk, tokens),
+                off_sim_q=pooled_q, off_pooled_k=pooled_q + sim_q, off_sim_k=pooled_q + sim_q + pooled_k,
+                work_size=pooled_q + sim_q + pooled_k + sim_k)
+
+
+def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_n: int) -> torch.Tensor:
+    work = torch.empty(g["work_size"], device=q.device, dtype=torch.float32)
+    n_q_programs = g["B"] * g["H"] * g["q_tiles"]
+    block_d = triton.next_power_of_2(g["D"])
+    _pool_qk_kernel[(n_q_programs + g["B"] * g["Hkv"] * g["k_tiles"],)](
+        q, k, work, *q.stride(), *k.stride(),
+        g["H"], g["Hkv"], g["Lq"], g["Lk"], g["n_q"], g["n_k"], g["q_tiles"], g["k_tiles"], n_q_programs,
+        g["off_sim_q"], g["off_pooled_k"], g["off_sim_k"],
+        HEAD_DIM=g["D"], BLOCK_D=block_d, TOKENS=g["tokens"], BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=8 if g["tokens"] * block_d >= 8192 else 4,
     )
-    return pooled, sim
+    return work
+
+
+def pool_qk_triton(q: torch.Tensor, k: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
+    """The predictor's first launch on its own, as views of its workspace: pooled_q (B, H, nQ, D),
+    sim_q (B, H, nQ), pooled_k (B, Hkv, nK, D), sim_k (B, Hkv, nK), all fp32 (see `pool_blocks`)."""
+    _require_triton(q, k)
+    g = _predictor_geometry(q, k, block_m, block_n)
+    work = _launch_pool(q, k, g, block_m, block_n)
+    B, H, Hkv, D, n_q, n_k = g["B"], g["H"], g["Hkv"], g["D"], g["n_q"], g["n_k"]
+    return (work[: g["off_sim_q"]].view(B, H, n_q, D), work[g["off_sim_q"]: g["off_pooled_k"]].view(B, H, n_q),
+            work[g["off_pooled_k"]: g["off_sim_k"]].view(B, Hkv, n_k, D), work[g["off_sim_k"]:].view(B, Hkv, n_k))
 
 
 def predict_block_lut(
@@ -532,27 +733,34 @@ def predict_block_lut(
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The predictor on the Triton path (4 launches: pool Q, pool K, pooled QK^T, per-row top-cdf
-    + compaction): lut int32 (B, H, nQ, nK) and counts int32 (B, H, nQ), as `block_mask_to_lut`."""
+    """The predictor on the Triton path: lut int32 (B, H, nQ, nK) and counts int32 (B, H, nQ), as
+    `block_mask_to_lut(predict_block_mask(...))`. Two launches (pool Q and K with self-similarity;
+    scores + softmax + top-cdf + LUT), three allocations, no host synchronization: it can be
+    captured in a CUDA graph. Float thresholds go to the kernel as scalars (no tensor is built)."""
     _require_triton(q, k)
-    B, H, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
-    group = H // Hkv
+    g = _predictor_geometry(q, k, block_m, block_n)
+    B, H, D, n_q, n_k = g["B"], g["H"], g["D"], g["n_q"], g["n_k"]
     scale = D**-0.5 if scale is None else float(scale)
-    pooled_q, sim_q = pool_blocks_triton(q, block_m)  # (B, H, nQ, D), (B, H, nQ)
-    pooled_k, sim_k = pool_blocks_triton(k, block_n)  # (B, Hkv, nK, D), (B, Hkv, nK)
-    n_q, n_k = pooled_q.shape[2], pooled_k.shape[2]
-    # (B, Hkv, group*nQ, D) @ (B, Hkv, D, nK): query heads of one kv head share its pooled keys.
-    scores = (pooled_q.view(B, Hkv, group * n_q, D) @ pooled_k.transpose(-1, -2)).view(B, H, n_q, n_k)
+    sim_tensor, sim_value = _threshold_args(simthreshd1, H, "simthreshd1", q.device)
+    cdf_tensor, cdf_value = _threshold_args(cdfthreshd, H, "cdfthreshd", q.device)
+    per_head_thresholds = sim_tensor is not None or cdf_tensor is not None
+    if per_head_thresholds:  # one kernel variant: both per head
+        sim_tensor = sim_tensor if sim_tensor is not None else per_head(sim_value, H, "simthreshd1", q.device)
+        cdf_tensor = cdf_tensor if cdf_tensor is not None else per_head(cdf_value, H, "cdfthreshd", q.device)
+    work = _launch_pool(q, k, g, block_m, block_n)
     lut = torch.empty(B, H, n_q, n_k, device=q.device, dtype=torch.int32)
     counts = torch.empty(B, H, n_q, device=q.device, dtype=torch.int32)
-    n_k_pow2 = triton.next_power_of_2(n_k)
-    _predict_lut_kernel[(n_q, B * H)](
-        scores, sim_q, sim_k, per_head(simthreshd1, H, "simthreshd1", q.device),
-        per_head(cdfthreshd, H, "cdfthreshd", q.device), lut, counts,
-        H, group, Lq, Lk, n_q, n_k, scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, N_K_POW2=n_k_pow2, IS_CAUSAL=is_causal,
-        num_warps=4 if n_k_pow2 <= 256 else 8,
+    n_k_pow2 = max(16, triton.next_power_of_2(n_k))
+    block_d = max(16, triton.next_power_of_2(D))
+    _predict_lut_kernel[(triton_cdiv(n_q, PREDICTOR_ROWS), B * H)](
+        work, sim_tensor if per_head_thresholds else work, cdf_tensor if per_head_thresholds else work,
+        sim_value, cdf_value, lut, counts,
+        H, H // g["Hkv"], g["Lq"], g["Lk"], n_q, n_k, scale,
+        g["off_sim_q"], g["off_pooled_k"], g["off_sim_k"],
+        HEAD_DIM=D, D_CHUNK=min(32, block_d) if n_k_pow2 <= 512 else 16, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, ROWS=PREDICTOR_ROWS, N_K_POW2=n_k_pow2,
+        IS_CAUSAL=is_causal, PER_HEAD=per_head_thresholds,
+        num_warps=max(4, min(16, PREDICTOR_ROWS * n_k_pow2 // 1024)),
     )
     return lut, counts
 
@@ -569,9 +777,13 @@ def block_sparse_attention(
     pvthreshd=None,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """The Triton kernel over a given compact block list (lut, counts) from `block_mask_to_lut` or
-    `predict_block_lut`. Under `is_causal` every diagonal-crossing block must be in the list."""
+    `predict_block_lut`. Under `is_causal` every diagonal-crossing block must be in the list.
+
+    config: None = autotuned on a GPU (the interpreter uses one fixed config); or an explicit
+    {"PREFETCH_INDEX": 0/1, "num_warps": ..., "num_stages": ...} (tests, ablations)."""
     _require_triton(q, k, v)
     group, Dv = _check_inputs(q, k, v, is_causal)
     B, H, Lq, D = q.shape
@@ -586,19 +798,31 @@ def block_sparse_attention(
     if lut.shape != (B, H, n_q, n_k) or counts.shape != (B, H, n_q):
         raise ValueError(f"lut {tuple(lut.shape)} / counts {tuple(counts.shape)} do not match blocks {block_m}x{block_n} "
                          f"of q {tuple(q.shape)}, k {tuple(k.shape)}: expected {(B, H, n_q, n_k)} / {(B, H, n_q)}")
-    lut = lut.to(torch.int32).contiguous()
-    counts = counts.to(torch.int32).contiguous()
+    if lut.dtype != torch.int32 or not lut.is_contiguous():
+        lut = lut.to(torch.int32).contiguous()
+    if counts.dtype != torch.int32 or not counts.is_contiguous():
+        counts = counts.to(torch.int32).contiguous()
+    # the kernel assumes a contiguous head dim (vectorized loads); other strides are free
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     scale = D**-0.5 if scale is None else float(scale)
     pv_skip = pv_skipping_requested(pvthreshd)  # decided on the host, without a device sync
-    pv = per_head(pvthreshd if pv_skip else None, H, "pvthreshd", q.device)
+    pv_tensor, pv_value = _threshold_args(pvthreshd if pv_skip else None, H, "pvthreshd", q.device)
     out = torch.empty(B, H, Lq, D, device=q.device, dtype=q.dtype)  # (B, H, Lq, D)
-    _sparse_attention_kernel[(n_q, B * H)](
-        q, k, v, out, lut, counts, pv,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        H, group, Lq, Lk, n_q, n_k, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
-        IS_CAUSAL=is_causal, PV_SKIP=pv_skip, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
+    args = (q, k, v, out, lut, counts, pv_tensor if pv_tensor is not None else counts, pv_value if pv_skip else 0.0,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            H, group, Lq, Lk, n_q, n_k, scale * LOG2E, min(max(triton.next_power_of_2(Lk), 1024), 32768))
+    meta = dict(HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
+                IS_CAUSAL=is_causal, PV_SKIP=pv_skip, PV_PER_HEAD=pv_tensor is not None,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    grid = (n_q, B * H)
+    if config is None and _interpreting():
+        config = {"PREFETCH_INDEX": 1, "num_warps": 4, "num_stages": 1}
+    if config is None:
+        _sparse_attention_kernel_tuned[grid](*args, **meta)
+    else:
+        _sparse_attention_kernel[grid](*args, **meta, PREFETCH_INDEX=int(config.get("PREFETCH_INDEX", 1)),
+                                       num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 3))
     return out
 
 
@@ -618,7 +842,8 @@ def sparse_attention(
     """Predicted block-sparse attention on (B, H, L, D) tensors (see the module docstring).
 
     implementation: "auto" (Triton on CUDA, the torch reference elsewhere), "triton" (also on CPU
-    under TRITON_INTERPRET=1), or "reference".
+    under TRITON_INTERPRET=1), or "reference". The Triton path is 3 launches (2 predictor + 1
+    attention) with no host synchronization unless `return_sparsity` is asked for.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not valid; valid choices: {', '.join(IMPLEMENTATIONS)}")
@@ -668,6 +893,6 @@ def local_sink_qkv(
 
 __all__ = [
     "BLOCK_M", "BLOCK_N", "DEFAULT_SIMTHRESHD1", "DEFAULT_CDFTHRESHD", "sparse_attention", "reference_sparse_attention",
-    "predict_block_mask", "predict_block_lut", "block_mask_to_lut", "lut_to_block_mask", "block_sparse_attention",
+    "predict_block_mask", "predict_block_lut", "pool_qk_triton", "block_mask_to_lut", "lut_to_block_mask", "block_sparse_attention",
     "block_sparse_attention_reference", "pool_blocks", "causal_block_geometry", "per_head", "local_sink_qkv",
 ]

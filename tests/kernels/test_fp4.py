@@ -1,5 +1,6 @@
 """MXFP4 / NVFP4 formats and the Triton FP4 kernels (run under TRITON_INTERPRET=1 without a GPU)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,10 @@ from graphopt.kernels.fp4 import (
 )
 
 GRID = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+# Kernel tests run the Triton kernels: on the GPU when there is one, else in the interpreter
+# (TRITON_INTERPRET=1, set by conftest). CPU tensors on a CUDA machine would silently take the
+# torch reference path instead.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _grid_weight(fmt: str, rows: int, blocks: int, seed: int) -> torch.Tensor:
@@ -125,11 +130,14 @@ def _case(fmt, m, n, k, dtype, bias, seed=0):
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     w_deq = fp4.dequantize_kernel_layout(kw.codes, kw.scales, kw.global_scale, n, k, fmt).double()
     ref = x.double() @ w_deq.T + (b.double() if bias else 0.0)
-    return x, kw, b, ref
+    kw = dataclasses.replace(kw, codes=kw.codes.to(DEVICE), scales=kw.scales.to(DEVICE),
+                             global_scale=kw.global_scale.to(DEVICE))
+    return x.to(DEVICE), kw, (b.to(DEVICE) if bias else None), ref
 
 
 def _assert_close(y, ref, dtype):
     assert y.shape == ref.shape
+    y = y.cpu()
     # bf16/fp16 output rounding plus (tensor-core paths) half-precision weights: ~2^-8 relative.
     tol = (2**-6 if dtype == torch.bfloat16 else 2**-8) * ref.abs().max().item()
     err = (y.double() - ref).abs().max().item()
@@ -140,11 +148,16 @@ def _assert_close(y, ref, dtype):
 @pytest.mark.parametrize(
     "m,n,k,path,config,dtype,bias",
     [
-        (1, 40, 100, "gemv", KernelConfig(16, 1, 64, split_k=1), torch.bfloat16, True),  # FMA path, K tail
-        (1, 40, 300, "gemv", KernelConfig(16, 1, 64, split_k=2), torch.float16, False),  # FMA path, split-K
+        (1, 40, 100, "gemv", KernelConfig(16, 1, 64, split_k=1), torch.bfloat16, True),  # CUDA cores, K tail
+        (1, 40, 300, "gemv", KernelConfig(16, 1, 64, split_k=2), torch.float16, False),  # CUDA cores, split-K
+        (1, 37, 600, "gemv", KernelConfig(16, 1, 128, split_k=4), torch.bfloat16, True),  # uneven split, odd N
+        (2, 40, 200, "gemv", KernelConfig(16, 2, 64, split_k=2), torch.bfloat16, True),  # 2 tokens / program
+        (3, 40, 300, "gemv", KernelConfig(16, 4, 64, split_k=2), torch.bfloat16, True),  # 4-token tile, 3 rows
+        (6, 24, 128, "gemv", KernelConfig(16, 4, 128, split_k=1), torch.float16, True),  # 2 token groups
         (3, 40, 300, "gemv", KernelConfig(16, 16, 64, split_k=2), torch.bfloat16, True),  # MMA path, split-K
-        (5, 24, 128, "gemv", KernelConfig(16, 16, 128, split_k=1), torch.float16, True),  # MMA path, direct store
+        (16, 24, 128, "gemv", KernelConfig(16, 16, 128, split_k=1), torch.float16, True),  # MMA path, direct store
         (70, 24, 200, "gemm", KernelConfig(16, 16, 64), torch.bfloat16, True),  # prefill, odd M/N/K
+        (70, 24, 200, "dequant", None, torch.bfloat16, True),  # prefill: Triton dequantize + matmul
     ],
 )
 def test_triton_kernels_match_reference(fmt, m, n, k, path, config, dtype, bias):
@@ -162,11 +175,16 @@ def test_triton_default_dispatch_and_leading_dims():
     _assert_close(y.reshape(6, 40), ref, torch.bfloat16)
 
 
-def test_triton_fp32_activations_are_computed_from_bf16():
+@pytest.mark.parametrize("path", ["gemv", "dequant"])
+def test_triton_fp32_activations_are_computed_from_bf16(path):
+    """The Triton launcher multiplies a bf16 copy of fp32 activations (MXFP4 weights are exact in
+    bf16, so the only rounding is x's). Round 1 failed this on the GPU because its CPU tensors
+    took the fp32 torch reference instead of the kernel; the tensors now live on DEVICE."""
     x, kw, b, _ = _case("mxfp4", 2, 24, 64, torch.float32, True, seed=4)
-    y = fp4.fp4_linear(x, kw, b, path="gemv")
+    y = fp4.fp4_linear(x, kw, b, path=path).cpu()
     assert y.dtype == torch.float32
-    w = fp4.dequantize_kernel_layout(kw.codes, kw.scales, kw.global_scale, 24, 64, "mxfp4").double()
+    w = fp4.dequantize_kernel_layout(kw.codes.cpu(), kw.scales.cpu(), kw.global_scale.cpu(), 24, 64, "mxfp4").double()
+    x, b = x.cpu(), b.cpu()
     ref = x.bfloat16().double() @ w.T + b.double()
     assert (y.double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
@@ -174,7 +192,7 @@ def test_triton_fp32_activations_are_computed_from_bf16():
 def test_launcher_rejects_bad_arguments():
     x, kw, b, _ = _case("nvfp4", 2, 16, 64, torch.bfloat16, False)
     args = (kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4")
-    with pytest.raises(ValueError, match="valid choices: gemv, gemm"):
+    with pytest.raises(ValueError, match="valid choices: gemv, gemm, dequant"):
         fp4.fp4_linear_triton(x, *args, path="fast")
     with pytest.raises(ValueError, match="expects 64"):
         fp4.fp4_linear_triton(x[:, :32], *args)
@@ -190,7 +208,8 @@ def test_cost_model_picks_decode_for_few_tokens_and_prefill_for_many():
     hw = SPECS["h100"]
     for n, k in ((13824, 5120), (5120, 13824), (4096, 4096)):
         assert [fp4.choose_fp4_path(hw, t, k, n, "nvfp4") for t in (1, 4, 16)] == ["gemv"] * 3
-        assert [fp4.choose_fp4_path(hw, t, k, n, "nvfp4") for t in (64, 256, 4096)] == ["gemm"] * 3
+        assert fp4.choose_fp4_path(hw, 4096, k, n, "nvfp4") == "dequant"  # the decode is a few % of cuBLAS
+        assert fp4.choose_fp4_path(hw, 256, k, n, "nvfp4") != "gemv"
     est = fp4.estimate_fp4_linear(hw, 1, 5120, 13824, "nvfp4")
     # 4.5 bits per weight (+ 1/16 byte of scale per element for NVFP4)
     assert est.bytes >= 13824 * 5120 * (0.5 + 1 / 16)
@@ -215,3 +234,82 @@ def test_custom_op_cpu_reference_and_fake(fmt):
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in (x3, *args)]
         out = torch.ops.graphopt.fp4_linear(*fake_args)
     assert out.shape == (2, 2, 24) and out.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# The word decode of the CUDA-core kernel, the split-K workspace, the dequantize kernel
+# ---------------------------------------------------------------------------------------------
+if fp4.triton is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _decode_words_kernel(words_ptr, out_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        lo, hi = fp4._decode_shift(tl.load(words_ptr + offs), SHIFT)
+        tl.store(out_ptr + 2 * offs, lo)
+        tl.store(out_ptr + 2 * offs + 1, hi)
+
+
+@pytest.mark.parametrize("shift", [0, 4, 8, 12])
+def test_word_decode_is_exact_for_every_code_pair(shift):
+    """All 16 x 16 code pairs at the two nibbles one shift reads (bits s and s + 16), with random
+    codes in the other nibbles: fp16 bit placement gives value * 2^-14 exactly, -0 included."""
+    g = torch.Generator().manual_seed(shift)
+    lo_code, hi_code = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    lo_code, hi_code = lo_code.flatten(), hi_code.flatten()
+    nibbles = torch.randint(0, 16, (256, 8), generator=g)
+    nibbles[:, shift // 4] = lo_code
+    nibbles[:, shift // 4 + 4] = hi_code
+    words = (nibbles << (4 * torch.arange(8))).sum(1)  # int64, < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).to(DEVICE)
+    out = torch.empty(512, dtype=torch.float32, device=DEVICE)
+    _decode_words_kernel[(1,)](words, out, SHIFT=shift, BLOCK=256)
+    table = torch.tensor(E2M1_VALUES) * 2.0**-14
+    expected = torch.stack((table[lo_code], table[hi_code]), 1).flatten()
+    out = out.cpu()
+    assert torch.equal(out, expected)
+    assert torch.equal(torch.signbit(out), torch.signbit(expected))  # code 8 is -0
+
+
+def test_decode_word_positions_match_kernel_layout():
+    """The (shift, half) -> element map the decode kernel assumes, checked on the real layout:
+    word q of a block, shift s, half h holds element 4q + s//8 + 2h + ((s//4) % 2) * BS/2."""
+    for fmt in FORMATS:
+        bs = fp4.BLOCK_SIZES[fmt]
+        w = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
+        q = quantize_fp4(w, fmt)
+        kw = to_kernel_layout(q)
+        codes = fp4.unpack_nibbles(q.codes)[0]  # (64,) standard order
+        words = kw.codes[0].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        for word_index in range(words.numel()):
+            block, q_in_block = divmod(word_index, bs // 8)
+            for shift in (0, 4, 8, 12):
+                for half in (0, 1):
+                    nibble = (int(words[word_index]) >> (shift + 16 * half)) & 15
+                    element = block * bs + 4 * q_in_block + shift // 8 + 2 * half + ((shift // 4) % 2) * (bs // 2)
+                    assert nibble == int(codes[element])
+
+
+def test_split_k_workspace_is_rearmed_between_calls():
+    """The last split of a tile zeroes its workspace rows and counter: a second call (same
+    workspace) gives the same result, and the workspace is all zero afterwards."""
+    x, kw, b, ref = _case("nvfp4", 3, 40, 300, torch.bfloat16, True, seed=5)
+    cfg = KernelConfig(16, 4, 64, split_k=3)
+    y1 = fp4.fp4_linear(x, kw, b, path="gemv", config=cfg)
+    y2 = fp4.fp4_linear(x, kw, b, path="gemv", config=cfg)
+    assert torch.equal(y1, y2)
+    _assert_close(y2, ref, torch.bfloat16)
+    ws, counters = fp4._WORKSPACES[(x.device, 3, 40)]
+    assert not ws.any() and not counters.any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_kernel_is_exact(fmt):
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(37, 200, generator=g)
+    kw = to_kernel_layout(quantize_fp4(w, fmt))
+    expected = fp4.dequantize_kernel_layout(kw.codes, kw.scales, kw.global_scale, 37, 200, fmt)
+    got = fp4.dequantize_triton(kw.codes.to(DEVICE), kw.scales.to(DEVICE), kw.global_scale.to(DEVICE), 37, 200, fmt,
+                                dtype=torch.float32)
+    assert torch.equal(got.cpu(), expected)

@@ -68,7 +68,7 @@ def _blocks(rng: np.random.Generator) -> list[list[float]]:
 def test_q4_0_bytes_match_hand_built_ggml_blocks():
     rng = np.random.default_rng(0)
     blocks = _blocks(rng)
-    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float32).reshape(1, -1)
+    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float32, device=DEVICE).reshape(1, -1)
     got = q4.quantize_q4_0(x)
     assert got.shape == (1, len(blocks), 18) and got.dtype == torch.uint8
     expected = b"".join(_hand_q4_0_block(b) for b in blocks)
@@ -78,7 +78,7 @@ def test_q4_0_bytes_match_hand_built_ggml_blocks():
 def test_q8_1_bytes_match_hand_built_ggml_blocks():
     rng = np.random.default_rng(1)
     blocks = _blocks(rng) + [[(i - 16) * 127 / 254 for i in range(32)]]  # exact .5 quotients
-    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float32).reshape(1, -1)
+    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float32, device=DEVICE).reshape(1, -1)
     got = q4.quantize_q8_1(x)
     assert got.shape == (1, len(blocks), 36)
     expected = b"".join(_hand_q8_1_block(b) for b in blocks)
@@ -122,12 +122,16 @@ def test_weight_sqnr_of_gaussian_weights():
 
 
 # ---- references and kernels --------------------------------------------------------------
-def _problem(m, n, k, dtype, seed=0):
+# Triton kernels run on the GPU when there is one, else in the interpreter on CPU tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _problem(m, n, k, dtype, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(dtype)
     qweight, scales = q4.quantize_weight(torch.randn(n, k, generator=g))
     bias = torch.randn(n, generator=g)
-    return x, qweight, scales, bias
+    return tuple(t.to(device) for t in (x, qweight, scales, bias))
 
 
 def _dequant_matmul64(x, qweight, scales, bias=None):
@@ -147,7 +151,7 @@ def _assert_close_fp32_sum(y, ref64, out_dtype):
 
 
 def test_reference_formula_equals_dequantize_then_matmul():
-    x, qweight, scales, bias = _problem(5, 40, 96, torch.float32)
+    x, qweight, scales, bias = _problem(5, 40, 96, torch.float32, device="cpu")
     ref = _dequant_matmul64(x, qweight, scales, bias)
     _assert_close_fp32_sum(q4.reference_q4_linear(x, qweight, scales, bias), ref, torch.float32)
     xq = q4.quantize_q8_1(x)
@@ -156,7 +160,7 @@ def test_reference_formula_equals_dequantize_then_matmul():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_q8_1_quantization_is_byte_exact(dtype):
-    x = (torch.randn(3, 160) * 4).to(dtype)
+    x = (torch.randn(3, 160) * 4).to(dtype).to(DEVICE)
     x[1, :32] = 0  # an all-zero block
     assert torch.equal(q4.quantize_q8_1_triton(x), q4.quantize_q8_1(x))
 
@@ -166,7 +170,7 @@ def test_triton_q8_1_rounding_ties_match_hand_built_ggml_blocks():
     rng = np.random.default_rng(2)
     exact_ties = [127.0] + [i - 15.5 for i in range(31)]  # d = 1: x * (1/d) = k + 0.5 exactly
     blocks = _blocks(rng) + [exact_ties, [(i - 16) * 127 / 254 for i in range(32)], [(i - 16) * 0.5 + 1e-7 for i in range(32)]]
-    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float32).reshape(1, -1)
+    x = torch.tensor([v for b in blocks for v in b], dtype=torch.float32, device=DEVICE).reshape(1, -1)
     expected = b"".join(_hand_q8_1_block(b) for b in blocks)
     assert bytes(q4.quantize_q8_1_triton(x).flatten().tolist()) == expected
 
@@ -245,7 +249,7 @@ def test_bf16_activations_through_the_fused_kernel():
 @pytest.mark.parametrize("per_row", [False, True])
 def test_static_scale_kernel_matches_fake_quant_idiom(per_row):
     x, qweight, scales, bias = _problem(5, 24, 64, torch.float32, seed=5)
-    s = x.abs().amax(-1, keepdim=True) / 100 if per_row else torch.tensor(0.015)
+    s = x.abs().amax(-1, keepdim=True) / 100 if per_row else torch.tensor(0.015, device=x.device)
     w = q4.dequantize_packed(qweight, scales, 64)
     idiom = (torch.round(x / s).clamp(-128, 127) * s) @ w.T + bias
     y = q4.q4_linear_static_triton(x, s, qweight, scales, bias, -128, 127, config=GEMM_CONFIGS[1])
@@ -254,7 +258,7 @@ def test_static_scale_kernel_matches_fake_quant_idiom(per_row):
 
 
 def test_ops_cpu_fake_and_bad_inputs():
-    x, qweight, scales, bias = _problem(3, 40, 96, torch.float32)
+    x, qweight, scales, bias = _problem(3, 40, 96, torch.float32, device="cpu")
     y = torch.ops.graphopt.q4_linear(x, qweight, scales, bias, "separate")
     assert torch.equal(y, q4.reference_q4_linear(x, qweight, scales, bias))
     xq = torch.ops.graphopt.quantize_q8_1(x)

@@ -1,5 +1,6 @@
 """Block-sparse attention (SpargeAttn style): predictor semantics, the torch reference against
-float64 dense attention, and the Triton kernels under TRITON_INTERPRET=1 against the reference."""
+float64 dense attention, and the Triton kernels against the reference: under TRITON_INTERPRET=1 on
+CPU (tests/conftest.py), on CUDA tensors when a GPU is present (DEVICE)."""
 
 import pytest
 import torch
@@ -20,8 +21,18 @@ def rel_l1(out, ref):
     return ((out.double() - ref.double()).abs().sum() / ref.double().abs().sum()).item()
 
 
-def randn(*shape, seed, dtype=torch.float32):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton path runs
+# fp32 Triton vs references: the interpreter runs numpy fp32; on a GPU the fp32 dots are IEEE FMA
+# chains whose summation order differs from cuBLAS / float64 SDPA.
+FP32_TOL = dict(atol=2e-6, rtol=2e-5) if DEVICE == "cpu" else dict(atol=2e-5, rtol=1e-4)
+
+
+def randn(*shape, seed, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype).to(device)
+
+
+def on_device(*tensors):
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 # (B, H, Hkv, L, D): odd lengths not multiple of either block, GQA, MiniLM's D=32, a non-pow2 D
@@ -44,23 +55,24 @@ def test_keep_all_thresholds_equal_dense_reference(shape, is_causal):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_keep_all_thresholds_equal_dense_triton(shape, is_causal):
     B, H, Hkv, L, D = shape
-    q, k, v = randn(B, H, L, D, seed=4), randn(B, Hkv, L, D, seed=5), randn(B, Hkv, L, D, seed=6)
+    q, k, v = on_device(randn(B, H, L, D, seed=4), randn(B, Hkv, L, D, seed=5), randn(B, Hkv, L, D, seed=6))
     out = sa.sparse_attention(q, k, v, is_causal=is_causal, simthreshd1=-1.0, cdfthreshd=1.0, implementation="triton")
-    torch.testing.assert_close(out.double(), dense_attention(q, k, v, is_causal=is_causal), atol=2e-6, rtol=2e-5)
+    assert out.device.type == DEVICE
+    torch.testing.assert_close(out.double(), dense_attention(q, k, v, is_causal=is_causal), **FP32_TOL)
 
 
 def test_causal_mask_inside_diagonal_block_is_token_exact():
     # Only the diagonal blocks are kept: query i must see exactly keys 0..i of them (query 0 sees
     # only key 0, so its output is v[0]); a block-level-only mask would mix in later keys.
     L, D = 128, 32
-    q, k, v = randn(1, 1, L, D, seed=7), randn(1, 1, L, D, seed=8), randn(1, 1, L, D, seed=9)
-    mask = torch.zeros(1, 1, 1, 2, dtype=torch.bool)
+    q, k, v = on_device(randn(1, 1, L, D, seed=7), randn(1, 1, L, D, seed=8), randn(1, 1, L, D, seed=9))
+    mask = torch.zeros(1, 1, 1, 2, dtype=torch.bool, device=DEVICE)
     mask[..., :] = True  # both key blocks cross the diagonal of query block 0
     lut, counts = sa.block_mask_to_lut(mask)
     for out in (sa.block_sparse_attention_reference(q, k, v, mask, is_causal=True),
                 sa.block_sparse_attention(q, k, v, lut, counts, is_causal=True)):
         torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0], atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(out.double(), dense_attention(q, k, v, is_causal=True), atol=2e-6, rtol=2e-5)
+        torch.testing.assert_close(out.double(), dense_attention(q, k, v, is_causal=True), **FP32_TOL)
 
 
 # -- 2. structured local + sink inputs reach real sparsity within the L1 budget -------------------
@@ -92,10 +104,11 @@ def test_random_inputs_fall_back_to_dense(is_causal):
 @pytest.mark.parametrize("implementation", ["reference", "triton"])
 def test_perturbing_later_blocks_never_changes_earlier_outputs(implementation):
     L, D, t = 384, 64, 256  # t: start of query block 2 (and key block 4)
-    q, k, v = sa.local_sink_qkv(1, 2, L, D, seed=15)
+    device = DEVICE if implementation == "triton" else "cpu"
+    q, k, v = sa.local_sink_qkv(1, 2, L, D, seed=15, device=device)
     q2, k2, v2 = q.clone(), k.clone(), v.clone()
     for x in (q2, k2, v2):
-        x[..., t:, :] = randn(1, 2, L - t, D, seed=16) * 5
+        x[..., t:, :] = randn(1, 2, L - t, D, seed=16, device=device) * 5
     kwargs = dict(is_causal=True, cdfthreshd=0.9, pvthreshd=6.0, implementation=implementation)
     before, after = sa.sparse_attention(q, k, v, **kwargs), sa.sparse_attention(q2, k2, v2, **kwargs)
     assert torch.equal(before[..., :t, :], after[..., :t, :])
@@ -106,7 +119,8 @@ def test_perturbing_later_blocks_never_changes_earlier_outputs(implementation):
 def test_fixed_mask_later_tokens_inside_a_block_do_not_leak(implementation):
     # With the block mask fixed, a token never sees later tokens even inside its own block.
     L, D, t = 256, 32, 150
-    q, k, v = randn(1, 1, L, D, seed=17), randn(1, 1, L, D, seed=18), randn(1, 1, L, D, seed=19)
+    device = DEVICE if implementation == "triton" else "cpu"
+    q, k, v = (randn(1, 1, L, D, seed=s, device=device) for s in (17, 18, 19))
     mask = sa.predict_block_mask(q, k, is_causal=True, simthreshd1=-1.0, cdfthreshd=1.0)
     k2, v2 = k.clone(), v.clone()
     k2[..., t:, :] += 3.0
@@ -124,22 +138,92 @@ def test_fixed_mask_later_tokens_inside_a_block_do_not_leak(implementation):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_matches_reference_on_predicted_mask(shape, is_causal):
     B, H, Hkv, L, D = shape
-    q, k, v = randn(B, H, L, D, seed=21), randn(B, Hkv, L, D, seed=22), randn(B, Hkv, L, D, seed=23)
+    q, k, v = on_device(randn(B, H, L, D, seed=21), randn(B, Hkv, L, D, seed=22), randn(B, Hkv, L, D, seed=23))
     # per-head thresholds, with a similarity threshold every block passes so the mask is sparse
-    sim1 = torch.full((H,), -1.0)
-    cdf = torch.linspace(0.3, 0.9, H)
+    sim1 = torch.full((H,), -1.0, device=DEVICE)
+    cdf = torch.linspace(0.3, 0.9, H, device=DEVICE)
     mask = sa.predict_block_mask(q, k, is_causal=is_causal, simthreshd1=sim1, cdfthreshd=cdf)
     assert not mask.all(), "test needs a sparse mask"
     lut, counts = sa.predict_block_lut(q, k, is_causal=is_causal, simthreshd1=sim1, cdfthreshd=cdf)
     assert torch.equal(sa.lut_to_block_mask(lut, counts), mask), "Triton predictor differs from the torch predictor"
     ref = sa.block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal)
     out = sa.block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal)
-    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(out, ref, **FP32_TOL)
+
+
+def test_triton_pooling_matches_reference():
+    # odd lengths (partial last blocks of both sizes), GQA, a head dim that is not a power of two
+    q, k = on_device(randn(2, 4, 333, 48, seed=40), randn(2, 2, 333, 48, seed=41) + 0.5)
+    pooled_q, sim_q, pooled_k, sim_k = sa.pool_qk_triton(q, k)
+    for got, want in zip((pooled_q, sim_q, pooled_k, sim_k), (*sa.pool_blocks(q, sa.BLOCK_M), *sa.pool_blocks(k, sa.BLOCK_N))):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def _structured_mixture(B, H, Hkv, L, D, seed):
+    """local+sink q/k (self-similar blocks) with some noisy query and key stretches (not similar)."""
+    q, k, _ = sa.local_sink_qkv(B, H, L, D, seed=seed, noise=0.2)
+    k = k[:, :Hkv].clone()
+    q[:, :, 128:256] += randn(B, H, 128, D, seed=seed + 1) * 2
+    k[:, :, L - 100:] += randn(B, Hkv, 100, D, seed=seed + 2) * 2
+    return on_device(q, k)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 3, 3, 333, 48), (2, 4, 2, 1000, 32)])
+def test_triton_predictor_matches_reference(shape, is_causal):
+    B, H, Hkv, L, D = shape
+    q, k = _structured_mixture(B, H, Hkv, L, D, seed=42)
+    cases = [
+        dict(),  # documented float defaults: the scalar-threshold kernel variant
+        dict(simthreshd1=0.3, cdfthreshd=0.5),
+        # per head: similarity off / on, cdf 1 (keep all), 0 (only the forced blocks), in between
+        dict(simthreshd1=torch.tensor([-1.0, 0.6, 0.3, 0.9][:H], device=DEVICE),
+             cdfthreshd=torch.tensor([0.7, 1.0, 0.0, 0.95][:H], device=DEVICE)),
+    ]
+    for thresholds in cases:
+        mask = sa.predict_block_mask(q, k, is_causal=is_causal, **thresholds)
+        lut, counts = sa.predict_block_lut(q, k, is_causal=is_causal, **thresholds)
+        assert torch.equal(sa.lut_to_block_mask(lut, counts), mask), f"mask differs for {thresholds}"
+        # the lists are ascending and never empty
+        for row, n in zip(lut.reshape(-1, lut.shape[-1]).tolist(), counts.reshape(-1).tolist()):
+            assert n >= 1 and row[:n] == sorted(set(row[:n]))
+    assert not mask.all() and (mask.sum(-1) > 1).any()  # the last case is neither dense nor trivial
+
+
+def test_triton_predictor_keeps_tied_blocks_together():
+    # key blocks 0,1 are copies of pattern A and 2,3 of pattern B: equal pooled scores, so the
+    # top-cdf keeps or drops each pair as a whole (the bisection has no sort order to break ties)
+    D = 32
+    a, b = randn(1, 1, 64, D, seed=50), randn(1, 1, 64, D, seed=51)
+    k = torch.cat([a, a, b, b], 2).to(DEVICE)
+    q = (randn(1, 1, 512, D, seed=52) + torch.cat([a, b], 2).repeat(1, 1, 4, 1)).to(DEVICE)
+    kwargs = dict(simthreshd1=-1.0, cdfthreshd=0.3)
+    mask = sa.predict_block_mask(q, k, **kwargs)
+    lut, counts = sa.predict_block_lut(q, k, **kwargs)
+    assert torch.equal(sa.lut_to_block_mask(lut, counts), mask)
+    assert torch.equal(mask[..., 0], mask[..., 1]) and torch.equal(mask[..., 2], mask[..., 3])
+    assert (counts == 2).any()
+
+
+@pytest.mark.parametrize("prefetch_index", [0, 1])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_triton_kernel_index_prefetch_variants(prefetch_index, is_causal):
+    # both loop variants the GPU autotuner chooses between, on a sparse mask with a partial last block
+    B, H, L, D = 1, 2, 450, 64
+    q, k, v = on_device(*(randn(B, H, L, D, seed=s) for s in (60, 61, 62)))
+    mask = sa.predict_block_mask(q, k, is_causal=is_causal, simthreshd1=-1.0, cdfthreshd=0.6)
+    assert not mask.all()
+    lut, counts = sa.block_mask_to_lut(mask)
+    ref = sa.block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal)
+    config = {"PREFETCH_INDEX": prefetch_index, "num_warps": 4, "num_stages": 1 if DEVICE == "cpu" else 3}
+    out = sa.block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal, config=config)
+    torch.testing.assert_close(out, ref, **FP32_TOL)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_triton_pv_skipping_matches_reference(is_causal):
-    q, k, v = sa.local_sink_qkv(1, 2, 512, 64, seed=24, noise=0.1)
+    q, k, v = sa.local_sink_qkv(1, 2, 512, 64, seed=24, noise=0.1, device=DEVICE)
     kwargs = dict(is_causal=is_causal, cdfthreshd=1.0, simthreshd1=-1.0)
     dense = dense_attention(q, k, v, is_causal=is_causal)
     no_skip = sa.reference_sparse_attention(q, k, v, **kwargs)
@@ -147,11 +231,17 @@ def test_triton_pv_skipping_matches_reference(is_causal):
     out = sa.sparse_attention(q, k, v, pvthreshd=8.0, implementation="triton", **kwargs)
     assert not torch.equal(ref, no_skip), "PV skipping never triggered"
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    # per-head thresholds (the kernel loads them): inf = never skip for head 1
+    per_head_pv = torch.tensor([8.0, float("inf")], device=DEVICE)
+    ref_heads = sa.reference_sparse_attention(q, k, v, pvthreshd=per_head_pv, **kwargs)
+    out_heads = sa.sparse_attention(q, k, v, pvthreshd=per_head_pv, implementation="triton", **kwargs)
+    torch.testing.assert_close(out_heads, ref_heads, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out_heads[:, 1], no_skip[:, 1], atol=1e-5, rtol=1e-4)
     assert rel_l1(ref, dense) < 0.01  # skipped tiles weigh < 2^-8 of the row max each
 
 
 def test_triton_half_precision_matches_reference():
-    q, k, v = (t.to(torch.float16) for t in sa.local_sink_qkv(1, 2, 256, 32, seed=25))
+    q, k, v = (t.to(device=DEVICE, dtype=torch.float16) for t in sa.local_sink_qkv(1, 2, 256, 32, seed=25))
     mask = sa.predict_block_mask(q, k, cdfthreshd=0.9)
     lut, counts = sa.block_mask_to_lut(mask)
     ref = sa.block_sparse_attention_reference(q.float(), k.float(), v.float(), mask)
