@@ -218,7 +218,7 @@ def bench_kernels(args, device, dtype) -> list[dict]:
                     if r["ms"]:
                         r["x SDPA best"] = r["ms"] / min(sdpa_ms)
             rows += shape_rows
-            del q, k, v, ref
+            q = k = v = ref = None  # free this shape before allocating the next
     return rows
 
 

@@ -125,7 +125,9 @@ def main() -> int:
                       explorer_agreement={"agree": agree, "total": total, "rate": agree / total if total else None},
                       explorer={str(t): a for t, a in explorer.items()},
                       cost_model_constants={"launch_fraction_in_graph": fft.LAUNCH_FRACTION_IN_GRAPH, "fma_efficiency": fft.FMA_EFFICIENCY,
-                                            "serial_step_s": fft.SERIAL_STEP_S, "fft_chain_efficiency": cost_model.KERNEL_EFFICIENCY["fft_chain"]})
+                                            "serial_step_s": fft.SERIAL_STEP_S, "dft_contract_step_s": fft.DFT_CONTRACT_STEP_S,
+                                            "dft_gemm_step_s": fft.DFT_GEMM_STEP_S,
+                                            "fft_chain_efficiency": cost_model.KERNEL_EFFICIENCY["fft_chain"]})
     print(f"explorer cost-model agreement over all token counts: {agree}/{total}" + (f" = {100 * agree / total:.0f}% (target >= 90%)" if total else ""))
     print(f"JSON: {path}")
     print_table("FFT-chain targets (best correct implementation, CUDA-graph replay vs cuBLAS bf16)", targets)

@@ -103,11 +103,9 @@ def copies_for(nbytes: int) -> int:
 
 def copy_bandwidth() -> float:
     """Bytes/s of a large device-to-device copy (read + write), the ceiling for streaming kernels."""
-    n = (1 << 28) if GPU else (1 << 22)  # 512 MiB of bf16 on GPU
-    src = torch.empty(n, dtype=DTYPE, device=DEVICE).normal_()
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), rep_ms=100)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+    from graphopt.calibrate import measure_copy_bandwidth
+
+    return measure_copy_bandwidth((512 << 20) if GPU else (8 << 20), DEVICE)
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:

@@ -59,12 +59,9 @@ SWEEP_SHAPES = {(5120, 13824), (13824, 5120)} if GPU else set(SHAPES)  # the iss
 
 def copy_bandwidth_gbps() -> float:
     """Device-to-device copy bandwidth (read + write bytes) of a 512 MiB buffer, GB/s."""
-    nbytes = (512 << 20) if GPU else (8 << 20)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), rep_ms=50 if GPU else 5)
-    del src, dst
-    return gbps(2 * nbytes, ms)
+    from graphopt.calibrate import measure_copy_bandwidth
+
+    return measure_copy_bandwidth((512 << 20) if GPU else (8 << 20), DEVICE) / 1e9
 
 
 def l2_copies(nbytes: int) -> int:

@@ -18,12 +18,13 @@ import torch
 from graphopt.hardware import save_calibration
 
 
-def measure_copy_bandwidth(nbytes: int = 2**30) -> float:
-    from triton.testing import do_bench
+def measure_copy_bandwidth(nbytes: int = 2**30, device: str = "cuda") -> float:
+    """Bytes/s of a device-to-device copy of random data, counting bytes read plus written."""
+    from graphopt.timing import median_ms
 
-    src = torch.randn(nbytes // 4, device="cuda")
+    src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    ms = median_ms(lambda: dst.copy_(src), warmup_ms=50, rep_ms=300, device=device)
     return 2 * nbytes / (ms * 1e-3)
 
 

@@ -38,11 +38,22 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "sdpa_flash": (0.50, 0.9),
     "sdpa_efficient": (0.35, 0.9),
     "triton_flash": (0.70, 0.9),
-    "triton_sparse": (0.55, 0.85),
-    "fp4_gemv": (0.3, 0.75),
-    "fp4_gemm": (0.55, 0.8),
-    "q4_gemv": (0.3, 0.75),
-    "q4_gemm": (0.45, 0.8),
+    # Block-sparse Triton kernel: tile matmul rate fitted to bench/results/sparse_attention_h200_round2
+    # (32 timings, L=4k-32k, density 0.1-1) together with a per-query-block cost of 6 tiles
+    # (graphopt.passes.sparse_attention.SPARSE_ROW_COST_TILES).
+    "triton_sparse": (0.68, 0.85),
+    # FP4 / Q4 kernels, fitted to bench/results/{fp4,q4}_h200_round2.json (H200, triton 3.6); the
+    # compute term is CUDA-core decode/epilogue work (see the op counts in kernels/fp4.py and
+    # passes/q4_linear.py). fp4_gemv: decode + FMA of the 1-4 token kernel and bf16 decode of the
+    # 16-token MMA kernel at 0.08 of fp32 peak (1-token cold 4096->11008: 0.030 ms); memory 0.35 is
+    # an upper bound (never the binding term there). fp4_gemm: 0.066 of fp32 peak for the fused
+    # GEMM's in-tile decode (4096 tokens: 0.92 ms for 4096x4096). q4_gemv: 1-token gemv streams
+    # at 0.34 of copy bandwidth (4096->14336: 0.028 ms), its CUDA-core work at 0.16; q4_gemm: the
+    # int8 GEMM (MMA + per-32-block epilogue + nibble unpack) at 0.12 (4096 tokens: ~92 TOPS).
+    "fp4_gemv": (0.08, 0.35),
+    "fp4_gemm": (0.066, 0.8),
+    "q4_gemv": (0.16, 0.34),
+    "q4_gemm": (0.12, 0.8),
     "fft_chain": (0.5, 0.7),
     "cpu_kernel": (1.0, 1.0),
 }
@@ -193,6 +204,7 @@ def naive_attention(
 
 
 SDPA_BACKENDS: tuple[str, ...] = ("cudnn", "flash", "efficient", "math")
+CAUSAL_DIAGONAL_TILE = 128  # key-block width of the fused kernels' diagonal tiles
 
 
 def fused_attention(
@@ -216,6 +228,11 @@ def fused_attention(
     if has_mask:
         moved += dtype_bytes * b * h * lq * lk  # worst case: a full per-head bias
     flops = attention_flops(b, h, lq, lk, d, causal=causal)
+    if causal:
+        # Tiles straddling the diagonal are computed whole and masked: about one extra tile
+        # column per row of tiles. On our H200 causal cuDNN ran at 0.75x (L=1k) to 0.93x (L=16k)
+        # of its non-causal TFLOP/s, which this term reproduces within ~5%.
+        flops *= 1 + 2 * CAUSAL_DIAGONAL_TILE / max(lk, 1)
     return roofline(hw, name or family, flops=flops, bytes_moved=moved, family=family)
 
 

@@ -38,9 +38,11 @@ Implementations (the op `graphopt::fft_chain_linear` chooses with the cost model
             Three launches: `_dft_forward_kernel` gathers P_k, zero-pads and runs the GEMM
             (T*C, B) x (B, B); `_packed_contract_kernel` does the per-frequency complex
             contraction (FMA, K fused in c, channel loop unrolled); `_dft_inverse_kernel` runs the
-            GEMM (T*N, B) x (B, B) with bias, crop and cast in its epilogue. The regime for few
-            and medium token counts; the DFT costs 2*B*B flops per block (vs ~2.5 B log2 B for
-            an FFT) but on tensor cores, so it loses at large B*K (the cost model says where).
+            GEMM (T*N, B) x (B, B) with bias, crop and cast in its epilogue. Measured on an H200
+            (round 2, CUDA graph): faster than cuBLAS only at ~16 tokens on 5120->13824 B=512 K=2
+            (1.22x); 0.59x on 13824->5120 (its contraction loops over 4x more channels); at 256
+            and 4096 tokens 0.31-0.64x. The DFT costs 2*B*B flops per block (vs ~2.5 B log2 B for
+            an FFT) and its kernels are latency-bound (see the cost-model constants).
             Caveat: not FlashFFTConv's b1*b2 factorization, which would cut the DFT flops further.
 Precision: the cuFFT paths are full fp32. The dft path keeps 16-bit inputs in their dtype for
 the DFT operands and the stored spectra (fp32 accumulation, fp32 coefficients): for bf16 (and fp16, run
@@ -333,20 +335,38 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 # =============================================================================================
 # Cost model (family "fft_chain")
 # =============================================================================================
-# A physical roofline per kernel launch, with four constants fitted to the H200 round-1 timings
-# (bench/results/fft_chain_h200_round1.json and explore_fft_h200/*.json; CUDA-graph replays):
-#  - LAUNCH_FRACTION_IN_GRAPH: a kernel node replayed from a CUDA graph costs this fraction of
-#    the device's eager launch overhead (hw.launch_overhead; ~2.6 us of 4 us on an H200);
+# A physical roofline per kernel launch, as replayed from a CUDA graph. Five constants, fitted
+# (least squares on log time) to every H200 timing whose kernel still exists: round 2
+# (bench/results/fft_chain_h200_round2.json: torch/triton/dft at B=512 K=2, 16/256/4096 tokens;
+# fft_chain_h200_round2.log: 48 explore-fft dft rows, B=256-2048, K=2-16) and round 1's
+# torch/triton rows (fft_chain_h200_round1.json, explore_fft_h200/), with the measured ceilings
+# 690 TFLOP/s, 4.22 TB/s, 6 us launch. Every prediction is within 0.7-1.6x of its timing and
+# faster/slower than cuBLAS agrees on 97/99 rows (both misses are dft wins predicted as losses).
+#  - LAUNCH_FRACTION_IN_GRAPH = 0.33: a kernel node replayed from a CUDA graph costs ~2 us (0.33
+#    of the eager launch overhead); the 16-token torch path (12 nodes) measures 0.033-0.036 ms;
 #  - cuFFT and the torch copies/casts stream at the "pointwise" family's memory efficiency;
-#  - FMA_EFFICIENCY: fraction of the fp32 CUDA-core peak reached by the complex contractions
-#    (cuBLAS cgemm on tiny per-frequency matrices, and our FMA Triton kernels);
-#  - SERIAL_STEP_S: one dependent global-load round trip of a Triton loop. A program that loops
-#    L times over the contraction dimension cannot finish faster than L such steps, times the
-#    number of waves of programs: the bound that makes few-token runs latency-bound.
-# Tensor-core GEMMs (the dft path's transforms) use the "fft_chain" family efficiencies.
-LAUNCH_FRACTION_IN_GRAPH = 0.5
-FMA_EFFICIENCY = 0.45
-SERIAL_STEP_S = 0.6e-6
+#  - FMA_EFFICIENCY = 0.8: fraction of the fp32 CUDA-core peak reached by the complex
+#    contractions (cuBLAS cgemm per frequency, our Triton FMA kernels) where they are
+#    throughput-bound (4096 tokens);
+#  - SERIAL_STEP_S = 0.56 us: one channel step of _fft_contract_kernel's loop (a dependent
+#    global-load round trip); a program that loops C times cannot finish faster than C steps,
+#    times the number of waves of programs;
+#  - DFT_CONTRACT_STEP_S = 3.3 us: one step (4 channels, unrolled) of _packed_contract_kernel.
+#    This is what makes the dft path 3x slower than round 2's unfitted model said at 16 tokens
+#    (13824->5120: 14 steps, 0.068 ms measured vs 0.023 predicted);
+#  - DFT_GEMM_STEP_S = 1.7 us: one 64-wide K step of the DFT GEMMs (the forward's permutation
+#    gather is a dependent load). The dft GEMMs are latency-bound at every measured shape (B*B
+#    per block at 69 TFLOP/s or less), so the "fft_chain" family's tensor-core efficiency never
+#    binds in these rows and stays unfitted.
+# Where the FFT chain wins on an H200 (CUDA graph, bf16, vs cuBLAS): only at ~16 tokens, by
+# 1.1-1.2x (dft on 5120->13824 B=512 K=2; torch on both shapes at B=512 K=2). At 256 and 4096
+# tokens every implementation measured 0.31-0.64x cuBLAS. Without a CUDA graph (eager launches)
+# the torch/triton paths are 2.4-3x slower than cuBLAS even at 16 tokens: not modelled here.
+LAUNCH_FRACTION_IN_GRAPH = 0.33
+FMA_EFFICIENCY = 0.8
+SERIAL_STEP_S = 0.56e-6
+DFT_CONTRACT_STEP_S = 3.3e-6
+DFT_GEMM_STEP_S = 1.7e-6
 PROGRAMS_PER_SM = 4  # resident 4-warp programs per SM assumed for the wave count
 
 
@@ -355,10 +375,10 @@ def _fft_flops(length: int, transforms: float) -> float:
     return 2.5 * length * math.log2(max(length, 2)) * transforms
 
 
-def _serial_bound_s(hw, programs: int, steps: int) -> float:
-    """Latency floor of a Triton kernel: waves of programs, each `steps` dependent load round trips."""
+def _serial_bound_s(hw, programs: int, steps: int, step_s: float | None = None) -> float:
+    """Latency floor of a Triton kernel: waves of programs, each `steps` dependent steps of `step_s`."""
     waves = -(-programs // max(1, hw.sm_count * PROGRAMS_PER_SM))
-    return waves * steps * SERIAL_STEP_S
+    return waves * steps * (SERIAL_STEP_S if step_s is None else step_s)
 
 
 def estimate_fft_chain(hw, tokens: int, in_features: int, out_features: int, block_size: int, k: int, impl: str, *, dtype_bytes: int = 2, bias: bool = True):
@@ -420,21 +440,21 @@ def estimate_fft_chain(hw, tokens: int, in_features: int, out_features: int, blo
         sb = db if db in (2,) else 4  # spectra stored in the 16-bit input dtype, else fp32
         unit_scale = 1.0 if sb == 2 else 2.0  # fp32 operands run as TF32: half the bf16 rate
         rows_f, rows_i = max(t * c, 16), max(t * n, 16)  # tensor-core tiles are >= 16 rows
-        # Not yet fitted (no H200 timing of these kernels): the GEMM K-loops are software-pipelined
-        # (num_stages=3: a round trip covers 3 steps; the forward's permutation gather adds one
-        # dependent load); the contraction's channel loop is unrolled UNROLL=4 (independent loads).
+        # Latency floors fitted to the H200 round-2 dft timings (see DFT_GEMM_STEP_S,
+        # DFT_CONTRACT_STEP_S): one step per 64-wide K tile of a GEMM, one per 4 channels of the
+        # contraction (UNROLL=4), per wave of programs of each kernel's first autotune config.
         k_steps = -(-b // 64)
         add("gather + forward DFT GEMM", flops=unit_scale * 2.0 * rows_f * b * b, family="fft_chain", unit="matrix",
             moved=db * t * in_features * k + sb * (b * b + t * c * b),
-            serial_s=_serial_bound_s(hw, k_steps * -(-(t * c) // 32), 2 + -(-k_steps // 3)))
+            serial_s=_serial_bound_s(hw, k_steps * -(-(t * c) // 32), k_steps, DFT_GEMM_STEP_S))
         q = b // 2
         # _packed_contract_kernel, first config (BT=16, BN=4, BQ=32, 4 channels per step)
         programs = -(-q // 32) * -(-n // 4) * -(-t // 16)
         add_fma("packed contraction", 4.0 * t * c * n * b, sb * t * c * b * -(-n // 4) + 4.0 * c * n * 2 * f * -(-t // 16) + sb * t * n * b,
-                serial_s=_serial_bound_s(hw, programs, -(-c // 4)))
+                serial_s=_serial_bound_s(hw, programs, -(-c // 4), DFT_CONTRACT_STEP_S))
         add("inverse DFT GEMM + bias", flops=unit_scale * 2.0 * rows_i * b * b, family="fft_chain", unit="matrix",
             moved=sb * (t * n * b + b * b) + db * (t * out_features + (out_features if bias else 0)),
-            serial_s=_serial_bound_s(hw, k_steps * -(-(t * n) // 32), 1 + -(-k_steps // 3)))
+            serial_s=_serial_bound_s(hw, k_steps * -(-(t * n) // 32), k_steps, DFT_GEMM_STEP_S))
     return chain(f"fft_chain[{impl}] B={b} K={k}", *parts)
 
 

@@ -339,9 +339,38 @@ def reference_fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
 
 
 # ---------------------------------------------------------------------------------------------
-# Cost model: bytes and FLOPs of each path, and the path choice per token count
+# Cost model: bytes and work of each path, and the path choice per token count
 # ---------------------------------------------------------------------------------------------
-DECODE_TOKENS_PER_PASS = 16  # the decode kernel re-reads the weights once per 16 tokens
+# A roofline per kernel path: max(CUDA-core decode work, tensor-core FLOPs, memory traffic) plus
+# one launch overhead per kernel. The rates are the device ceilings (graphopt.hardware) times the
+# fp4_gemv / fp4_gemm efficiencies in graphopt.cost_model.KERNEL_EFFICIENCY and the constants
+# below, all fitted to bench/results/fp4_h200_round2.json (H200, torch 2.11, triton 3.6, NVFP4,
+# bf16 activations, cuBLAS bf16 baseline; ceilings 690 TFLOP/s bf16, 4.22 TB/s copy, 6 us launch).
+# What that run measured (L2-cold for <= 16 tokens, i.e. weights rotated as in a real forward
+# pass): the kernels never beat cuBLAS. 1 token: 0.84-0.96x (hot 0.66-1.05x; the 4096x4096 bf16
+# weight largely sits in the 50 MB L2 when hot); 4-16 tokens 0.29-0.46x; 64 tokens 0.17-0.31x on
+# the best path; 256 tokens 0.2-0.3x; 4096 tokens (dequant + cuBLAS) 0.67-0.71x. With these
+# constants every path's prediction is within ~25% of its measured time and the faster/slower
+# call agrees on 36/36 rows (tests/test_cost_model_measured.py).
+DECODE_TOKENS_PER_PASS = 16  # the tensor-core decode kernel re-reads the weights once per 16 tokens
+
+# CUDA-core gemv (_fp4_gemv_kernel, BLOCK_M in FMA_BLOCK_M): per weight, one fp32 FMA (2 ops) per
+# token row plus this many ops of code/scale decode amortized per weight. Fitted from the 1-token
+# vs 4-token times (body ratio ~3.1 on all six shapes, i.e. (1 + 2*4) / (1 + 2*1)); with the
+# fp4_gemv compute efficiency (0.08 of the fp32 ceiling) it gives 4096->11008: 0.031 ms at 1 token
+# (measured cold 0.030) and 0.069 ms at 4 tokens (measured cold 0.082).
+FMA_GEMV_DECODE_OPS_PER_WEIGHT = 1.0
+# Tensor-core kernels (_fp4_gemv_mma_kernel, _fp4_gemm_kernel) decode every weight to bf16 in
+# registers once per pass over the tokens (16 tokens per gemv pass, BLOCK_M per gemm tile row):
+# CUDA-core ops per decoded weight. Fitted: the gemv decodes 0.7-0.87e12 weights*passes/s at
+# 16 and 64 tokens (= 67e12 * 0.08 / 7.5); the fused gemm 0.55-0.6e12 decoded weights/s at 4096
+# tokens with every SM busy (= 67e12 * 0.066 / 7.5), and proportionally less when its grid has
+# fewer tiles than SMs (64 tokens, K=4096: 0.137 ms for every N of 4096..14336).
+MMA_DECODE_OPS_PER_WEIGHT = 7.5
+# _fp4_dequantize_kernel (the `dequant` path) reads the packed weight and writes W in bf16 at
+# this fraction of the copy bandwidth: 0.057 ms for 4096x4096, 0.146-0.24 ms for the 45-71 M
+# weight layers (dequant_ms - cublas_ms at 256 and 4096 tokens, 0.17-0.19 of 4.22 TB/s).
+DEQUANT_COPY_FRACTION = 0.18
 
 
 def fp4_weight_bytes(in_features: int, out_features: int, format: str) -> int:
@@ -351,19 +380,68 @@ def fp4_weight_bytes(in_features: int, out_features: int, format: str) -> int:
     return out_features * k_padded // 2 + out_features * k_padded // bs + 4
 
 
-# The fused prefill kernel (_fp4_gemm_kernel) measured 133-142 TFLOP/s on an H200 at 4096 tokens
-# (round 1: 0.17-0.18x cuBLAS bf16), about a quarter of what the fp4_gemm family's compute
-# efficiency assumes; its compute term is scaled by this until the kernel is faster.
-FUSED_GEMM_MEASURED_SLOWDOWN = 4.0
+def _fp4_kernel_estimate(hw, name: str, family: str, *, decode_ops: float = 0.0, mma_flops: float = 0.0,
+                         bytes_moved: float = 0.0, sm_fill: float = 1.0, launches: int = 1,
+                         memory_fraction: float | None = None):
+    """One kernel: CUDA-core decode ops and bytes at `family`'s efficiencies (or `memory_fraction`
+    of the copy bandwidth), tensor-core FLOPs at cuBLAS's; the slowest of the three, divided by the
+    fraction of SMs its grid fills, plus its launches."""
+    from graphopt.cost_model import KERNEL_EFFICIENCY, Estimate
+
+    compute_eff, memory_eff = KERNEL_EFFICIENCY[family]
+    memory_eff = memory_fraction if memory_fraction is not None else memory_eff
+    decode_s = decode_ops / (hw.fp32_flops * compute_eff)
+    mma_s = mma_flops / (hw.matrix_ceiling * KERNEL_EFFICIENCY["cublas_gemm"][0])
+    memory_s = bytes_moved / (hw.memory_ceiling * memory_eff)
+    body = max(decode_s, mma_s, memory_s) / max(sm_fill, 1e-9)
+    launch_s = launches * hw.launch_overhead
+    bound = "launch" if launch_s > body else ("memory" if memory_s >= max(decode_s, mma_s) else "compute")
+    return Estimate(name, (body + launch_s) * 1e3, decode_ops + mma_flops, bytes_moved, launches, bound)
+
+
+def _gemv_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes: int, act_bytes: float):
+    """Best of the two decode kernels the autotuner chooses between."""
+    weights = _padded_k(in_features) * out_features
+    candidates = []
+    fma_rows = next((bm for bm in FMA_BLOCK_M if bm >= tokens), None)
+    if fma_rows is not None:  # CUDA-core kernel: every program reads W once for all its token rows
+        candidates.append(_fp4_kernel_estimate(
+            hw, f"FP4 GEMV (Triton, CUDA cores, {fma_rows} row(s))", "fp4_gemv",
+            decode_ops=weights * (FMA_GEMV_DECODE_OPS_PER_WEIGHT + 2.0 * fma_rows),
+            bytes_moved=w_bytes + act_bytes))
+    passes = -(-tokens // DECODE_TOKENS_PER_PASS)
+    candidates.append(_fp4_kernel_estimate(
+        hw, f"FP4 GEMV (Triton, tensor cores, {passes} pass(es) of 16 tokens)", "fp4_gemv",
+        decode_ops=weights * passes * MMA_DECODE_OPS_PER_WEIGHT,
+        mma_flops=2.0 * DECODE_TOKENS_PER_PASS * passes * weights,
+        bytes_moved=w_bytes * passes + act_bytes))
+    return min(candidates, key=lambda e: e.ms)
+
+
+def _gemm_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes: int, act_bytes: float):
+    """Fused dequant-GEMM: W is decoded once per BLOCK_M rows of tokens, in the tile that uses it."""
+    weights = _padded_k(in_features) * out_features
+    candidates = []
+    for block_m, block_n in sorted({(c.block_m, c.block_n) for c in PREFILL_CONFIGS}):
+        m_tiles = -(-tokens // block_m)
+        tiles = m_tiles * -(-out_features // block_n)
+        fill = min(1.0, tiles / hw.sm_count) if hw.sm_count else 1.0
+        candidates.append(_fp4_kernel_estimate(
+            hw, f"FP4 dequant-GEMM (Triton, {block_m}x{block_n} tiles)", "fp4_gemm",
+            decode_ops=weights * m_tiles * MMA_DECODE_OPS_PER_WEIGHT,
+            mma_flops=2.0 * m_tiles * block_m * weights,
+            bytes_moved=w_bytes * m_tiles + act_bytes, sm_fill=fill))
+    return min(candidates, key=lambda e: e.ms)
 
 
 def estimate_fp4_linear(hw, tokens: int, in_features: int, out_features: int, fmt: str = "nvfp4", *,
                         dtype_bytes: int = 2, bias: bool = False, path: str | None = None):
     """Predicted time of graphopt::fp4_linear (the cheapest path unless `path` names one).
 
-    GPU: `gemv` (family fp4_gemv) reads the packed weights once per 16 tokens; `gemm` (family
-    fp4_gemm) reads them once and runs bf16 tensor-core MMAs padded to 64 tokens; `dequant`
-    writes W in bf16 once (pointwise family: packed read + 2 bytes/weight written) and runs the
+    GPU: `gemv` is the better of the CUDA-core kernel (<= 4 tokens: W read once, bound by its
+    per-weight decode + FMA work) and the tensor-core one (W decoded once per 16 tokens); `gemm`
+    decodes W once per BLOCK_M token rows and leaves SMs idle when it has fewer tiles than SMs;
+    `dequant` writes W in bf16 once (DEQUANT_COPY_FRACTION of the copy bandwidth) and runs the
     cuBLAS linear on it. CPU: the op dequantizes to fp32 and runs a dense fp32 linear, which is
     always slower than the original.
     """
@@ -377,25 +455,22 @@ def estimate_fp4_linear(hw, tokens: int, in_features: int, out_features: int, fm
                            family="pointwise")
         dense = linear(hw, tokens, in_features, out_features, dtype_bytes=4, bias=bias)
         return chain("FP4 reference (dequantize + fp32 linear)", dequant, dense)
-    passes = -(-tokens // DECODE_TOKENS_PER_PASS)
-    estimates = {
-        "gemv": roofline(hw, "FP4 GEMV/split-K (Triton)", flops=2.0 * tokens * in_features * out_features,
-                         bytes_moved=w_bytes * passes + act_bytes, family="fp4_gemv"),
-        "gemm": roofline(hw, "FP4 dequant-GEMM (Triton)",
-                         flops=2.0 * max(tokens, 64) * in_features * out_features * FUSED_GEMM_MEASURED_SLOWDOWN,
-                         bytes_moved=w_bytes + act_bytes, family="fp4_gemm"),
-        "dequant": chain(
+    builders = {
+        "gemv": lambda: _gemv_estimate(hw, tokens, in_features, out_features, w_bytes, act_bytes),
+        "gemm": lambda: _gemm_estimate(hw, tokens, in_features, out_features, w_bytes, act_bytes),
+        "dequant": lambda: chain(
             "FP4 dequantize (Triton) + cuBLAS bf16",
-            roofline(hw, "FP4 dequantize to bf16 (Triton)", bytes_moved=w_bytes + 2 * in_features * out_features,
-                     family="pointwise"),
+            _fp4_kernel_estimate(hw, "FP4 dequantize to bf16 (Triton)", "fp4_gemm",
+                                 bytes_moved=w_bytes + 2 * in_features * out_features,
+                                 memory_fraction=DEQUANT_COPY_FRACTION),
             linear(hw, tokens, in_features, out_features, dtype_bytes=dtype_bytes, bias=bias),
         ),
     }
     if path is not None:
-        if path not in estimates:
-            raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: {', '.join(estimates)}")
-        return estimates[path]
-    return min(estimates.values(), key=lambda e: e.ms)
+        if path not in builders:
+            raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: {', '.join(builders)}")
+        return builders[path]()
+    return min((build() for build in builders.values()), key=lambda e: e.ms)
 
 
 def choose_fp4_path(hw, tokens: int, in_features: int, out_features: int, fmt: str = "nvfp4") -> str:

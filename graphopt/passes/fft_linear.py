@@ -16,7 +16,10 @@ Two kinds of match, one Decision each:
    held-out calibration activations. The layer is rewritten only if that error is within
    `error_budget["fft_linear"]`, the shapes match, the weight can be frozen (inference), and the
    cost model predicts a win (`config.force` overrides only the last). Every other dense linear
-   is declined with its reason.
+   is declined with its reason. Measured on an H200 (bench/results/fft_chain_h200_round2.*, CUDA
+   graph, bf16): an FFT chain beats cuBLAS only at ~16 tokens (1.1-1.2x, B=512 K=2), and loses
+   at 256 and 4096 tokens (0.31-0.64x), so at prefill sizes the pass declines; the estimates are
+   those of graphopt.kernels.fft_chain, fitted to those timings, and assume CUDA-graph replay.
 
 Plan section format:
     "fft_linear": {"file": "<name>.safetensors",

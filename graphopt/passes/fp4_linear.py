@@ -10,6 +10,13 @@ Conv1D, x @ W, x @ W.T; graphopt.passes.fx_utils.find_linears) in an inference g
   3. the weight is quantized once (option `fp4_format`, scale search on), and its SQNR in dB
      against the original weight must reach `error_budget["fp4_linear"]`;
   4. the linear becomes one `graphopt::fp4_linear` node reading the kernel-layout constants.
+Where it wins: nowhere yet on an H200. bench/results/fp4_h200_round2.json (NVFP4, LLaMA shapes,
+bf16 cuBLAS baseline, weights L2-cold for <= 16 tokens) measured 0.84-0.96x of cuBLAS at 1 token,
+0.29-0.46x at 4-16, 0.17-0.31x at 64, 0.2-0.3x at 256 and 0.67-0.71x at 4096 tokens. The cost model
+is fitted to that run (kernels/fp4.py, tests/test_cost_model_measured.py), so on an H200 the pass
+declines every linear unless `force=True` (memory savings, 3.6x smaller weights, are then the only
+gain). On targets with less bandwidth per CUDA-core FLOP (e.g. an uncalibrated H100 spec) the same
+model predicts a ~1.1-1.25x 1-token win; that extrapolation is unmeasured.
 Each match records one Decision; applied ones carry `memory_saved_bytes` (dense weight bytes
 minus packed codes + scales), the weight SQNR, the format and the kernel path for this token count.
 Output shape and dtype are unchanged. Inference only (the op has no autograd formula).
@@ -39,6 +46,19 @@ from graphopt.passes.fx_utils import LinearMatch, dtype, find_linears, replace_w
 SCALE_SEARCH = True
 # A lossy rewrite must buy a real speedup: launch-bound layers predicted within 5% are declined.
 MIN_PREDICTED_SPEEDUP = 1.05
+
+
+def predict(hw, tokens: int, in_features: int, out_features: int, fmt: str, *, dtype_bytes: int = 2,
+            bias: bool = False) -> tuple[cost_model.Estimate, cost_model.Estimate]:
+    """(dense linear, graphopt::fp4_linear) predicted on `hw`: what the pass compares."""
+    before = cost_model.linear(hw, tokens, in_features, out_features, dtype_bytes=dtype_bytes, bias=bias)
+    after = fp4k.estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, dtype_bytes=dtype_bytes, bias=bias)
+    return before, after
+
+
+def worth_rewriting(before: cost_model.Estimate, after: cost_model.Estimate) -> bool:
+    """The unforced rule: predicted faster by at least MIN_PREDICTED_SPEEDUP."""
+    return before.ms >= MIN_PREDICTED_SPEEDUP * after.ms
 
 
 def _dtype_bytes(dt: torch.dtype | None) -> int:
@@ -84,10 +104,9 @@ class Fp4LinearPass(GraphPass):
         in_f, out_f = m.in_features, m.out_features
         dtype_bytes = _dtype_bytes(x_dtype)
         has_bias = m.bias_node is not None
-        before = cost_model.linear(ctx.hardware, tokens, in_f, out_f, dtype_bytes=dtype_bytes, bias=has_bias)
-        after = fp4k.estimate_fp4_linear(ctx.hardware, tokens, in_f, out_f, fmt, dtype_bytes=dtype_bytes, bias=has_bias)
+        before, after = predict(ctx.hardware, tokens, in_f, out_f, fmt, dtype_bytes=dtype_bytes, bias=has_bias)
         accepted, reason = self.accept(ctx, before, after)
-        if accepted and not ctx.config.force and before.ms < MIN_PREDICTED_SPEEDUP * after.ms:
+        if accepted and not ctx.config.force and not worth_rewriting(before, after):
             accepted, reason = False, (f"predicted gain {before.ms / after.ms:.2f}x is below {MIN_PREDICTED_SPEEDUP:.2f}x, "
                                        f"not worth a lossy rewrite ({before.ms:.4f} -> {after.ms:.4f} ms)")
         if not accepted:
@@ -201,4 +220,4 @@ def _fp4_linear_onnx_runnable(x, codes, codes_fp4, scales, global_scale, bias=No
     return _matmul_bias(op, x, _kernel_order_to_natural(op, w, out_features, in_features, bs), bias)
 
 
-__all__ = ["PASS", "Fp4LinearPass", "SCALE_SEARCH", "MIN_PREDICTED_SPEEDUP"]
+__all__ = ["PASS", "Fp4LinearPass", "SCALE_SEARCH", "MIN_PREDICTED_SPEEDUP", "predict", "worth_rewriting"]

@@ -17,7 +17,14 @@ Three rewrites, run in this order over the graph:
    with the mode the cost model picks (option q4_mode: auto | fused | separate), or keep the
    dense layer where dense bf16 is predicted faster (large token counts).
 
-Cost model (estimate_* below, on graphopt.cost_model.roofline with families q4_gemv / q4_gemm):
+Where it wins (bench/results/q4_h200_round2.json, H200, LLaMA shapes, weights L2-cold): only at
+1 token, where the fused gemv kernel beats cuBLAS bf16 by 1.02-1.17x. From 4 tokens on the int8
+GEMM kernel (fused or separate) is slower: 0.6-0.8x at 4-16 tokens, 0.25-0.4x at 64, ~0.1x at
+256-4096. The default cost model (fitted to that run; tests/test_cost_model_measured.py) therefore
+rewrites decode (1-token) linears and declines everything else unless force=True.
+
+Cost model (estimate_* below, on graphopt.cost_model.roofline; family q4_gemv for the gemv kernel,
+q4_gemm for the int8 GEMM kernel at any token count):
 the fused kernel reads bf16 activations once per N tile and quantizes them again in every N tile
 (CUDA-core work that grows with M*K*N/BLOCK_N), and stages bf16 rather than int8 activation tiles
 in shared memory; when that leaves one resident CTA per SM, its memory rate is derated
@@ -50,6 +57,15 @@ from graphopt.passes.fx_utils import arg, canonical, dtype, find_linears, replac
 # CUDA-core operations per activation value to quantize it to Q8_1 in registers (abs, max-reduce
 # share, multiply, round via truncation + compare, convert, sum-reduce share, int8 pack).
 QUANT_OPS_PER_VALUE = 12
+# The fused GEMM re-quantizes its activation tile in every N tile: effective CUDA-core ops per value
+# and N tile. Fitted (with GEMM_UNPACK_OPS_PER_WEIGHT and the q4_gemm efficiency, least squares on
+# log time over every GEMM-kernel row of bench/results/q4_h200_round2.json, rms error ~20%): the
+# fused kernel measured 1.1-1.2x *faster* than the separate one at 64-4096 tokens, so most of the
+# QUANT_OPS_PER_VALUE count overlaps the MMA; 12 here could not reproduce that.
+FUSED_REQUANT_OPS_PER_VALUE = 2
+# The int8 GEMM kernel unpacks each 4-bit weight to int8 once per BLOCK_M token rows (fitted, as
+# above): this is what keeps the m16 decode GEMM at 0.6-0.8x of cuBLAS for 4-16 tokens.
+GEMM_UNPACK_OPS_PER_WEIGHT = 1
 # CUDA-core operations per (row, column, 32-block) of the per-block epilogue d4*(d8*dot - 8*s8) + acc
 # (int32 -> fp32 by the exact IADD + FADD trick, then two FMAs).
 EPILOGUE_OPS_PER_BLOCK = 4
@@ -57,7 +73,7 @@ EPILOGUE_OPS_PER_BLOCK = 4
 # half a byte extract, one LOP3 (nibble | exponent bits) and one FADD (remove the offset).
 GEMV_UNPACK_OPS_PER_VALUE = 2.5
 # Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
-# own quantization with another CTA's loads. An assumption to be refit from bench/bench_q4.py.
+# own quantization with another CTA's loads. An assumption (the H200 data has no such tile chosen).
 FUSED_SINGLE_CTA_DERATE = 0.7
 
 
@@ -121,7 +137,7 @@ def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_featu
     fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
     moved = _weight_bytes(n, k) + m * k * act_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
         + (2 * 4 * splits * m * n if splits > 1 else 0)  # fp32 partials written and read back
-    family = "q4_gemv" if m <= q4k.DECODE_MAX_TOKENS else "q4_gemm"
+    family = "q4_gemv" if config.kernel == "gemv" else "q4_gemm"  # efficiencies are per kernel
     if config.kernel == "gemv":
         fp32 = (GEMV_UNPACK_OPS_PER_VALUE + m) * n * k + EPILOGUE_OPS_PER_BLOCK * m * n * (k / 32) \
             + QUANT_OPS_PER_VALUE * m * k * math.ceil(n / config.block_n)
@@ -132,7 +148,8 @@ def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_featu
     if occupancy < 1:
         return Estimate("Q4 fused GEMM (tile exceeds shared memory)", math.inf, 0.0, moved, 1, "memory")
     derate = (FUSED_SINGLE_CTA_DERATE if occupancy == 1 else 1.0) * fill
-    fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + QUANT_OPS_PER_VALUE * m_pad * k * math.ceil(n / config.block_n)
+    fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + FUSED_REQUANT_OPS_PER_VALUE * m_pad * k * math.ceil(n / config.block_n) \
+        + GEMM_UNPACK_OPS_PER_WEIGHT * n * k * (m_pad // config.block_m)
     return _kernel(hw, f"Q4 fused GEMM ({config.name}, {occupancy} CTA/SM)", family,
                    int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved, memory_derate=derate, launches=launches)
 
@@ -148,15 +165,28 @@ def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_fe
         return min((estimate_q4_separate(hw, m, k, n, act_bytes=act_bytes, bias=bias, config=c)
                     for c in q4k.candidate_configs(m, fused=False)), key=lambda e: e.ms)
     m_pad = config.block_m * math.ceil(m / config.block_m)
-    family = "q4_gemv" if m <= q4k.DECODE_MAX_TOKENS else "q4_gemm"
+    family = "q4_gemv" if config.kernel == "gemv" else "q4_gemm"
     splits = split_k(hw, config, m, k, n)
     moved = _weight_bytes(n, k) + q8_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
         + (2 * 4 * splits * m * n if splits > 1 else 0)
-    fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + m_pad * k * math.ceil(n / config.block_n)  # + row sums
+    fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + m_pad * k * math.ceil(n / config.block_n) \
+        + GEMM_UNPACK_OPS_PER_WEIGHT * n * k * (m_pad // config.block_m)  # + row sums, + nibble unpack
     fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
     gemm = _kernel(hw, f"Q4xQ8_1 GEMM ({config.name})", family, int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved,
                    launches=1 if splits == 1 else 2, memory_derate=fill)
     return cost_model.chain("Q4 separate (quantize + GEMM)", quant, gemm)
+
+
+def predict_linear(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *, act_bytes: int = 2,
+                   bias: bool = False, mode: str = "auto") -> tuple[Estimate, Estimate, str, Estimate, Estimate]:
+    """(dense linear, chosen q4 estimate, chosen mode, fused, separate): what the plain-linear rewrite
+    compares (it rewrites when the chosen estimate is faster than the dense one, unless forced)."""
+    before = cost_model.linear(hw, tokens, in_features, out_features, dtype_bytes=act_bytes, bias=bias)
+    fused = estimate_q4_fused(hw, tokens, in_features, out_features, act_bytes=act_bytes, bias=bias)
+    separate = estimate_q4_separate(hw, tokens, in_features, out_features, act_bytes=act_bytes, bias=bias)
+    if mode == "auto":
+        mode = "fused" if fused.ms <= separate.ms else "separate"
+    return before, (fused if mode == "fused" else separate), mode, fused, separate
 
 
 def _dtype_bytes(dt: torch.dtype | None) -> int:
@@ -302,13 +332,8 @@ class Q4LinearPass(GraphPass):
             tokens = tokens or 1
             act = _dtype_bytes(act_dtype)
             has_bias = m.bias_node is not None
-            before = cost_model.linear(ctx.hardware, tokens, k, n, dtype_bytes=act, bias=has_bias)
-            fused = estimate_q4_fused(ctx.hardware, tokens, k, n, act_bytes=act, bias=has_bias)
-            separate = estimate_q4_separate(ctx.hardware, tokens, k, n, act_bytes=act, bias=has_bias)
-            mode = ctx.config.q4_mode
-            if mode == "auto":
-                mode = "fused" if fused.ms <= separate.ms else "separate"
-            after = fused if mode == "fused" else separate
+            before, after, mode, fused, separate = predict_linear(ctx.hardware, tokens, k, n, act_bytes=act, bias=has_bias,
+                                                                 mode=ctx.config.q4_mode)
             details = dict(fused_ms=fused.ms, separate_ms=separate.ms, tokens=tokens)
             ok, why = self.accept(ctx, before, after)
             if not ok:
@@ -463,4 +488,4 @@ def _q4_linear_onnx_matmulnbits(x, qweight, scales, bias=None, mode: str = "fuse
     return y if bias is None else op.Add(y, op.CastLike(bias, y))
 
 
-__all__ = ["PASS", "Q4LinearPass", "estimate_q4_fused", "estimate_q4_separate", "ctas_per_sm", "split_k"]
+__all__ = ["PASS", "Q4LinearPass", "estimate_q4_fused", "estimate_q4_separate", "predict_linear", "ctas_per_sm", "split_k"]

@@ -13,9 +13,14 @@ does not name) the documented defaults apply: simthreshd1=0.6, cdfthreshd=0.98, 
 their error was not measured on this model, which the decision says.
 
 The cost model decides: dense time (the backend the attention pass chose, on the target GPU)
-against the predictor (4 launches reading Q and K once) plus the block-sparse kernel at the plan's
-measured sparsity (without a plan: an assumed ASSUMED_SPARSITY_WITHOUT_PLAN, recorded as such).
-Short sequences lose (fixed predictor cost, little to skip) and are declined with the reason.
+against the predictor (2 launches) plus the block-sparse kernel at the plan's measured sparsity
+(without a plan: an assumed ASSUMED_SPARSITY_WITHOUT_PLAN, recorded as such). Both estimates are
+rooflines fitted to the H200 round-2 timings (bench/results/sparse_attention_h200_round2.json; see
+the constants below). Where the kernel currently wins there (bf16, D=128, B=1, H=16, predictor
+included, against cuDNN): from L=8k at 50% of the blocks skipped (1.09-1.15x at 8k, 1.24-1.40x
+at 16k-32k), 75% skipped 1.6-2.6x, 90% skipped 2.3-5.4x; at L=4k only from ~75% skipped
+(1.08-1.5x); never at density 1 (the kernel alone is 0.64-0.80x cuDNN). Short sequences and
+low sparsity are declined with the reason.
 
 Declined, with the reason recorded: a bias or mask other than causal (the kernel applies none);
 Lq != Lk under causality; v's head dim differing from q's or above 256; a plan layer whose head
@@ -42,35 +47,82 @@ from graphopt.passes.base import GraphPass, PassContext, module_path
 from graphopt.passes.fx_utils import dtype, fake, replace_with_call, shape
 
 ASSUMED_SPARSITY_WITHOUT_PLAN = 0.5  # fraction of QK blocks skipped, for the cost model only
-PREDICTOR_LAUNCHES = 4  # pool Q, pool K, pooled QK^T, top-cdf + compaction
+PREDICTOR_LAUNCHES = 2  # pool Q and K (with self-similarity); pooled scores + top-cdf + compact lists
+
+# Fitted to bench/results/sparse_attention_h200_round2.json (H200, bf16, B=1, H=16, D=128,
+# L=4k-32k, causal and not, densities 1/0.5/0.25/0.1; ceilings 690 TFLOP/s, 4.22 TB/s, 6 us launch):
+#  - KERNEL_EFFICIENCY["triton_sparse"] (graphopt/cost_model.py) = 0.68: the matmul rate of a kept
+#    128 x 64 tile (least squares over the 32 kernel timings with the row cost below; the dense
+#    kernel runs 408-472 TFLOP/s, 0.59-0.68 of the ceiling, including its row cost);
+#  - SPARSE_ROW_COST_TILES = 6: each query block (row) also costs about as much as 6 tiles (Q
+#    load, pipeline fill, epilogue, store) whatever its density: that is what makes the kernel's
+#    effective rate fall from 435 TFLOP/s at density 1 to 321 at 9.4% (L=8k) and 170 at L=4k.
+#    With these two constants every kernel timing is within 0.80-1.13x of the prediction.
+#  - PREDICTOR_SELECT_S_PER_KEY_BLOCK = 0.6 us: the LUT kernel bisects each row's threshold in
+#    31 dependent steps over all key blocks of 16 query blocks per program; its time grows with
+#    the number of key blocks, per wave of programs (PREDICTOR_PROGRAMS_PER_SM resident per SM,
+#    assumed). Fitted to the predictor timings 0.063 / 0.114 / 0.227 / 0.482 ms at L = 4k / 8k /
+#    16k / 32k (3-22% of cuDNN dense at L >= 8k): after the 2 launches and the Q/K read at the
+#    pointwise rate, 0.54 / 0.55 / 0.59 / 0.67 us per key block. A fixed cost on top fitted to
+#    zero (least squares gave a slightly negative one), so there is none.
+SPARSE_ROW_COST_TILES = 6.0
+PREDICTOR_SELECT_S_PER_KEY_BLOCK = 0.6e-6
+PREDICTOR_PROGRAMS_PER_SM = 2
+PREDICTOR_ROWS_PER_PROGRAM = 16  # graphopt.kernels.sparse_attention.PREDICTOR_ROWS
 
 
 # ---------------------------------------------------------------------------------------------
 # Cost model
 # ---------------------------------------------------------------------------------------------
+def _blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def kept_tile_count(lq: int, lk: int, *, causal: bool, density: float) -> float:
+    """Kept (query block, key block) tiles per head: `density` of those dense attention computes
+    (under causality the tiles at or below the diagonal, diagonal tiles whole)."""
+    n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
+    if causal:
+        allowed = sum(min(n_k, _blocks(min((i + 1) * BLOCK_M, lq), BLOCK_N)) for i in range(n_q))
+    else:
+        allowed = n_q * n_k
+    return density * allowed
+
+
 def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, dtype_bytes: int = 2) -> Estimate:
-    """Pool Q and K blocks (read each once), the pooled QK^T, and the per-row top-cdf."""
-    n_q, n_k = -(-lq // BLOCK_M), -(-lk // BLOCK_N)
-    moved = dtype_bytes * (b * h * lq * d + b * hkv * lk * d) + 4 * (b * h * n_q * d + b * hkv * n_k * d)
-    moved += 4 * 3 * b * h * n_q * n_k  # scores written, read; LUT written
+    """Pool Q and K blocks (read each once), then per 16 query blocks the pooled scores, top-cdf
+    selection and compact lists: bytes at the pointwise rate, plus the selection's latency."""
+    n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
+    moved = dtype_bytes * (b * h * lq * d + b * hkv * lk * d) + 4 * (b * h * n_q * (d + 1) + b * hkv * n_k * (d + 1))
+    moved += 4 * b * h * n_q * (n_k + 1)  # compact lists and counts written
     flops = 2.0 * b * h * n_q * n_k * d
-    return roofline_chain("sparse attention predictor", hw, flops, moved, PREDICTOR_LAUNCHES)
+    est = cost_model.roofline(hw, "sparse attention predictor", flops=flops, bytes_moved=moved,
+                              launches=PREDICTOR_LAUNCHES, family="pointwise", unit="fp32")
+    if not hw.is_gpu:
+        return est
+    programs = b * h * _blocks(n_q, PREDICTOR_ROWS_PER_PROGRAM)
+    waves = _blocks(programs, hw.sm_count * PREDICTOR_PROGRAMS_PER_SM)
+    select_ms = waves * n_k * PREDICTOR_SELECT_S_PER_KEY_BLOCK * 1e3
+    return Estimate(est.name, est.ms + select_ms, flops, moved, est.launches, "latency" if select_ms > est.ms else est.bound)
 
 
-def roofline_chain(name, hw, flops, moved, launches) -> Estimate:
-    return cost_model.roofline(hw, name, flops=flops, bytes_moved=moved, launches=launches, family="pointwise", unit="fp32")
+def estimate_sparse_kernel(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
+                           dtype_bytes: int = 2) -> Estimate:
+    """The block-sparse flash kernel alone: kept tiles plus SPARSE_ROW_COST_TILES per query block,
+    at the triton_sparse tile rate; Q and O once, K/V once per head (L2 reuse) scaled by density."""
+    density = max(0.0, min(1.0, 1.0 - sparsity))
+    n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
+    tile_flops = 2.0 * BLOCK_M * BLOCK_N * (d + d)
+    flops = b * h * tile_flops * (kept_tile_count(lq, lk, causal=causal, density=density) + SPARSE_ROW_COST_TILES * n_q)
+    moved = dtype_bytes * (2 * b * h * lq * d + 2 * b * hkv * lk * d * max(density, 1.0 / max(1, n_k)))
+    moved += 4 * b * h * n_q * (n_k + 1)  # compact lists read
+    return cost_model.roofline(hw, "Triton block-sparse attention", flops=flops, bytes_moved=moved, family="triton_sparse")
 
 
 def estimate_sparse_attention(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
                               dtype_bytes: int = 2) -> Estimate:
-    """Predictor + block-sparse flash kernel doing (1 - sparsity) of the dense work."""
-    density = max(0.0, min(1.0, 1.0 - sparsity))
-    flops = cost_model.attention_flops(b, h, lq, lk, d, causal=causal) * density
-    # Q and O once; each kept K/V tile once per query block that keeps it (reuse across the
-    # query blocks of a head mostly hits L2, so count K/V once per head, scaled by density).
-    moved = dtype_bytes * (2 * b * h * lq * d + 2 * b * hkv * lk * d * max(density, 1.0 / max(1, -(-lk // BLOCK_N))))
-    moved += 4 * b * h * (-(-lq // BLOCK_M)) * (-(-lk // BLOCK_N))  # LUT read
-    kernel = cost_model.roofline(hw, "Triton block-sparse attention", flops=flops, bytes_moved=moved, family="triton_sparse")
+    """Predictor + block-sparse flash kernel keeping (1 - sparsity) of the tiles dense attention computes."""
+    kernel = estimate_sparse_kernel(hw, b, h, hkv, lq, lk, d, causal=causal, sparsity=sparsity, dtype_bytes=dtype_bytes)
     predictor = estimate_predictor(hw, b, h, hkv, lq, lk, d, dtype_bytes=dtype_bytes)
     return cost_model.chain(f"sparse attention ({sparsity:.0%} of blocks skipped)", predictor, kernel)
 

@@ -215,7 +215,9 @@ def test_cost_model_picks_decode_for_few_tokens_and_prefill_for_many():
     assert est.bytes >= 13824 * 5120 * (0.5 + 1 / 16)
     from graphopt.cost_model import linear
 
-    assert est.ms < linear(hw, 1, 5120, 13824).ms / 2  # 3.6x fewer bytes, plus one launch each
+    # Measured on an H200 (bench/results/fp4_h200_round2.json): the decode kernel is bound by its
+    # dequantization work, not by the 3.6x fewer bytes, so no 2x gain over cuBLAS (0.87x cold).
+    assert est.ms > linear(hw, 1, 5120, 13824).ms / 2
     cpu = SPECS["cpu"]
     assert fp4.estimate_fp4_linear(cpu, 1, 5120, 13824).ms > linear(cpu, 1, 5120, 13824).ms
 

@@ -61,7 +61,11 @@ def test_cpu_target_declines_without_force():
     assert not d.applied and "cost model predicts no win" in d.reason
 
 
-def test_gpu_target_applies_large_layer_and_declines_tiny_one():
+def test_gpu_target_declines_decode_layers_unless_forced():
+    """On H200 the FP4 kernels were measured slower than cuBLAS bf16 at every token count (1 token,
+    L2-cold: 0.84-0.96x; bench/results/fp4_h200_round2.json), so the default cost model declines a
+    1-token layer on an H200 target (this test used to assert the opposite on H100, before the H200
+    measurement); force=True still rewrites it, to the CUDA-core gemv."""
     class Two(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -73,13 +77,16 @@ def test_gpu_target_applies_large_layer_and_declines_tiny_one():
 
     model = Two().eval().to(torch.bfloat16)
     x = torch.randn(1, 1024, dtype=torch.bfloat16)
-    report = graphopt.explain(model, x, passes={"fp4_linear": True}, target="h100", downstream="eager")
+    report = graphopt.explain(model, x, passes={"fp4_linear": True}, target="h200", downstream="eager")
     by_location = {d.location: d for d in report.decisions}
     big, tiny = by_location["big"], by_location["tiny"]
-    assert big.applied and big.implementation == "fp4_gemv" and big.predicted_speedup > 1.1  # launch-bound size
+    assert not big.applied and ("below 1.05x" in big.reason or "no win" in big.reason), big.reason
+    assert not tiny.applied and ("below 1.05x" in tiny.reason or "no win" in tiny.reason), tiny.reason
+    forced = graphopt.explain(model, x, passes={"fp4_linear": True}, target="h200", downstream="eager", force=True)
+    big = {d.location: d for d in forced.decisions}["big"]
+    assert big.applied and big.implementation == "fp4_gemv" and "forced" in big.reason
     assert big.details["memory_saved_bytes"] == 1024 * 2048 * 2 - (2048 * 512 + 2048 * 64 + 4)
-    assert not tiny.applied and "below 1.05x" in tiny.reason
-    assert report.output.dtype == torch.bfloat16 and report.output.shape == (1, 16)
+    assert forced.output.dtype == torch.bfloat16 and forced.output.shape == (1, 16)
 
 
 def test_sqnr_budget_declines_with_reason():
