@@ -182,6 +182,13 @@ def predict_linear(hw: HardwareSpec, tokens: int, in_features: int, out_features
     """(dense linear, chosen q4 estimate, chosen mode, fused, separate): what the plain-linear rewrite
     compares (it rewrites when the chosen estimate is faster than the dense one, unless forced)."""
     before = cost_model.linear(hw, tokens, in_features, out_features, dtype_bytes=act_bytes, bias=bias)
+    if not hw.is_gpu:
+        # No Q4 kernel off the GPU: the op runs its torch reference, which dequantizes the weight
+        # and then does the dense product, so it can only be slower than the dense linear.
+        dequant = cost_model.roofline(hw, "Q4_0 dequantize (torch)", family="pointwise",
+                                      bytes_moved=_weight_bytes(out_features, in_features) + 4 * in_features * out_features)
+        reference = cost_model.chain("Q4 reference (dequantize + dense linear)", dequant, before)
+        return before, reference, "reference", reference, reference
     fused = estimate_q4_fused(hw, tokens, in_features, out_features, act_bytes=act_bytes, bias=bias)
     separate = estimate_q4_separate(hw, tokens, in_features, out_features, act_bytes=act_bytes, bias=bias)
     if mode == "auto":
@@ -354,8 +361,10 @@ class Q4LinearPass(GraphPass):
                        **details)
             qw_node = ctx.add_constant(qweight, "q4_weight")
             sc_node = ctx.add_constant(scales, "q4_scales")
+            # Off the GPU the op always runs its reference; it still takes a kernel mode.
+            op_mode = mode if mode in ("fused", "separate") else "fused"
             replace_with_call(ctx, node, torch.ops.graphopt.q4_linear.default,
-                              (m.input, qw_node, sc_node, m.bias_node, mode), matched=list(m.extra_nodes))
+                              (m.input, qw_node, sc_node, m.bias_node, op_mode), matched=list(m.extra_nodes))
 
 
 def _same_scale(a, b) -> bool:

@@ -217,3 +217,14 @@ def test_onnx_forms_run_in_onnxruntime(form, tmp_path):
         # ... and with graphopt's Q4 x Q8_1 output, which differs only by the activation rounding.
         ours = _q4_mlp_reference(model, x)
     assert 10 * math.log10(ours.pow(2).sum() / (got - ours).pow(2).sum()) > 30
+
+
+def test_cpu_target_declines_without_force():
+    """Off the GPU the op runs its torch reference (dequantize + dense), which can only lose."""
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(2, 3, 64)
+    report = graphopt.explain(model, x, target="cpu", **ON)
+    assert report.counts["q4_linear"] == 0
+    declined = report.declined("q4_linear")
+    assert len(declined) == 2 and all("no win on generic CPU" in d.reason for d in declined)
+    torch.testing.assert_close(report.output, model(x))
