@@ -17,6 +17,17 @@ is fitted to that run (kernels/fp4.py, tests/test_cost_model_measured.py), so on
 declines every linear unless `force=True` (memory savings, 3.6x smaller weights, are then the only
 gain). On targets with less bandwidth per CUDA-core FLOP (e.g. an uncalibrated H100 spec) the same
 model predicts a ~1.1-1.25x 1-token win; that extrapolation is unmeasured.
+Plans (options={"plan": path}; graphopt.plan): a "fp4_linear" section may supply pre-quantized
+weights per module path, e.g. GPTQ-style ones from graphopt.kernels.fp4.calibrate_fp4, written by
+`save_fp4_plan(path, {module_path: Fp4Tensor})`:
+    "fp4_linear": {"file": "<plan stem>.fp4.safetensors",
+                   "layers": {"<module path>": {"format": "nvfp4", "out_features": N, "in_features": K}}}
+Tensors in the file: "<module path>.codes" (uint8, standard packing), "<module path>.scales" (uint8
+bytes; e4m3 bit patterns for NVFP4), "<module path>.global_scale" (fp32 scalar). A layer with an
+entry uses those codes instead of quantizing its weight; the entry's format must equal
+`fp4_format` and its shape the layer's, else the layer is declined with the reason. The SQNR budget
+is checked against the layer's actual weight (which also catches a plan made for other weights).
+Layers without an entry are quantized at compile time as without a plan.
 Each match records one Decision; applied ones carry `memory_saved_bytes` (dense weight bytes
 minus packed codes + scales), the weight SQNR, the format and the kernel path for this token count.
 Output shape and dtype are unchanged. Inference only (the op has no autograd formula).
@@ -33,6 +44,9 @@ ONNX (graphopt.export_onnx, onnx_forms={"graphopt::fp4_linear": "standard" | "ru
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import torch
 
 from graphopt import cost_model
@@ -40,6 +54,7 @@ from graphopt.kernels import fp4 as fp4k
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
 from graphopt.passes.fx_utils import LinearMatch, dtype, find_linears, replace_with_call
+from graphopt.plan import plan_section, save_plan
 
 # Compile-time quantization uses the per-block MSE scale search (one-time cost; lowers weight
 # error, see tests/kernels/test_fp4.py::test_scale_search_lowers_error).
@@ -72,13 +87,14 @@ class Fp4LinearPass(GraphPass):
     def run(self, ctx: PassContext) -> None:
         fmt = ctx.config.fp4_format
         budget_db = ctx.config.error_budget["fp4_linear"]
+        plan = _PlanWeights(plan_section(ctx, self.name))
         replaced: dict = {}  # erased linear node -> its graphopt::fp4_linear node (later matches read it)
         for m in find_linears(ctx):
-            new = self._one(ctx, m, fmt, budget_db, replaced)
+            new = self._one(ctx, m, fmt, budget_db, replaced, plan)
             if new is not None:
                 replaced[m.node] = new
 
-    def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict):
+    def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict, plan: "_PlanWeights"):
         node = m.node
         ok, why = ctx.can_freeze(m.weight_node)
         if not ok:
@@ -116,11 +132,21 @@ class Fp4LinearPass(GraphPass):
         # Measure before freezing: a declined layer must not pin the parameter.
         value = ctx.example_value(m.weight_node).detach()
         weight = value.t() if m.weight_transposed else value  # (N, K)
-        q = fp4k.quantize_fp4(weight, fmt, scale_search=SCALE_SEARCH)
+        source = "compile-time quantization"
+        if plan.has(m.location):
+            q, problem = plan.get(m.location, fmt, (out_f, in_f))
+            if q is None:
+                ctx.record(self.name, False, f"plan weights for {m.location!r}: {problem}", node=node, before=before, after=after)
+                return
+            source = f"plan weights ({plan.file})"
+            q = dataclasses.replace(q, codes=q.codes.to(weight.device), scales=q.scales.to(weight.device),
+                                    global_scale=q.global_scale.to(weight.device))
+        else:
+            q = fp4k.quantize_fp4(weight, fmt, scale_search=SCALE_SEARCH)
         sqnr = fp4k.sqnr_db(weight, fp4k.dequantize_fp4(q))
         if sqnr < budget_db:
             ctx.record(self.name, False, f"weight SQNR {sqnr:.2f} dB below the budget of {budget_db:.2f} dB "
-                       f"(error_budget['fp4_linear'])", node=node, before=before, after=after, sqnr_db=sqnr, format=fmt)
+                       f"(error_budget['fp4_linear']; {source})", node=node, before=before, after=after, sqnr_db=sqnr, format=fmt)
             return
 
         m.weight(ctx)  # freeze: the compiled graph now depends on this parameter's value
@@ -136,7 +162,7 @@ class Fp4LinearPass(GraphPass):
             self.name, True, reason + tokens_note, node=node, before=before, after=after,
             implementation=f"fp4_{path}" if path != "reference" else "fp4_reference",
             memory_saved_bytes=int(saved), dense_weight_bytes=int(dense_bytes), fp4_weight_bytes=int(kw.nbytes),
-            sqnr_db=sqnr, format=fmt, tokens=tokens,
+            sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from=source,
         )
         x_node = replaced.get(m.input, m.input)
         bias_node = replaced.get(m.bias_node, m.bias_node)
@@ -149,6 +175,74 @@ class Fp4LinearPass(GraphPass):
 
 
 PASS = Fp4LinearPass()
+
+
+# =============================================================================================
+# Plans: pre-quantized (e.g. GPTQ-calibrated) weights per module path
+# =============================================================================================
+class _PlanWeights:
+    """The plan's "fp4_linear" section; its safetensors file is read on first use."""
+
+    def __init__(self, section: dict | None):
+        self.layers = (section or {}).get("layers", {})
+        self.file = (section or {}).get("file")
+        self._dir = (section or {}).get("_dir", ".")
+        self._tensors = None
+
+    def has(self, location: str) -> bool:
+        return bool(location) and location in self.layers
+
+    def get(self, location: str, fmt: str, shape: tuple[int, int]):
+        """(Fp4Tensor, None) or (None, why it cannot be used)."""
+        entry = self.layers[location]
+        if entry.get("format") != fmt:
+            return None, f"format {entry.get('format')!r} does not match fp4_format={fmt!r}"
+        planned = (entry.get("out_features"), entry.get("in_features"))
+        if planned != shape:
+            return None, f"shape {planned[0]}x{planned[1]} (out x in) does not match the layer's {shape[0]}x{shape[1]}"
+        if self._tensors is None:
+            from safetensors.torch import load_file
+
+            path = Path(self._dir) / str(self.file)
+            if not path.exists():
+                return None, f"plan tensor file {str(path)!r} does not exist"
+            self._tensors = load_file(str(path))
+        try:
+            codes = self._tensors[f"{location}.codes"]
+            scales = self._tensors[f"{location}.scales"]
+            global_scale = self._tensors[f"{location}.global_scale"]
+        except KeyError as exc:
+            return None, f"tensor {exc.args[0]!r} missing from {self.file!r}"
+        bs = fp4k.BLOCK_SIZES[fmt]
+        blocks = -(-shape[1] // bs)
+        if tuple(codes.shape) != (shape[0], blocks * bs // 2) or tuple(scales.shape) != (shape[0], blocks):
+            return None, (f"stored codes {tuple(codes.shape)} / scales {tuple(scales.shape)} do not fit a "
+                          f"{shape[0]}x{shape[1]} {fmt} weight")
+        scales = scales.view(torch.uint8)
+        if fmt == "nvfp4":
+            scales = scales.view(torch.float8_e4m3fn)
+        return fp4k.Fp4Tensor(codes.view(torch.uint8), scales, global_scale.reshape(()).to(torch.float32), shape, fmt), None
+
+
+def save_fp4_plan(path, quantized: dict, *, merge: bool = True) -> Path:
+    """Write {module path: Fp4Tensor} (e.g. from graphopt.kernels.fp4.calibrate_fp4) as the plan's
+    "fp4_linear" section plus "<plan stem>.fp4.safetensors" beside it (merging into an existing plan
+    file's other sections unless merge=False). Compile with options={"plan": path}."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    file = f"{path.stem}.fp4.safetensors"
+    tensors, layers = {}, {}
+    for location, q in quantized.items():
+        if not isinstance(q, fp4k.Fp4Tensor):
+            raise ValueError(f"save_fp4_plan: {location!r} is a {type(q).__name__}, expected graphopt.kernels.fp4.Fp4Tensor")
+        tensors[f"{location}.codes"] = q.codes.detach().cpu().view(torch.uint8).contiguous()
+        tensors[f"{location}.scales"] = q.scales.detach().cpu().view(torch.uint8).contiguous()
+        tensors[f"{location}.global_scale"] = q.global_scale.detach().cpu().to(torch.float32).reshape(()).contiguous()
+        layers[location] = {"format": q.format, "out_features": int(q.shape[0]), "in_features": int(q.shape[1])}
+    save_file(tensors, str(path.parent / file))
+    return save_plan(path, {"fp4_linear": {"file": file, "layers": layers}}, merge=merge)
 
 
 # =============================================================================================
@@ -220,4 +314,4 @@ def _fp4_linear_onnx_runnable(x, codes, codes_fp4, scales, global_scale, bias=No
     return _matmul_bias(op, x, _kernel_order_to_natural(op, w, out_features, in_features, bs), bias)
 
 
-__all__ = ["PASS", "Fp4LinearPass", "SCALE_SEARCH", "MIN_PREDICTED_SPEEDUP", "predict", "worth_rewriting"]
+__all__ = ["PASS", "Fp4LinearPass", "SCALE_SEARCH", "MIN_PREDICTED_SPEEDUP", "predict", "worth_rewriting", "save_fp4_plan"]

@@ -185,3 +185,70 @@ def test_onnx_standard_form_is_float4_dequantize_linear(fmt, tmp_path):
     for n in dequant:
         attrs = {a.name: a.i for a in n.attribute}
         assert attrs["block_size"] == fp4.BLOCK_SIZES[fmt] and attrs["axis"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans: pre-quantized (GPTQ-calibrated) weights
+# ---------------------------------------------------------------------------------------------
+class _TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 96)
+        self.down = torch.nn.Linear(96, 48, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+def _calibration(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    return torch.randn(5, 16, generator=g) @ mixing + 0.2 * torch.randn(5, 64, generator=g)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_plan_weights_are_used_instead_of_compile_time_quantization(fmt, tmp_path):
+    from graphopt.passes.fp4_linear import save_fp4_plan
+
+    torch.manual_seed(0)
+    model = _TwoLinears().eval()
+    quantized = fp4.calibrate_fp4(model, [_calibration(s) for s in range(8)], fmt)
+    plan = save_fp4_plan(tmp_path / "plan.json", quantized)
+    x = _calibration(100)
+    report = graphopt.explain(model, x, passes={"fp4_linear": True}, force=True, fp4_format=fmt, plan=str(plan),
+                              downstream="eager")
+    decisions = {d.location: d for d in report.decisions if d.pass_name == "fp4_linear"}
+    assert set(decisions) == {"up", "down"} and all(d.applied for d in decisions.values())
+    assert all("plan weights" in d.details["weights_from"] for d in decisions.values())
+
+    def built_from(weights):
+        reference = copy.deepcopy(model)
+        with torch.no_grad():
+            for name in ("up", "down"):
+                getattr(reference, name).weight.copy_(fp4.dequantize_fp4(weights[name]))
+            return reference(x)
+
+    torch.testing.assert_close(report.output, built_from(quantized), atol=1e-5, rtol=1e-4)
+    plain = {n: fp4.quantize_fp4(getattr(model, n).weight, fmt, scale_search=SCALE_SEARCH) for n in ("up", "down")}
+    assert not torch.equal(quantized["up"].codes, plain["up"].codes)  # GPTQ picked other codes
+    assert (report.output - built_from(plain)).abs().max() > 1e-4
+
+
+def test_plan_with_wrong_format_or_shape_declines_and_other_layers_fall_back(tmp_path):
+    from graphopt.passes.fp4_linear import save_fp4_plan
+
+    torch.manual_seed(0)
+    model = _TwoLinears().eval()
+    wrong_shape = fp4.quantize_fp4(torch.randn(96, 32), "nvfp4")
+    plan = save_fp4_plan(tmp_path / "plan.json", {"up": wrong_shape})
+    report = graphopt.explain(model, _calibration(1), passes={"fp4_linear": True}, force=True, fp4_format="nvfp4",
+                              plan=str(plan), downstream="eager")
+    decisions = {d.location: d for d in report.decisions if d.pass_name == "fp4_linear"}
+    assert not decisions["up"].applied and "does not match the layer's 96x64" in decisions["up"].reason
+    assert decisions["down"].applied and decisions["down"].details["weights_from"] == "compile-time quantization"
+
+    plan = save_fp4_plan(tmp_path / "plan2.json", {"up": fp4.quantize_fp4(model.up.weight, "mxfp4")})
+    report = graphopt.explain(model, _calibration(1), passes={"fp4_linear": True}, force=True, fp4_format="nvfp4",
+                              plan=str(plan), downstream="eager")
+    up = next(d for d in report.decisions if d.pass_name == "fp4_linear" and d.location == "up")
+    assert not up.applied and "format 'mxfp4' does not match fp4_format='nvfp4'" in up.reason
