@@ -14,14 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import graphopt  # noqa: E402,F401  (registers graphopt::attention)
-from bench.common import median_ms, print_table, write_json  # noqa: E402
-
-
-def naive(q, k, v, scale, mask):
-    s = (q @ k.transpose(-2, -1)) * scale
-    if mask is not None:
-        s = s.masked_fill(mask, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+from bench.common import median_ms, naive_attention as naive, print_table, write_json  # noqa: E402
 
 
 def main() -> None:

@@ -20,20 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import environment, median_ms, print_table, write_json  # noqa: E402
+from bench.common import environment, median_ms, naive_attention, print_table, write_json  # noqa: E402
 from graphopt import cost_model as cm  # noqa: E402
 from graphopt.hardware import spec_for_device_name  # noqa: E402
 
 GEMM_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 5120), (5120, 13824), (13824, 5120)]
 TOKENS = [1, 16, 64, 256, 1024, 4096]
 ATTN_L = [512, 1024, 2048, 4096, 8192, 16384]
-
-
-def naive_attention(q, k, v, scale, causal_mask):
-    s = (q @ k.transpose(-2, -1)) * scale
-    if causal_mask is not None:
-        s = s.masked_fill(causal_mask, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
 
 
 def main() -> None:

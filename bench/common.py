@@ -50,6 +50,15 @@ def cuda_graph_ms(fn: Callable[[], Any], *, rep_ms: float = 100) -> float:
     return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
 
 
+def naive_attention(q, k, v, scale, mask=None):
+    """softmax(q @ k^T * scale) @ v with an optional boolean mask (True = masked out): the
+    unfused form graphopt rewrites, timed as the eager baseline."""
+    s = (q @ k.transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
