@@ -33,6 +33,9 @@ ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU through the Triton interpreter")
 ARGS.add_argument("--formats", default="nvfp4", help="comma-separated: nvfp4, mxfp4")
 ARGS.add_argument("--no-e2e", action="store_true", help="skip the end-to-end LLaMA rows")
+ARGS.add_argument("--shapes", default=None, help="comma-separated KxN shapes (default: six LLaMA shapes)")
+ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16,64,256,4096)")
+ARGS.add_argument("--dequant-sweep", action="store_true", help="also time every DEQUANT_TILES tile of the W decode")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
@@ -55,6 +58,10 @@ if GPU:
 else:
     SHAPES = [(96, 80), (160, 48)]
     TOKENS = [1, 4, 64]
+if OPTS.shapes:
+    SHAPES = [tuple(int(v) for v in s.lower().split("x")) for s in OPTS.shapes.split(",")]
+if OPTS.tokens:
+    TOKENS = [int(t) for t in OPTS.tokens.split(",")]
 DECODE_TOKENS = 16
 
 
@@ -173,6 +180,32 @@ def kernel_rows(copy_bw: float) -> list[dict]:
     return rows
 
 
+def dequant_sweep_rows(copy_bw: float) -> list[dict]:
+    """The prefill path's W decode alone, per tile: GB/s of codes + scales read and bf16 W written."""
+    rows = []
+    for fmt in FORMATS:
+        for k, n in SHAPES:
+            w = (torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * 0.02).to(DEVICE, DTYPE)
+            q = fp4.quantize_fp4(w, fmt)
+            kw = fp4.to_kernel_layout(q)
+            expected = fp4.dequantize_fp4(q).to(DTYPE)
+            moved = kw.nbytes + 2 * n * k
+            for tile in fp4.DEQUANT_TILES:
+                row = {"format": fmt, "shape": f"{k}->{n}", "tile": str(tile)}
+                try:
+                    run = lambda tile=tile: fp4.dequantize_triton(kw.codes, kw.scales, kw.global_scale, n, k, fmt, DTYPE, tile=tile)  # noqa: E731
+                    got = run()  # exact on a GPU; the interpreter's bf16 cast truncates instead of rounding
+                    ok = torch.equal(got, expected) if GPU else torch.allclose(got.float(), expected.float(), rtol=2**-7)
+                    ms = median_ms(run)
+                    row.update(check="PASS" if ok else "FAIL", ms=ms, gbps=gbps(moved, ms),
+                               of_copy_bw=moved / (ms * 1e-3) / copy_bw)
+                except Exception as exc:  # noqa: BLE001
+                    row.update(check="FAIL", error=f"{type(exc).__name__}: {exc}")
+                print(f"[{row['check']}] dequant {fmt} {k}->{n} tile {tile}: {row.get('ms', float('nan')):.4f} ms", flush=True)
+                rows.append(row)
+    return rows
+
+
 def llama_rows() -> list[dict]:
     """transformers LLaMA, 7B shapes, 2 layers, one-token forward: Inductor bf16 vs graphopt fp4."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -229,14 +262,17 @@ def llama_rows() -> list[dict]:
 def main() -> None:
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e9:.1f} GB/s", flush=True)
+    sweep = dequant_sweep_rows(bw) if OPTS.dequant_sweep else []
     rows = kernel_rows(bw)
     e2e = [] if OPTS.no_e2e else llama_rows()
-    path = write_json("bench_fp4", rows + e2e, copy_bandwidth_gbps=bw / 1e9, formats=FORMATS,
+    path = write_json("bench_fp4", rows + e2e + sweep, copy_bandwidth_gbps=bw / 1e9, formats=FORMATS,
                       tuned={str(key): dataclasses.asdict(cfg) for key, cfg in fp4._TUNED.items()})
     print(f"wrote {path}")
     if e2e:
         print_table("LLaMA-7B shapes, 2 layers, one token (speedup vs the first row)", e2e,
                     ["variant", "check", "logits_cosine", "e2e_ms", "speedup", "e2e_cuda_graph_ms", "graph_speedup", "error"])
+    if sweep:
+        print_table("W decode (dequant path) per tile", sweep, ["format", "shape", "tile", "check", "ms", "gbps", "of_copy_bw", "error"])
     tuned = {str(key): dataclasses.asdict(cfg) for key, cfg in fp4._TUNED.items()}
     print("tuned configs:", json.dumps(tuned, default=str)[:4000])
     print_table(f"FP4 weight-only linear vs cuBLAS bf16 (copy {bw / 1e9:.0f} GB/s; GB/s from the cold time)", rows,

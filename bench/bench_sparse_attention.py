@@ -17,8 +17,12 @@ Then the predictor: its time on structured local+sink inputs, as ms and as % of 
 eager (do_bench: includes the host launch path when the GPU work is shorter) and replayed from a
 CUDA graph (GPU time only; the predictor has no host sync, so it can be captured), the sparsity it
 finds there with the default thresholds, and the end-to-end time (predictor + kernel) against
-dense. Prints the issue's targets (met / not met) last. Writes JSON and a speed-vs-density PNG to
-$OUT (or bench/out).
+dense. Then the predictor breakdown (also alone with --predictor-only, L >= 8k): the pooling launch
+alone, the LUT launch alone and the whole predictor, for the first predictor (v1) and the current
+one (v2), eager and CUDA graph, as % of cuDNN dense; v1 and v2 LUTs are compared first. Prints the
+issue's targets (met / not met) last. Writes JSON and a speed-vs-density PNG to $OUT (or bench/out).
+
+    python bench/bench_sparse_attention.py --predictor-only   # the breakdown alone (~1 min)
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def parse_args():
     p.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 4096,8192,16384,32768)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--predictor-only", action="store_true",
+                   help="only the predictor breakdown (pool / LUT / whole, v1 vs v2; default L 8192,16384,32768)")
     p.add_argument("--skip-flex-above", type=int, default=32768,
                    help="skip FlexAttention for non-causal L above this (compile time); default: never skip")
     return p.parse_args()
@@ -53,7 +59,7 @@ if ARGS.cpu_smoke:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import cuda_graph_ms, median_ms, out_dir, print_table, tflops, write_json  # noqa: E402
+from bench.common import cuda_graph_ms, gbps, median_ms, out_dir, print_table, tflops, write_json  # noqa: E402
 from graphopt.kernels import sparse_attention as sa  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu_smoke else "cuda"
@@ -170,6 +176,73 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
 START = time.perf_counter()
 
 
+def predictor_breakdown(lengths: list[int]) -> list[dict]:
+    """Per (L, causal): v1 vs v2 predictor on local+sink inputs, by launch. Rows for print_table."""
+    rows: list[dict] = []
+    for length in lengths:
+        for causal in (False, True):
+            try:
+                qs, ks, _ = sa.local_sink_qkv(1, HEADS, length, HEAD_DIM, seed=1, window=max(256, length // 64),
+                                              dtype=DTYPE, device=DEVICE)
+                dense_ms = time_ms(cudnn_dense(qs, ks, qs, causal))
+                stages = {variant: sa.predictor_stages(qs, ks, is_causal=causal, variant=variant)
+                          for variant in sa.PREDICTOR_VARIANTS}
+                masks = {}
+                for variant, (pool, lut, (lut_out, counts)) in stages.items():
+                    pool()
+                    lut()
+                    masks[variant] = sa.lut_to_block_mask(lut_out, counts)
+                ref = sa.predict_block_mask(qs, ks, is_causal=causal)
+                differ = int((masks["v1"] != masks["v2"]).sum())
+                rows_differ = int((masks["v1"] != masks["v2"]).any(-1).sum())
+                print(f"{'PASS' if differ == 0 else 'FAIL'} predictor v2 vs v1 L={length} causal={causal}: "
+                      f"{differ} of {ref.numel()} blocks differ ({rows_differ} rows); vs torch reference: "
+                      + ", ".join(f"{v} {int((m != ref).sum())} blocks differ" for v, m in masks.items()))
+                read_bytes = (qs.numel() + ks.numel()) * qs.element_size()
+                for variant in ("v1", "v2"):
+                    pool, lut, _ = stages[variant]
+
+                    def whole(pool=pool, lut=lut):
+                        pool()
+                        lut()
+                    row = {"L": length, "causal": causal, "variant": variant, "cudnn_ms": dense_ms,
+                           "kept": round(masks[variant].float().mean().item(), 3)}
+                    for name, fn in (("pool", pool), ("lut", lut), ("whole", whole)):
+                        row[f"{name}_ms"] = time_ms(fn)
+                        row[f"{name}_graph_ms"] = graph_ms(fn)
+                    row["pool_GBps"] = gbps(read_bytes, row["pool_graph_ms"] or row["pool_ms"])
+                    row["whole_%_of_dense"] = 100 * row["whole_ms"] / dense_ms
+                    if row["whole_graph_ms"] is not None:
+                        row["whole_graph_%_of_dense"] = 100 * row["whole_graph_ms"] / dense_ms
+                    # the public entry point (allocations + two launches), as the pass calls it
+                    row["predict_block_lut_ms"] = time_ms(lambda v=variant: sa.predict_block_lut(qs, ks, is_causal=causal, variant=v))
+                    rows.append(row)
+                by_variant = {r["variant"]: r for r in rows[-len(stages):]}
+                v1, v2 = by_variant["v1"], by_variant["v2"]
+                for key in ("pool_ms", "lut_ms", "whole_ms", "whole_graph_ms"):
+                    if v1.get(key) and v2.get(key):
+                        v2[f"speedup_{key[:-3]}"] = v1[key] / v2[key]
+            except Exception as exc:
+                print(f"FAIL predictor breakdown L={length} causal={causal}: {type(exc).__name__}: {exc}")
+    return rows
+
+
+BREAKDOWN_COLUMNS = ["L", "causal", "variant", "kept", "cudnn_ms", "pool_ms", "pool_graph_ms", "pool_GBps", "lut_ms",
+                     "lut_graph_ms", "whole_ms", "whole_graph_ms", "predict_block_lut_ms", "whole_%_of_dense",
+                     "whole_graph_%_of_dense", "speedup_pool", "speedup_lut", "speedup_whole", "speedup_whole_graph"]
+
+
+def main_predictor_only() -> int:
+    lengths = [int(x) for x in ARGS.lengths.split(",")] if ARGS.lengths else ([256, 333] if ARGS.cpu_smoke else [8192, 16384, 32768])
+    rows = predictor_breakdown(lengths)
+    write_json("bench_sparse_attention_predictor", rows,
+               config={"B": 1, "H": HEADS, "D": HEAD_DIM, "dtype": str(DTYPE), "block_m": sa.BLOCK_M, "block_n": sa.BLOCK_N})
+    print(f"total bench time: {time.perf_counter() - START:.0f} s")
+    print_table("sparse attention predictor breakdown, v1 vs v2 (local+sink inputs, default thresholds; "
+                "graph = CUDA-graph replay; speedup = v1 / v2)", rows, BREAKDOWN_COLUMNS)
+    return 0
+
+
 def main() -> int:
     rows: list[dict] = []
     predictor_rows: list[dict] = []
@@ -265,15 +338,19 @@ def main() -> int:
                     "e2e_graph_speedup": None if e2e_graph_ms is None else dense_s_ms / e2e_graph_ms})
             except Exception as exc:
                 print(f"FAIL predictor L={length} causal={causal}: {type(exc).__name__}: {exc}")
+    breakdown_rows = predictor_breakdown([n for n in LENGTHS if n >= TARGET_MIN_L])
     targets = evaluate_targets(rows, predictor_rows)
     tuned = getattr(getattr(sa, "_sparse_attention_kernel_tuned", None), "cache", {}) or {}
     tuned_configs = {str(key): str(config) for key, config in tuned.items()}
-    write_json("bench_sparse_attention", rows, predictor=predictor_rows, targets=targets, tuned_configs=tuned_configs,
+    write_json("bench_sparse_attention", rows, predictor=predictor_rows, predictor_breakdown=breakdown_rows,
+               targets=targets, tuned_configs=tuned_configs,
                config={"B": 1, "H": HEADS, "D": HEAD_DIM, "dtype": str(DTYPE), "block_m": sa.BLOCK_M, "block_n": sa.BLOCK_N})
     plot(rows)
     for key, config in tuned_configs.items():
         print(f"autotuned sparse kernel config {key}: {config}")
     print(f"total bench time: {time.perf_counter() - START:.0f} s")
+    print_table("sparse attention predictor breakdown, v1 vs v2 (graph = CUDA-graph replay; speedup = v1 / v2)",
+                breakdown_rows, BREAKDOWN_COLUMNS)
     print_table("sparse attention: predictor on local+sink inputs (default thresholds; graph = CUDA-graph replay, GPU only)",
                 predictor_rows, ["L", "causal", "sparsity_found", "rel_L1_vs_dense", "cudnn_ms", "predictor_ms",
                                  "predictor_%_of_dense", "predictor_graph_ms", "predictor_graph_%_of_dense",
@@ -352,4 +429,4 @@ def plot(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_predictor_only() if ARGS.predictor_only else main())

@@ -44,11 +44,27 @@ Implementations (the op `graphopt::fft_chain_linear` chooses with the cost model
             and 4096 tokens 0.31-0.64x. The DFT costs 2*B*B flops per block (vs ~2.5 B log2 B for
             an FFT) and its kernels are latency-bound (see the cost-model constants).
             Caveat: not FlashFFTConv's b1*b2 factorization, which would cut the DFT flops further.
+- "dft2":   the dft pipeline rebuilt for latency at few tokens (3 launches). Spectra are stored
+            frequency-major, XS^T (B, T*C) and YS^T (B, T*N), so one frequency over all tokens and
+            channels is a contiguous (T, C) matrix. `_dft2_forward_kernel` gathers P_k through a
+            cached int32 source table (its next tile loaded one K step ahead, the zero padding a
+            positional mask) with skinny-M configs; `_spectral_mma_contract_kernel` does the
+            contraction as tensor-core matmuls per frequency, [Yr|Yi] = Xr @ G[q,0] + Xi @ G[q,1],
+            with G (Q, 2, CP, 2NP) built once per coefficient tensor (cached); every load of a
+            program is independent, so they are in flight together; `_dft2_inverse_kernel` reads
+            YS^T as its transposed A operand and adds bias, crops and casts.
+- "dft2_pregather": as dft2, but one Triton gather launch materializes P x (T, C*B) first (one
+            more launch when K > 1) and the forward kernel is a plain GEMM. Measured on an H100
+            (CUDA graph, B=512 K=2, bench/results/fft_chain_h100_round3.json): 3.1x cuBLAS at 16
+            tokens on both target shapes, 4.0-4.4x at 1 token, 1.41x / 0.90x at 256 tokens.
+            The cost-model constants DFT2_* are still unfitted guesses.
 Precision: the cuFFT paths are full fp32. The dft path keeps 16-bit inputs in their dtype for
 the DFT operands and the stored spectra (fp32 accumulation, fp32 coefficients): for bf16 (and fp16, run
 in bf16 for range) about twice the relative error of rounding the output to bf16 (3.4e-3 vs 1.7e-3 on 5120->13824, B=512,
-K=2); fp32 inputs run the GEMMs as TF32 (~1e-3). On CPU the op always runs the torch
-reference (any float dtype, float64 included).
+K=2); fp32 inputs run the GEMMs as TF32 (~1e-3). dft2 adds its TF32 contraction (fp32 coefficients,
+bf16/fp32 spectra; see DFT2_COEFF_DTYPE): in the CPU interpreter fp32 inputs match float64 to ~2e-7,
+16-bit inputs stay within the same few-roundings bound as dft (tests). On CPU the op always runs
+the torch reference (any float dtype, float64 included).
 """
 
 from __future__ import annotations
@@ -56,6 +72,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 
 import torch
 import torch.nn as nn
@@ -68,7 +85,7 @@ try:  # Triton is optional on CPU-only installs; the torch paths do not need it.
 except ImportError:  # pragma: no cover - exercised only without triton
     HAS_TRITON = False
 
-IMPLEMENTATIONS: tuple[str, ...] = ("torch", "triton", "dft")
+IMPLEMENTATIONS: tuple[str, ...] = ("torch", "triton", "dft", "dft2", "dft2_pregather")
 IMPL_CHOICES: tuple[str, ...] = ("auto", *IMPLEMENTATIONS)
 
 
@@ -368,6 +385,13 @@ SERIAL_STEP_S = 0.56e-6
 DFT_CONTRACT_STEP_S = 3.3e-6
 DFT_GEMM_STEP_S = 1.7e-6
 PROGRAMS_PER_SM = 4  # resident 4-warp programs per SM assumed for the wave count
+# dft2 / dft2_pregather: NOT FITTED (guesses written before any GPU measurement; refit them to the
+# bench's CUDA-graph rows): per program, one load round trip plus epilogue (DFT2_LATENCY_S), plus
+# one pipelined 64-wide K step per DFT2_GEMM_STEP_S, plus one (frequency, 64-channel chunk) pair
+# of tensor-core dots per DFT2_CONTRACT_STEP_S.
+DFT2_LATENCY_S = 1.5e-6
+DFT2_GEMM_STEP_S = 0.3e-6
+DFT2_CONTRACT_STEP_S = 0.3e-6
 
 
 def _fft_flops(length: int, transforms: float) -> float:
@@ -436,7 +460,7 @@ def estimate_fft_chain(hw, tokens: int, in_features: int, out_features: int, blo
             add("crop + bias", moved=8.0 * t * out_features + db * out_features)
         if db != 4:
             add("cast y", moved=(4.0 + db) * t * out_features)
-    else:  # dft: three kernels on the packed real spectrum
+    elif impl == "dft":  # three kernels on the packed real spectrum
         sb = db if db in (2,) else 4  # spectra stored in the 16-bit input dtype, else fp32
         unit_scale = 1.0 if sb == 2 else 2.0  # fp32 operands run as TF32: half the bf16 rate
         rows_f, rows_i = max(t * c, 16), max(t * n, 16)  # tensor-core tiles are >= 16 rows
@@ -455,6 +479,33 @@ def estimate_fft_chain(hw, tokens: int, in_features: int, out_features: int, blo
         add("inverse DFT GEMM + bias", flops=unit_scale * 2.0 * rows_i * b * b, family="fft_chain", unit="matrix",
             moved=sb * (t * n * b + b * b) + db * (t * out_features + (out_features if bias else 0)),
             serial_s=_serial_bound_s(hw, k_steps * -(-(t * n) // 32), k_steps, DFT_GEMM_STEP_S))
+    else:  # dft2 / dft2_pregather: frequency-major spectra, tensor-core contraction (UNFITTED constants)
+        sb = db if db in (2,) else 4
+        unit_scale = 1.0 if sb == 2 else 2.0
+        q = b // 2
+        k_steps = -(-b // 64)
+        if impl == "dft2_pregather" and k > 1:
+            add("gather P_k x (index_select)", moved=db * t * in_features + db * t * c * b)
+
+        def gemm_floor(rows: int) -> float:
+            """Best of a skinny (32 x 64) and a wide (128 x 128, 8 warps: 2 per SM) tile grid."""
+            skinny = _serial_bound_s(hw, -(-rows // 32) * -(-b // 64), 1, DFT2_LATENCY_S + k_steps * DFT2_GEMM_STEP_S)
+            wide = _serial_bound_s(hw, 2 * -(-rows // 128) * -(-b // 128), 1, DFT2_LATENCY_S + 2 * k_steps * DFT2_GEMM_STEP_S)
+            return min(skinny, wide)
+
+        add("forward DFT GEMM" + (" (in-kernel gather)" if impl == "dft2" else ""), flops=unit_scale * 2.0 * max(t * c, 16) * b * b,
+            family="fft_chain", unit="matrix", moved=db * t * in_features * k + sb * (b * b + t * c * b), serial_s=gemm_floor(t * c))
+        cp, np2 = _pow2_at_least(c, 16), 2 * _pow2_at_least(n, 8)
+        t_tiles = -(-t // 16) if t <= 64 else -(-t // 64)
+        c_chunks = -(-cp // 64)
+        programs = -(-q // 2) * -(-np2 // 128) * t_tiles
+        coeff_bytes = 4.0 * q * 2 * cp * np2  # fp32 G, read once per token tile
+        # per frequency: 2 dots of (T, CP) x (CP, 2NP), 2 flops per MAC; x2: fp32 G runs as TF32 (half the bf16 rate)
+        add("tensor-core contraction", flops=2.0 * 2.0 * max(t, 16) * cp * np2 * q * 2.0, family="fft_chain", unit="matrix",
+            moved=sb * t * c * b + coeff_bytes * t_tiles + sb * t * n * b,
+            serial_s=_serial_bound_s(hw, programs, 1, DFT2_LATENCY_S + 2 * c_chunks * DFT2_CONTRACT_STEP_S))
+        add("inverse DFT GEMM + bias", flops=unit_scale * 2.0 * max(t * n, 16) * b * b, family="fft_chain", unit="matrix",
+            moved=sb * (t * n * b + b * b) + db * (t * out_features + (out_features if bias else 0)), serial_s=gemm_floor(t * n))
     return chain(f"fft_chain[{impl}] B={b} K={k}", *parts)
 
 
@@ -470,10 +521,14 @@ def available_implementations(device_type: str, block_size: int | None = None) -
     return ("torch",)
 
 
-def choose_implementation(hw, tokens: int, in_features: int, out_features: int, block_size: int, k: int, *, device_type: str = "cuda", dtype_bytes: int = 2, bias: bool = True):
-    """(name, Estimate) of the implementation the cost model predicts fastest."""
+def choose_implementation(hw, tokens: int, in_features: int, out_features: int, block_size: int, k: int, *, device_type: str = "cuda", dtype_bytes: int = 2, bias: bool = True,
+                          implementations: tuple[str, ...] | None = None):
+    """(name, Estimate) of the implementation the cost model predicts fastest, among
+    `implementations` (default: all that run on `device_type` with this block size)."""
     best = None
     for impl in available_implementations(device_type, block_size):
+        if implementations is not None and impl not in implementations:
+            continue
         est = estimate_fft_chain(hw, tokens, in_features, out_features, block_size, k, impl, dtype_bytes=dtype_bytes, bias=bias)
         if best is None or est.ms < best[1].ms:
             best = (impl, est)
@@ -677,6 +732,177 @@ if HAS_TRITON:
             acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + tok[:, None] * stride_yt + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
+    # -----------------------------------------------------------------------------------------
+    @triton.jit
+    def _gather_columns_kernel(
+        x_ptr,  # (T, IN)
+        src_ptr,  # (W,) int32: source column of each output column
+        out_ptr,  # (T, W) contiguous
+        T, W, stride_xt,
+        BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        """out[t, w] = x[t, src[w]]: the permuted input of dft2_pregather in one launch (the index
+        chunk is loaded once per program and reused for BLOCK_T tokens; the gathered reads hit one
+        token's row, which stays in L1/L2)."""
+        offs_w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+        offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        w_ok = offs_w < W
+        src = tl.load(src_ptr + offs_w, mask=w_ok, other=0)
+        ok = (offs_t[:, None] < T) & w_ok[None, :]
+        vals = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + src[None, :], mask=ok, other=0.0)
+        tl.store(out_ptr + offs_t[:, None].to(tl.int64) * W + offs_w[None, :], vals, mask=ok)
+
+    # Candidate 4 ("dft2", "dft2_pregather"): the dft pipeline rebuilt for latency at few tokens.
+    # Same packed real spectrum, but stored FREQUENCY-MAJOR: XS^T (B, T*C) and YS^T (B, T*N), so
+    # that one frequency's spectrum over all tokens and channels is one contiguous (T, C) matrix
+    # and the contraction becomes small tensor-core matmuls, per frequency:
+    #   [Yr | Yi] (T, 2NP) = Xr (T, CP) @ G[q, 0] (CP, 2NP) + Xi (T, CP) @ G[q, 1] (CP, 2NP)
+    # with G built once per coefficient tensor (`_dft2_coefficient_operands`). The forward GEMM
+    # either gathers P_k through an int32 source table whose next tile is loaded one K step ahead
+    # ("dft2", 3 launches), or reads an input that torch pre-gathered with one index_select
+    # ("dft2_pregather"; the zero padding is then a mask computed from the row, not a load).
+    # -----------------------------------------------------------------------------------------
+    @triton.autotune(
+        configs=_configs([{"BLOCK_M": 32, "BLOCK_P": 64, "BLOCK_K": 64, "num_stages": 4}, {"BLOCK_M": 16, "BLOCK_P": 64, "BLOCK_K": 128},
+                          {"BLOCK_M": 16, "BLOCK_P": 128, "BLOCK_K": 64, "num_stages": 4}, {"BLOCK_M": 32, "BLOCK_P": 128, "BLOCK_K": 64},
+                          {"BLOCK_M": 64, "BLOCK_P": 64, "BLOCK_K": 64, "num_stages": 4}, {"BLOCK_M": 64, "BLOCK_P": 128, "BLOCK_K": 64},
+                          {"BLOCK_M": 128, "BLOCK_P": 128, "BLOCK_K": 64, "num_warps": 8},
+                          {"BLOCK_M": 128, "BLOCK_P": 256, "BLOCK_K": 64, "num_warps": 8},
+                          # wide P tiles: each gathered x element is loaded by B / BLOCK_P programs
+                          {"BLOCK_M": 16, "BLOCK_P": 256, "BLOCK_K": 64}, {"BLOCK_M": 32, "BLOCK_P": 256, "BLOCK_K": 64, "num_warps": 8},
+                          {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_K": 32, "num_warps": 8}], [4], [3]),
+        key=["M_BUCKET", "C", "B", "GATHER"],
+    )
+    @triton.jit
+    def _dft2_forward_kernel(
+        x_ptr,  # GATHER: (T, IN) input; else rows of B samples already in channel order: token t, channel c at t * stride_xt + c * B
+        src_ptr,  # (C, B) int32: source feature of sample n of channel-block c (any valid index in the padding); GATHER only
+        w_ptr,  # (B, B) operand dtype: packed forward real-DFT matrix W[n, p]
+        xs_ptr,  # (B, M) spectrum dtype out, frequency-major: XS^T[p, t * C + c]
+        M, IN, C, NIN, B, M_BUCKET, stride_xt,
+        GATHER: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """XS^T = (P x, zero-padded, as (T*C, B) rows) @ W, stored transposed. The zero padding is
+        the mask j * B + n < IN (j = c mod NIN): no load decides it."""
+        pid_p, pid_m = tl.program_id(0), tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) flattened (t, c)
+        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # (BP,) packed spectral slot
+        offs_kk = tl.arange(0, BLOCK_K)
+        tok = offs_m // C
+        ch = offs_m % C
+        j = ch % NIN
+        row_ok = offs_m < M
+        x_row = x_ptr + tok[:, None] * stride_xt  # (BM, 1)
+        if GATHER:  # source indices of the first K step; each step prefetches the next one's
+            idx = tl.load(src_ptr + ch[:, None] * B + offs_kk[None, :], mask=row_ok[:, None] & (offs_kk[None, :] < B), other=0)
+        acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        for k0 in range(0, B, BLOCK_K):
+            offs_k = k0 + offs_kk  # (BK,) time sample within the block
+            valid = row_ok[:, None] & (offs_k[None, :] < B) & (j[:, None] * B + offs_k[None, :] < IN)
+            if GATHER:
+                xt = tl.load(x_row + idx, mask=valid, other=0.0)  # (BM, BK)
+                nxt = offs_k + BLOCK_K
+                idx = tl.load(src_ptr + ch[:, None] * B + nxt[None, :], mask=row_ok[:, None] & (nxt[None, :] < B), other=0)
+            else:
+                xt = tl.load(x_row + ch[:, None] * B + offs_k[None, :], mask=valid, other=0.0)
+            wt = tl.load(w_ptr + offs_k[:, None] * B + offs_p[None, :], mask=(offs_k[:, None] < B) & (offs_p[None, :] < B), other=0.0)
+            if FP32_DOT:  # the CPU interpreter multiplies bf16 tl.dot operands wrongly
+                acc += tl.dot(xt.to(tl.float32), wt.to(tl.float32))
+            else:
+                acc += tl.dot(xt.to(w_ptr.dtype.element_ty), wt)
+        out_mask = row_ok[:, None] & (offs_p[None, :] < B)
+        tl.store(xs_ptr + offs_p[None, :] * M + offs_m[:, None], acc.to(xs_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.autotune(
+        configs=_configs([{"BLOCK_T": 16, "FQ": 2}, {"BLOCK_T": 16, "FQ": 1}, {"BLOCK_T": 16, "FQ": 4}, {"BLOCK_T": 32, "FQ": 2},
+                          {"BLOCK_T": 64, "FQ": 1}, {"BLOCK_T": 64, "FQ": 2}, {"BLOCK_T": 128, "FQ": 1, "num_warps": 8}], [4], [1]),
+        key=["T_BUCKET", "C", "N", "Q"],
+    )
+    @triton.jit
+    def _spectral_mma_contract_kernel(
+        xs_ptr,  # (B, T*C) frequency-major packed input spectra, spectrum dtype
+        g_ptr,  # (Q, 2, CP, 2NP) coefficient operands (see _dft2_coefficient_operands)
+        ys_ptr,  # (B, T*N) frequency-major packed output spectra, spectrum dtype
+        T, C, N, Q, T_BUCKET,
+        CP: tl.constexpr, NP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N2: tl.constexpr,
+        FP32_DOT: tl.constexpr, BLOCK_T: tl.constexpr, FQ: tl.constexpr,
+    ):
+        """Per frequency q of this program's FQ: [Yr | Yi] = Xr @ G[q,0] + Xi @ G[q,1] on tensor
+        cores (fp32 accumulation). Slot 0 (DC real, Nyquist real) needs no special case: G[0]
+        holds Re C_0 and Re C_Q where those slots meet. All loads of a program are independent
+        (the frequency and channel loops are unrolled), so they are in flight together."""
+        pid_q, pid_n, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_n2 = pid_n * BLOCK_N2 + tl.arange(0, BLOCK_N2)  # column of [Yr | Yi]
+        is_imag = offs_n2 >= NP
+        n = tl.where(is_imag, offs_n2 - NP, offs_n2)
+        m_in = T * C
+        m_out = T * N
+        t_ok = offs_t < T
+        for i in tl.static_range(FQ):
+            q = pid_q * FQ + i
+            q_ok_t = (offs_t * 0 + q) < Q  # (BT,): this frequency exists (a vector: the interpreter wants full-shape masks)
+            q_ok_n = (offs_n2 * 0 + q) < Q  # (BN2,)
+            acc = tl.zeros((BLOCK_T, BLOCK_N2), dtype=tl.float32)
+            for c0 in tl.static_range(0, CP, BLOCK_C):
+                offs_c = c0 + tl.arange(0, BLOCK_C)
+                x_mask = (t_ok & q_ok_t)[:, None] & (offs_c[None, :] < C)
+                x_off = offs_t[:, None] * C + offs_c[None, :]  # (BT, BC)
+                xr = tl.load(xs_ptr + q * m_in + x_off, mask=x_mask, other=0.0)
+                xi = tl.load(xs_ptr + (Q + q) * m_in + x_off, mask=x_mask, other=0.0)
+                g_off = q * (4 * CP * NP) + offs_c[:, None] * (2 * NP) + offs_n2[None, :]  # (BC, BN2)
+                g_mask = (offs_c[:, None] < CP) & (q_ok_n & (offs_n2 < 2 * NP))[None, :]
+                gr = tl.load(g_ptr + g_off, mask=g_mask, other=0.0)
+                gi = tl.load(g_ptr + g_off + 2 * CP * NP, mask=g_mask, other=0.0)
+                if FP32_DOT:
+                    acc = tl.dot(xr.to(tl.float32), gr.to(tl.float32), acc)
+                    acc = tl.dot(xi.to(tl.float32), gi.to(tl.float32), acc)
+                else:  # fp32 coefficients: TF32 tensor cores; bf16 coefficients: bf16 ones
+                    acc = tl.dot(xr.to(g_ptr.dtype.element_ty), gr, acc)
+                    acc = tl.dot(xi.to(g_ptr.dtype.element_ty), gi, acc)
+            slot = tl.where(is_imag, Q + q, q)  # (BN2,)
+            y_off = slot[None, :] * m_out + offs_t[:, None] * N + n[None, :]
+            y_mask = t_ok[:, None] & (q_ok_n & (n < N) & (offs_n2 < 2 * NP))[None, :]
+            tl.store(ys_ptr + y_off, acc.to(ys_ptr.dtype.element_ty), mask=y_mask)
+
+    @triton.autotune(
+        configs=_configs([{"BLOCK_M": 32, "BLOCK_R": 64, "BLOCK_P": 64, "num_stages": 4}, {"BLOCK_M": 16, "BLOCK_R": 64, "BLOCK_P": 128},
+                          {"BLOCK_M": 16, "BLOCK_R": 128, "BLOCK_P": 64, "num_stages": 4}, {"BLOCK_M": 32, "BLOCK_R": 128, "BLOCK_P": 64},
+                          {"BLOCK_M": 64, "BLOCK_R": 64, "BLOCK_P": 64, "num_stages": 4}, {"BLOCK_M": 64, "BLOCK_R": 128, "BLOCK_P": 64},
+                          {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_P": 64, "num_warps": 8},
+                          {"BLOCK_M": 128, "BLOCK_R": 256, "BLOCK_P": 64, "num_warps": 8}], [4], [3]),
+        key=["M_BUCKET", "N", "B"],
+    )
+    @triton.jit
+    def _dft2_inverse_kernel(
+        ys_ptr,  # (B, T*N) frequency-major packed output spectra, spectrum dtype
+        winv_ptr,  # (B, B) operand dtype: packed inverse real-DFT matrix
+        bias_ptr,  # (OUT,) or a dummy
+        y_ptr,  # (T, OUT) output dtype
+        M, N, B, OUT, M_BUCKET, stride_yt,
+        HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):
+        """y[t, n*B + r] = sum_p YS^T[p, t*N + n] Winv[p, r] + bias (GEMM (T*N, B) x (B, B) reading
+        its A operand transposed), with bias, crop and cast in the epilogue."""
+        pid_r, pid_m = tl.program_id(0), tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (t, n)
+        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = offs_m < M
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for p0 in range(0, B, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            a = tl.load(ys_ptr + offs_p[None, :] * M + offs_m[:, None], mask=row_ok[:, None] & (offs_p[None, :] < B), other=0.0)
+            g = tl.load(winv_ptr + offs_p[:, None] * B + offs_r[None, :], mask=(offs_p[:, None] < B) & (offs_r[None, :] < B), other=0.0)
+            if FP32_DOT:
+                acc += tl.dot(a.to(tl.float32), g.to(tl.float32))
+            else:
+                acc += tl.dot(a.to(winv_ptr.dtype.element_ty), g)
+        tok = offs_m // N
+        cols = (offs_m % N)[:, None] * B + offs_r[None, :]  # (BM, BR) output feature
+        mask = row_ok[:, None] & (offs_r[None, :] < B) & (cols < OUT)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + tok[:, None] * stride_yt + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 # =============================================================================================
 # Launchers
@@ -801,7 +1027,156 @@ def fft_chain_dft(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_feat
     return y.to(out_dtype)
 
 
-_LAUNCHERS = {"torch": fft_chain_torch, "triton": fft_chain_triton, "dft": fft_chain_dft}
+# Operand tables of the dft2 launchers, built once per (tensor, version) and reused: the fft_linear
+# pass folds the coefficient spectrum into constants, so every call sees the same tensor objects
+# (and a CUDA-graph capture after a first eager call launches no table-building ops). Keyed on the
+# tensors' ids, validated by weak references and their version counters (an in-place update
+# rebuilds); an entry is dropped when its tensor dies, and the oldest goes first past 64 entries.
+# Caveat: a trainable FFTChainLinear recomputes its spectrum every forward, so on CUDA with dft2
+# each call rebuilds G (a few small torch ops).
+_OPERAND_CACHE: dict = {}
+_OPERAND_CACHE_SIZE = 64
+
+
+def _tensor_version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter (and cannot change outside inference mode)
+        return -1
+
+
+def _cached_operand(tensors: tuple, tag: tuple, build):
+    # A view (e.g. `layer.perms[1:]`, a new object per call) is identified by its base tensor and
+    # its position in it; views share the base's version counter.
+    anchors = tuple(t if t._base is None else t._base for t in tensors)
+    key = (*((id(a), t.data_ptr(), tuple(t.shape), t.stride()) for a, t in zip(anchors, tensors)), *tag)
+    hit = _OPERAND_CACHE.get(key)
+    versions = tuple(_tensor_version(t) for t in tensors)
+    if hit is not None and all(ref() is a for ref, a in zip(hit[0], anchors)) and hit[1] == versions:
+        return hit[2]
+    value = build()
+    while len(_OPERAND_CACHE) >= _OPERAND_CACHE_SIZE:
+        _OPERAND_CACHE.pop(next(iter(_OPERAND_CACHE)), None)
+
+    def drop(_ref, key=key):  # a source tensor died (e.g. per-step coefficients in training): free its operands
+        entry = _OPERAND_CACHE.get(key)
+        if entry is not None and any(r is _ref for r in entry[0]):
+            _OPERAND_CACHE.pop(key, None)
+
+    _OPERAND_CACHE[key] = (tuple(weakref.ref(a, drop) for a in anchors), versions, value)
+    return value
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def _dft2_source_table(perms: torch.Tensor, in_features: int, block_size: int, n_in: int) -> torch.Tensor:
+    """(C, B) int32: src[k * n_in + j, n] = the input feature that sample n of block j of channel k
+    reads (perm_k[j * B + n]; channel 0 the identity); 0 in the zero padding, which the kernels
+    mask by position (j * B + n >= in_features), never by this table."""
+    ident = torch.arange(in_features, device=perms.device, dtype=torch.int64)[None]
+    rows = torch.cat([ident, perms.to(torch.int64)]) if perms.shape[0] else ident  # (K, in)
+    rows = torch.nn.functional.pad(rows, (0, n_in * block_size - in_features))
+    return rows.reshape(-1, block_size).to(torch.int32).contiguous()
+
+
+def _dft2_coefficient_operands(coeff_real: torch.Tensor, coeff_imag: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(C, N, F) spectral planes -> G (Q, 2, CP, 2NP), frequency-major, zero-padded to CP = pow2 >= 16
+    channels and NP = pow2 >= 8 outputs, such that for every packed slot pair q:
+        [Yr_q | Yi_q] (T, 2NP) = Xr_q (T, CP) @ G[q, 0] + Xi_q (T, CP) @ G[q, 1]
+    i.e. G[q, 0] = [Re C_q | Im C_q], G[q, 1] = [-Im C_q | Re C_q]. At q = 0 the 'real' slot is
+    DC and the 'imaginary' slot the Nyquist bin, both real: G[0, 0] = [Re C_0 | 0],
+    G[0, 1] = [0 | Re C_Q] (irfft ignores Im Y_0 and Im Y_Q)."""
+    c_len, n_out, freqs = coeff_real.shape
+    q_len = freqs - 1
+    cp, np_ = _pow2_at_least(c_len, 16), _pow2_at_least(n_out, 8)
+    cr, ci = coeff_real.detach().float(), coeff_imag.detach().float()
+    crq, ciq = cr[:, :, :q_len].permute(2, 0, 1), ci[:, :, :q_len].permute(2, 0, 1)  # (Q, C, N)
+    g = torch.zeros(q_len, 2, cp, 2 * np_, device=coeff_real.device, dtype=torch.float32)
+    g[:, 0, :c_len, :n_out] = crq
+    g[:, 0, :c_len, np_:np_ + n_out] = ciq
+    g[:, 1, :c_len, :n_out] = -ciq
+    g[:, 1, :c_len, np_:np_ + n_out] = crq
+    g[0, 0, :c_len, np_:np_ + n_out] = 0.0
+    g[0, 1, :c_len, :n_out] = 0.0
+    g[0, 1, :c_len, np_:np_ + n_out] = cr[:, :, q_len]
+    return g.to(dtype).contiguous()
+
+
+# Coefficient operand dtype of the dft2 contraction: fp32 planes run the tensor-core dots as TF32
+# (10-bit mantissa, below the bf16 rounding of the stored spectra); torch.bfloat16 would halve the
+# coefficient bytes at ~4x the coefficient rounding error.
+DFT2_COEFF_DTYPE = torch.float32
+
+
+def _fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features, *, pregather: bool):
+    name = "dft2_pregather" if pregather else "dft2"
+    if not HAS_TRITON:
+        raise RuntimeError(f"impl={name!r} needs Triton; valid choices without it: torch")
+    if block_size % 2:
+        raise ValueError(f"impl={name!r} needs an even block_size (packed real spectrum), got {block_size}; valid choices for odd block sizes: torch, triton")
+    out_dtype = x2d.dtype
+    op_dtype = _dft_dtypes(x2d.dtype)
+    x2d = (x2d if x2d.dtype in (torch.float16, torch.bfloat16, torch.float32) else x2d.float()).contiguous()
+    t, in_features = x2d.shape
+    c_len, n_out, _ = coeff_real.shape
+    k = perms.shape[0] + 1
+    n_in = c_len // k
+    q_len = block_size // 2
+    dev = x2d.device
+    fwd, inv = _dft_tables(block_size, str(dev), op_dtype)
+    # 1. forward DFT GEMM -> XS^T (B, T*C), frequency-major
+    m_fwd = t * c_len
+    src = _cached_operand((perms,), ("dft2_src", in_features, block_size, n_in), lambda: _dft2_source_table(perms, in_features, block_size, n_in))
+    if k == 1:  # the identity: channel-block j of token t starts at t * stride + j * B
+        source, stride, gather = x2d, x2d.stride(0), False
+    elif pregather:  # one gather launch materializes (T, C*B) in channel order
+        width = c_len * block_size
+        source = torch.empty(t, width, device=dev, dtype=x2d.dtype)
+        block_t = 1 if _INTERPRET else min(8, _pow2_at_least(t, 1))
+        _gather_columns_kernel[(triton.cdiv(width, 1024), triton.cdiv(t, block_t))](
+            x2d, src, source, t, width, x2d.stride(0), BLOCK_T=block_t, BLOCK_W=1024, num_warps=4)
+        stride, gather = source.stride(0), False
+    else:
+        source, stride, gather = x2d, x2d.stride(0), True
+    xs = torch.empty(block_size, m_fwd, device=dev, dtype=op_dtype)
+    _dft2_forward_kernel[lambda meta: (triton.cdiv(block_size, meta["BLOCK_P"]), triton.cdiv(m_fwd, meta["BLOCK_M"]))](
+        source, src, fwd, xs, m_fwd, in_features, c_len, n_in, block_size, _t_bucket(m_fwd), stride,
+        GATHER=gather, FP32_DOT=_INTERPRET)
+    # 2. per-frequency contraction on tensor cores -> YS^T (B, T*N)
+    g = _cached_operand((coeff_real, coeff_imag), ("dft2_g", DFT2_COEFF_DTYPE), lambda: _dft2_coefficient_operands(coeff_real, coeff_imag, DFT2_COEFF_DTYPE))
+    cp, np2 = g.shape[2], g.shape[3]
+    block_c, block_n2 = min(cp, 64), min(np2, 128)
+    ys = torch.empty(block_size, t * n_out, device=dev, dtype=op_dtype)
+    _spectral_mma_contract_kernel[lambda meta: (triton.cdiv(q_len, meta["FQ"]), triton.cdiv(np2, block_n2), triton.cdiv(t, meta["BLOCK_T"]))](
+        xs, g, ys, t, c_len, n_out, q_len, _t_bucket(t),
+        CP=cp, NP=np2 // 2, BLOCK_C=block_c, BLOCK_N2=block_n2, FP32_DOT=_INTERPRET)
+    # 3. inverse DFT GEMM + bias + crop + cast
+    y = torch.empty(t, out_features, device=dev, dtype=x2d.dtype)
+    bias_arg = bias.contiguous() if bias is not None else fwd
+    m_inv = t * n_out
+    _dft2_inverse_kernel[lambda meta: (triton.cdiv(block_size, meta["BLOCK_R"]), triton.cdiv(m_inv, meta["BLOCK_M"]))](
+        ys, inv, bias_arg, y, m_inv, n_out, block_size, out_features, _t_bucket(m_inv), y.stride(0),
+        HAS_BIAS=bias is not None, FP32_DOT=_INTERPRET)
+    return y.to(out_dtype)
+
+
+def fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features):
+    """Candidate 4: forward DFT GEMM with the permutation gathered in-kernel (source-index tile
+    prefetched one K step ahead) -> tensor-core per-frequency contraction -> inverse DFT GEMM +
+    bias. 3 launches, spectra frequency-major."""
+    return _fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features, pregather=False)
+
+
+def fft_chain_dft2_pregather(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features):
+    """Candidate 5: as dft2, but torch gathers P_k x once (index_select, one extra launch when K > 1)
+    and the forward kernel is a plain GEMM with no dependent loads."""
+    return _fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features, pregather=True)
+
+
+_LAUNCHERS = {"torch": fft_chain_torch, "triton": fft_chain_triton, "dft": fft_chain_dft,
+              "dft2": fft_chain_dft2, "dft2_pregather": fft_chain_dft2_pregather}
 
 
 @functools.lru_cache(maxsize=1)

@@ -895,24 +895,24 @@ if triton is not None:
 
     @triton.jit
     def _fp4_dequantize_kernel(
-        codes_ptr, scales_ptr, global_scale_ptr, out_ptr, N, K,
+        codes_ptr, scales_ptr, global_scale_ptr, out_ptr, N, K, N_BLOCKS,
         stride_cn, stride_sn, stride_on,
         IS_NVFP4: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROG: tl.constexpr,
     ):
         """W (N, K) in out's dtype from the kernel layout, for the prefill path (then cuBLAS).
-        Grid: (N / BLOCK_N, K_padded / (BLOCK_SIZE * BLOCKS_PER_PROG)). Each program decodes a
-        (BLOCK_N, BLOCKS_PER_PROG blocks) tile: byte j of a block -> elements j and j + BS/2,
-        written as two runs of BS/2 contiguous elements per block (16-byte stores for NVFP4)."""
+        Grid: (N / BLOCK_N, N_BLOCKS / BLOCKS_PER_PROG); N_BLOCKS = scale blocks per row (padded).
+        Each program decodes a (BLOCK_N, BLOCKS_PER_PROG blocks) tile: byte j of a block ->
+        elements j and j + BS/2, written as two runs of BS/2 contiguous elements per block."""
         HALF: tl.constexpr = BLOCK_SIZE // 2
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_g = pid_k * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
         offs_j = tl.arange(0, HALF)
-        n_mask = offs_n < N
+        tile_ok = (offs_n[:, None] < N) & (offs_g[None, :] < N_BLOCKS)  # (BN, G)
         codes = tl.load(codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :],
-                        mask=n_mask[:, None, None], other=0)  # (BN, G, HALF) uint8
-        scale_bytes = tl.load(scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=n_mask[:, None], other=0)
+                        mask=tile_ok[:, :, None], other=0)  # (BN, G, HALF) uint8
+        scale_bytes = tl.load(scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=tile_ok, other=0)
         if IS_NVFP4:
             multiplier = tl.load(global_scale_ptr) * 4194304.0
         else:
@@ -920,10 +920,43 @@ if triton is not None:
         scale = (_block_scales(scale_bytes, IS_NVFP4) * multiplier)[:, :, None]
         k_lo = offs_g[None, :, None] * BLOCK_SIZE + offs_j[None, None, :]  # (1, G, HALF)
         out_rows = out_ptr + offs_n[:, None, None] * stride_on
+        row_ok = (offs_n < N)[:, None, None]
         w_lo = (_e2m1_times_2_pow_minus_14(codes & 15) * scale).to(out_ptr.dtype.element_ty)
-        tl.store(out_rows + k_lo, w_lo, mask=n_mask[:, None, None] & (k_lo < K))
+        tl.store(out_rows + k_lo, w_lo, mask=row_ok & (k_lo < K))
         w_hi = (_e2m1_times_2_pow_minus_14(codes >> 4) * scale).to(out_ptr.dtype.element_ty)
-        tl.store(out_rows + k_lo + HALF, w_hi, mask=n_mask[:, None, None] & (k_lo + HALF < K))
+        tl.store(out_rows + k_lo + HALF, w_hi, mask=row_ok & (k_lo + HALF < K))
+
+    @triton.jit
+    def _fp4_dequantize_rows_kernel(
+        codes_ptr, scales_ptr, global_scale_ptr, out_ptr, N, K, N_BLOCKS,
+        stride_cn, stride_sn, stride_on,
+        IS_NVFP4: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROG: tl.constexpr,
+    ):
+        """As _fp4_dequantize_kernel, but the low and high nibbles of each block are interleaved
+        in registers (join + permute) so every row of the tile is ONE contiguous run of
+        BLOCKS_PER_PROG * BLOCK_SIZE elements: full-width vector stores."""
+        HALF: tl.constexpr = BLOCK_SIZE // 2
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_g = pid_k * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
+        offs_j = tl.arange(0, HALF)
+        tile_ok = (offs_n[:, None] < N) & (offs_g[None, :] < N_BLOCKS)  # (BN, G)
+        codes = tl.load(codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :],
+                        mask=tile_ok[:, :, None], other=0)  # (BN, G, HALF) uint8
+        scale_bytes = tl.load(scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=tile_ok, other=0)
+        if IS_NVFP4:
+            multiplier = tl.load(global_scale_ptr) * 4194304.0
+        else:
+            multiplier = tl.load(global_scale_ptr) * 16384.0
+        scale = (_block_scales(scale_bytes, IS_NVFP4) * multiplier)[:, :, None]
+        w_lo = (_e2m1_times_2_pow_minus_14(codes & 15) * scale).to(out_ptr.dtype.element_ty)
+        w_hi = (_e2m1_times_2_pow_minus_14(codes >> 4) * scale).to(out_ptr.dtype.element_ty)
+        w = tl.permute(tl.join(w_lo, w_hi), (0, 1, 3, 2))  # (BN, G, 2, HALF): block order
+        w = tl.reshape(w, (BLOCK_N, BLOCKS_PER_PROG * BLOCK_SIZE))
+        offs_k = pid_k * (BLOCKS_PER_PROG * BLOCK_SIZE) + tl.arange(0, BLOCKS_PER_PROG * BLOCK_SIZE)
+        tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w,
+                 mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
 
     @triton.jit
     def _fp4_gemv_mma_kernel(
@@ -1126,18 +1159,35 @@ def _workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torc
     return _WORKSPACES[key]
 
 
+# Dequantize tile: (rows, elements per row, warps, interleave) per program. interleave 1 runs
+# _fp4_dequantize_rows_kernel (one contiguous store per row), 0 the two-half-stores kernel. The
+# first entry is the default; bench_fp4.py --dequant-sweep times them all. H100, NVFP4, W bf16
+# 5120x13824 (bench/results/fp4_h100_dequant_sweep.json): the old (64, 64, 4, 0) 0.31 ms;
+# (8, 1024, 4, 0) 0.147 ms; interleaved (4, 1024, 4, 1) 0.071 ms = 2.55 TB/s, 0.86 of the copy.
+DEQUANT_TILES: tuple[tuple[int, int, int, int], ...] = (
+    (4, 1024, 4, 1), (8, 1024, 4, 1), (4, 2048, 4, 1), (16, 512, 4, 1), (2, 4096, 8, 1),
+    (8, 1024, 4, 0), (4, 2048, 4, 0), (2, 4096, 8, 0),
+)
+
+
 def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, out_features: int,
-                      in_features: int, format: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """(N, K) weight in `dtype` from kernel-layout tensors, on the device (one Triton launch)."""
+                      in_features: int, format: str, dtype: torch.dtype = torch.bfloat16,
+                      tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """(N, K) weight in `dtype` from kernel-layout tensors, on the device (one Triton launch).
+    tile: (rows, elements per row, warps, interleave) of one program; default DEQUANT_TILES[0]."""
     bs = _check_format(format)
     w = torch.empty((out_features, in_features), dtype=dtype, device=codes.device)
-    blocks_per_prog = KERNEL_K_MULTIPLE // bs
-    block_n = 16 if _interpreting() else 64
-    grid = (triton.cdiv(out_features, block_n), codes.shape[1] * 2 // KERNEL_K_MULTIPLE)
-    _fp4_dequantize_kernel[grid](
-        codes, scales.view(torch.uint8), global_scale, w, out_features, in_features,
+    block_n, elements, warps, interleave = tile or ((16, 64, 4, 0) if _interpreting() else DEQUANT_TILES[0])
+    if elements % bs or block_n < 1:
+        raise ValueError(f"dequantize tile {tile}: elements per row must be a multiple of the {format} block ({bs})")
+    blocks_per_prog = elements // bs
+    n_blocks = codes.shape[1] * 2 // bs
+    grid = (triton.cdiv(out_features, block_n), triton.cdiv(n_blocks, blocks_per_prog))
+    kernel = _fp4_dequantize_rows_kernel if interleave else _fp4_dequantize_kernel
+    kernel[grid](
+        codes, scales.view(torch.uint8), global_scale, w, out_features, in_features, n_blocks,
         codes.stride(0), scales.stride(0), w.stride(0),
-        IS_NVFP4=format == "nvfp4", BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCKS_PER_PROG=blocks_per_prog, num_warps=4,
+        IS_NVFP4=format == "nvfp4", BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCKS_PER_PROG=blocks_per_prog, num_warps=warps,
     )
     return w
 

@@ -243,14 +243,16 @@ def _integer_q4_gemm(q8: torch.Tensor, d8: torch.Tensor, s8: torch.Tensor, qweig
     d8 * sum(q8); returns (M, N) float64."""
     m, nb, _ = q8.shape
     n = qweight.shape[0]
-    q4u = _kernel_nibbles(qweight)[:, : nb * QK].reshape(n, nb, QK).to(torch.int64)  # (N, nb, 32)
+    # Integer-valued float64: every partial sum (|q8| <= 128, q4u <= 15, 32 terms) is exact, and
+    # CUDA has no int64 matmul.
+    q4u = _kernel_nibbles(qweight)[:, : nb * QK].reshape(n, nb, QK).to(torch.float64)  # (N, nb, 32)
     d4 = scales.t()[:, :nb].to(torch.float64)  # (N, nb)
-    q8 = q8.to(torch.int64)
+    q8 = q8.to(torch.float64)
     out = torch.empty(m, n, dtype=torch.float64, device=q8.device)
-    rows = max(1, (1 << 22) // max(1, n * nb))  # bound the (rows, N, nb) int64 temporary
+    rows = max(1, (1 << 22) // max(1, n * nb))  # bound the (rows, N, nb) float64 temporary
     for start in range(0, m, rows):
         stop = min(m, start + rows)
-        dots = torch.einsum("mbk,nbk->mnb", q8[start:stop], q4u).to(torch.float64)  # exact ints
+        dots = torch.einsum("mbk,nbk->mnb", q8[start:stop], q4u)  # exact integers
         inner = d8[start:stop, None, :].double() * dots - 8.0 * s8[start:stop, None, :].double()
         out[start:stop] = (inner * d4[None]).sum(dim=-1)
     return out
@@ -332,6 +334,9 @@ class TileConfig:
 
     kernel "gemm": tensor-core int8 tl.dot; a BLOCK_M x BLOCK_N output tile, PAIRS block pairs
       (64 K values, one 32-deep dot per block) per K step.
+    kernel "dp4a": the decode kernel with integer dot products: the Q8_1 activations packed four
+      int8 per word in registers and dp4a (4 MACs per instruction) against the nibbles of each
+      weight word; same tiling fields as "gemv".
     kernel "gemv": the decode kernel (fp32 FMAs, no tensor cores); block_m token rows per program
       (0: min(GEMV_MAX_ROWS, next power of two of the token count)), block_n weight rows per program,
       PAIRS block pairs per iteration (every weight row streams 32 * PAIRS contiguous bytes a step).
@@ -341,7 +346,7 @@ class TileConfig:
       (tl.atomic_add into a zeroed fp32 [M, N] buffer, then the same small kernel with one slice).
     """
 
-    kernel: str  # "gemm" | "gemv"
+    kernel: str  # "gemm" | "gemv" | "dp4a"
     block_m: int
     block_n: int
     pairs: int = 1
@@ -351,11 +356,11 @@ class TileConfig:
     reduce: str = "workspace"
 
     def __post_init__(self):
-        if self.kernel not in ("gemm", "gemv"):
-            raise ValueError(f"TileConfig.kernel {self.kernel!r} is not valid; valid choices: gemm, gemv")
+        if self.kernel not in ("gemm", "gemv", "dp4a"):
+            raise ValueError(f"TileConfig.kernel {self.kernel!r} is not valid; valid choices: gemm, gemv, dp4a")
         if self.reduce not in ("workspace", "atomic"):
             raise ValueError(f"TileConfig.reduce {self.reduce!r} is not valid; valid choices: workspace, atomic")
-        if self.kernel == "gemv" and (self.pairs & (self.pairs - 1) or self.block_m > GEMV_MAX_ROWS
+        if self.kernel in ("gemv", "dp4a") and (self.pairs & (self.pairs - 1) or self.block_m > GEMV_MAX_ROWS
                                       or self.block_m & (self.block_m - 1)):
             raise ValueError(f"gemv configs need power-of-two pairs and block_m (0..{GEMV_MAX_ROWS}), got {self}")
 
@@ -370,7 +375,7 @@ class TileConfig:
         """Estimate of the shared memory one CTA needs: pipelined activation and weight tiles
         (act_bytes per activation value: 2 for the fused bf16 input, 1 for Q8_1) plus the int8
         operand tiles the dot reads from shared memory."""
-        if self.kernel == "gemv":
+        if self.kernel in ("gemv", "dp4a"):
             return 0
         k_step = 64 * self.pairs
         staged = self.num_stages * (self.block_m * k_step * act_bytes + self.block_n * k_step // 2)
@@ -385,7 +390,10 @@ PROGRAMS_PER_SM = 4  # split_k=0 aims at this many programs per SM
 
 _GEMV_CONFIGS = [TileConfig("gemv", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
     (32, 8, 4, 1, 0, "workspace"), (64, 8, 4, 1, 0, "workspace"), (64, 8, 4, 1, 0, "atomic"),
-    (64, 4, 4, 1, 0, "workspace"), (64, 8, 4, 3, 0, "workspace"), (32, 8, 4, 1, 1, "workspace"))]
+    (64, 4, 4, 1, 0, "workspace"), (64, 8, 4, 3, 0, "workspace"), (32, 8, 4, 1, 1, "workspace"))] + [
+    TileConfig("dp4a", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
+        (32, 8, 4, 1, 0, "workspace"), (64, 8, 4, 1, 0, "workspace"), (64, 4, 4, 1, 0, "atomic"),
+        (128, 4, 8, 1, 0, "workspace"), (64, 8, 4, 3, 0, "workspace"), (32, 4, 4, 1, 1, "workspace"))]
 _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
     (64, 2, 4, 3, 0, "workspace"), (128, 2, 4, 3, 0, "workspace"), (64, 4, 4, 3, 0, "atomic"),
     (32, 2, 4, 4, 0, "workspace"), (64, 2, 4, 3, 1, "workspace"))]
@@ -398,8 +406,9 @@ _LARGE_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in (
 def candidate_configs(m: int, fused: bool) -> list[TileConfig]:
     """Tile configs worth timing for `m` token rows (the gemv kernel quantizes in-kernel, so it is
     a candidate of the fused path only)."""
-    if m <= DECODE_MAX_TOKENS:
-        return (_GEMV_CONFIGS if fused and m <= GEMV_MAX_TOKENS else []) + _DECODE_GEMM_CONFIGS
+    if m <= DECODE_MAX_TOKENS:  # the dp4a decode kernel's per-row cost is small enough for 16 rows
+        decode = [c for c in _GEMV_CONFIGS if m <= GEMV_MAX_TOKENS or c.kernel == "dp4a"] if fused else []
+        return decode + _DECODE_GEMM_CONFIGS
     if m <= 64:
         return _MID_CONFIGS
     return _LARGE_CONFIGS
@@ -657,6 +666,94 @@ def _q4_gemv_kernel(
 
 
 @triton.jit
+def _dp4a(a, b, USE_ASM: tl.constexpr):
+    """Elementwise sum over the four byte lanes of int32 a and b of signed int8 products (PTX
+    dp4a.s32.s32 with a zero addend). USE_ASM=False computes the same with shifts (the
+    interpreter cannot run PTX)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        total = ((a << 24) >> 24) * ((b << 24) >> 24)
+        total += ((a << 16) >> 24) * ((b << 16) >> 24)
+        total += ((a << 8) >> 24) * ((b << 8) >> 24)
+        total += (a >> 24) * (b >> 24)
+        return total
+
+
+@triton.jit
+def _pack_int8x4(q, CHUNK: tl.constexpr):
+    """int32 (CHUNK, 32) values in [-128, 127] -> (CHUNK, 8) words, element 4i + b in byte b of word i."""
+    lanes = tl.reshape(q & 0xFF, (CHUNK, 8, 4))
+    shifts = tl.arange(0, 4) * 8
+    return tl.sum(lanes << shifts[None, None, :], axis=2)  # disjoint bytes: the sum is an OR
+
+
+@triton.jit
+def _q4_gemv_dp4a_kernel(
+    x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight as int32 words (N, Kp/8); scales (Kp/32, N) fp16
+    bias_ptr, out_ptr,  # bias (N,); out (M, N), or the fp32 buffers of REDUCE (see _write_output)
+    M, N, K, pairs_per_split,
+    stride_xm, stride_wn, stride_wsb, stride_os, stride_om,
+    HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, EXACT: tl.constexpr, USE_ASM: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Decode with integer dot products; grid and tiling as _q4_gemv_kernel. Word i of a block
+    pair holds bytes 4i..4i+3: its low nibbles are elements 4i..4i+3 of block 2p, its high
+    nibbles the same elements of block 2p + 1, so (w & 0x0F0F0F0F) and ((w >> 4) & 0x0F0F0F0F)
+    are four unsigned int8 each, dotted with the matching packed Q8_1 word by one dp4a. Per block:
+    d4 * d8 * (dot(q4u, q8) - 8 * sum(q8)), the integer formula of the reference (exact ints)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_c = tl.arange(0, CHUNK)
+    offs_i = tl.arange(0, 8)
+    offs_j = tl.arange(0, 32)
+    offs_r = tl.arange(0, ROWS)
+    row0 = pid_m * ROWS
+    num_pairs = tl.cdiv(K, 64)
+    p_begin = pid_k * pairs_per_split
+    p_end = tl.minimum(p_begin + pairs_per_split, num_pairs)
+    # (BN, CHUNK, 8): word i of pair c of weight row n, relative to the chunk's first pair
+    w_tile = w_ptr + offs_n[:, None, None] * stride_wn + offs_c[None, :, None] * 8 + offs_i[None, None, :]
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for p0 in range(p_begin, p_end, CHUNK):
+        pairs = p0 + offs_c  # (CHUNK,)
+        live = pairs < p_end
+        words = tl.load(w_tile + p0 * 8, mask=n_mask[:, None, None] & live[None, :, None], other=0)
+        w_lo = words & 0x0F0F0F0F  # block 2p
+        w_hi = (words >> 4) & 0x0F0F0F0F  # block 2p + 1
+        scale_mask = n_mask[:, None] & live[None, :]
+        d4_lo = tl.load(ws_ptr + (2 * pairs)[None, :] * stride_wsb + offs_n[:, None], mask=scale_mask, other=0.0)
+        d4_hi = tl.load(ws_ptr + (2 * pairs + 1)[None, :] * stride_wsb + offs_n[:, None], mask=scale_mask, other=0.0)
+        d4_lo = d4_lo.to(tl.float32)  # (BN, CHUNK)
+        d4_hi = d4_hi.to(tl.float32)
+        k_lo = pairs[:, None] * 64 + offs_j[None, :]  # (CHUNK, 32)
+        for r in tl.static_range(ROWS):
+            row = row0 + r
+            x_row = x_ptr + row * stride_xm
+            row_ok = (offs_c * 0 + row < M)[:, None]  # (CHUNK, 1)
+            x_lo = tl.load(x_row + k_lo, mask=(k_lo < K) & row_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + k_lo + 32, mask=(k_lo + 32 < K) & row_ok, other=0.0).to(tl.float32)
+            _, qi_lo, _, d8_lo = _q8_1_quantize(x_lo, EXACT)
+            _, qi_hi, _, d8_hi = _q8_1_quantize(x_hi, EXACT)
+            xw_lo = _pack_int8x4(qi_lo, CHUNK)  # (CHUNK, 8)
+            xw_hi = _pack_int8x4(qi_hi, CHUNK)
+            # |dot - 8 sum| <= 32 * 15 * 128 + 8 * 32 * 128 < 2^22: exact int -> float trick
+            dot_lo = tl.sum(_dp4a(w_lo, tl.broadcast_to(xw_lo[None, :, :], w_lo.shape), USE_ASM), axis=2)
+            dot_hi = tl.sum(_dp4a(w_hi, tl.broadcast_to(xw_hi[None, :, :], w_hi.shape), USE_ASM), axis=2)
+            dot_lo = _int_to_float(dot_lo - 8 * tl.sum(qi_lo, axis=1)[None, :])  # (BN, CHUNK)
+            dot_hi = _int_to_float(dot_hi - 8 * tl.sum(qi_hi, axis=1)[None, :])
+            part = tl.sum(d4_lo * (d8_lo[None, :] * dot_lo) + d4_hi * (d8_hi[None, :] * dot_hi), axis=1)  # (BN,)
+            acc = tl.where(offs_r[:, None] == r, acc + part[None, :], acc)
+    rows = row0 + offs_r
+    _write_output(acc, out_ptr, bias_ptr, rows, offs_n, rows < M, n_mask, pid_k, stride_os, stride_om,
+                  HAS_BIAS, REDUCE)
+
+
+@triton.jit
 def _splitk_sum_kernel(
     part_ptr, bias_ptr, out_ptr,  # partials fp32 (SPLITS, M, N); bias (N,); out (M, N)
     N, SPLITS, stride_ps, stride_pm, stride_om,
@@ -734,7 +831,7 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
     split-K, the fp32 buffer it reduces into and the small kernel that sums it into `out`."""
     n = qweight.shape[0]
     num_pairs = triton.cdiv(k, 64)
-    if config.kernel == "gemv":
+    if config.kernel in ("gemv", "dp4a"):
         if act_mode != ACT_FUSED:
             raise ValueError("the gemv decode kernel takes unquantized activations (the fused path)")
         rows = config.block_m or min(GEMV_MAX_ROWS, triton.next_power_of_2(max(m, 1)))
@@ -755,7 +852,13 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
     stride_os = m * n if reduce == REDUCE_WORKSPACE else 0
     stride_om = dest.stride(-2)
     bias_arg = bias if has_bias else dest
-    if config.kernel == "gemv":
+    if config.kernel == "dp4a":
+        _q4_gemv_dp4a_kernel[(tiles_n, split, tiles_m)](
+            a, qweight.view(torch.int32), scales, bias_arg, dest, m, n, k, pairs_per_split,
+            stride_am, qweight.stride(0) // 4, scales.stride(0), stride_os, stride_om,
+            HAS_BIAS=has_bias, REDUCE=reduce, EXACT=_exact_mul(), USE_ASM=not _interpreting(), ROWS=rows,
+            BLOCK_N=config.block_n, CHUNK=config.pairs, num_warps=config.num_warps, num_stages=config.num_stages)
+    elif config.kernel == "gemv":
         _q4_gemv_kernel[(tiles_n, split, tiles_m)](
             a, qweight, scales, bias_arg, dest, m, n, k, pairs_per_split,
             stride_am, qweight.stride(0), scales.stride(0), stride_os, stride_om,
@@ -858,7 +961,7 @@ def q4_q8_gemm_triton(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     """Pre-quantized activations (block_q8_1 bytes [..., K/32, 36]) x Q4_0 -> [..., N] in out_dtype."""
     if xq.dtype != torch.uint8 or xq.shape[-1] != Q8_1_BLOCK_BYTES:
         raise ValueError(f"q4_q8_gemm expects block_q8_1 bytes uint8 [..., K/32, 36], got {xq.dtype} {tuple(xq.shape)}")
-    if config is not None and config.kernel == "gemv":
+    if config is not None and config.kernel in ("gemv", "dp4a"):
         raise ValueError("q4_q8_gemm takes Q8_1 bytes: only 'gemm' configs apply (the gemv kernel quantizes itself)")
     k = xq.shape[-2] * QK
     n = _check_weight(qweight, scales, k)
@@ -887,7 +990,7 @@ def q4_linear_static_triton(x: torch.Tensor, act_scale: torch.Tensor, qweight: t
     bias = _check_bias(bias, n)
     if not (-128 <= qmin <= qmax <= 127):
         raise ValueError(f"clamp bounds must lie in the int8 range [-128, 127], got ({qmin}, {qmax})")
-    if config is not None and config.kernel == "gemv":
+    if config is not None and config.kernel in ("gemv", "dp4a"):
         raise ValueError("q4_linear_static runs the tensor-core kernel: only 'gemm' configs apply")
     out_dtype = torch.promote_types(x.dtype, act_scale.dtype)
     x2 = _rows(x, "q4_linear_static")

@@ -30,7 +30,8 @@ the predictor's block sizes are the kernel's):
   (2) per 16 query blocks: pooled scores, masked softmax, top-cdf and the compact list, in
   registers. Step 4 there needs no sort: a block is kept iff the mass of the strictly larger
   probabilities is < cdfthreshd, i.e. iff its probability is >= the smallest fp32 t with
-  F(t) = sum(p > t) < cdfthreshd, found by bisecting the bit patterns of t (31 steps).
+  F(t) = sum(p > t) < cdfthreshd, found by searching the bit patterns of t from the row max
+  (3 pivots, 16 steps on short rows; bisection, 31 steps, on long ones).
 
 Kernel: online-softmax flash attention over the row's list. Under `is_causal` the token-level
 causal mask is applied inside the diagonal blocks (SpargeAttn's fast path masks only at block
@@ -329,8 +330,11 @@ def _attention_configs():
     PREFETCH_INDEX=1 reads the next kept block index one iteration ahead (the K/V addresses of a
     tile then never wait on a LUT load); 0 leaves the indirect load to Triton's pipeliner. Which
     one pipelines better depends on the Triton version, so both are tuned."""
-    configs = [triton.Config({"PREFETCH_INDEX": p}, num_warps=8, num_stages=s) for p in (1, 0) for s in (3, 4, 2)]
-    configs += [triton.Config({"PREFETCH_INDEX": p}, num_warps=4, num_stages=s) for p in (1, 0) for s in (3, 2)]
+    configs = [triton.Config({"PREFETCH_INDEX": p, "USE_TMA": 0}, num_warps=8, num_stages=s)
+               for p in (1, 0) for s in (3, 4, 2)]
+    configs += [triton.Config({"PREFETCH_INDEX": p, "USE_TMA": 0}, num_warps=4, num_stages=s) for p in (1, 0) for s in (3, 2)]
+    configs += [triton.Config({"PREFETCH_INDEX": 1, "USE_TMA": 1}, num_warps=w, num_stages=s)
+                for w, s in ((8, 2), (8, 3), (8, 4), (4, 3))]
     return configs
 
 
@@ -338,6 +342,8 @@ def _prune_attention_configs(configs, named_args, **kwargs):
     """A 128 x 128 fp32 accumulator in 4 warps is 128 registers per thread before anything else:
     head dims >= 128 use 8 warps, head dims <= 32 use 4 (too little work for 8), 64 tries both."""
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 128))
+    if not tma_loads_supported(named_args["k_ptr"], named_args["v_ptr"]):
+        configs = [c for c in configs if not c.kwargs.get("USE_TMA")]
     if head_dim >= 128:
         kept = [c for c in configs if c.num_warps == 8]
     elif head_dim <= 32:
@@ -347,31 +353,72 @@ def _prune_attention_configs(configs, named_args, **kwargs):
     return kept or configs
 
 
+def tma_loads_supported(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K/V tiles can be read through device-side tensor descriptors (TMA): a Hopper or
+    newer GPU, a Triton with tl.make_tensor_descriptor, 16-byte aligned rows and base addresses."""
+    if triton is None or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if not _interpreting() and not (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] >= 9):
+        return False
+    return all(t.stride(-1) == 1 and (t.stride(2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               and (t.stride(0) * t.element_size()) % 16 == 0 and (t.stride(1) * t.element_size()) % 16 == 0
+               for t in (k, v))
+
+
+def _ensure_descriptor_allocator() -> None:
+    """Device-side tensor descriptors need a small global scratch per launch; give Triton a torch
+    allocator unless the program already installed one."""
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator.get() if hasattr(_allocation._allocator, "get") else _allocation._allocator
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
 if triton is not None:
 
     # ------------------------------------------------------------------------ attention kernel
     @triton.jit
+    def _load_kv_tile(ptrs, desc, start_n, keys, offs_d, Lk, stride_n, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+                      MASKED: tl.constexpr, TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr):
+        """One K or V tile of BLOCK_N keys from `start_n`: (BLOCK_D, BLOCK_N) K^T when TRANSPOSED,
+        else (BLOCK_N, BLOCK_D). USE_TMA: through the tensor descriptor (zero fill past Lk and
+        HEAD_DIM in hardware); else pointer loads, masked only where MASKED / PAD_D need it."""
+        if USE_TMA:
+            tile = desc.load([start_n, 0])  # (BLOCK_N, BLOCK_D)
+            if TRANSPOSED:
+                tile = tl.trans(tile)
+        else:
+            ptrs = ptrs + start_n * stride_n
+            if TRANSPOSED:
+                key_ok = keys[None, :] < Lk
+                d_ok = offs_d[:, None] < HEAD_DIM
+            else:
+                key_ok = keys[:, None] < Lk
+                d_ok = offs_d[None, :] < HEAD_DIM
+            if MASKED:
+                if PAD_D:
+                    tile = tl.load(ptrs, mask=key_ok & d_ok, other=0.0)
+                else:
+                    tile = tl.load(ptrs, mask=key_ok, other=0.0)
+            else:
+                if PAD_D:
+                    tile = tl.load(ptrs, mask=d_ok, other=0.0)
+                else:
+                    tile = tl.load(ptrs)
+        return tile
+
+    @triton.jit
     def _attend_tile(
-        acc, l_i, m_i, q, kt_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, neg_pv_thresh,
+        acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, start_n, offs_m, offs_n, offs_d, neg_pv_thresh,
         stride_kn, stride_vn, Lq, Lk, qk_scale,
         HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-        PV_SKIP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PV_SKIP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     ):
         """One (BLOCK_M x BLOCK_N) tile of online softmax (log2 domain): QK^T, token masks only when
         MASKED (a diagonal or a partial last block), optional PV skip, then P.V into `acc`."""
         keys = start_n + offs_n  # (BLOCK_N,)
-        kt_ptrs = kt_ptrs + start_n * stride_kn  # (BLOCK_D, BLOCK_N): K^T of the tile
-        v_ptrs = v_ptrs + start_n * stride_vn  # (BLOCK_N, BLOCK_D)
-        if MASKED:
-            if PAD_D:
-                kt = tl.load(kt_ptrs, mask=(keys[None, :] < Lk) & (offs_d[:, None] < HEAD_DIM), other=0.0)
-            else:
-                kt = tl.load(kt_ptrs, mask=keys[None, :] < Lk, other=0.0)
-        else:
-            if PAD_D:
-                kt = tl.load(kt_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
-            else:
-                kt = tl.load(kt_ptrs)
+        kt = _load_kv_tile(kt_ptrs, k_desc, start_n, keys, offs_d, Lk, stride_kn, HEAD_DIM, PAD_D, MASKED, True, USE_TMA)
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) raw products, fp32
         if MASKED:
             valid = keys[None, :] < Lk
@@ -399,16 +446,8 @@ if triton is not None:
                 p = tl.math.exp2(qk * qk_scale - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_shift)
             l_i = l_i * alpha + tl.sum(p, 1)
-            if MASKED:
-                if PAD_D:
-                    v = tl.load(v_ptrs, mask=(keys[:, None] < Lk) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-                else:
-                    v = tl.load(v_ptrs, mask=keys[:, None] < Lk, other=0.0)
-            else:
-                if PAD_D:
-                    v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-                else:
-                    v = tl.load(v_ptrs)
+            v = _load_kv_tile(v_ptrs, v_desc, start_n, keys, offs_d, Lk, stride_vn, HEAD_DIM, PAD_D, MASKED, False,
+                              USE_TMA)
             # P.V accumulates into the rescaled accumulator inside the MMA (no separate add).
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
@@ -416,10 +455,11 @@ if triton is not None:
 
     @triton.jit
     def _attend_list(
-        acc, l_i, m_i, q, kt_ptrs, v_ptrs, lut_row, lo, hi, next_index, offs_m, offs_n, offs_d, neg_pv_thresh,
-        stride_kn, stride_vn, Lq, Lk, qk_scale,
+        acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, lut_row, lo, hi, next_index, offs_m, offs_n, offs_d,
+        neg_pv_thresh, stride_kn, stride_vn, Lq, Lk, qk_scale,
         HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH_INDEX: tl.constexpr,
+        USE_TMA: tl.constexpr,
     ):
         """Tiles lut_row[lo:hi]. PREFETCH_INDEX: `next_index` holds lut_row[lo] on entry and the
         entry after hi - 1 (clamped to the list) on exit."""
@@ -430,8 +470,9 @@ if triton is not None:
             else:
                 block_index = tl.load(lut_row + it, eviction_policy="evict_last")
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, kt_ptrs, v_ptrs, block_index * BLOCK_N, offs_m, offs_n, offs_d, neg_pv_thresh,
-                stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, PAD_D, MASKED, IS_CAUSAL, PV_SKIP, DOT_PRECISION)
+                acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, block_index * BLOCK_N, offs_m, offs_n, offs_d,
+                neg_pv_thresh, stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, PAD_D, MASKED, IS_CAUSAL, PV_SKIP,
+                DOT_PRECISION, USE_TMA)
         return acc, l_i, m_i, next_index
 
     @triton.jit
@@ -444,9 +485,11 @@ if triton is not None:
         H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, SEQ_BUCKET,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PV_PER_HEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PREFETCH_INDEX: tl.constexpr,
+        PREFETCH_INDEX: tl.constexpr, USE_TMA: tl.constexpr,
     ):
         """Grid (nQ, B*H): one query block of one head; visits the kept key blocks of its LUT row.
+        USE_TMA: K/V tiles through device-side tensor descriptors (Hopper TMA; the launcher
+        checks alignment), else pointer loads.
         The last dimension of q, k, v, o is contiguous (the launcher guarantees it). SEQ_BUCKET is
         only an autotuning key (the sequence length's power-of-two bucket)."""
         PAD_D: tl.constexpr = HEAD_DIM != BLOCK_D
@@ -467,6 +510,14 @@ if triton is not None:
             q = tl.load(q_ptrs, mask=offs_m[:, None] < Lq, other=0.0)  # (BLOCK_M, BLOCK_D)
         kt_ptrs = k_ptr + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]
         v_ptrs = v_ptr + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+        if USE_TMA:
+            k_desc = tl.make_tensor_descriptor(k_ptr + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh,
+                                               shape=[Lk, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+            v_desc = tl.make_tensor_descriptor(v_ptr + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh,
+                                               shape=[Lk, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
+        else:
+            k_desc = k_ptr  # unused
+            v_desc = v_ptr
         row = pid_bh * N_Q_BLOCKS + pid_m
         lut_row = lut_ptr + row.to(tl.int64) * N_K_BLOCKS
         count = tl.load(count_ptr + row)
@@ -491,15 +542,15 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         next_index = tl.load(lut_row, mask=count > 0, other=0)
         acc, l_i, m_i, next_index = _attend_list(
-            acc, l_i, m_i, q, kt_ptrs, v_ptrs, lut_row, 0, n_plain, next_index, offs_m, offs_n, offs_d, neg_pv_thresh,
-            stride_kn, stride_vn, Lq, Lk, qk_scale,
-            HEAD_DIM, PAD_D, BLOCK_N, False, IS_CAUSAL, PV_SKIP, DOT_PRECISION, PREFETCH_INDEX)
+            acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, lut_row, 0, n_plain, next_index, offs_m, offs_n, offs_d,
+            neg_pv_thresh, stride_kn, stride_vn, Lq, Lk, qk_scale,
+            HEAD_DIM, PAD_D, BLOCK_N, False, IS_CAUSAL, PV_SKIP, DOT_PRECISION, PREFETCH_INDEX, USE_TMA)
         if PREFETCH_INDEX:
             next_index = tl.load(lut_row + tl.minimum(n_plain, tl.maximum(count - 1, 0)))
         acc, l_i, m_i, next_index = _attend_list(
-            acc, l_i, m_i, q, kt_ptrs, v_ptrs, lut_row, n_plain, count, next_index, offs_m, offs_n, offs_d, neg_pv_thresh,
-            stride_kn, stride_vn, Lq, Lk, qk_scale,
-            HEAD_DIM, PAD_D, BLOCK_N, True, IS_CAUSAL, PV_SKIP, DOT_PRECISION, PREFETCH_INDEX)
+            acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, lut_row, n_plain, count, next_index, offs_m, offs_n,
+            offs_d, neg_pv_thresh, stride_kn, stride_vn, Lq, Lk, qk_scale,
+            HEAD_DIM, PAD_D, BLOCK_N, True, IS_CAUSAL, PV_SKIP, DOT_PRECISION, PREFETCH_INDEX, USE_TMA)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty row (count 0) gives 0
         o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
         if PAD_D:
@@ -513,6 +564,7 @@ if triton is not None:
     )(_sparse_attention_kernel)
 
     # ------------------------------------------------------------------------ predictor kernels
+    # v1 (variant="v1"): one program per 128 tokens of one head, LUT with a 31-step bisection.
     @triton.jit
     def _pool_tile(
         x_base, stride_l, stride_d, L, start, pooled_ptr, sim_ptr, first_block, n_blocks,
@@ -656,10 +708,181 @@ if triton is not None:
                  mask=(keep != 0) & row_ok[:, None])
         tl.store(count_ptr + q_rows, tl.sum(keep, 1), mask=row_ok)
 
+    # The kernels above are predictor "v1" (kept for side-by-side benchmarks: variant="v1"). "v2"
+    # below is the default: one program per block with all its loads in flight at once (40-50
+    # registers at D=128 instead of ~175, so ~5 programs per SM stream Q and K instead of one),
+    # and a LUT kernel whose masks are rebuilt rather than kept live (no spills up to nK = 512),
+    # with a 3-pivot threshold search (16 steps instead of 31) where the rows are short.
+    @triton.jit
+    def _pool_block_sums(
+        x_base, stride_l, stride_d, L, start,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    ):
+        """Sums of x and of x / |x| over the tokens [start, min(start + BLOCK, L)): two (BLOCK_D,)
+        fp32 vectors. Read in SUB-token slices (one 16-byte load per thread each at 8 warps) into
+        (SUB, BLOCK_D) accumulators, reduced across tokens once at the end (one cross-warp step)."""
+        offs_d = tl.arange(0, BLOCK_D)
+        x_acc = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
+        unit_acc = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
+        for s in tl.static_range(0, BLOCK, SUB):
+            offs_l = start + s + tl.arange(0, SUB)
+            ptrs = x_base + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d
+            if BLOCK_D == HEAD_DIM:  # no mask along D: vectorized loads
+                x = tl.load(ptrs, mask=offs_l[:, None] < L, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(ptrs, mask=(offs_l[:, None] < L) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+            norm = tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)  # (SUB,); padded tokens stay 0 below
+            x_acc += x
+            unit_acc += x / norm[:, None]
+        return tl.sum(x_acc, 0), tl.sum(unit_acc, 0)
+
+    @triton.jit
+    def _pool_blocks_kernel(
+        q_ptr, k_ptr, work_ptr,
+        stride_qb, stride_qh, stride_ql, stride_qd,
+        stride_kb, stride_kh, stride_kl, stride_kd,
+        H, HKV, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, N_Q_PROGRAMS,
+        off_sim_q, off_pooled_k, off_sim_k,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SUB_M: tl.constexpr, SUB_N: tl.constexpr,
+    ):
+        """1-D grid, one program per block: programs [0, B*H*nQ) pool query block `pid` (it is row
+        pid of pooled_q / sim_q), the next B*HKV*nK key block `pid - B*H*nQ`. Same workspace as
+        `_pool_qk_kernel`: pooled_q (B*H, nQ, D) | sim_q (B*H, nQ) | pooled_k (B*HKV, nK, D) | sim_k."""
+        pid = tl.program_id(0)
+        offs_d = tl.arange(0, BLOCK_D)
+        if pid < N_Q_PROGRAMS:
+            bh = pid // N_Q_BLOCKS
+            start = (pid % N_Q_BLOCKS) * BLOCK_M
+            base = q_ptr + (bh // H).to(tl.int64) * stride_qb + (bh % H).to(tl.int64) * stride_qh
+            x_sum, unit_sum = _pool_block_sums(base, stride_ql, stride_qd, Lq, start, HEAD_DIM, BLOCK_D, BLOCK_M, SUB_M)
+            count = tl.minimum(Lq - start, BLOCK_M).to(tl.float32)
+            tl.store(work_ptr + pid.to(tl.int64) * HEAD_DIM + offs_d, x_sum / count, mask=offs_d < HEAD_DIM)
+            tl.store(work_ptr + off_sim_q + pid, tl.sum(unit_sum * unit_sum, 0) / (count * count))
+        else:
+            row = pid - N_Q_PROGRAMS
+            bh = row // N_K_BLOCKS
+            start = (row % N_K_BLOCKS) * BLOCK_N
+            base = k_ptr + (bh // HKV).to(tl.int64) * stride_kb + (bh % HKV).to(tl.int64) * stride_kh
+            x_sum, unit_sum = _pool_block_sums(base, stride_kl, stride_kd, Lk, start, HEAD_DIM, BLOCK_D, BLOCK_N, SUB_N)
+            count = tl.minimum(Lk - start, BLOCK_N).to(tl.float32)
+            tl.store(work_ptr + off_pooled_k + row.to(tl.int64) * HEAD_DIM + offs_d, x_sum / count, mask=offs_d < HEAD_DIM)
+            tl.store(work_ptr + off_sim_k + row, tl.sum(unit_sum * unit_sum, 0) / (count * count))
+
+    @triton.jit
+    def _allowed_blocks(rows, cols, col_ok, Lq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                        N_K_POW2: tl.constexpr, IS_CAUSAL: tl.constexpr):
+        """int32 0/1 (ROWS, N_K_POW2): existing key blocks with a (query, key) pair at/below the diagonal."""
+        allowed = col_ok.to(tl.int32)[None, :] + tl.zeros([ROWS, N_K_POW2], dtype=tl.int32)
+        if IS_CAUSAL:
+            last_query = tl.minimum((rows + 1) * BLOCK_M, Lq) - 1  # (ROWS,)
+            allowed = allowed & (cols[None, :] * BLOCK_N <= last_query[:, None]).to(tl.int32)
+        return allowed
+
+    @triton.jit
+    def _mass_above(probs, bits):
+        """F(t) per row: the mass of the probabilities strictly above t, t given by its fp32 bits (ROWS,)."""
+        t = bits.to(tl.float32, bitcast=True)
+        return tl.sum(tl.where(probs > t[:, None], probs, 0.0), 1)
+
+    @triton.jit
+    def _predict_lut_kernel_v2(
+        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, scale,
+        off_sim_q, off_pooled_k, off_sim_k,
+        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    ):
+        """Grid (cdiv(nQ, ROWS), B*H), same contract as `_predict_lut_kernel`: ROWS rows of the block
+        mask, from the pooled scores to the compact ascending lists lut[row, :count]."""
+        pid_r = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        h = pid_bh % H
+        b = pid_bh // H
+        kv_bh = b * (H // KV_GROUP) + h // KV_GROUP
+        rows = pid_r * ROWS + tl.arange(0, ROWS)  # query block indices (ROWS,)
+        row_ok = rows < N_Q_BLOCKS
+        cols = tl.arange(0, N_K_POW2)  # key block indices (N_K_POW2,)
+        col_ok = cols < N_K_BLOCKS
+        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
+        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
+        # pooled scores (ROWS, N_K_POW2) = pooled_q (ROWS, D) @ pooled_k^T (D, nK): one fp32 FMA
+        # chain over D per score (accumulator form: the D chunking does not change the rounding)
+        scores = tl.zeros([ROWS, N_K_POW2], dtype=tl.float32)
+        for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
+            offs_d = d0 + tl.arange(0, D_CHUNK)
+            pq = tl.load(work_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
+                         mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            pkt = tl.load(work_ptr + off_pooled_k + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
+                          mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+            scores = tl.dot(pq, pkt, scores, input_precision="ieee")
+        scores = scores * scale
+        if PER_HEAD:
+            sim_thresh = tl.load(sim_thresh_ptr + h)
+            cdf_thresh = tl.load(cdf_thresh_ptr + h)
+        cdf_thresh = cdf_thresh + tl.zeros([ROWS], dtype=tl.float32)  # (ROWS,): a tensor in every mode
+        # Boolean algebra in int32 (0/1): the interpreter and the compiler agree on it. The (ROWS,
+        # N_K_POW2) masks are cheap to rebuild, so they are rebuilt where needed, not kept live.
+        q_similar = (tl.load(work_ptr + off_sim_q + q_rows, mask=row_ok, other=0.0) > sim_thresh).to(tl.int32)
+        k_similar = (tl.load(work_ptr + off_sim_k + k_rows, mask=col_ok, other=0.0) > sim_thresh).to(tl.int32)
+        allowed = _allowed_blocks(rows, cols, col_ok, Lq, BLOCK_M, BLOCK_N, ROWS, N_K_POW2, IS_CAUSAL)
+        # at least one block per row: the allowed block with the highest pooled score (taken here:
+        # the scores are dead after the softmax)
+        best = tl.argmax(tl.where(allowed != 0, scores, float("-inf")), 1)  # (ROWS,)
+        candidates = allowed & k_similar[None, :]
+        logits = tl.where(candidates != 0, scores, float("-inf"))
+        row_max = tl.max(logits, 1)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        weights = tl.where(candidates != 0, tl.exp(logits - row_max[:, None]), 0.0)
+        probs = weights / tl.maximum(tl.sum(weights, 1), 1e-30)[:, None]
+        # Top-cdf threshold t* = the smallest fp32 t >= 0 with F(t) = mass(probs > t) < cdf (see
+        # `_predict_lut_kernel`; F as computed is monotone, so t* does not depend on how it is
+        # searched), over bit patterns in (lo, hi] with F(lo) >= cdf (lo = -1: below 0) and
+        # F(hi) < cdf: hi starts at the row's largest probability (F = 0 there, < cdf if cdf > 0;
+        # <= 1.0 + 2 ulp, so 31 halvings or 16 quarterings reach hi = lo + 1). PIVOTS = 3 quarters
+        # (lo, hi] per step with three independent row sums; a pivot equal to lo is not evaluated.
+        lo = tl.full([ROWS], -1, dtype=tl.int32)
+        hi = tl.max(probs, 1).to(tl.int32, bitcast=True)
+        for _ in range(SEARCH_STEPS):
+            if PIVOTS == 3:
+                mid2 = lo + (hi - lo) // 2
+                mid1 = lo + (mid2 - lo) // 2
+                mid3 = mid2 + (hi - mid2) // 2
+                below1 = (mid1 > lo) & (_mass_above(probs, mid1) < cdf_thresh)
+                below2 = (mid2 > lo) & (_mass_above(probs, mid2) < cdf_thresh)
+                below3 = (mid3 > lo) & (_mass_above(probs, mid3) < cdf_thresh)
+                new_hi = tl.where(below1, mid1, tl.where(below2, mid2, tl.where(below3, mid3, hi)))
+                lo = tl.where(below1, lo, tl.where(below2, mid1, tl.where(below3, mid2, mid3)))
+                hi = new_hi
+            else:
+                mid = lo + (hi - lo) // 2
+                below = (mid > lo) & (_mass_above(probs, mid) < cdf_thresh)
+                hi = tl.where(below, mid, hi)
+                lo = tl.where(below, lo, mid)
+        top = ((probs >= hi.to(tl.float32, bitcast=True)[:, None]) & (cdf_thresh > 0.0)[:, None]).to(tl.int32)
+        allowed = _allowed_blocks(rows, cols, col_ok, Lq, BLOCK_M, BLOCK_N, ROWS, N_K_POW2, IS_CAUSAL)
+        keep_whole_row = (q_similar == 0).to(tl.int32) | (cdf_thresh >= 1.0).to(tl.int32)  # (ROWS,)
+        keep = (top & k_similar[None, :]) | (k_similar == 0).to(tl.int32)[None, :] | keep_whole_row[:, None]
+        if IS_CAUSAL:  # the blocks the diagonal crosses
+            last_key = tl.minimum((cols + 1) * BLOCK_N, Lk) - 1  # (N_K_POW2,)
+            keep = keep | (last_key[None, :] > rows[:, None] * BLOCK_M).to(tl.int32)
+        keep = keep & allowed
+        none_kept = (tl.sum(keep, 1) == 0).to(tl.int32)
+        keep = keep | (none_kept[:, None] & (cols[None, :] == best[:, None]).to(tl.int32))
+        position = tl.cumsum(keep, 1) - 1
+        lut_rows = lut_ptr + q_rows[:, None] * N_K_BLOCKS
+        tl.store(lut_rows + position, cols[None, :] + tl.zeros([ROWS, N_K_POW2], dtype=tl.int32),
+                 mask=(keep != 0) & row_ok[:, None])
+        tl.store(count_ptr + q_rows, tl.sum(keep, 1), mask=row_ok)
+
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
+PREDICTOR_VARIANTS = ("v2", "v1")  # v2: default; v1: the first predictor, kept for benchmarks
+
+
 def _require_triton(*tensors: torch.Tensor) -> None:
     if triton is None:
         raise RuntimeError("the Triton sparse attention path needs triton; use implementation='reference'")
@@ -678,7 +901,9 @@ def _threshold_args(value, n_heads: int, name: str, device) -> tuple[torch.Tenso
     return per_head(value, n_heads, name, device), 0.0
 
 
-def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int) -> dict:
+def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int, variant: str = "v2") -> dict:
+    if variant not in PREDICTOR_VARIANTS:
+        raise ValueError(f"predictor variant={variant!r} is not valid; valid choices: {', '.join(PREDICTOR_VARIANTS)}")
     if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
         raise ValueError(f"the predictor needs q (B, H, Lq, D) and k (B, Hkv, Lk, D) with H % Hkv == 0; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
@@ -689,37 +914,105 @@ def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n:
     Hkv, Lk = k.shape[1], k.shape[2]
     n_q, n_k = triton_cdiv(Lq, block_m), triton_cdiv(Lk, block_n)
     tokens = max(block_m, block_n)
-    pooled_q, sim_q = B * H * n_q * D, B * H * n_q
-    pooled_k, sim_k = B * Hkv * n_k * D, B * Hkv * n_k
-    return dict(B=B, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D, n_q=n_q, n_k=n_k, tokens=tokens,
+
+    def aligned(n: int) -> int:  # sections start on 64-byte boundaries (vector loads of pooled_k)
+        return triton_cdiv(n, 16) * 16
+
+    off_sim_q = aligned(B * H * n_q * D)
+    off_pooled_k = off_sim_q + aligned(B * H * n_q)
+    off_sim_k = off_pooled_k + aligned(B * Hkv * n_k * D)
+    return dict(B=B, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D, n_q=n_q, n_k=n_k, tokens=tokens, variant=variant,
                 q_tiles=triton_cdiv(Lq, tokens), k_tiles=triton_cdiv(Lk, tokens),
-                off_sim_q=pooled_q, off_pooled_k=pooled_q + sim_q, off_sim_k=pooled_q + sim_q + pooled_k,
-                work_size=pooled_q + sim_q + pooled_k + sim_k)
+                off_sim_q=off_sim_q, off_pooled_k=off_pooled_k, off_sim_k=off_sim_k, work_size=off_sim_k + B * Hkv * n_k)
 
 
-def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_n: int) -> torch.Tensor:
-    work = torch.empty(g["work_size"], device=q.device, dtype=torch.float32)
-    n_q_programs = g["B"] * g["H"] * g["q_tiles"]
+def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_n: int,
+                 work: torch.Tensor | None = None) -> torch.Tensor:
+    """The pooling launch into the fp32 workspace (allocated when not given)."""
+    if work is None:
+        work = torch.empty(g["work_size"], device=q.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(g["D"])
-    _pool_qk_kernel[(n_q_programs + g["B"] * g["Hkv"] * g["k_tiles"],)](
+    offsets = (g["off_sim_q"], g["off_pooled_k"], g["off_sim_k"])
+    if g["variant"] == "v1":
+        n_q_programs = g["B"] * g["H"] * g["q_tiles"]
+        _pool_qk_kernel[(n_q_programs + g["B"] * g["Hkv"] * g["k_tiles"],)](
+            q, k, work, *q.stride(), *k.stride(),
+            g["H"], g["Hkv"], g["Lq"], g["Lk"], g["n_q"], g["n_k"], g["q_tiles"], g["k_tiles"], n_q_programs, *offsets,
+            HEAD_DIM=g["D"], BLOCK_D=block_d, TOKENS=g["tokens"], BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=8 if g["tokens"] * block_d >= 8192 else 4,
+        )
+        return work
+    # one program per block, 8 warps; a slice of SUB tokens is 2048 elements (8 per thread)
+    n_q_programs = g["B"] * g["H"] * g["n_q"]
+    sub = max(1, 2048 // block_d)
+    _pool_blocks_kernel[(n_q_programs + g["B"] * g["Hkv"] * g["n_k"],)](
         q, k, work, *q.stride(), *k.stride(),
-        g["H"], g["Hkv"], g["Lq"], g["Lk"], g["n_q"], g["n_k"], g["q_tiles"], g["k_tiles"], n_q_programs,
-        g["off_sim_q"], g["off_pooled_k"], g["off_sim_k"],
-        HEAD_DIM=g["D"], BLOCK_D=block_d, TOKENS=g["tokens"], BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=8 if g["tokens"] * block_d >= 8192 else 4,
+        g["H"], g["Hkv"], g["Lq"], g["Lk"], g["n_q"], g["n_k"], n_q_programs, *offsets,
+        HEAD_DIM=g["D"], BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        SUB_M=min(sub, block_m), SUB_N=min(sub, block_n), num_warps=8,
     )
     return work
 
 
-def pool_qk_triton(q: torch.Tensor, k: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
+def _lut_kernel_config(n_k_pow2: int, block_d: int) -> dict:
+    """v2 LUT launch shape: ~8 elements of each (PREDICTOR_ROWS, nK) row tensor per thread (4-16
+    warps); three search pivots while that holds (latency-bound: short rows, few programs), one
+    beyond (throughput-bound); D chunks of <= 4096 pooled-key values (no spills up to nK = 512)."""
+    num_warps = max(4, min(16, PREDICTOR_ROWS * n_k_pow2 // 256))
+    pivots = 3 if PREDICTOR_ROWS * n_k_pow2 <= 8 * 32 * num_warps else 1
+    return dict(D_CHUNK=max(16, min(block_d, 4096 // n_k_pow2)), PIVOTS=pivots, SEARCH_STEPS=16 if pivots == 3 else 31,
+                num_warps=num_warps)
+
+
+def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, block_m, block_n, variant):
+    """(pool, lut, work, lut_out, counts): the two predictor launches as closures over buffers
+    allocated here; calling pool() then lut() fills lut_out and counts. No host synchronization."""
+    _require_triton(q, k)
+    g = _predictor_geometry(q, k, block_m, block_n, variant)
+    B, H, D, n_q, n_k = g["B"], g["H"], g["D"], g["n_q"], g["n_k"]
+    scale = D**-0.5 if scale is None else float(scale)
+    sim_tensor, sim_value = _threshold_args(simthreshd1, H, "simthreshd1", q.device)
+    cdf_tensor, cdf_value = _threshold_args(cdfthreshd, H, "cdfthreshd", q.device)
+    per_head_thresholds = sim_tensor is not None or cdf_tensor is not None
+    if per_head_thresholds:  # one kernel variant: both per head
+        sim_tensor = sim_tensor if sim_tensor is not None else per_head(sim_value, H, "simthreshd1", q.device)
+        cdf_tensor = cdf_tensor if cdf_tensor is not None else per_head(cdf_value, H, "cdfthreshd", q.device)
+    work = torch.empty(g["work_size"], device=q.device, dtype=torch.float32)
+    lut = torch.empty(B, H, n_q, n_k, device=q.device, dtype=torch.int32)
+    counts = torch.empty(B, H, n_q, device=q.device, dtype=torch.int32)
+    n_k_pow2 = max(16, triton.next_power_of_2(n_k))
+    block_d = max(16, triton.next_power_of_2(D))
+    args = (work, sim_tensor if per_head_thresholds else work, cdf_tensor if per_head_thresholds else work,
+            sim_value, cdf_value, lut, counts, H, H // g["Hkv"], g["Lq"], g["Lk"], n_q, n_k, scale,
+            g["off_sim_q"], g["off_pooled_k"], g["off_sim_k"])
+    meta = dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, ROWS=PREDICTOR_ROWS, N_K_POW2=n_k_pow2,
+                IS_CAUSAL=is_causal, PER_HEAD=per_head_thresholds)
+    grid = (triton_cdiv(n_q, PREDICTOR_ROWS), B * H)
+
+    def pool():
+        _launch_pool(q, k, g, block_m, block_n, work)
+
+    def lut_v1():
+        _predict_lut_kernel[grid](*args, **meta, D_CHUNK=min(32, block_d) if n_k_pow2 <= 512 else 16,
+                                  num_warps=max(4, min(16, PREDICTOR_ROWS * n_k_pow2 // 1024)))
+
+    def lut_v2():
+        _predict_lut_kernel_v2[grid](*args, **meta, **_lut_kernel_config(n_k_pow2, block_d))
+
+    return pool, (lut_v1 if variant == "v1" else lut_v2), work, lut, counts
+
+
+def pool_qk_triton(q: torch.Tensor, k: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N, *,
+                   variant: str = "v2"):
     """The predictor's first launch on its own, as views of its workspace: pooled_q (B, H, nQ, D),
     sim_q (B, H, nQ), pooled_k (B, Hkv, nK, D), sim_k (B, Hkv, nK), all fp32 (see `pool_blocks`)."""
     _require_triton(q, k)
-    g = _predictor_geometry(q, k, block_m, block_n)
+    g = _predictor_geometry(q, k, block_m, block_n, variant)
     work = _launch_pool(q, k, g, block_m, block_n)
     B, H, Hkv, D, n_q, n_k = g["B"], g["H"], g["Hkv"], g["D"], g["n_q"], g["n_k"]
-    return (work[: g["off_sim_q"]].view(B, H, n_q, D), work[g["off_sim_q"]: g["off_pooled_k"]].view(B, H, n_q),
-            work[g["off_pooled_k"]: g["off_sim_k"]].view(B, Hkv, n_k, D), work[g["off_sim_k"]:].view(B, Hkv, n_k))
+    return (work[: B * H * n_q * D].view(B, H, n_q, D), work[g["off_sim_q"]: g["off_sim_q"] + B * H * n_q].view(B, H, n_q),
+            work[g["off_pooled_k"]: g["off_pooled_k"] + B * Hkv * n_k * D].view(B, Hkv, n_k, D),
+            work[g["off_sim_k"]:].view(B, Hkv, n_k))
 
 
 def predict_block_lut(
@@ -732,37 +1025,38 @@ def predict_block_lut(
     cdfthreshd=DEFAULT_CDFTHRESHD,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
+    variant: str = "v2",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The predictor on the Triton path: lut int32 (B, H, nQ, nK) and counts int32 (B, H, nQ), as
-    `block_mask_to_lut(predict_block_mask(...))`. Two launches (pool Q and K with self-similarity;
-    scores + softmax + top-cdf + LUT), three allocations, no host synchronization: it can be
-    captured in a CUDA graph. Float thresholds go to the kernel as scalars (no tensor is built)."""
-    _require_triton(q, k)
-    g = _predictor_geometry(q, k, block_m, block_n)
-    B, H, D, n_q, n_k = g["B"], g["H"], g["D"], g["n_q"], g["n_k"]
-    scale = D**-0.5 if scale is None else float(scale)
-    sim_tensor, sim_value = _threshold_args(simthreshd1, H, "simthreshd1", q.device)
-    cdf_tensor, cdf_value = _threshold_args(cdfthreshd, H, "cdfthreshd", q.device)
-    per_head_thresholds = sim_tensor is not None or cdf_tensor is not None
-    if per_head_thresholds:  # one kernel variant: both per head
-        sim_tensor = sim_tensor if sim_tensor is not None else per_head(sim_value, H, "simthreshd1", q.device)
-        cdf_tensor = cdf_tensor if cdf_tensor is not None else per_head(cdf_value, H, "cdfthreshd", q.device)
-    work = _launch_pool(q, k, g, block_m, block_n)
-    lut = torch.empty(B, H, n_q, n_k, device=q.device, dtype=torch.int32)
-    counts = torch.empty(B, H, n_q, device=q.device, dtype=torch.int32)
-    n_k_pow2 = max(16, triton.next_power_of_2(n_k))
-    block_d = max(16, triton.next_power_of_2(D))
-    _predict_lut_kernel[(triton_cdiv(n_q, PREDICTOR_ROWS), B * H)](
-        work, sim_tensor if per_head_thresholds else work, cdf_tensor if per_head_thresholds else work,
-        sim_value, cdf_value, lut, counts,
-        H, H // g["Hkv"], g["Lq"], g["Lk"], n_q, n_k, scale,
-        g["off_sim_q"], g["off_pooled_k"], g["off_sim_k"],
-        HEAD_DIM=D, D_CHUNK=min(32, block_d) if n_k_pow2 <= 512 else 16, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, ROWS=PREDICTOR_ROWS, N_K_POW2=n_k_pow2,
-        IS_CAUSAL=is_causal, PER_HEAD=per_head_thresholds,
-        num_warps=max(4, min(16, PREDICTOR_ROWS * n_k_pow2 // 1024)),
-    )
+    `block_mask_to_lut(predict_block_mask(...))` (only lut[..., :counts] is defined). Two launches
+    (pool Q and K with self-similarity; scores + softmax + top-cdf + LUT), three allocations, no
+    host synchronization: it can be captured in a CUDA graph. Float thresholds go to the kernel as
+    scalars (no tensor is built). variant: "v2" (default) or "v1" (the first version, for benchmarks)."""
+    pool, lut_launch, _, lut, counts = _predictor_launchers(
+        q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
+        block_m=block_m, block_n=block_n, variant=variant)
+    pool()
+    lut_launch()
     return lut, counts
+
+
+def predictor_stages(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    simthreshd1=DEFAULT_SIMTHRESHD1,
+    cdfthreshd=DEFAULT_CDFTHRESHD,
+    variant: str = "v2",
+):
+    """Benchmark hook: (pool, lut, outputs) where pool() is the pooling launch alone, lut() the LUT
+    launch alone (reading what pool() last wrote) and outputs = (lut, counts), filled in place. The
+    buffers are allocated once here, so each call is exactly one launch (CUDA-graph capturable)."""
+    pool, lut_launch, _, lut, counts = _predictor_launchers(
+        q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
+        block_m=BLOCK_M, block_n=BLOCK_N, variant=variant)
+    return pool, lut_launch, (lut, counts)
 
 
 def block_sparse_attention(
@@ -783,7 +1077,7 @@ def block_sparse_attention(
     `predict_block_lut`. Under `is_causal` every diagonal-crossing block must be in the list.
 
     config: None = autotuned on a GPU (the interpreter uses one fixed config); or an explicit
-    {"PREFETCH_INDEX": 0/1, "num_warps": ..., "num_stages": ...} (tests, ablations)."""
+    {"PREFETCH_INDEX": 0/1, "USE_TMA": 0/1, "num_warps": ..., "num_stages": ...} (tests, ablations)."""
     _require_triton(q, k, v)
     group, Dv = _check_inputs(q, k, v, is_causal)
     B, H, Lq, D = q.shape
@@ -818,10 +1112,16 @@ def block_sparse_attention(
     grid = (n_q, B * H)
     if config is None and _interpreting():
         config = {"PREFETCH_INDEX": 1, "num_warps": 4, "num_stages": 1}
+    use_tma = int(config.get("USE_TMA", 0)) if config is not None else None
+    if use_tma and not tma_loads_supported(k, v):
+        raise ValueError("config USE_TMA=1 needs a Hopper+ GPU, tl.make_tensor_descriptor and 16-byte aligned K/V "
+                         "rows; valid choice here: USE_TMA=0")
+    if (config is None or use_tma) and tma_loads_supported(k, v) and not _interpreting():
+        _ensure_descriptor_allocator()
     if config is None:
         _sparse_attention_kernel_tuned[grid](*args, **meta)
     else:
-        _sparse_attention_kernel[grid](*args, **meta, PREFETCH_INDEX=int(config.get("PREFETCH_INDEX", 1)),
+        _sparse_attention_kernel[grid](*args, **meta, PREFETCH_INDEX=int(config.get("PREFETCH_INDEX", 1)), USE_TMA=use_tma,
                                        num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 3))
     return out
 

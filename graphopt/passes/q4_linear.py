@@ -72,6 +72,13 @@ EPILOGUE_OPS_PER_BLOCK = 4
 # CUDA-core operations per weight value in the gemv decode kernel besides one FMA per token row:
 # half a byte extract, one LOP3 (nibble | exponent bits) and one FADD (remove the offset).
 GEMV_UNPACK_OPS_PER_VALUE = 2.5
+# The dp4a decode kernel: per weight value, the nibble masks/shift of its word (3 ops per 8
+# values, counted from the kernel) and, per token row, an effective 2 ops. The per-row figure is
+# fitted to bench/results/q4_decode_h100.json (H100, CUDA graph, L2-cold): 1 token 0.025-0.026 ms
+# (2.1x cuBLAS) but 4 tokens 0.061 ms (0.92x): the packed-int8 activation words and the dp4a
+# word sums cost far more per row than the dp4a count alone suggests.
+DP4A_UNPACK_OPS_PER_VALUE = 0.375
+DP4A_OPS_PER_VALUE_AND_ROW = 2.0
 # Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
 # own quantization with another CTA's loads. An assumption (the H200 data has no such tile chosen).
 FUSED_SINGLE_CTA_DERATE = 0.7
@@ -92,7 +99,7 @@ def ctas_per_sm(hw: HardwareSpec, config: q4k.TileConfig, act_bytes: int) -> int
 
 def _output_tiles(config: q4k.TileConfig, tokens: int, out_features: int) -> int:
     rows = (config.block_m or min(q4k.GEMV_MAX_ROWS, 1 << max(tokens - 1, 0).bit_length())) \
-        if config.kernel == "gemv" else config.block_m
+        if config.kernel in ("gemv", "dp4a") else config.block_m
     return math.ceil(tokens / rows) * math.ceil(out_features / config.block_n)
 
 
@@ -137,9 +144,11 @@ def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_featu
     fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
     moved = _weight_bytes(n, k) + m * k * act_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
         + (2 * 4 * splits * m * n if splits > 1 else 0)  # fp32 partials written and read back
-    family = "q4_gemv" if config.kernel == "gemv" else "q4_gemm"  # efficiencies are per kernel
-    if config.kernel == "gemv":
-        fp32 = (GEMV_UNPACK_OPS_PER_VALUE + m) * n * k + EPILOGUE_OPS_PER_BLOCK * m * n * (k / 32) \
+    family = "q4_gemv" if config.kernel in ("gemv", "dp4a") else "q4_gemm"  # efficiencies are per kernel
+    if config.kernel in ("gemv", "dp4a"):
+        per_value = GEMV_UNPACK_OPS_PER_VALUE + m if config.kernel == "gemv" \
+            else DP4A_UNPACK_OPS_PER_VALUE + DP4A_OPS_PER_VALUE_AND_ROW * m
+        fp32 = per_value * n * k + EPILOGUE_OPS_PER_BLOCK * m * n * (k / 32) \
             + QUANT_OPS_PER_VALUE * m * k * math.ceil(n / config.block_n)
         return _kernel(hw, f"Q4 fused GEMV (decode, {config.name})", family, int8_ops=0.0, fp32_ops=fp32, moved=moved,
                        launches=launches, memory_derate=fill)

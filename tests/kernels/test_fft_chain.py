@@ -146,7 +146,7 @@ def _on_device(*tensors):
 
 
 @pytest.mark.skipif(not fft.HAS_TRITON, reason="triton not installed")
-@pytest.mark.parametrize("impl", ["triton", "dft"])
+@pytest.mark.parametrize("impl", ["triton", "dft", "dft2", "dft2_pregather"])
 @pytest.mark.parametrize("in_f,out_f,b,k,tokens", [(40, 56, 16, 1, 5), (40, 56, 16, 3, 17), (48, 20, 32, 2, 3), (30, 20, 8, 4, 2)])
 def test_triton_kernels_match_float64_reference(impl, in_f, out_f, b, k, tokens):
     torch.manual_seed(9)
@@ -158,7 +158,7 @@ def test_triton_kernels_match_float64_reference(impl, in_f, out_f, b, k, tokens)
     assert y.shape == (tokens, out_f) and y.dtype == x.dtype
     # On a GPU the dft kernels run fp32 GEMMs as TF32 (10-bit mantissa, documented); the
     # interpreter and the cuFFT-based `triton` path stay in full fp32.
-    tf32 = impl == "dft" and DEVICE == "cuda"
+    tf32 = impl.startswith("dft") and DEVICE == "cuda"
     torch.testing.assert_close(y.double(), ref, rtol=5e-3 if tf32 else 1e-4, atol=5e-3 if tf32 else 1e-5)
 
 
@@ -180,13 +180,17 @@ def test_packed_dft_tables_are_rfft_and_its_inverse():
     cr, ci = fft.spectral_coefficients(layer.coeffs.detach())
     with pytest.raises(ValueError, match="valid choices"):
         fft.fft_chain_dft(torch.randn(2, 18), cr, ci, layer.perms[1:], None, 9, 9)
-    assert "dft" not in fft.available_implementations("cuda", 9)
+    for impl in ("dft2", "dft2_pregather"):
+        with pytest.raises(ValueError, match="valid choices"):
+            fft._LAUNCHERS[impl](torch.randn(2, 18), cr, ci, layer.perms[1:], None, 9, 9)
+    assert not {"dft", "dft2", "dft2_pregather"} & set(fft.available_implementations("cuda", 9))
 
 
 @pytest.mark.skipif(not fft.HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("impl", ["dft", "dft2", "dft2_pregather"])
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("in_f,out_f,b,k,tokens,bias", [(40, 56, 16, 2, 7, True), (64, 24, 32, 4, 3, False)])
-def test_dft_kernels_16bit_inputs(in_dtype, in_f, out_f, b, k, tokens, bias):
+def test_dft_kernels_16bit_inputs(impl, in_dtype, in_f, out_f, b, k, tokens, bias):
     """16-bit inputs: bf16 DFT operands and spectra, fp32 accumulation; the error against the
     float64 layer (on the same rounded inputs) stays within a few bf16 roundings of the output."""
     torch.manual_seed(10)
@@ -196,7 +200,7 @@ def test_dft_kernels_16bit_inputs(in_dtype, in_f, out_f, b, k, tokens, bias):
     cr, ci = fft.spectral_coefficients(layer.coeffs.detach())
     ref = fft.reference_fft_chain(x.double(), layer.coeffs.detach().double(), layer.perms,
                                   bias_t.double() if bias else None, b, out_f)
-    y = fft.fft_chain_dft(*_on_device(x, cr, ci, layer.perms[1:], bias_t), b, out_f).cpu()
+    y = fft._LAUNCHERS[impl](*_on_device(x, cr, ci, layer.perms[1:], bias_t), b, out_f).cpu()
     assert y.dtype == in_dtype and y.shape == (tokens, out_f)
     rounding = fft.relative_error(ref.to(torch.bfloat16), ref)  # bf16-rounding the exact output (fp16 runs in bf16 inside)
     err = fft.relative_error(y, ref)
@@ -207,6 +211,10 @@ def test_dft_kernels_16bit_inputs(in_dtype, in_f, out_f, b, k, tokens, bias):
     assert err < bound, (err, rounding)
 
 
+# Implementations with recorded GPU timings; the dft2 ones have unfitted cost-model constants.
+MEASURED = ("torch", "triton", "dft")
+
+
 def test_cost_model_beats_cublas_only_at_few_tokens_on_h100():
     """16 tokens on 5120->13824, B=512, K=2: every implementation measured faster than cuBLAS on the
     H200 (CUDA graph: torch 1.17x, dft 1.22x); the model picks a cuFFT path there (it predicts the
@@ -215,19 +223,103 @@ def test_cost_model_beats_cublas_only_at_few_tokens_on_h100():
     from graphopt.hardware import get_spec
 
     hw = get_spec("h100")
-    impl, est = fft.choose_implementation(hw, 16, 5120, 13824, 512, 2)
+    impl, est = fft.choose_implementation(hw, 16, 5120, 13824, 512, 2, implementations=MEASURED)
     assert impl in ("torch", "triton")
     assert est.ms < cost_model.linear(hw, 16, 5120, 13824).ms
     assert fft.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "dft").launches == 3
     # 256 and 4096 tokens: every implementation measured 0.31-0.64x cuBLAS on the H200
     for tokens in (256, 4096):
-        _, best = fft.choose_implementation(hw, tokens, 5120, 13824, 512, 2)
+        _, best = fft.choose_implementation(hw, tokens, 5120, 13824, 512, 2, implementations=MEASURED)
         assert best.ms > cost_model.linear(hw, tokens, 5120, 13824).ms
     # a huge K makes the FFT chain slower than dense at many tokens
-    _, big = fft.choose_implementation(hw, 4096, 13824, 5120, 256, 16)
+    _, big = fft.choose_implementation(hw, 4096, 13824, 5120, 256, 16, implementations=MEASURED)
     assert big.ms > cost_model.linear(hw, 4096, 13824, 5120).ms
     # the torch path is launch-bound at 16 tokens: ~13 launches
     assert fft.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "torch").launches >= 12
+
+
+# ---- dft2: frequency-major spectra, tensor-core contraction -------------------------------------
+def test_dft2_coefficient_operands_reproduce_the_packed_complex_product():
+    """[Yr | Yi] = Xr @ G[q,0] + Xi @ G[q,1] is the complex product per frequency, and at q = 0
+    (DC in the real slot, the real Nyquist bin in the imaginary slot) the two real products."""
+    torch.manual_seed(11)
+    c_len, n_out, q_len, t = 5, 3, 4, 2
+    cr, ci = torch.randn(c_len, n_out, q_len + 1, dtype=torch.float64), torch.randn(c_len, n_out, q_len + 1, dtype=torch.float64)
+    g = fft._dft2_coefficient_operands(cr, ci, torch.float64)
+    cp, np_ = 16, 8
+    assert g.shape == (q_len, 2, cp, 2 * np_) and g[:, :, c_len:].abs().sum() == 0
+    xr, xi = torch.randn(q_len, t, cp, dtype=torch.float64), torch.randn(q_len, t, cp, dtype=torch.float64)
+    xr[:, :, c_len:] = 0
+    xi[:, :, c_len:] = 0
+    out = xr @ g[:, 0] + xi @ g[:, 1]  # (Q, T, 2NP)
+    yr, yi = out[..., :n_out], out[..., np_:np_ + n_out]
+    assert out[..., n_out:np_].abs().sum() == 0 and out[..., np_ + n_out:].abs().sum() == 0
+    cs = torch.complex(cr, ci)
+    for q in range(1, q_len):
+        y = torch.complex(xr[q, :, :c_len], xi[q, :, :c_len]) @ cs[:, :, q]
+        torch.testing.assert_close(yr[q], y.real)
+        torch.testing.assert_close(yi[q], y.imag)
+    torch.testing.assert_close(yr[0], xr[0, :, :c_len] @ cr[:, :, 0])  # DC
+    torch.testing.assert_close(yi[0], xi[0, :, :c_len] @ cr[:, :, q_len])  # Nyquist
+
+
+@pytest.mark.skipif(not fft.HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("impl", ["dft2", "dft2_pregather"])
+@pytest.mark.parametrize("in_f,out_f,b,k,tokens,bias", [
+    (37, 29, 16, 1, 1, False),      # T = 1, K = 1, both sides padded
+    (100, 70, 32, 2, 6, True),      # padded, T not a power of two
+    (350, 1115, 16, 3, 3, False),   # C = 66 -> two 64-channel chunks; N = 70 -> two output tiles of [Yr | Yi]
+    (1117, 45, 16, 1, 19, True),    # K = 1 reading x directly (no gather), T over one 16-token tile
+])
+def test_dft2_kernels_match_float64_reference_odd_shapes(impl, in_f, out_f, b, k, tokens, bias):
+    torch.manual_seed(12)
+    layer = fft.FFTChainLinear(in_f, out_f, b, k, bias=bias, seed=4)
+    x = torch.randn(tokens, in_f)
+    cr, ci = fft.spectral_coefficients(layer.coeffs.detach())
+    bias_t = layer.bias.detach() if bias else None
+    ref = fft.reference_fft_chain(x.double(), layer.coeffs.detach().double(), layer.perms, bias_t.double() if bias else None, b, out_f)
+    y = fft._LAUNCHERS[impl](*_on_device(x, cr, ci, layer.perms[1:], bias_t), b, out_f).cpu()
+    assert y.shape == (tokens, out_f) and y.dtype == x.dtype
+    tf32 = DEVICE == "cuda"  # TF32 GEMMs and contraction on a GPU; exact fp32 in the interpreter
+    torch.testing.assert_close(y.double(), ref, rtol=5e-3 if tf32 else 1e-4, atol=5e-3 if tf32 else 1e-5)
+
+
+@pytest.mark.skipif(not fft.HAS_TRITON, reason="triton not installed")
+def test_dft2_operand_cache_follows_in_place_updates():
+    """The cached coefficient operands (and source table) are rebuilt after an in-place update of
+    the coefficients (permutations), never served stale."""
+    torch.manual_seed(13)
+    layer = fft.FFTChainLinear(40, 24, 8, 2, bias=False, seed=5)
+    cr, ci = _on_device(*fft.spectral_coefficients(layer.coeffs.detach()))
+    perms = _on_device(layer.perms[1:].clone())[0]
+    x = _on_device(torch.randn(3, 40))[0]
+    y1 = fft.fft_chain_dft2(x, cr, ci, perms, None, 8, 24)
+    cr.mul_(-2.0)
+    ci.mul_(-2.0)
+    torch.testing.assert_close(fft.fft_chain_dft2(x, cr, ci, perms, None, 8, 24), -2.0 * y1, rtol=1e-5, atol=1e-5)
+    perms.copy_(perms.flip(-1))
+    all_perms = torch.cat([torch.arange(40)[None], perms.cpu()])
+    coeffs = -2.0 * layer.coeffs.detach().double()
+    ref = fft.reference_fft_chain(x.cpu().double(), coeffs, all_perms, None, 8, 24)
+    torch.testing.assert_close(fft.fft_chain_dft2(x, cr, ci, perms, None, 8, 24).cpu().double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_dft2_estimates_and_choice():
+    """dft2 is a candidate of choose_implementation on CUDA for even B: 3 launches (dft2), one
+    more for the torch gather when K > 1 (dft2_pregather); the choice is the cheapest estimate."""
+    from graphopt.hardware import get_spec
+
+    hw = get_spec("h100")
+    assert {"dft2", "dft2_pregather"} <= set(fft.available_implementations("cuda", 512))
+    assert fft.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "dft2").launches == 3
+    assert fft.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "dft2_pregather").launches == 4
+    assert fft.estimate_fft_chain(hw, 16, 5120, 13824, 512, 1, "dft2_pregather").launches == 3
+    for tokens in (1, 16, 256, 4096):
+        impl, est = fft.choose_implementation(hw, tokens, 13824, 5120, 512, 2)
+        cheapest = min(fft.estimate_fft_chain(hw, tokens, 13824, 5120, 512, 2, i).ms for i in fft.IMPLEMENTATIONS)
+        assert est.ms == cheapest and fft.estimate_fft_chain(hw, tokens, 13824, 5120, 512, 2, impl).ms == cheapest
+    only, _ = fft.choose_implementation(hw, 16, 13824, 5120, 512, 2, implementations=("dft2",))
+    assert only == "dft2"
 
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -258,7 +350,7 @@ def _recorded_h200_rows():
             if r["impl"] in ("torch", "triton"):
                 key = (r["in_features"], r["out_features"], r["block_size"], r["k"], t, r["impl"], False)
                 rows[key] = (r["fft_ms"], r["dense_ms"])
-    for name, impls in (("fft_chain_h200_round1.json", ("torch", "triton")), ("fft_chain_h200_round2.json", fft.IMPLEMENTATIONS)):
+    for name, impls in (("fft_chain_h200_round1.json", ("torch", "triton")), ("fft_chain_h200_round2.json", MEASURED)):
         for r in json.loads((RESULTS / name).read_text())["rows"]:
             if r["impl"] in impls:
                 in_f, out_f = (int(v) for v in r["shape"].split("->"))
@@ -288,7 +380,7 @@ def test_cost_model_tracks_recorded_h200_timings():
 
     hw = _measured_h200()
     rows = _recorded_h200_rows()
-    assert len(rows) >= 80 and {r[5] for r in rows} == set(fft.IMPLEMENTATIONS)
+    assert len(rows) >= 80 and {r[5] for r in rows} == set(MEASURED)
     agree: dict[str, list[int]] = {}
     for in_f, out_f, b, k, t, impl, bias, fft_ms, dense_ms in rows:
         pred = fft.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl, bias=bias).ms

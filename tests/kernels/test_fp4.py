@@ -307,14 +307,15 @@ def test_split_k_workspace_is_rearmed_between_calls():
     assert not ws.any() and not counters.any()
 
 
+@pytest.mark.parametrize("tile", [None, (8, 128, 4, 0), (4, 128, 4, 1)])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_dequantize_kernel_is_exact(fmt):
+def test_dequantize_kernel_is_exact(fmt, tile):
     g = torch.Generator().manual_seed(6)
     w = torch.randn(37, 200, generator=g)
     kw = to_kernel_layout(quantize_fp4(w, fmt))
     expected = fp4.dequantize_kernel_layout(kw.codes, kw.scales, kw.global_scale, 37, 200, fmt)
     got = fp4.dequantize_triton(kw.codes.to(DEVICE), kw.scales.to(DEVICE), kw.global_scale.to(DEVICE), 37, 200, fmt,
-                                dtype=torch.float32)
+                                dtype=torch.float32, tile=tile)
     assert torch.equal(got.cpu(), expected)
 
 

@@ -191,7 +191,9 @@ def test_fused_kernel_equals_dequantize_then_matmul(config, m, n, k):
 # gemv: rows per program (0 = all, up to 8), weight rows, pairs per iteration, warps, stages, split-K
 GEMV_CONFIGS = [q4.TileConfig("gemv", 0, 16, 2, 2, 1),
                 q4.TileConfig("gemv", 2, 16, 1, 2, 1, split_k=2, reduce="workspace"),
-                q4.TileConfig("gemv", 0, 32, 4, 4, 1, split_k=0, reduce="atomic")]
+                q4.TileConfig("gemv", 0, 32, 4, 4, 1, split_k=0, reduce="atomic"),
+                q4.TileConfig("dp4a", 0, 16, 2, 2, 1),
+                q4.TileConfig("dp4a", 2, 32, 4, 4, 1, split_k=0, reduce="atomic")]
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS, ids=lambda c: c.name)

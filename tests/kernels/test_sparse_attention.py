@@ -151,10 +151,11 @@ def test_triton_matches_reference_on_predicted_mask(shape, is_causal):
     torch.testing.assert_close(out, ref, **FP32_TOL)
 
 
-def test_triton_pooling_matches_reference():
+@pytest.mark.parametrize("variant", sa.PREDICTOR_VARIANTS)
+def test_triton_pooling_matches_reference(variant):
     # odd lengths (partial last blocks of both sizes), GQA, a head dim that is not a power of two
     q, k = on_device(randn(2, 4, 333, 48, seed=40), randn(2, 2, 333, 48, seed=41) + 0.5)
-    pooled_q, sim_q, pooled_k, sim_k = sa.pool_qk_triton(q, k)
+    pooled_q, sim_q, pooled_k, sim_k = sa.pool_qk_triton(q, k, variant=variant)
     for got, want in zip((pooled_q, sim_q, pooled_k, sim_k), (*sa.pool_blocks(q, sa.BLOCK_M), *sa.pool_blocks(k, sa.BLOCK_N))):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -206,17 +207,65 @@ def test_triton_predictor_keeps_tied_blocks_together():
     assert (counts == 2).any()
 
 
-@pytest.mark.parametrize("prefetch_index", [0, 1])
+def _assert_predictor_matches_reference(q, k, **kwargs):
+    mask = sa.predict_block_mask(q, k, **kwargs)
+    for variant in sa.PREDICTOR_VARIANTS:
+        lut, counts = sa.predict_block_lut(q, k, variant=variant, **kwargs)
+        assert torch.equal(sa.lut_to_block_mask(lut, counts), mask), f"predictor {variant} differs for {kwargs}"
+    return mask
+
+
+@pytest.mark.parametrize("pivots", [1, 3])
+def test_triton_predictor_search_modes_match_reference(monkeypatch, pivots):
+    # v2 searches the top-cdf threshold with 3 pivots (16 steps) on short rows and 1 (31 steps) on
+    # long ones: force each mode at a tiny size. Unstructured random q/k (flat rows: t* is small and
+    # many blocks are kept) and structured ones (peaked rows), odd L, GQA, per-head thresholds
+    # including cdf 0 (only forced blocks), a cdf just below 1, and similarity above every block.
+    config = sa._lut_kernel_config
+    monkeypatch.setattr(sa, "_lut_kernel_config", lambda n, d: {**config(n, d), "PIVOTS": pivots,
+                                                                "SEARCH_STEPS": 16 if pivots == 3 else 31})
+    random_qk = on_device(randn(1, 4, 700, 32, seed=60), randn(1, 2, 700, 32, seed=61))
+    structured_qk = _structured_mixture(1, 4, 2, 700, 32, seed=62)
+    per_head = dict(simthreshd1=torch.tensor([-1.0, 0.2, 2.0, 0.5], device=DEVICE),
+                    cdfthreshd=torch.tensor([0.0, 0.3, 0.9, 0.99999], device=DEVICE))
+    for (q, k), is_causal in ((random_qk, False), (structured_qk, True)):
+        for kwargs in (dict(simthreshd1=-1.0, cdfthreshd=0.9), dict(simthreshd1=-1.0, cdfthreshd=0.5, scale=0.5), per_head):
+            _assert_predictor_matches_reference(q, k, is_causal=is_causal, **kwargs)
+
+
+def test_triton_predictor_ties_at_the_cdf_boundary():
+    # Identical key blocks give exactly equal probabilities: a tie group straddling the cdf boundary
+    # is kept whole (the mass before its first member decides), both variants, causal and not.
+    D = 32
+    a, b = randn(1, 1, 64, D, seed=63), randn(1, 1, 64, D, seed=64)
+    k = torch.cat([a, a, a, b, b, b, a, b], 2)  # 8 key blocks: 4 copies of A, 4 of B
+    q = randn(1, 1, 500, D, seed=65) * 0.1 + torch.cat([a, a], 2).repeat(1, 1, 4, 1)[:, :, :500]
+    q, k = on_device(q, k[:, :, :500])  # L = 500: the last key block is partial (a different mean)
+    for is_causal in (False, True):
+        for cdf in (0.2, 0.45, 0.8):
+            mask = _assert_predictor_matches_reference(q, k, is_causal=is_causal, simthreshd1=-1.0, cdfthreshd=cdf)
+        assert (mask.sum(-1) > 1).any()
+    # all key blocks equal: uniform rows, nothing is strictly larger than anything: all kept
+    k_same = on_device(a.repeat(1, 1, 6, 1))[0]
+    q_same = on_device(randn(1, 1, 384, D, seed=66))[0]
+    mask = _assert_predictor_matches_reference(q_same, k_same, simthreshd1=-1.0, cdfthreshd=0.1)
+    assert mask.all()
+
+
+@pytest.mark.parametrize("prefetch_index,use_tma", [(0, 0), (1, 0), (1, 1)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_triton_kernel_index_prefetch_variants(prefetch_index, is_causal):
-    # both loop variants the GPU autotuner chooses between, on a sparse mask with a partial last block
+def test_triton_kernel_loop_variants(prefetch_index, use_tma, is_causal):
+    # the loop variants the GPU autotuner chooses between (index prefetch; K/V through pointers or
+    # tensor descriptors), on a sparse mask with a partial last block (TMA zero-fills past Lk)
     B, H, L, D = 1, 2, 450, 64
     q, k, v = on_device(*(randn(B, H, L, D, seed=s) for s in (60, 61, 62)))
+    if use_tma and not sa.tma_loads_supported(k, v):
+        pytest.skip("tensor descriptors need a Hopper+ GPU (or the interpreter) and a Triton that has them")
     mask = sa.predict_block_mask(q, k, is_causal=is_causal, simthreshd1=-1.0, cdfthreshd=0.6)
     assert not mask.all()
     lut, counts = sa.block_mask_to_lut(mask)
     ref = sa.block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal)
-    config = {"PREFETCH_INDEX": prefetch_index, "num_warps": 4, "num_stages": 1 if DEVICE == "cpu" else 3}
+    config = {"PREFETCH_INDEX": prefetch_index, "USE_TMA": use_tma, "num_warps": 4, "num_stages": 1 if DEVICE == "cpu" else 3}
     out = sa.block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal, config=config)
     torch.testing.assert_close(out, ref, **FP32_TOL)
 

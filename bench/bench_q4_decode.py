@@ -1,0 +1,108 @@
+"""Q4_0 x Q8_1 decode kernels only (1-16 tokens, the issue's two shapes): the best config of each
+decode kernel ("gemv" fp32 FMAs, "dp4a" integer dots, "gemm" int8 tensor cores) vs cuBLAS bf16,
+all timed as CUDA-graph replays with weights cold in L2 (rotated copies, >= 120 MB per graph).
+
+    python bench/bench_q4_decode.py            # one H100/H200, ~2 minutes
+    python bench/bench_q4_decode.py --cpu-smoke
+
+bench_q4.py times every path and config at every token count (slow); this is the short decode
+round used to judge kernel changes. Each config is checked against dequantize-then-matmul first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ARGS.add_argument("--cpu-smoke", action="store_true")
+OPTS = ARGS.parse_args()
+if OPTS.cpu_smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.common import gbps, print_table, write_json  # noqa: E402
+from graphopt.kernels import q4  # noqa: E402
+
+GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
+DEVICE = "cuda" if GPU else "cpu"
+SHAPES = [(5120, 13824), (13824, 5120)] if GPU else [(128, 48)]
+TOKENS = [1, 4, 16] if GPU else [1, 3]
+COLD_BYTES = 120 << 20
+
+
+def cold_graph_ms(calls, reps: int = 30) -> float:
+    """Median per-call ms of a CUDA graph replaying `calls` once each (weights rotate out of L2)."""
+    if not GPU:
+        import time
+
+        start = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - start) * 1e3 / len(calls)
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    rows = []
+    for k, n in SHAPES:
+        gen = torch.Generator().manual_seed(k + n)
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(DEVICE, torch.bfloat16)
+        qweight, scales = q4.quantize_weight(w.float())
+        w_deq = q4.dequantize_packed(qweight, scales, k)
+        q_bytes = qweight.numel() + scales.numel() * 2
+        copies = max(2, -(-COLD_BYTES // q_bytes)) if GPU else 1
+        q_copies = [(qweight, scales)] + [(qweight.clone(), scales.clone()) for _ in range(copies - 1)]
+        d_copies = [w] + [w.clone() for _ in range(max(2, -(-COLD_BYTES // (2 * n * k))) - 1 if GPU else 0)]
+        for m in TOKENS:
+            x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+            ref = F.linear(q4.dequantize_q8_1(q4.quantize_q8_1(x.float())).reshape(m, -1), w_deq)
+            cublas = cold_graph_ms([lambda wc=wc: F.linear(x, wc) for wc in d_copies])
+            rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": "cuBLAS bf16", "ms": cublas, "vs_cublas": 1.0,
+                         "gbps": gbps(2 * n * k, cublas)})
+            best: dict[str, tuple[float, str]] = {}
+            for cfg in q4.candidate_configs(m, fused=True):
+                try:
+                    y = q4.q4_linear_triton(x, qweight, scales, None, "fused", config=cfg)
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    if err > 2e-2:
+                        print(f"[FAIL] {k}->{n} m={m} {cfg.name}: rel err {err:.2e}", flush=True)
+                        continue
+                    ms = cold_graph_ms([lambda qw=qw, sc=sc, cfg=cfg: q4.q4_linear_triton(x, qw, sc, None, "fused", config=cfg)
+                                        for qw, sc in q_copies])
+                except Exception as exc:  # noqa: BLE001 - a config that cannot run is skipped
+                    print(f"[skip] {k}->{n} m={m} {cfg.name}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                    continue
+                if cfg.kernel not in best or ms < best[cfg.kernel][0]:
+                    best[cfg.kernel] = (ms, cfg.name)
+            for kernel, (ms, name) in sorted(best.items()):
+                rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": kernel, "config": name, "ms": ms,
+                             "vs_cublas": cublas / ms, "gbps": gbps(q_bytes, ms)})
+                print(rows[-1], flush=True)
+    path = write_json("bench_q4_decode", rows)
+    print(f"wrote {path}")
+    print_table("Q4_0 x Q8_1 decode, best config per kernel (CUDA graph, L2-cold; vs_cublas = cuBLAS ms / ms)", rows,
+                ["shape", "tokens", "kernel", "config", "ms", "vs_cublas", "gbps"])
+
+
+if __name__ == "__main__":
+    main()
