@@ -695,6 +695,34 @@ if HAS_TRITON:
         tl.store(ys_ptr + y_off, acc_r.to(ys_ptr.dtype.element_ty), mask=y_mask)
         tl.store(ys_ptr + y_off + Q, acc_i.to(ys_ptr.dtype.element_ty), mask=y_mask)
 
+    @triton.jit
+    def _inverse_dft_tile(ys_ptr, stride_ys_m, stride_ys_p, winv_ptr, bias_ptr, y_ptr, M, N, B, OUT, stride_yt,
+                          HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_P: tl.constexpr):
+        """The inverse-DFT GEMM tile shared by the dft and dft2 pipelines: rows (t, n) of the packed
+        output spectra (element (m, p) at ys + m * stride_ys_m + p * stride_ys_p) times Winv, then
+        bias, crop to OUT and cast in the epilogue. Grid (B / BLOCK_R, T*N / BLOCK_M)."""
+        pid_r, pid_m = tl.program_id(0), tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (t, n)
+        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = offs_m < M
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for p0 in range(0, B, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            a = tl.load(ys_ptr + offs_m[:, None] * stride_ys_m + offs_p[None, :] * stride_ys_p,
+                        mask=row_ok[:, None] & (offs_p[None, :] < B), other=0.0)
+            g = tl.load(winv_ptr + offs_p[:, None] * B + offs_r[None, :], mask=(offs_p[:, None] < B) & (offs_r[None, :] < B), other=0.0)
+            if FP32_DOT:
+                acc += tl.dot(a.to(tl.float32), g.to(tl.float32))
+            else:
+                acc += tl.dot(a.to(winv_ptr.dtype.element_ty), g)
+        tok = offs_m // N
+        cols = (offs_m % N)[:, None] * B + offs_r[None, :]  # (BM, BR) output feature
+        mask = row_ok[:, None] & (offs_r[None, :] < B) & (cols < OUT)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + tok[:, None] * stride_yt + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
     @triton.autotune(
         configs=_configs([{"BLOCK_M": 32, "BLOCK_R": 64, "BLOCK_P": 64}, {"BLOCK_M": 16, "BLOCK_R": 64, "BLOCK_P": 64},
                           {"BLOCK_M": 64, "BLOCK_R": 128, "BLOCK_P": 64}, {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_P": 64, "num_warps": 8},
@@ -712,25 +740,8 @@ if HAS_TRITON:
     ):
         """y[t, n*B + r] = sum_p YS[t*N + n, p] Winv[p, r] + bias: one GEMM (T*N, B) x (B, B) whose
         epilogue adds the bias, crops the padded output columns and casts."""
-        pid_r, pid_m = tl.program_id(0), tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (t, n)
-        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = offs_m < M
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for p0 in range(0, B, BLOCK_P):
-            offs_p = p0 + tl.arange(0, BLOCK_P)
-            a = tl.load(ys_ptr + offs_m[:, None] * B + offs_p[None, :], mask=row_ok[:, None] & (offs_p[None, :] < B), other=0.0)
-            g = tl.load(winv_ptr + offs_p[:, None] * B + offs_r[None, :], mask=(offs_p[:, None] < B) & (offs_r[None, :] < B), other=0.0)
-            if FP32_DOT:
-                acc += tl.dot(a.to(tl.float32), g.to(tl.float32))
-            else:
-                acc += tl.dot(a.to(winv_ptr.dtype.element_ty), g)
-        tok = offs_m // N
-        cols = (offs_m % N)[:, None] * B + offs_r[None, :]  # (BM, BR) output feature
-        mask = row_ok[:, None] & (offs_r[None, :] < B) & (cols < OUT)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + tok[:, None] * stride_yt + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        _inverse_dft_tile(ys_ptr, B, 1, winv_ptr, bias_ptr, y_ptr, M, N, B, OUT, stride_yt,
+                          HAS_BIAS, FP32_DOT, BLOCK_M, BLOCK_R, BLOCK_P)
 
     # -----------------------------------------------------------------------------------------
     @triton.jit
@@ -884,25 +895,8 @@ if HAS_TRITON:
     ):
         """y[t, n*B + r] = sum_p YS^T[p, t*N + n] Winv[p, r] + bias (GEMM (T*N, B) x (B, B) reading
         its A operand transposed), with bias, crop and cast in the epilogue."""
-        pid_r, pid_m = tl.program_id(0), tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (t, n)
-        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = offs_m < M
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for p0 in range(0, B, BLOCK_P):
-            offs_p = p0 + tl.arange(0, BLOCK_P)
-            a = tl.load(ys_ptr + offs_p[None, :] * M + offs_m[:, None], mask=row_ok[:, None] & (offs_p[None, :] < B), other=0.0)
-            g = tl.load(winv_ptr + offs_p[:, None] * B + offs_r[None, :], mask=(offs_p[:, None] < B) & (offs_r[None, :] < B), other=0.0)
-            if FP32_DOT:
-                acc += tl.dot(a.to(tl.float32), g.to(tl.float32))
-            else:
-                acc += tl.dot(a.to(winv_ptr.dtype.element_ty), g)
-        tok = offs_m // N
-        cols = (offs_m % N)[:, None] * B + offs_r[None, :]  # (BM, BR) output feature
-        mask = row_ok[:, None] & (offs_r[None, :] < B) & (cols < OUT)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + tok[:, None] * stride_yt + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        _inverse_dft_tile(ys_ptr, 1, M, winv_ptr, bias_ptr, y_ptr, M, N, B, OUT, stride_yt,
+                          HAS_BIAS, FP32_DOT, BLOCK_M, BLOCK_R, BLOCK_P)
 
 # =============================================================================================
 # Launchers

@@ -710,6 +710,15 @@ if triton is not None:
             return (scale_bytes.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _decode_multiplier(global_scale_ptr, IS_NVFP4: tl.constexpr):
+        """Global scale times the powers of two that undo the 2^-14 of the e2m1 decode and (NVFP4)
+        the 2^-8 of the e4m3 decode."""
+        if IS_NVFP4:
+            return tl.load(global_scale_ptr) * 4194304.0  # 2^22
+        else:
+            return tl.load(global_scale_ptr) * 16384.0  # 2^14
+
+    @triton.jit
     def _mma(w, x, acc, UPCAST_DOT: tl.constexpr):
         """acc (BN, BM) += w (BN, BK) @ x (BM, BK)^T. UPCAST_DOT: compute from fp32 copies of the
         bf16/fp16 operands (same products, exact in fp32) - only for TRITON_INTERPRET=1, whose
@@ -824,10 +833,7 @@ if triton is not None:
         word_ptrs = words_ptr + rows[:, None, None] * stride_wn + offs_g[None, :, None] * WPB + offs_q[None, None, :]  # (BN, G, Q)
         scale_ptrs = scales_ptr + rows[:, None] * stride_sn + offs_g[None, :]  # (BN, G)
         k_word = offs_g[:, None] * BLOCK_SIZE + offs_q[None, :] * 4  # (G, Q)
-        if IS_NVFP4:  # undo 2^-14 (e2m1 decode) and 2^-8 (e4m3 decode)
-            multiplier = tl.load(global_scale_ptr) * 4194304.0
-        else:
-            multiplier = tl.load(global_scale_ptr) * 16384.0
+        multiplier = _decode_multiplier(global_scale_ptr, IS_NVFP4)
 
         token0 = pid_m * BLOCK_M
         x_row0 = x_ptr + tl.minimum(token0, M - 1) * stride_xm
@@ -898,11 +904,14 @@ if triton is not None:
         codes_ptr, scales_ptr, global_scale_ptr, out_ptr, N, K, N_BLOCKS,
         stride_cn, stride_sn, stride_on,
         IS_NVFP4: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROG: tl.constexpr,
+        INTERLEAVE: tl.constexpr,
     ):
         """W (N, K) in out's dtype from the kernel layout, for the prefill path (then cuBLAS).
         Grid: (N / BLOCK_N, N_BLOCKS / BLOCKS_PER_PROG); N_BLOCKS = scale blocks per row (padded).
         Each program decodes a (BLOCK_N, BLOCKS_PER_PROG blocks) tile: byte j of a block ->
-        elements j and j + BS/2, written as two runs of BS/2 contiguous elements per block."""
+        elements j and j + BS/2. INTERLEAVE: the two nibbles are interleaved in registers (join +
+        permute), so every row of the tile is ONE contiguous run of BLOCKS_PER_PROG * BLOCK_SIZE
+        elements (full-width vector stores); else two runs of BS/2 elements per block."""
         HALF: tl.constexpr = BLOCK_SIZE // 2
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -913,50 +922,21 @@ if triton is not None:
         codes = tl.load(codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :],
                         mask=tile_ok[:, :, None], other=0)  # (BN, G, HALF) uint8
         scale_bytes = tl.load(scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=tile_ok, other=0)
-        if IS_NVFP4:
-            multiplier = tl.load(global_scale_ptr) * 4194304.0
-        else:
-            multiplier = tl.load(global_scale_ptr) * 16384.0
-        scale = (_block_scales(scale_bytes, IS_NVFP4) * multiplier)[:, :, None]
-        k_lo = offs_g[None, :, None] * BLOCK_SIZE + offs_j[None, None, :]  # (1, G, HALF)
-        out_rows = out_ptr + offs_n[:, None, None] * stride_on
-        row_ok = (offs_n < N)[:, None, None]
-        w_lo = (_e2m1_times_2_pow_minus_14(codes & 15) * scale).to(out_ptr.dtype.element_ty)
-        tl.store(out_rows + k_lo, w_lo, mask=row_ok & (k_lo < K))
-        w_hi = (_e2m1_times_2_pow_minus_14(codes >> 4) * scale).to(out_ptr.dtype.element_ty)
-        tl.store(out_rows + k_lo + HALF, w_hi, mask=row_ok & (k_lo + HALF < K))
-
-    @triton.jit
-    def _fp4_dequantize_rows_kernel(
-        codes_ptr, scales_ptr, global_scale_ptr, out_ptr, N, K, N_BLOCKS,
-        stride_cn, stride_sn, stride_on,
-        IS_NVFP4: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_PROG: tl.constexpr,
-    ):
-        """As _fp4_dequantize_kernel, but the low and high nibbles of each block are interleaved
-        in registers (join + permute) so every row of the tile is ONE contiguous run of
-        BLOCKS_PER_PROG * BLOCK_SIZE elements: full-width vector stores."""
-        HALF: tl.constexpr = BLOCK_SIZE // 2
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_g = pid_k * BLOCKS_PER_PROG + tl.arange(0, BLOCKS_PER_PROG)
-        offs_j = tl.arange(0, HALF)
-        tile_ok = (offs_n[:, None] < N) & (offs_g[None, :] < N_BLOCKS)  # (BN, G)
-        codes = tl.load(codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :],
-                        mask=tile_ok[:, :, None], other=0)  # (BN, G, HALF) uint8
-        scale_bytes = tl.load(scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=tile_ok, other=0)
-        if IS_NVFP4:
-            multiplier = tl.load(global_scale_ptr) * 4194304.0
-        else:
-            multiplier = tl.load(global_scale_ptr) * 16384.0
-        scale = (_block_scales(scale_bytes, IS_NVFP4) * multiplier)[:, :, None]
+        scale = (_block_scales(scale_bytes, IS_NVFP4) * _decode_multiplier(global_scale_ptr, IS_NVFP4))[:, :, None]
         w_lo = (_e2m1_times_2_pow_minus_14(codes & 15) * scale).to(out_ptr.dtype.element_ty)
         w_hi = (_e2m1_times_2_pow_minus_14(codes >> 4) * scale).to(out_ptr.dtype.element_ty)
-        w = tl.permute(tl.join(w_lo, w_hi), (0, 1, 3, 2))  # (BN, G, 2, HALF): block order
-        w = tl.reshape(w, (BLOCK_N, BLOCKS_PER_PROG * BLOCK_SIZE))
-        offs_k = pid_k * (BLOCKS_PER_PROG * BLOCK_SIZE) + tl.arange(0, BLOCKS_PER_PROG * BLOCK_SIZE)
-        tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w,
-                 mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+        if INTERLEAVE:
+            w = tl.permute(tl.join(w_lo, w_hi), (0, 1, 3, 2))  # (BN, G, 2, HALF): block order
+            w = tl.reshape(w, (BLOCK_N, BLOCKS_PER_PROG * BLOCK_SIZE))
+            offs_k = pid_k * (BLOCKS_PER_PROG * BLOCK_SIZE) + tl.arange(0, BLOCKS_PER_PROG * BLOCK_SIZE)
+            tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w,
+                     mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+        else:
+            k_lo = offs_g[None, :, None] * BLOCK_SIZE + offs_j[None, None, :]  # (1, G, HALF)
+            out_rows = out_ptr + offs_n[:, None, None] * stride_on
+            row_ok = (offs_n < N)[:, None, None]
+            tl.store(out_rows + k_lo, w_lo, mask=row_ok & (k_lo < K))
+            tl.store(out_rows + k_lo + HALF, w_hi, mask=row_ok & (k_lo + HALF < K))
 
     @triton.jit
     def _fp4_gemv_mma_kernel(
@@ -986,11 +966,7 @@ if triton is not None:
         per_split = tl.cdiv(n_iters, SPLIT_K)
         it_start = pid_k * per_split
         it_end = tl.minimum(it_start + per_split, n_iters)
-        # Undo the 2^-14 of the e2m1 decode and the 2^-8 of the e4m3 decode.
-        if IS_NVFP4:
-            multiplier = tl.load(global_scale_ptr) * 4194304.0  # 2^22
-        else:
-            multiplier = tl.load(global_scale_ptr) * 16384.0  # 2^14
+        multiplier = _decode_multiplier(global_scale_ptr, IS_NVFP4)
 
         code_ptrs = codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :]  # (BN, G, HALF)
         scale_ptrs = scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :]  # (BN, G)
@@ -1071,10 +1047,7 @@ if triton is not None:
         m_mask = offs_m < M
         offs_g = tl.arange(0, BLOCKS_PER_ITER)
         offs_j = tl.arange(0, HALF)
-        if IS_NVFP4:
-            multiplier = tl.load(global_scale_ptr) * 4194304.0
-        else:
-            multiplier = tl.load(global_scale_ptr) * 16384.0
+        multiplier = _decode_multiplier(global_scale_ptr, IS_NVFP4)
 
         code_ptrs = codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :]  # (BN, G, HALF)
         scale_ptrs = scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :]  # (BN, G)
@@ -1159,8 +1132,8 @@ def _workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torc
     return _WORKSPACES[key]
 
 
-# Dequantize tile: (rows, elements per row, warps, interleave) per program. interleave 1 runs
-# _fp4_dequantize_rows_kernel (one contiguous store per row), 0 the two-half-stores kernel. The
+# Dequantize tile: (rows, elements per row, warps, interleave) per program. interleave 1: one
+# contiguous store per row (INTERLEAVE in _fp4_dequantize_kernel), 0: two half-block stores. The
 # first entry is the default; bench_fp4.py --dequant-sweep times them all. H100, NVFP4, W bf16
 # 5120x13824 (bench/results/fp4_h100_dequant_sweep.json): the old (64, 64, 4, 0) 0.31 ms;
 # (8, 1024, 4, 0) 0.147 ms; interleaved (4, 1024, 4, 1) 0.071 ms = 2.55 TB/s, 0.86 of the copy.
@@ -1183,11 +1156,11 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, global_scale: t
     blocks_per_prog = elements // bs
     n_blocks = codes.shape[1] * 2 // bs
     grid = (triton.cdiv(out_features, block_n), triton.cdiv(n_blocks, blocks_per_prog))
-    kernel = _fp4_dequantize_rows_kernel if interleave else _fp4_dequantize_kernel
-    kernel[grid](
+    _fp4_dequantize_kernel[grid](
         codes, scales.view(torch.uint8), global_scale, w, out_features, in_features, n_blocks,
         codes.stride(0), scales.stride(0), w.stride(0),
-        IS_NVFP4=format == "nvfp4", BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCKS_PER_PROG=blocks_per_prog, num_warps=warps,
+        IS_NVFP4=format == "nvfp4", BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCKS_PER_PROG=blocks_per_prog,
+        INTERLEAVE=bool(interleave), num_warps=warps,
     )
     return w
 

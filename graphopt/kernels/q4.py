@@ -603,69 +603,6 @@ def _q4_gemm_kernel(
 
 
 @triton.jit
-def _q4_gemv_kernel(
-    x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight (N, Kp/2) uint8; scales (Kp/32, N) fp16
-    bias_ptr, out_ptr,  # bias (N,); out (M, N), or the fp32 buffers of REDUCE (see _write_output)
-    M, N, K, pairs_per_split,
-    stride_xm, stride_wn, stride_wsb, stride_os, stride_om,
-    HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, EXACT: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """Decode: a streaming split-K GEMV on CUDA cores. Program (j, s, i) owns weight rows
-    [j * BLOCK_N, (j + 1) * BLOCK_N), the block pairs [s * pairs_per_split, ...) and token rows
-    [i * ROWS, (i + 1) * ROWS). Each iteration loads a (BLOCK_N, CHUNK, 32) byte tile: 32 * CHUNK
-    contiguous bytes per weight row (16-byte vector loads, a warp covering whole rows), turns the
-    nibbles into fp32 (q - 8) with bit tricks, quantizes the matching activation blocks to Q8_1 in
-    registers, and accumulates d4 * sum_j (q - 8) * (q8 * d8) with fp32 FMAs. Products are exact
-    (4 x 8 x 11 bits); only the fp32 summation order differs from the integer formula."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_c = tl.arange(0, CHUNK)
-    offs_j = tl.arange(0, 32)
-    offs_r = tl.arange(0, ROWS)
-    row0 = pid_m * ROWS
-    num_pairs = tl.cdiv(K, 64)
-    p_begin = pid_k * pairs_per_split
-    p_end = tl.minimum(p_begin + pairs_per_split, num_pairs)
-    # (BN, CHUNK, 32): byte j of pair c of weight row n, relative to the chunk's first pair
-    w_tile = w_ptr + offs_n[:, None, None] * stride_wn + offs_c[None, :, None] * 32 + offs_j[None, None, :]
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for p0 in range(p_begin, p_end, CHUNK):
-        pairs = p0 + offs_c  # (CHUNK,)
-        live = pairs < p_end
-        wb = tl.load(w_tile + p0 * 32, mask=n_mask[:, None, None] & live[None, :, None], other=0)
-        wi = wb.to(tl.int32)
-        w_lo = ((wi & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q - 8 (block 2p)
-        w_hi = ((wi & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 16 (q - 8) (block 2p+1)
-        scale_mask = n_mask[:, None] & live[None, :]
-        d4_lo = tl.load(ws_ptr + (2 * pairs)[None, :] * stride_wsb + offs_n[:, None], mask=scale_mask, other=0.0)
-        d4_hi = tl.load(ws_ptr + (2 * pairs + 1)[None, :] * stride_wsb + offs_n[:, None], mask=scale_mask, other=0.0)
-        d4_lo = d4_lo.to(tl.float32)  # (BN, CHUNK)
-        d4_hi = d4_hi.to(tl.float32) * 0.0625  # the 1/16 of the high nibble, exact
-        k_lo = pairs[:, None] * 64 + offs_j[None, :]  # (CHUNK, 32)
-        for r in tl.static_range(ROWS):
-            row = row0 + r
-            x_row = x_ptr + row * stride_xm
-            row_ok = (offs_c * 0 + row < M)[:, None]  # (CHUNK, 1)
-            x_lo = tl.load(x_row + k_lo, mask=(k_lo < K) & row_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_row + k_lo + 32, mask=(k_lo + 32 < K) & row_ok, other=0.0).to(tl.float32)
-            q_lo, _, _, d8_lo = _q8_1_quantize(x_lo, EXACT)
-            q_hi, _, _, d8_hi = _q8_1_quantize(x_hi, EXACT)
-            a_lo = q_lo * d8_lo[:, None]  # the dequantized Q8_1 values, exact in fp32
-            a_hi = q_hi * d8_hi[:, None]
-            dot_lo = tl.sum(w_lo * a_lo[None, :, :], axis=2)  # (BN, CHUNK)
-            dot_hi = tl.sum(w_hi * a_hi[None, :, :], axis=2)
-            part = tl.sum(d4_lo * dot_lo + d4_hi * dot_hi, axis=1)  # (BN,)
-            acc = tl.where(offs_r[:, None] == r, acc + part[None, :], acc)
-    rows = row0 + offs_r
-    _write_output(acc, out_ptr, bias_ptr, rows, offs_n, rows < M, n_mask, pid_k, stride_os, stride_om,
-                  HAS_BIAS, REDUCE)
-
-
-@triton.jit
 def _dp4a(a, b, USE_ASM: tl.constexpr):
     """Elementwise sum over the four byte lanes of int32 a and b of signed int8 products (PTX
     dp4a.s32.s32 with a zero addend). USE_ASM=False computes the same with shifts (the
@@ -690,46 +627,65 @@ def _pack_int8x4(q, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _q4_gemv_dp4a_kernel(
-    x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight as int32 words (N, Kp/8); scales (Kp/32, N) fp16
+def _q4_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight (N, Kp/2) uint8, or its int32 words (N, Kp/8)
+    #                        when USE_DP4A; scales (Kp/32, N) fp16
     bias_ptr, out_ptr,  # bias (N,); out (M, N), or the fp32 buffers of REDUCE (see _write_output)
     M, N, K, pairs_per_split,
     stride_xm, stride_wn, stride_wsb, stride_os, stride_om,
-    HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, EXACT: tl.constexpr, USE_ASM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, EXACT: tl.constexpr,
+    USE_DP4A: tl.constexpr, USE_ASM: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Decode with integer dot products; grid and tiling as _q4_gemv_kernel. Word i of a block
-    pair holds bytes 4i..4i+3: its low nibbles are elements 4i..4i+3 of block 2p, its high
-    nibbles the same elements of block 2p + 1, so (w & 0x0F0F0F0F) and ((w >> 4) & 0x0F0F0F0F)
-    are four unsigned int8 each, dotted with the matching packed Q8_1 word by one dp4a. Per block:
-    d4 * d8 * (dot(q4u, q8) - 8 * sum(q8)), the integer formula of the reference (exact ints)."""
+    """Decode: a streaming split-K GEMV on CUDA cores. Program (j, s, i) owns weight rows
+    [j * BLOCK_N, (j + 1) * BLOCK_N), the block pairs [s * pairs_per_split, ...) and token rows
+    [i * ROWS, (i + 1) * ROWS). Each iteration loads 32 * CHUNK contiguous bytes per weight row
+    (16-byte vector loads, a warp covering whole rows) and quantizes the matching activation
+    blocks to Q8_1 in registers.
+
+    USE_DP4A=False ("gemv"): the nibbles become fp32 (q - 8) with bit tricks and d4 * sum_j
+    (q - 8) * (q8 * d8) accumulates with fp32 FMAs. Products are exact (4 x 8 x 11 bits); only the
+    fp32 summation order differs from the integer formula.
+    USE_DP4A=True ("dp4a"): word i of a block pair holds bytes 4i..4i+3: its low nibbles are
+    elements 4i..4i+3 of block 2p, its high nibbles the same elements of block 2p + 1, so
+    (w & 0x0F0F0F0F) and ((w >> 4) & 0x0F0F0F0F) are four unsigned int8 each, dotted with the
+    matching packed Q8_1 word by one dp4a. Per block: d4 * d8 * (dot(q4u, q8) - 8 * sum(q8)), the
+    integer formula of the reference (exact ints)."""
+    WORDS: tl.constexpr = 8 if USE_DP4A else 32  # loaded elements per block pair (int32 / uint8)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_c = tl.arange(0, CHUNK)
-    offs_i = tl.arange(0, 8)
+    offs_w = tl.arange(0, WORDS)
     offs_j = tl.arange(0, 32)
     offs_r = tl.arange(0, ROWS)
     row0 = pid_m * ROWS
     num_pairs = tl.cdiv(K, 64)
     p_begin = pid_k * pairs_per_split
     p_end = tl.minimum(p_begin + pairs_per_split, num_pairs)
-    # (BN, CHUNK, 8): word i of pair c of weight row n, relative to the chunk's first pair
-    w_tile = w_ptr + offs_n[:, None, None] * stride_wn + offs_c[None, :, None] * 8 + offs_i[None, None, :]
+    # (BN, CHUNK, WORDS): element w of pair c of weight row n, relative to the chunk's first pair
+    w_tile = w_ptr + offs_n[:, None, None] * stride_wn + offs_c[None, :, None] * WORDS + offs_w[None, None, :]
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for p0 in range(p_begin, p_end, CHUNK):
         pairs = p0 + offs_c  # (CHUNK,)
         live = pairs < p_end
-        words = tl.load(w_tile + p0 * 8, mask=n_mask[:, None, None] & live[None, :, None], other=0)
-        w_lo = words & 0x0F0F0F0F  # block 2p
-        w_hi = (words >> 4) & 0x0F0F0F0F  # block 2p + 1
+        wb = tl.load(w_tile + p0 * WORDS, mask=n_mask[:, None, None] & live[None, :, None], other=0)
+        if USE_DP4A:
+            w_lo = wb & 0x0F0F0F0F  # block 2p
+            w_hi = (wb >> 4) & 0x0F0F0F0F  # block 2p + 1
+        else:
+            wi = wb.to(tl.int32)
+            w_lo = ((wi & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q - 8 (block 2p)
+            w_hi = ((wi & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 16 (q - 8) (block 2p+1)
         scale_mask = n_mask[:, None] & live[None, :]
         d4_lo = tl.load(ws_ptr + (2 * pairs)[None, :] * stride_wsb + offs_n[:, None], mask=scale_mask, other=0.0)
         d4_hi = tl.load(ws_ptr + (2 * pairs + 1)[None, :] * stride_wsb + offs_n[:, None], mask=scale_mask, other=0.0)
         d4_lo = d4_lo.to(tl.float32)  # (BN, CHUNK)
         d4_hi = d4_hi.to(tl.float32)
+        if not USE_DP4A:
+            d4_hi = d4_hi * 0.0625  # the 1/16 of the high nibble, exact
         k_lo = pairs[:, None] * 64 + offs_j[None, :]  # (CHUNK, 32)
         for r in tl.static_range(ROWS):
             row = row0 + r
@@ -737,16 +693,22 @@ def _q4_gemv_dp4a_kernel(
             row_ok = (offs_c * 0 + row < M)[:, None]  # (CHUNK, 1)
             x_lo = tl.load(x_row + k_lo, mask=(k_lo < K) & row_ok, other=0.0).to(tl.float32)
             x_hi = tl.load(x_row + k_lo + 32, mask=(k_lo + 32 < K) & row_ok, other=0.0).to(tl.float32)
-            _, qi_lo, _, d8_lo = _q8_1_quantize(x_lo, EXACT)
-            _, qi_hi, _, d8_hi = _q8_1_quantize(x_hi, EXACT)
-            xw_lo = _pack_int8x4(qi_lo, CHUNK)  # (CHUNK, 8)
-            xw_hi = _pack_int8x4(qi_hi, CHUNK)
-            # |dot - 8 sum| <= 32 * 15 * 128 + 8 * 32 * 128 < 2^22: exact int -> float trick
-            dot_lo = tl.sum(_dp4a(w_lo, tl.broadcast_to(xw_lo[None, :, :], w_lo.shape), USE_ASM), axis=2)
-            dot_hi = tl.sum(_dp4a(w_hi, tl.broadcast_to(xw_hi[None, :, :], w_hi.shape), USE_ASM), axis=2)
-            dot_lo = _int_to_float(dot_lo - 8 * tl.sum(qi_lo, axis=1)[None, :])  # (BN, CHUNK)
-            dot_hi = _int_to_float(dot_hi - 8 * tl.sum(qi_hi, axis=1)[None, :])
-            part = tl.sum(d4_lo * (d8_lo[None, :] * dot_lo) + d4_hi * (d8_hi[None, :] * dot_hi), axis=1)  # (BN,)
+            q_lo, qi_lo, _, d8_lo = _q8_1_quantize(x_lo, EXACT)
+            q_hi, qi_hi, _, d8_hi = _q8_1_quantize(x_hi, EXACT)
+            if USE_DP4A:
+                xw_lo = _pack_int8x4(qi_lo, CHUNK)  # (CHUNK, 8)
+                xw_hi = _pack_int8x4(qi_hi, CHUNK)
+                # |dot - 8 sum| <= 32 * 15 * 128 + 8 * 32 * 128 < 2^22: exact int -> float trick
+                dot_lo = tl.sum(_dp4a(w_lo, tl.broadcast_to(xw_lo[None, :, :], w_lo.shape), USE_ASM), axis=2)
+                dot_hi = tl.sum(_dp4a(w_hi, tl.broadcast_to(xw_hi[None, :, :], w_hi.shape), USE_ASM), axis=2)
+                dot_lo = d8_lo[None, :] * _int_to_float(dot_lo - 8 * tl.sum(qi_lo, axis=1)[None, :])  # (BN, CHUNK)
+                dot_hi = d8_hi[None, :] * _int_to_float(dot_hi - 8 * tl.sum(qi_hi, axis=1)[None, :])
+            else:
+                a_lo = q_lo * d8_lo[:, None]  # the dequantized Q8_1 values, exact in fp32
+                a_hi = q_hi * d8_hi[:, None]
+                dot_lo = tl.sum(w_lo * a_lo[None, :, :], axis=2)  # (BN, CHUNK)
+                dot_hi = tl.sum(w_hi * a_hi[None, :, :], axis=2)
+            part = tl.sum(d4_lo * dot_lo + d4_hi * dot_hi, axis=1)  # (BN,)
             acc = tl.where(offs_r[:, None] == r, acc + part[None, :], acc)
     rows = row0 + offs_r
     _write_output(acc, out_ptr, bias_ptr, rows, offs_n, rows < M, n_mask, pid_k, stride_os, stride_om,
@@ -852,18 +814,15 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
     stride_os = m * n if reduce == REDUCE_WORKSPACE else 0
     stride_om = dest.stride(-2)
     bias_arg = bias if has_bias else dest
-    if config.kernel == "dp4a":
-        _q4_gemv_dp4a_kernel[(tiles_n, split, tiles_m)](
-            a, qweight.view(torch.int32), scales, bias_arg, dest, m, n, k, pairs_per_split,
-            stride_am, qweight.stride(0) // 4, scales.stride(0), stride_os, stride_om,
-            HAS_BIAS=has_bias, REDUCE=reduce, EXACT=_exact_mul(), USE_ASM=not _interpreting(), ROWS=rows,
-            BLOCK_N=config.block_n, CHUNK=config.pairs, num_warps=config.num_warps, num_stages=config.num_stages)
-    elif config.kernel == "gemv":
+    if config.kernel in ("gemv", "dp4a"):
+        dp4a = config.kernel == "dp4a"
+        w = qweight.view(torch.int32) if dp4a else qweight
         _q4_gemv_kernel[(tiles_n, split, tiles_m)](
-            a, qweight, scales, bias_arg, dest, m, n, k, pairs_per_split,
-            stride_am, qweight.stride(0), scales.stride(0), stride_os, stride_om,
-            HAS_BIAS=has_bias, REDUCE=reduce, EXACT=_exact_mul(), ROWS=rows, BLOCK_N=config.block_n,
-            CHUNK=config.pairs, num_warps=config.num_warps, num_stages=config.num_stages)
+            a, w, scales, bias_arg, dest, m, n, k, pairs_per_split,
+            stride_am, w.stride(0), scales.stride(0), stride_os, stride_om,
+            HAS_BIAS=has_bias, REDUCE=reduce, EXACT=_exact_mul(), USE_DP4A=dp4a, USE_ASM=dp4a and not _interpreting(),
+            ROWS=rows, BLOCK_N=config.block_n, CHUNK=config.pairs, num_warps=config.num_warps,
+            num_stages=config.num_stages)
     else:
         _q4_gemm_kernel[(tiles_m, tiles_n, split)](
             a, ad, qweight, scales, bias_arg, dest, m, n, k, pairs_per_split,
