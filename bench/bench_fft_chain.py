@@ -7,7 +7,7 @@
    of each implementation (torch: cuFFT + complex bmm, ~13 launches; triton: cuFFT + Triton
    contraction, ~9 launches; dft: packed real DFT as B x B tensor-core GEMMs + packed FMA
    contraction, 3 launches; dft2: frequency-major spectra, in-kernel prefetched gather, tensor-core
-   contraction, 3 launches; dft2_pregather: dft2 after one torch index_select, 4 launches) at
+   contraction, 3 launches; dft2_pregather: dft2 after one staged Triton gather, 4 launches) at
    1, 16, 256 and 4096 tokens, plain launches and CUDA-graph replays (cuBLAS also in a CUDA graph),
    with the cost model's predicted ms beside them (the JSON keeps the model constants, for a refit).
    Targets: >= 3x cuBLAS at <= 16 tokens, >= 1.0x at 256 tokens (CUDA-graph replays).
@@ -17,6 +17,9 @@
     python bench/bench_fft_chain.py                  # GPU: explorer + candidates
     python bench/bench_fft_chain.py --skip-explorer  # GPU: candidates + breakdown only (~2 min)
     python bench/bench_fft_chain.py --cpu-smoke      # tiny sizes on CPU (Triton interpreter)
+    python bench/bench_fft_chain.py --fit-sweep      # GPU: every implementation on the explorer's
+        # --quick configurations (CUDA graph) plus the per-kernel times of the dft2 pipelines:
+        # the data the dft2 cost-model constants are fitted to (bench/fit_fft_cost_model.py)
 """
 
 from __future__ import annotations
@@ -143,16 +146,63 @@ def kernel_candidates(shapes, token_counts, b, k, device, smoke):
     return rows, breakdown
 
 
+def fit_sweep(device, smoke: bool) -> Path:
+    """Each (shape, B, K) of the explorer's --quick set at its token counts: every implementation
+    replayed from a CUDA graph, cuBLAS bf16 beside it, and the per-kernel device time of the dft2
+    pipelines (what `bench/fit_fft_cost_model.py` fits the DFT2_* constants to)."""
+    from graphopt.fft_explorer import QUICK_COMBOS, matrix_shape
+
+    hw = get_spec("auto") if device.type == "cuda" else get_spec("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = [(64, 96), (96, 64)] if smoke else [matrix_shape(m, 5120, 13824) for m in ("up_proj", "down_proj")]
+    combos = [(16, 2), (32, 4)] if smoke else QUICK_COMBOS
+    tokens = [4, 8] if smoke else [16, 256, 4096]
+    impls = fft.IMPLEMENTATIONS if smoke else fft.available_implementations(device.type, 512)
+    rows, breakdown = [], []
+    for in_f, out_f in shapes:
+        w = (torch.randn(out_f, in_f, device=device) / in_f**0.5).to(dtype)
+        for t in tokens:
+            x = torch.randn(t, in_f, device=device).to(dtype)
+            dense_fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+            dense_ms = cuda_graph_ms(dense_fn) if device.type == "cuda" else median_ms(dense_fn)
+            for b, k in combos:
+                layer = fft.FFTChainLinear(in_f, out_f, b, k, bias=False).to(device)
+                with torch.no_grad():
+                    cr, ci = fft.spectral_coefficients(layer.coeffs)
+                perms = layer.perms[1:].contiguous()
+                for impl in impls:
+                    fn = lambda impl=impl: fft._LAUNCHERS[impl](x, cr, ci, perms, None, b, out_f)  # noqa: E731
+                    try:
+                        ms = cuda_graph_ms(fn) if device.type == "cuda" else median_ms(fn)
+                    except Exception as exc:  # noqa: BLE001 - one failing config must not end the sweep
+                        print(f"FAIL {impl} {in_f}->{out_f} B={b} K={k} T={t}: {type(exc).__name__}: {exc}")
+                        continue
+                    pred = fft.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl, bias=False)
+                    rows.append({"in_features": in_f, "out_features": out_f, "block_size": b, "k": k, "tokens": t, "impl": impl,
+                                 "graph_ms": ms, "cublas_graph_ms": dense_ms, "speedup": dense_ms / ms, "predicted_ms": pred.ms})
+                    print(f"{in_f:>6}->{out_f:<6} T={t:<5} B={b:<5} K={k:<3} {impl:<15} {ms:8.4f} ms  cuBLAS {dense_ms:8.4f}  "
+                          f"{dense_ms / ms:5.2f}x  (predicted {pred.ms:8.4f} ms)", flush=True)
+                    if impl.startswith("dft2"):
+                        for name, us, count in kernel_breakdown(fn, device, iters=10):
+                            breakdown.append({"in_features": in_f, "out_features": out_f, "block_size": b, "k": k, "tokens": t,
+                                              "impl": impl, "kernel": name[:60], "us_per_call": us, "launches_per_call": count})
+    return write_json("fft_fit_sweep", rows, kernel_breakdown=breakdown)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU to exercise the script")
     parser.add_argument("--skip-explorer", action="store_true")
+    parser.add_argument("--fit-sweep", action="store_true", help="only the cost-model fitting sweep (see the module docstring)")
     args = parser.parse_args()
     smoke = args.cpu_smoke
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     if device.type != "cuda" and not smoke:
         print("no CUDA device: run with --cpu-smoke for the CPU exercise")
         return 1
+    if args.fit_sweep:
+        print(f"JSON: {fit_sweep(device, smoke)}")
+        return 0
     explore_tokens = [4, 8] if smoke else [16, 256, 4096]
     token_counts = [1, 4, 8, 16] if smoke else [1, 16, 256, 4096]
     goals = {t: (3.0 if t <= 16 else 1.0 if t <= 256 else None) for t in token_counts}

@@ -54,7 +54,8 @@ Implementations (the op `graphopt::fft_chain_linear` chooses with the cost model
             program is independent, so they are in flight together; `_dft2_inverse_kernel` reads
             YS^T as its transposed A operand and adds bias, crops and casts.
 - "dft2_pregather": as dft2, but one Triton gather launch materializes P x (T, C*B) first (one
-            more launch when K > 1) and the forward kernel is a plain GEMM. Measured on an H100
+            more launch when K > 1; each token's row is staged on chip and gathered there by
+            tl.gather) and the forward kernel is a plain GEMM. Measured on an H100
             (CUDA graph, B=512 K=2, bench/results/fft_chain_h100_round3.json): 3.1x cuBLAS at 16
             tokens on both target shapes, 4.0-4.4x at 1 token, 1.41x / 0.90x at 256 tokens.
             The cost-model constants DFT2_* are still unfitted guesses.
@@ -485,7 +486,7 @@ def estimate_fft_chain(hw, tokens: int, in_features: int, out_features: int, blo
         q = b // 2
         k_steps = -(-b // 64)
         if impl == "dft2_pregather" and k > 1:
-            add("gather P_k x (index_select)", moved=db * t * in_features + db * t * c * b)
+            add("gather P_k x (staged row gather)", moved=db * t * in_features + db * t * c * b)
 
         def gemm_floor(rows: int) -> float:
             """Best of a skinny (32 x 64) and a wide (128 x 128, 8 warps: 2 per SM) tile grid."""
@@ -747,21 +748,31 @@ if HAS_TRITON:
     @triton.jit
     def _gather_columns_kernel(
         x_ptr,  # (T, IN)
-        src_ptr,  # (W,) int32: source column of each output column
+        src_ptr,  # (W,) int32: source column of each output column, in [0, IN)
         out_ptr,  # (T, W) contiguous
-        T, W, stride_xt,
-        BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+        IN, W, COLS_PER_PROGRAM, stride_xt,
+        ROW_CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
-        """out[t, w] = x[t, src[w]]: the permuted input of dft2_pregather in one launch (the index
-        chunk is loaded once per program and reused for BLOCK_T tokens; the gathered reads hit one
-        token's row, which stays in L1/L2)."""
-        offs_w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
-        offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        w_ok = offs_w < W
-        src = tl.load(src_ptr + offs_w, mask=w_ok, other=0)
-        ok = (offs_t[:, None] < T) & w_ok[None, :]
-        vals = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + src[None, :], mask=ok, other=0.0)
-        tl.store(out_ptr + offs_t[:, None].to(tl.int64) * W + offs_w[None, :], vals, mask=ok)
+        """out[t, w] = x[t, src[w]]: the permuted input of dft2_pregather. Program (t, s) owns
+        columns [s * COLS_PER_PROGRAM, (s + 1) * COLS_PER_PROGRAM) of token t. A random
+        permutation read straight from global memory costs one 32-byte sector per 2-byte element;
+        here the token's row is read once, coalesced, in chunks of ROW_CHUNK features, and
+        tl.gather picks the elements from the on-chip copy (shared memory). Each output column is
+        stored by the one chunk that holds its source."""
+        t = tl.program_id(0).to(tl.int64)
+        w_start = tl.program_id(1) * COLS_PER_PROGRAM
+        w_stop = tl.minimum(w_start + COLS_PER_PROGRAM, W)
+        offs_row = tl.arange(0, ROW_CHUNK)
+        for c in tl.static_range(N_CHUNKS):
+            base = c * ROW_CHUNK
+            row = tl.load(x_ptr + t * stride_xt + base + offs_row, mask=base + offs_row < IN, other=0.0)
+            for w0 in range(w_start, w_stop, BLOCK_W):
+                offs_w = w0 + tl.arange(0, BLOCK_W)
+                w_ok = offs_w < w_stop
+                local = tl.load(src_ptr + offs_w, mask=w_ok, other=base) - base
+                here = (local >= 0) & (local < ROW_CHUNK)
+                vals = tl.gather(row, tl.where(here, local, 0), 0)
+                tl.store(out_ptr + t * W + offs_w, vals, mask=w_ok & here)
 
     # Candidate 4 ("dft2", "dft2_pregather"): the dft pipeline rebuilt for latency at few tokens.
     # Same packed real spectrum, but stored FREQUENCY-MAJOR: XS^T (B, T*C) and YS^T (B, T*N), so
@@ -770,7 +781,7 @@ if HAS_TRITON:
     #   [Yr | Yi] (T, 2NP) = Xr (T, CP) @ G[q, 0] (CP, 2NP) + Xi (T, CP) @ G[q, 1] (CP, 2NP)
     # with G built once per coefficient tensor (`_dft2_coefficient_operands`). The forward GEMM
     # either gathers P_k through an int32 source table whose next tile is loaded one K step ahead
-    # ("dft2", 3 launches), or reads an input that torch pre-gathered with one index_select
+    # ("dft2", 3 launches), or reads an input pre-gathered by `_gather_columns_kernel`
     # ("dft2_pregather"; the zero padding is then a mask computed from the row, not a load).
     # -----------------------------------------------------------------------------------------
     @triton.autotune(
@@ -1104,6 +1115,29 @@ def _dft2_coefficient_operands(coeff_real: torch.Tensor, coeff_imag: torch.Tenso
 DFT2_COEFF_DTYPE = torch.float32
 
 
+# Staged gather geometry: one program reads its token's row in chunks of at most GATHER_ROW_CHUNK
+# features (32 KiB of bf16 in shared memory) and stores BLOCK_W columns per step. With few tokens
+# a row's columns are split over several programs so that ~GATHER_TARGET_PROGRAMS run at once.
+GATHER_ROW_CHUNK = 16384
+GATHER_BLOCK_W = 2048
+GATHER_TARGET_PROGRAMS = 512
+
+
+def _launch_gather_columns(x2d: torch.Tensor, src: torch.Tensor, out: torch.Tensor) -> None:
+    """out (T, W) = x2d[:, src] (src int32, flattened) with `_gather_columns_kernel`."""
+    t, in_features = x2d.shape
+    width = out.shape[1]
+    row_chunk = min(_pow2_at_least(in_features, 16), 64 if _INTERPRET else GATHER_ROW_CHUNK)
+    block_w = min(_pow2_at_least(width, 16), 32 if _INTERPRET else GATHER_BLOCK_W)
+    w_blocks = triton.cdiv(width, block_w)
+    splits = max(1, min(w_blocks, GATHER_TARGET_PROGRAMS // max(t, 1)))
+    cols = triton.cdiv(w_blocks, splits) * block_w
+    _gather_columns_kernel[(t, triton.cdiv(width, cols))](
+        x2d, src, out, in_features, width, cols, x2d.stride(0),
+        ROW_CHUNK=row_chunk, N_CHUNKS=triton.cdiv(in_features, row_chunk), BLOCK_W=block_w,
+        num_warps=8 if row_chunk >= 8192 else 4)
+
+
 def _fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features, *, pregather: bool):
     name = "dft2_pregather" if pregather else "dft2"
     if not HAS_TRITON:
@@ -1128,9 +1162,7 @@ def _fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_fe
     elif pregather:  # one gather launch materializes (T, C*B) in channel order
         width = c_len * block_size
         source = torch.empty(t, width, device=dev, dtype=x2d.dtype)
-        block_t = 1 if _INTERPRET else min(8, _pow2_at_least(t, 1))
-        _gather_columns_kernel[(triton.cdiv(width, 1024), triton.cdiv(t, block_t))](
-            x2d, src, source, t, width, x2d.stride(0), BLOCK_T=block_t, BLOCK_W=1024, num_warps=4)
+        _launch_gather_columns(x2d, src, source)
         stride, gather = source.stride(0), False
     else:
         source, stride, gather = x2d, x2d.stride(0), True
@@ -1164,8 +1196,8 @@ def fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_fea
 
 
 def fft_chain_dft2_pregather(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features):
-    """Candidate 5: as dft2, but torch gathers P_k x once (index_select, one extra launch when K > 1)
-    and the forward kernel is a plain GEMM with no dependent loads."""
+    """Candidate 5: as dft2, but P_k x is gathered once first (`_gather_columns_kernel`, one extra
+    launch when K > 1) and the forward kernel is a plain GEMM with no dependent loads."""
     return _fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features, pregather=True)
 
 

@@ -285,6 +285,26 @@ def test_dft2_kernels_match_float64_reference_odd_shapes(impl, in_f, out_f, b, k
 
 
 @pytest.mark.skipif(not fft.HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("tokens,in_f,width", [
+    (1, 37, 50),      # one token: its columns split over several programs
+    (5, 200, 333),    # several row chunks (64 features each in the interpreter, 16384 on a GPU), ragged last chunk
+    (3, 64, 64),      # exactly one chunk
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_columns_kernel_is_an_exact_gather(tokens, in_f, width, dtype):
+    """The staged gather copies x[:, src] bit for bit, every source position reachable from
+    every output column, including sources in later row chunks."""
+    torch.manual_seed(21)
+    x = torch.randn(tokens, in_f).to(dtype)
+    src = torch.randint(0, in_f, (width,), dtype=torch.int32)
+    src[:2] = torch.tensor([in_f - 1, 0])  # both ends of the row
+    xd, srcd = _on_device(x, src)
+    out = torch.empty(tokens, width, dtype=dtype, device=xd.device)
+    fft._launch_gather_columns(xd, srcd, out)
+    assert torch.equal(out.cpu(), x[:, src.long()])
+
+
+@pytest.mark.skipif(not fft.HAS_TRITON, reason="triton not installed")
 def test_dft2_operand_cache_follows_in_place_updates():
     """The cached coefficient operands (and source table) are rebuilt after an in-place update of
     the coefficients (permutations), never served stale."""
