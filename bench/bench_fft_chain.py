@@ -85,10 +85,11 @@ def kernel_breakdown(fn, device, iters: int = 20) -> list[tuple[str, float, floa
     return sorted(out, key=lambda r: -r[1])
 
 
-def kernel_candidates(shapes, token_counts, b, k, device, smoke):
+def kernel_candidates(shapes, token_counts, b, k, device, smoke, only=None):
     hw = get_spec("auto") if device.type == "cuda" else get_spec("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     impls = fft.available_implementations(device.type, b) if not smoke else fft.IMPLEMENTATIONS
+    impls = tuple(i for i in impls if only is None or i in only)
     profiled_tokens = token_counts[1:3] if smoke else PROFILED_TOKENS
     rows, breakdown = [], []
     for in_f, out_f in shapes:
@@ -194,6 +195,8 @@ def main() -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU to exercise the script")
     parser.add_argument("--skip-explorer", action="store_true")
     parser.add_argument("--fit-sweep", action="store_true", help="only the cost-model fitting sweep (see the module docstring)")
+    parser.add_argument("--impls", default=None, help="comma-separated implementations for the kernel candidates "
+                        f"(default: all that run here; valid: {', '.join(fft.IMPLEMENTATIONS)})")
     args = parser.parse_args()
     smoke = args.cpu_smoke
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
@@ -214,7 +217,10 @@ def main() -> int:
             explorer[t] = res["analysis"]
     shapes = [(64, 96), (96, 64)] if smoke else [(5120, 13824), (13824, 5120)]
     b, k = (16, 2) if smoke else (512, 2)
-    rows, breakdown = kernel_candidates(shapes, token_counts, b, k, device, smoke)
+    only = tuple(args.impls.split(",")) if args.impls else None
+    if only and not set(only) <= set(fft.IMPLEMENTATIONS):
+        parser.error(f"--impls {args.impls}: valid choices are {', '.join(fft.IMPLEMENTATIONS)}")
+    rows, breakdown = kernel_candidates(shapes, token_counts, b, k, device, smoke, only)
     agree = sum(a["agreement"]["agree"] for a in explorer.values())
     total = sum(a["agreement"]["total"] for a in explorer.values())
     targets = []
@@ -232,9 +238,10 @@ def main() -> int:
                       explorer={str(t): a for t, a in explorer.items()},
                       cost_model_constants={"launch_fraction_in_graph": fft.LAUNCH_FRACTION_IN_GRAPH, "fma_efficiency": fft.FMA_EFFICIENCY,
                                             "serial_step_s": fft.SERIAL_STEP_S, "dft_contract_step_s": fft.DFT_CONTRACT_STEP_S,
-                                            "dft_gemm_step_s": fft.DFT_GEMM_STEP_S, "dft2_latency_s (unfitted)": fft.DFT2_LATENCY_S,
-                                            "dft2_gemm_step_s (unfitted)": fft.DFT2_GEMM_STEP_S,
-                                            "dft2_contract_step_s (unfitted)": fft.DFT2_CONTRACT_STEP_S,
+                                            "dft_gemm_step_s": fft.DFT_GEMM_STEP_S, "dft2_latency_s": fft.DFT2_LATENCY_S,
+                                            "dft2_gemm_step_s": fft.DFT2_GEMM_STEP_S, "dft2_contract_step_s": fft.DFT2_CONTRACT_STEP_S,
+                                            "dft2_gather_memory_efficiency": fft.DFT2_GATHER_MEMORY_EFFICIENCY,
+                                            "dft2_inkernel_gather_matrix_fraction": fft.DFT2_INKERNEL_GATHER_MATRIX_FRACTION,
                                             "fft_chain_efficiency": cost_model.KERNEL_EFFICIENCY["fft_chain"]})
     print(f"explorer cost-model agreement over all token counts: {agree}/{total}" + (f" = {100 * agree / total:.0f}% (target >= 90%)" if total else ""))
     print(f"JSON: {path}")

@@ -13,6 +13,7 @@ forward pass where each layer's weights come from DRAM) are judged on it; the ho
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,17 @@ def test_fp4_not_rewritten_on_h200_at_any_measured_token_count(tokens):
     """The H200 measurement has no (shape, tokens) where FP4 is >5% faster than cuBLAS (cold)."""
     before, after = fp4_linear.predict(H200, tokens, 4096, 11008, "nvfp4")
     assert not fp4_linear.worth_rewriting(before, after)
+
+
+def test_fft_chain_dft2_model_against_the_h100_sweep():
+    """The FFT-chain cost model (dft2 constants fitted to this sweep) against every implementation
+    timed at the explorer's --quick configurations on an H100: the explorer's faster/slower call,
+    simulated with the model's own implementation pick, agrees on >= 90% of the configurations,
+    and every dft2_pregather time is predicted within 0.6-1.7x."""
+    from bench.fit_fft_cost_model import evaluate
+    rows = json.loads((RESULTS / "fft_fit_sweep_h100.json").read_text())["rows"]
+    res = evaluate(SPECS["h100"], rows)
+    assert res["total"] >= 40
+    assert res["agree"] / res["total"] >= 0.9, res["misses"]
+    ratios = [math.exp(e) for e in res["errors"]["dft2_pregather"]]
+    assert 0.6 <= min(ratios) and max(ratios) <= 1.7, (min(ratios), max(ratios))

@@ -58,7 +58,7 @@ Implementations (the op `graphopt::fft_chain_linear` chooses with the cost model
             tl.gather) and the forward kernel is a plain GEMM. Measured on an H100
             (CUDA graph, B=512 K=2, bench/results/fft_chain_h100_round3.json): 3.1x cuBLAS at 16
             tokens on both target shapes, 4.0-4.4x at 1 token, 1.41x / 0.90x at 256 tokens.
-            The cost-model constants DFT2_* are still unfitted guesses.
+            The cost-model constants DFT2_* are fitted to an H100 sweep (see below).
 Precision: the cuFFT paths are full fp32. The dft path keeps 16-bit inputs in their dtype for
 the DFT operands and the stored spectra (fp32 accumulation, fp32 coefficients): for bf16 (and fp16, run
 in bf16 for range) about twice the relative error of rounding the output to bf16 (3.4e-3 vs 1.7e-3 on 5120->13824, B=512,
@@ -386,13 +386,22 @@ SERIAL_STEP_S = 0.56e-6
 DFT_CONTRACT_STEP_S = 3.3e-6
 DFT_GEMM_STEP_S = 1.7e-6
 PROGRAMS_PER_SM = 4  # resident 4-warp programs per SM assumed for the wave count
-# dft2 / dft2_pregather: NOT FITTED (guesses written before any GPU measurement; refit them to the
-# bench's CUDA-graph rows): per program, one load round trip plus epilogue (DFT2_LATENCY_S), plus
-# one pipelined 64-wide K step per DFT2_GEMM_STEP_S, plus one (frequency, 64-channel chunk) pair
-# of tensor-core dots per DFT2_CONTRACT_STEP_S.
-DFT2_LATENCY_S = 1.5e-6
+# dft2 / dft2_pregather, fitted on an H100 (bench/fit_fft_cost_model.py on
+# bench/results/fft_fit_sweep_h100.json: every implementation at the explorer's --quick
+# configurations, CUDA graph, torch 2.11, triton 3.6): per program, one load round trip plus
+# epilogue (DFT2_LATENCY_S), plus one pipelined 64-wide K step per DFT2_GEMM_STEP_S, plus one
+# (frequency, 64-channel chunk) pair of tensor-core dots per DFT2_CONTRACT_STEP_S. The staged
+# gather of dft2_pregather streams its bytes (row, gathered columns, one index per column) at
+# DFT2_GATHER_MEMORY_EFFICIENCY of the memory ceiling; dft2's in-kernel gather makes its forward
+# GEMM run at DFT2_INKERNEL_GATHER_MATRIX_FRACTION of the matrix ceiling. With these values the
+# dft2 predictions are within 0.59-1.41x of the measured times (median 0.98), dft2_pregather's
+# within 0.89-1.44x (median 1.06), and the explorer's faster/slower call, simulated on the sweep,
+# agrees on 45/46 configurations.
+DFT2_LATENCY_S = 1.0e-6
 DFT2_GEMM_STEP_S = 0.3e-6
 DFT2_CONTRACT_STEP_S = 0.3e-6
+DFT2_GATHER_MEMORY_EFFICIENCY = 0.5
+DFT2_INKERNEL_GATHER_MATRIX_FRACTION = 0.12
 
 
 def _fft_flops(length: int, transforms: float) -> float:
@@ -480,13 +489,17 @@ def estimate_fft_chain(hw, tokens: int, in_features: int, out_features: int, blo
         add("inverse DFT GEMM + bias", flops=unit_scale * 2.0 * rows_i * b * b, family="fft_chain", unit="matrix",
             moved=sb * (t * n * b + b * b) + db * (t * out_features + (out_features if bias else 0)),
             serial_s=_serial_bound_s(hw, k_steps * -(-(t * n) // 32), k_steps, DFT_GEMM_STEP_S))
-    else:  # dft2 / dft2_pregather: frequency-major spectra, tensor-core contraction (UNFITTED constants)
+    else:  # dft2 / dft2_pregather: frequency-major spectra, tensor-core contraction (constants fitted on an H100)
         sb = db if db in (2,) else 4
         unit_scale = 1.0 if sb == 2 else 2.0
         q = b // 2
         k_steps = -(-b // 64)
         if impl == "dft2_pregather" and k > 1:
-            add("gather P_k x (staged row gather)", moved=db * t * in_features + db * t * c * b)
+            # each token's row, its C*B gathered columns, and one index per column (L2-resident)
+            idx_bytes = 2 if in_features <= 2**15 else 4
+            moved = db * t * in_features + (db + idx_bytes) * t * c * b
+            gather_s = moved / (hw.memory_ceiling * DFT2_GATHER_MEMORY_EFFICIENCY) if hw.is_gpu else 0.0
+            add("gather P_k x (staged row gather)", moved=moved, serial_s=gather_s)
 
         def gemm_floor(rows: int) -> float:
             """Best of a skinny (32 x 64) and a wide (128 x 128, 8 warps: 2 per SM) tile grid."""
@@ -494,8 +507,14 @@ def estimate_fft_chain(hw, tokens: int, in_features: int, out_features: int, blo
             wide = _serial_bound_s(hw, 2 * -(-rows // 128) * -(-b // 128), 1, DFT2_LATENCY_S + 2 * k_steps * DFT2_GEMM_STEP_S)
             return min(skinny, wide)
 
-        add("forward DFT GEMM" + (" (in-kernel gather)" if impl == "dft2" else ""), flops=unit_scale * 2.0 * max(t * c, 16) * b * b,
-            family="fft_chain", unit="matrix", moved=db * t * in_features * k + sb * (b * b + t * c * b), serial_s=gemm_floor(t * c))
+        fwd_flops = unit_scale * 2.0 * max(t * c, 16) * b * b
+        fwd_floor = gemm_floor(t * c)
+        if impl == "dft2" and k > 1 and hw.is_gpu:
+            # every gathered element costs its own 32-byte sector, once per program column of the
+            # GEMM that reads it: the gathered GEMM runs at a small fraction of the matrix rate
+            fwd_floor = max(fwd_floor, fwd_flops / (hw.matrix_ceiling * DFT2_INKERNEL_GATHER_MATRIX_FRACTION))
+        add("forward DFT GEMM" + (" (in-kernel gather)" if impl == "dft2" else ""), flops=fwd_flops,
+            family="fft_chain", unit="matrix", moved=db * t * in_features * k + sb * (b * b + t * c * b), serial_s=fwd_floor)
         cp, np2 = _pow2_at_least(c, 16), 2 * _pow2_at_least(n, 8)
         t_tiles = -(-t // 16) if t <= 64 else -(-t // 64)
         c_chunks = -(-cp // 64)
@@ -745,31 +764,38 @@ if HAS_TRITON:
                           HAS_BIAS, FP32_DOT, BLOCK_M, BLOCK_R, BLOCK_P)
 
     # -----------------------------------------------------------------------------------------
+    # A program stores STEPS x BLOCK_W columns of one token (unrolled: every index load of the
+    # program is in flight at once); the widest configs cover a whole LLaMA-sized row, so the row
+    # is read once per token.
+    _GATHER_OPTIONS = [{"BLOCK_W": 32, "STEPS": 2}] if _INTERPRET else [
+        {"BLOCK_W": 1024, "STEPS": 4, "num_warps": 8}, {"BLOCK_W": 2048, "STEPS": 4, "num_warps": 8},
+        {"BLOCK_W": 2048, "STEPS": 8, "num_warps": 16}, {"BLOCK_W": 2048, "STEPS": 16, "num_warps": 16},
+        {"BLOCK_W": 4096, "STEPS": 4, "num_warps": 16}, {"BLOCK_W": 1024, "STEPS": 16, "num_warps": 8}]
+
+    @triton.autotune(configs=_configs(_GATHER_OPTIONS, [8], [1]), key=["T_BUCKET", "IN", "W"])
     @triton.jit
     def _gather_columns_kernel(
         x_ptr,  # (T, IN)
-        src_ptr,  # (W,) int32: source column of each output column, in [0, IN)
+        src_ptr,  # (W,) int16 or int32: source column of each output column, in [0, IN)
         out_ptr,  # (T, W) contiguous
-        IN, W, COLS_PER_PROGRAM, stride_xt,
-        ROW_CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_W: tl.constexpr,
+        IN, W, stride_xt, T_BUCKET,
+        ROW_CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_W: tl.constexpr, STEPS: tl.constexpr,
     ):
-        """out[t, w] = x[t, src[w]]: the permuted input of dft2_pregather. Program (t, s) owns
-        columns [s * COLS_PER_PROGRAM, (s + 1) * COLS_PER_PROGRAM) of token t. A random
-        permutation read straight from global memory costs one 32-byte sector per 2-byte element;
-        here the token's row is read once, coalesced, in chunks of ROW_CHUNK features, and
-        tl.gather picks the elements from the on-chip copy (shared memory). Each output column is
-        stored by the one chunk that holds its source."""
+        """out[t, w] = x[t, src[w]]: the permuted input of dft2_pregather. A random permutation read
+        straight from global memory costs one 32-byte sector per 2-byte element; here the token's
+        row is read once per program, coalesced, in chunks of ROW_CHUNK features, and tl.gather
+        picks the elements from that on-chip copy (shared memory). Each output column is stored by
+        the one chunk that holds its source."""
         t = tl.program_id(0).to(tl.int64)
-        w_start = tl.program_id(1) * COLS_PER_PROGRAM
-        w_stop = tl.minimum(w_start + COLS_PER_PROGRAM, W)
+        first = tl.program_id(1) * (STEPS * BLOCK_W)
         offs_row = tl.arange(0, ROW_CHUNK)
         for c in tl.static_range(N_CHUNKS):
             base = c * ROW_CHUNK
             row = tl.load(x_ptr + t * stride_xt + base + offs_row, mask=base + offs_row < IN, other=0.0)
-            for w0 in range(w_start, w_stop, BLOCK_W):
-                offs_w = w0 + tl.arange(0, BLOCK_W)
-                w_ok = offs_w < w_stop
-                local = tl.load(src_ptr + offs_w, mask=w_ok, other=base) - base
+            for step in tl.static_range(STEPS):
+                offs_w = first + step * BLOCK_W + tl.arange(0, BLOCK_W)
+                w_ok = offs_w < W
+                local = tl.load(src_ptr + offs_w, mask=w_ok, other=0).to(tl.int32) - base
                 here = (local >= 0) & (local < ROW_CHUNK)
                 vals = tl.gather(row, tl.where(here, local, 0), 0)
                 tl.store(out_ptr + t * W + offs_w, vals, mask=w_ok & here)
@@ -1115,27 +1141,26 @@ def _dft2_coefficient_operands(coeff_real: torch.Tensor, coeff_imag: torch.Tenso
 DFT2_COEFF_DTYPE = torch.float32
 
 
-# Staged gather geometry: one program reads its token's row in chunks of at most GATHER_ROW_CHUNK
-# features (32 KiB of bf16 in shared memory) and stores BLOCK_W columns per step. With few tokens
-# a row's columns are split over several programs so that ~GATHER_TARGET_PROGRAMS run at once.
+# Staged gather: one program keeps a row chunk of at most GATHER_ROW_CHUNK features on chip
+# (32 KiB of bf16 in shared memory); the column tiling is autotuned (`_GATHER_OPTIONS`).
 GATHER_ROW_CHUNK = 16384
-GATHER_BLOCK_W = 2048
-GATHER_TARGET_PROGRAMS = 512
 
 
 def _launch_gather_columns(x2d: torch.Tensor, src: torch.Tensor, out: torch.Tensor) -> None:
-    """out (T, W) = x2d[:, src] (src int32, flattened) with `_gather_columns_kernel`."""
+    """out (T, W) = x2d[:, src] (src int16/int32, flattened) with `_gather_columns_kernel`."""
     t, in_features = x2d.shape
     width = out.shape[1]
     row_chunk = min(_pow2_at_least(in_features, 16), 64 if _INTERPRET else GATHER_ROW_CHUNK)
-    block_w = min(_pow2_at_least(width, 16), 32 if _INTERPRET else GATHER_BLOCK_W)
-    w_blocks = triton.cdiv(width, block_w)
-    splits = max(1, min(w_blocks, GATHER_TARGET_PROGRAMS // max(t, 1)))
-    cols = triton.cdiv(w_blocks, splits) * block_w
-    _gather_columns_kernel[(t, triton.cdiv(width, cols))](
-        x2d, src, out, in_features, width, cols, x2d.stride(0),
-        ROW_CHUNK=row_chunk, N_CHUNKS=triton.cdiv(in_features, row_chunk), BLOCK_W=block_w,
-        num_warps=8 if row_chunk >= 8192 else 4)
+    _gather_columns_kernel[lambda meta: (t, triton.cdiv(width, meta["BLOCK_W"] * meta["STEPS"]))](
+        x2d, src, out, in_features, width, x2d.stride(0), _t_bucket(t),
+        ROW_CHUNK=row_chunk, N_CHUNKS=triton.cdiv(in_features, row_chunk))
+
+
+def _gather_source_table(perms: torch.Tensor, in_features: int, block_size: int, n_in: int) -> torch.Tensor:
+    """`_dft2_source_table` flattened, as int16 where the features fit (half the index bytes that
+    every token's gather reads), else int32."""
+    src = _dft2_source_table(perms, in_features, block_size, n_in).reshape(-1)
+    return src.to(torch.int16) if in_features <= 2**15 else src
 
 
 def _fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features, *, pregather: bool):
@@ -1162,7 +1187,9 @@ def _fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_fe
     elif pregather:  # one gather launch materializes (T, C*B) in channel order
         width = c_len * block_size
         source = torch.empty(t, width, device=dev, dtype=x2d.dtype)
-        _launch_gather_columns(x2d, src, source)
+        gather_src = _cached_operand((perms,), ("gather_src", in_features, block_size, n_in),
+                                     lambda: _gather_source_table(perms, in_features, block_size, n_in))
+        _launch_gather_columns(x2d, gather_src, source)
         stride, gather = source.stride(0), False
     else:
         source, stride, gather = x2d, x2d.stride(0), True

@@ -1,0 +1,120 @@
+"""Check (and refit) the FFT-chain cost model against a measured sweep, without a GPU.
+
+Reads the rows of `bench_fft_chain.py --fit-sweep` (every implementation at the explorer's --quick
+configurations, CUDA-graph times, cuBLAS bf16 beside them), and for the hardware they ran on:
+  * per implementation: the median and worst |log(predicted / measured)| of the time;
+  * the explorer's faster/slower agreement, simulated exactly as `explore_fft` scores it: the
+    cost model picks the implementation it predicts fastest, the row counts as agreeing when
+    (cuBLAS predicted / picked predicted > 1) == (cuBLAS measured / picked measured > 1);
+  * with --fit: a grid search of the dft2 constants (DFT2_*) minimizing the mean |log error| of
+    the dft2 and dft2_pregather rows, printed for pasting into graphopt/kernels/fft_chain.py.
+
+    python bench/fit_fft_cost_model.py bench/results/fft_fit_sweep_h100.json --gpu h100 [--fit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graphopt import cost_model  # noqa: E402
+from graphopt.hardware import get_spec  # noqa: E402
+from graphopt.kernels import fft_chain as fft  # noqa: E402
+
+FIT_GRID = {
+    "DFT2_LATENCY_S": [1.0e-6, 1.5e-6, 2.0e-6, 2.5e-6],
+    "DFT2_GEMM_STEP_S": [0.2e-6, 0.3e-6, 0.4e-6, 0.5e-6],
+    "DFT2_CONTRACT_STEP_S": [0.2e-6, 0.3e-6, 0.5e-6, 0.8e-6],
+    "DFT2_GATHER_MEMORY_EFFICIENCY": [0.3, 0.4, 0.5, 0.6, 0.8],
+    "DFT2_INKERNEL_GATHER_MATRIX_FRACTION": [0.06, 0.08, 0.1, 0.12],
+}
+
+
+def predictions(hw, rows):
+    """{(config): {impl: predicted ms}} and the predicted dense ms per config."""
+    preds, dense = {}, {}
+    for r in rows:
+        key = (r["in_features"], r["out_features"], r["tokens"], r["block_size"], r["k"])
+        preds.setdefault(key, {})[r["impl"]] = fft.estimate_fft_chain(hw, r["tokens"], r["in_features"], r["out_features"],
+                                                                      r["block_size"], r["k"], r["impl"], bias=False).ms
+        dense[key] = cost_model.linear(hw, r["tokens"], r["in_features"], r["out_features"]).ms
+    return preds, dense
+
+
+def evaluate(hw, rows) -> dict:
+    preds, dense = predictions(hw, rows)
+    measured = {}
+    for r in rows:
+        key = (r["in_features"], r["out_features"], r["tokens"], r["block_size"], r["k"])
+        measured.setdefault(key, {})[r["impl"]] = (r["graph_ms"], r["cublas_graph_ms"])
+    errors: dict[str, list[float]] = {}
+    for key, by_impl in measured.items():
+        for impl, (ms, _) in by_impl.items():
+            errors.setdefault(impl, []).append(math.log(preds[key][impl] / ms))
+    agree, total, misses = 0, 0, []
+    for key, by_impl in measured.items():
+        if len(by_impl) < len(fft.available_implementations("cuda", key[3])):
+            continue  # the sweep did not time every candidate of this configuration
+        picked = min(by_impl, key=lambda impl: preds[key][impl])
+        ms, cublas_ms = by_impl[picked]
+        predicted_faster = dense[key] / preds[key][picked] > 1.0
+        faster = cublas_ms / ms > 1.0
+        total += 1
+        agree += predicted_faster == faster
+        if predicted_faster != faster:
+            misses.append((key, picked, dense[key] / preds[key][picked], cublas_ms / ms))
+    return {"errors": errors, "agree": agree, "total": total, "misses": misses}
+
+
+def score(hw, rows) -> float:
+    errs = evaluate(hw, [r for r in rows if r["impl"] in ("dft2", "dft2_pregather")])["errors"]
+    return statistics.fmean(abs(e) for v in errs.values() for e in v)
+
+
+def report(hw, rows, title: str) -> None:
+    res = evaluate(hw, rows)
+    print(f"\n{title}")
+    for impl, errs in res["errors"].items():
+        ratio = [math.exp(e) for e in errs]
+        print(f"  {impl:<15} predicted/measured: median {statistics.median(ratio):.2f}, range {min(ratio):.2f}-{max(ratio):.2f} ({len(errs)} rows)")
+    rate = res["agree"] / res["total"] if res["total"] else float("nan")
+    print(f"  explorer agreement (distinct configurations, cost-model pick): {res['agree']}/{res['total']} = {100 * rate:.0f}%")
+    for key, picked, pred, meas in res["misses"]:
+        print(f"    miss {key}: picked {picked}, predicted {pred:.2f}x, measured {meas:.2f}x")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("--gpu", default="h100", help="graphopt.hardware spec key of the GPU the sweep ran on")
+    parser.add_argument("--fit", action="store_true")
+    args = parser.parse_args()
+    rows = json.loads(args.sweep.read_text())["rows"]
+    hw = get_spec(args.gpu)
+    report(hw, rows, "current constants")
+    if not args.fit:
+        return 0
+    best = None
+    names = list(FIT_GRID)
+    for values in itertools.product(*(FIT_GRID[n] for n in names)):
+        for n, v in zip(names, values):
+            setattr(fft, n, v)
+        s = score(hw, rows)
+        if best is None or s < best[0]:
+            best = (s, values)
+    for n, v in zip(names, best[1]):
+        setattr(fft, n, v)
+    print("\nfitted: " + ", ".join(f"{n} = {v}" for n, v in zip(names, best[1])) + f"  (mean |log error| {best[0]:.3f})")
+    report(hw, rows, "fitted constants")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
