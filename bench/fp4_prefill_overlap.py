@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import median_ms, print_table, write_json  # noqa: E402
+from bench.common import interleaved_ms, print_table, write_json  # noqa: E402
 from graphopt.kernels import fp4  # noqa: E402
 
 SHAPES = [(5120, 13824), (13824, 5120)]
@@ -86,10 +86,7 @@ def main() -> int:
             torch.cuda.synchronize()
             if name.startswith("pipelined"):
                 same[name] = bool(torch.allclose(y.float(), ref.float(), rtol=1e-2, atol=1e-2 * ref.float().abs().max().item()))
-        rounds = {name: [] for name in variants}
-        for _ in range(ROUNDS):
-            for name, fn in variants.items():
-                rounds[name].append(median_ms(fn, warmup_ms=5, rep_ms=40))
+        rounds = interleaved_ms(variants, rounds=ROUNDS)
         base = statistics.median(rounds["cublas"])
         for name, times in rounds.items():
             ms = statistics.median(times)

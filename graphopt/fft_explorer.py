@@ -193,7 +193,7 @@ def explore_fft(
                              "projection_rel_error": proj_err, "impl": impl_used, "timing": method})
                 r = rows[-1]
                 console.print(f"layer {layer:>3} {matrix:<9} {in_f:>6}->{out_f:<6} B={block_size:<5} K={k:<3} dense {dense_ms:8.4f} ms  "
-                              f"FFT {fft_ms:8.4f} ms [{impl_used:>6}]  speedup {speedup:6.2f}x {'✓' if r['faster'] else '✗'}  "
+                              f"FFT {fft_ms:8.4f} ms \\[{impl_used:>14}]  speedup {speedup:6.2f}x {'✓' if r['faster'] else '✗'}  "
                               f"(predicted {predicted:5.2f}x {'✓' if r['predicted_faster'] else '✗'})  compression {r['compression']:6.1f}x"
                               + (f"  proj. err {proj_err:.3f}" if proj_err is not None else ""))
     analysis = analyze(rows)
