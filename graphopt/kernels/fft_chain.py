@@ -399,9 +399,9 @@ PROGRAMS_PER_SM = 4  # resident 4-warp programs per SM assumed for the wave coun
 # column) at DFT2_GATHER_MEMORY_EFFICIENCY of the memory ceiling: 0.6 from the autotuned kernel's
 # profile (bench/results/fft_chain_h100_round5.json: 20.7 us on 13824->5120 and 6.9 us on
 # 5120->13824 at 256 tokens, B=512 K=2; the sweep's first staged kernel fitted 0.5). Predicted vs
-# measured: dft2 0.79-1.42x (median 1.05), dft2_pregather 0.9-1.4x. The explorer's faster/slower
-# call on the round-5 run, rescored with these constants and the dense model's partial-overlap
-# term (cost_model.GEMM_PARTIAL_OVERLAP): 322/336 (tests/test_cost_model_measured.py).
+# measured: dft2 0.79-1.42x (median 1.05), dft2_pregather 0.9-1.4x. With these constants and the
+# dense model's partial-overlap term (cost_model.GEMM_PARTIAL_OVERLAP), the explorer's --quick run
+# on an H100 agreed on faster/slower for 315/336 rows (bench/results/explore_fft_h100/).
 DFT2_LATENCY_S = 1.0e-6
 DFT2_GEMM_STEP_S = 0.3e-6
 DFT2_CONTRACT_STEP_S = 0.2e-6
