@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from graphopt import cost_model  # noqa: E402
+from graphopt.fft_explorer import predicted_speedup  # noqa: E402
 from graphopt.hardware import get_spec  # noqa: E402
 from graphopt.kernels import fft_chain as fft  # noqa: E402
 
@@ -39,18 +39,17 @@ FIT_GRID = {
 
 
 def predictions(hw, rows):
-    """{(config): {impl: predicted ms}} and the predicted dense ms per config."""
-    preds, dense = {}, {}
+    """{(config): {impl: predicted ms}}."""
+    preds = {}
     for r in rows:
         key = (r["in_features"], r["out_features"], r["tokens"], r["block_size"], r["k"])
         preds.setdefault(key, {})[r["impl"]] = fft.estimate_fft_chain(hw, r["tokens"], r["in_features"], r["out_features"],
                                                                       r["block_size"], r["k"], r["impl"], bias=False).ms
-        dense[key] = cost_model.linear(hw, r["tokens"], r["in_features"], r["out_features"]).ms
-    return preds, dense
+    return preds
 
 
 def evaluate(hw, rows) -> dict:
-    preds, dense = predictions(hw, rows)
+    preds = predictions(hw, rows)
     measured = {}
     for r in rows:
         key = (r["in_features"], r["out_features"], r["tokens"], r["block_size"], r["k"])
@@ -63,14 +62,13 @@ def evaluate(hw, rows) -> dict:
     for key, by_impl in measured.items():
         if len(by_impl) < len(fft.available_implementations("cuda", key[3])):
             continue  # the sweep did not time every candidate of this configuration
-        picked = min(by_impl, key=lambda impl: preds[key][impl])
+        in_f, out_f, tokens, block_size, k = key
+        picked, predicted = predicted_speedup(hw, tokens, in_f, out_f, block_size, k)
         ms, cublas_ms = by_impl[picked]
-        predicted_faster = dense[key] / preds[key][picked] > 1.0
-        faster = cublas_ms / ms > 1.0
         total += 1
-        agree += predicted_faster == faster
-        if predicted_faster != faster:
-            misses.append((key, picked, dense[key] / preds[key][picked], cublas_ms / ms))
+        agree += (predicted > 1.0) == (cublas_ms / ms > 1.0)
+        if (predicted > 1.0) != (cublas_ms / ms > 1.0):
+            misses.append((key, picked, predicted, cublas_ms / ms))
     return {"errors": errors, "agree": agree, "total": total, "misses": misses}
 
 

@@ -155,8 +155,7 @@ def test_fft_chain_explorer_agreement_on_the_h100_run():
     """The explorer's faster/slower call (predicted FFT chain vs predicted cuBLAS) recomputed with
     the current model for the measured --quick rows of the H100 run (16, 256, 4096 tokens; each
     row ran the implementation the model picked): >= 90%, as that run reported (315/336)."""
-    from graphopt import cost_model
-    from graphopt.kernels import fft_chain
+    from graphopt.fft_explorer import predicted_speedup
 
     hw = SPECS["h100"]
     rows = [r for t in (16, 256, 4096)
@@ -164,10 +163,7 @@ def test_fft_chain_explorer_agreement_on_the_h100_run():
     assert len(rows) == 336
     agree = 0
     for r in rows:
-        fft_ms = fft_chain.estimate_fft_chain(hw, r["tokens"], r["in_features"], r["out_features"], r["block_size"], r["k"],
-                                              r["impl"], bias=False).ms
-        dense_ms = cost_model.linear(hw, r["tokens"], r["in_features"], r["out_features"]).ms
-        assert fft_chain.choose_implementation(hw, r["tokens"], r["in_features"], r["out_features"], r["block_size"], r["k"],
-                                               bias=False)[0] == r["impl"]
-        agree += (dense_ms / fft_ms > 1.0) == (r["dense_ms"] / r["fft_ms"] > 1.0)
+        impl, predicted = predicted_speedup(hw, r["tokens"], r["in_features"], r["out_features"], r["block_size"], r["k"])
+        assert impl == r["impl"]
+        agree += (predicted > 1.0) == (r["dense_ms"] / r["fft_ms"] > 1.0)
     assert agree / len(rows) >= 0.9, agree

@@ -1164,11 +1164,11 @@ def _launch_gather_columns(x2d: torch.Tensor, src: torch.Tensor, out: torch.Tens
         ROW_CHUNK=row_chunk, N_CHUNKS=triton.cdiv(in_features, row_chunk))
 
 
-def _gather_source_table(perms: torch.Tensor, in_features: int, block_size: int, n_in: int) -> torch.Tensor:
-    """`_dft2_source_table` flattened, as int16 where the features fit (half the index bytes that
-    every token's gather reads), else int32."""
-    src = _dft2_source_table(perms, in_features, block_size, n_in).reshape(-1)
-    return src.to(torch.int16) if in_features <= 2**15 else src
+def _narrow_source_table(src: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The (C, B) int32 source table flattened, as int16 where the features fit (half the index
+    bytes that every token's gather reads)."""
+    flat = src.reshape(-1)
+    return flat.to(torch.int16) if in_features <= 2**15 else flat
 
 
 def _fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features, *, pregather: bool):
@@ -1196,7 +1196,7 @@ def _fft_chain_dft2(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_fe
         width = c_len * block_size
         source = torch.empty(t, width, device=dev, dtype=x2d.dtype)
         gather_src = _cached_operand((perms,), ("gather_src", in_features, block_size, n_in),
-                                     lambda: _gather_source_table(perms, in_features, block_size, n_in))
+                                     lambda: _narrow_source_table(src, in_features))
         _launch_gather_columns(x2d, gather_src, source)
         stride, gather = source.stride(0), False
     else:
