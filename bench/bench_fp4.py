@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import cuda_graph_ms, gbps, interleaved_ms, median_ms, print_table, tflops, write_json  # noqa: E402
+from bench.common import cold_graph_ms, copies_for, cuda_graph_ms, gbps, interleaved_ms, median_ms, print_table, tflops, write_json  # noqa: E402
 from graphopt.kernels import fp4  # noqa: E402
 
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
@@ -77,39 +77,6 @@ def time_ms(fn, tokens: int) -> float:
     if tokens <= DECODE_TOKENS:
         return cuda_graph_ms(fn, rep_ms=50)
     return median_ms(fn, warmup_ms=10, rep_ms=50)
-
-
-COLD_BYTES = 120 << 20  # > 2x the H100/H200 L2 (50 MB)
-
-
-def cold_graph_ms(calls: list, reps: int = 50) -> float:
-    """Per-call median time of one CUDA graph that runs `calls` back to back (distinct weights)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return sorted(times)[len(times) // 2]
-
-
-def copies_for(nbytes: int) -> int:
-    return max(2, -(-COLD_BYTES // nbytes))
 
 
 def copy_bandwidth() -> float:

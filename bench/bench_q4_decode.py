@@ -25,42 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import gbps, print_table, write_json  # noqa: E402
+from bench.common import cold_graph_ms, copies_for, gbps, print_table, write_json  # noqa: E402
 from graphopt.kernels import q4  # noqa: E402
 
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
 DEVICE = "cuda" if GPU else "cpu"
 SHAPES = [(5120, 13824), (13824, 5120)] if GPU else [(128, 48)]
 TOKENS = [1, 4, 16] if GPU else [1, 3]
-COLD_BYTES = 120 << 20
-
-
-def cold_graph_ms(calls, reps: int = 30) -> float:
-    """Median per-call ms of a CUDA graph replaying `calls` once each (weights rotate out of L2)."""
-    if not GPU:
-        import time
-
-        start = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - start) * 1e3 / len(calls)
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return sorted(times)[len(times) // 2]
-
 
 def main() -> None:
     rows = []
@@ -70,9 +41,9 @@ def main() -> None:
         qweight, scales = q4.quantize_weight(w.float())
         w_deq = q4.dequantize_packed(qweight, scales, k)
         q_bytes = qweight.numel() + scales.numel() * 2
-        copies = max(2, -(-COLD_BYTES // q_bytes)) if GPU else 1
+        copies = copies_for(q_bytes) if GPU else 1
         q_copies = [(qweight, scales)] + [(qweight.clone(), scales.clone()) for _ in range(copies - 1)]
-        d_copies = [w] + [w.clone() for _ in range(max(2, -(-COLD_BYTES // (2 * n * k))) - 1 if GPU else 0)]
+        d_copies = [w] + [w.clone() for _ in range(copies_for(2 * n * k) - 1 if GPU else 0)]
         for m in TOKENS:
             x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
             ref = F.linear(q4.dequantize_q8_1(q4.quantize_q8_1(x.float())).reshape(m, -1), w_deq)

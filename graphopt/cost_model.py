@@ -44,13 +44,14 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "triton_sparse": (0.68, 0.85),
     # FP4 / Q4 kernels, fitted to bench/results/{fp4,q4}_h200_round2.json (H200, triton 3.6); the
     # compute term is CUDA-core decode/epilogue work (see the op counts in kernels/fp4.py and
-    # passes/q4_linear.py). fp4_gemv: decode + FMA of the 1-4 token kernel and bf16 decode of the
-    # 16-token MMA kernel at 0.08 of fp32 peak (1-token cold 4096->11008: 0.030 ms); memory 0.35 is
-    # an upper bound (never the binding term there). fp4_gemm: 0.066 of fp32 peak for the fused
+    # passes/q4_linear.py). fp4_gemv: decode + FMA of the 1-4 token word-tile kernel and bf16
+    # decode of the 16-token MMA kernel at 0.11 of fp32 peak (refit on the H100 to the word-tile
+    # kernels, bench/results/fp4_h100_decode_words.json: 1 token 0.48-0.73 ps per weight cold);
+    # memory 0.35 is an upper bound (never the binding term there). fp4_gemm: 0.066 of fp32 peak for the fused
     # GEMM's in-tile decode (4096 tokens: 0.92 ms for 4096x4096). q4_gemv: 1-token gemv streams
     # at 0.34 of copy bandwidth (4096->14336: 0.028 ms), its CUDA-core work at 0.16; q4_gemm: the
     # int8 GEMM (MMA + per-32-block epilogue + nibble unpack) at 0.12 (4096 tokens: ~92 TOPS).
-    "fp4_gemv": (0.08, 0.35),
+    "fp4_gemv": (0.11, 0.35),
     "fp4_gemm": (0.066, 0.8),
     "q4_gemv": (0.16, 0.34),
     "q4_gemm": (0.12, 0.8),

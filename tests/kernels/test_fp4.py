@@ -123,7 +123,7 @@ def test_quantize_rejects_bad_input():
 # ---------------------------------------------------------------------------------------------
 # Triton kernels vs the dequantize-then-matmul reference (float64)
 # ---------------------------------------------------------------------------------------------
-def _case(fmt, m, n, k, dtype, bias, seed=0):
+def _case(fmt, m, n, k, dtype, bias, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     kw = to_kernel_layout(quantize_fp4(w, fmt))
@@ -131,9 +131,9 @@ def _case(fmt, m, n, k, dtype, bias, seed=0):
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     w_deq = fp4.dequantize_kernel_layout(kw.codes, kw.scales, kw.global_scale, n, k, fmt).double()
     ref = x.double() @ w_deq.T + (b.double() if bias else 0.0)
-    kw = dataclasses.replace(kw, codes=kw.codes.to(DEVICE), scales=kw.scales.to(DEVICE),
-                             global_scale=kw.global_scale.to(DEVICE))
-    return x.to(DEVICE), kw, (b.to(DEVICE) if bias else None), ref
+    kw = dataclasses.replace(kw, codes=kw.codes.to(device), scales=kw.scales.to(device),
+                             global_scale=kw.global_scale.to(device))
+    return x.to(device), kw, (b.to(device) if bias else None), ref
 
 
 def _assert_close(y, ref, dtype):
@@ -155,7 +155,8 @@ def _assert_close(y, ref, dtype):
         (2, 40, 200, "gemv", KernelConfig(16, 2, 64, split_k=2), torch.bfloat16, True),  # 2 tokens / program
         (3, 40, 300, "gemv", KernelConfig(16, 4, 64, split_k=2), torch.bfloat16, True),  # 4-token tile, 3 rows
         (6, 24, 128, "gemv", KernelConfig(16, 4, 128, split_k=1), torch.float16, True),  # 2 token groups
-        (3, 40, 300, "gemv", KernelConfig(16, 16, 64, split_k=2), torch.bfloat16, True),  # MMA path, split-K
+        (3, 40, 250, "gemv", KernelConfig(16, 16, 128, split_k=2), torch.bfloat16, True),  # MMA path, split-K
+        (5, 37, 600, "gemv", KernelConfig(32, 16, 128, split_k=4), torch.bfloat16, False),  # MMA, uneven split
         (16, 24, 128, "gemv", KernelConfig(16, 16, 128, split_k=1), torch.float16, True),  # MMA path, direct store
         (70, 24, 200, "gemm", KernelConfig(16, 16, 64), torch.bfloat16, True),  # prefill, odd M/N/K
         (70, 24, 200, "dequant", None, torch.bfloat16, True),  # prefill: Triton dequantize + matmul
@@ -201,6 +202,8 @@ def test_launcher_rejects_bad_arguments():
         fp4.fp4_linear_triton(x, kw.codes[:, :16].contiguous(), *args[1:])
     with pytest.raises(ValueError, match="BLOCK_K must divide"):
         fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 128))
+    with pytest.raises(ValueError, match="MMA K >= 16"):  # the tensor-core decode needs 16 words per tile
+        fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 64))
     with pytest.raises(ValueError, match="activations must be"):
         fp4.fp4_linear_triton(x.to(torch.int32), *args)
 
@@ -216,8 +219,8 @@ def test_cost_model_picks_decode_for_few_tokens_and_prefill_for_many():
     assert est.bytes >= 13824 * 5120 * (0.5 + 1 / 16)
     from graphopt.cost_model import linear
 
-    # Measured on an H200 (bench/results/fp4_h200_round2.json): the decode kernel is bound by its
-    # dequantization work, not by the 3.6x fewer bytes, so no 2x gain over cuBLAS (0.87x cold).
+    # Measured on an H100 (bench/results/fp4_h100_decode_words.json): the decode kernel is bound by
+    # its dequantization work, not by the 3.6x fewer bytes, so no 2x gain over cuBLAS (1.48x cold).
     assert est.ms > linear(hw, 1, 5120, 13824).ms / 2
     cpu = SPECS["cpu"]
     assert fp4.estimate_fp4_linear(cpu, 1, 5120, 13824).ms > linear(cpu, 1, 5120, 13824).ms
@@ -228,7 +231,7 @@ def test_custom_op_cpu_reference_and_fake(fmt):
     import graphopt  # noqa: F401  (registers the ops)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    x, kw, b, ref = _case(fmt, 4, 24, 80, torch.float32, True)
+    x, kw, b, ref = _case(fmt, 4, 24, 80, torch.float32, True, device="cpu")  # the op's CPU path, also on a GPU machine
     args = (kw.codes, kw.codes.view(torch.float4_e2m1fn_x2), kw.scales, kw.global_scale, b, 24, 80, fmt)
     y = torch.ops.graphopt.fp4_linear(x, *args)
     assert torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-5)
@@ -294,11 +297,12 @@ def test_decode_word_positions_match_kernel_layout():
                     assert nibble == int(codes[element])
 
 
-def test_split_k_workspace_is_rearmed_between_calls():
+@pytest.mark.parametrize("k,cfg", [(300, KernelConfig(16, 4, 64, split_k=3)),  # CUDA cores
+                                   (380, KernelConfig(16, 16, 128, split_k=3))])  # tensor cores
+def test_split_k_workspace_is_rearmed_between_calls(k, cfg):
     """The last split of a tile zeroes its workspace rows and counter: a second call (same
     workspace) gives the same result, and the workspace is all zero afterwards."""
-    x, kw, b, ref = _case("nvfp4", 3, 40, 300, torch.bfloat16, True, seed=5)
-    cfg = KernelConfig(16, 4, 64, split_k=3)
+    x, kw, b, ref = _case("nvfp4", 3, 40, k, torch.bfloat16, True, seed=5)
     y1 = fp4.fp4_linear(x, kw, b, path="gemv", config=cfg)
     y2 = fp4.fp4_linear(x, kw, b, path="gemv", config=cfg)
     assert torch.equal(y1, y2)
