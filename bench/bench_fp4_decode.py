@@ -27,6 +27,7 @@ ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--cpu-smoke", action="store_true")
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
 ARGS.add_argument("--kernels", default="word,word-mma")
+ARGS.add_argument("--wide", action="store_true", help="narrow row tiles, 1-2 warps, K tiles to 1024, MMA stages")
 ARGS.add_argument("--profile-best", default=None, help="JSON from a previous run: run each best config once")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
@@ -55,9 +56,15 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
     if kernel == "word":
         if m > 4:
             return []  # 4 tokens per program re-read W per 4 tokens: far slower than word-mma there
+        if OPTS.wide:
+            return [KernelConfig(bn, fp4._token_bucket(m), bk, sk, num_warps=w, num_stages=1)
+                    for bn in (8, 16, 32) for bk in (256, 512, 1024) for w in (1, 2, 4) for sk in (1, 2, 4)]
         return [KernelConfig(bn, fp4._token_bucket(m), bk, sk, num_warps=w, num_stages=1)
                 for bn in (16, 64, 128) for bk in (256, 512) for w in (4, 8) for sk in (1, 2, 4, 8)]
     if mma:
+        if OPTS.wide:
+            return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=st)
+                    for bn in (64, 128, 256) for bk in (128, 256) for st in (1, 3) for sk in (4, 8, 16)]
         return [KernelConfig(bn, 16, bk, sk, num_warps=w, num_stages=1)
                 for bn in (64, 128) for bk in (128, 256) for w in (4, 8) for sk in (2, 4, 8)]
     raise ValueError(f"unknown kernel {kernel!r}; valid choices: word, word-mma")

@@ -515,15 +515,16 @@ def reference_fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
 DECODE_TOKENS_PER_PASS = 16  # the tensor-core decode kernel re-reads the weights once per 16 tokens
 
 # The decode (gemv) kernels were rewritten around word tiles in session 5; their constants are
-# fitted to bench/results/fp4_h100_decode_words.json (H100, NVFP4, L2-cold, the six LLaMA shapes):
-# CUDA-core _fp4_gemv_words_kernel (BLOCK_M in FMA_BLOCK_M): per weight, one fp32 FMA (2 ops) per
-# token row plus this many ops of code/scale decode, at the fp4_gemv compute efficiency (0.11 of
-# the fp32 ceiling): 1 token 0.48-0.73 ps per weight measured (0.54 predicted); 4 tokens per
-# program 1.2 ps (bench_fp4_decode round 1; predicted 1.36).
+# fitted to bench/results/fp4_h100_decode_words2.json (H100, NVFP4, L2-cold, the six LLaMA
+# shapes, the DECODE_CONFIGS below). CUDA-core _fp4_gemv_words_kernel (BLOCK_M in FMA_BLOCK_M):
+# per weight, one fp32 FMA (2 ops) per token row plus this many ops of code/scale decode, at the
+# fp4_gemv compute efficiency (0.13 of the fp32 ceiling): 1 token 0.40-0.49 ps per weight
+# measured on the five large shapes (0.46 predicted; 4096x4096 took 0.93, its tuned tile was
+# picked on L2-hot timings).
 FMA_GEMV_DECODE_OPS_PER_WEIGHT = 2.0
 # Tensor-core _fp4_gemv_words_mma_kernel: decode ops per weight per pass of 16 tokens; measured
-# 0.74-1.03 ps per weight at 4 tokens and 0.84-1.15 at 16 (predicted 0.88).
-GEMV_MMA_DECODE_OPS_PER_WEIGHT = 6.5
+# 0.73-0.96 ps per weight at 4 tokens and 0.83-1.37 at 16 (predicted 0.80).
+GEMV_MMA_DECODE_OPS_PER_WEIGHT = 7.0
 # The fused prefill GEMM (_fp4_gemm_kernel) decodes every weight to bf16 in registers once per
 # BLOCK_M token rows: CUDA-core ops per decoded weight, fitted on the H200
 # (bench/results/fp4_h200_round2.json): 0.55-0.6e12 decoded weights/s at 4096 tokens with every
@@ -670,19 +671,25 @@ class KernelConfig:
 
 
 FMA_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # decode BLOCK_M values of the CUDA-core kernel
+MIN_DECODE_BLOCK_N = 8  # narrowest decode tile; sizes the split-K counters (one per tile)
 # Candidates the launcher times once per (path, token bucket, N, K, format, dtype) on a GPU. Kept
 # short: every distinct tile compiles once (~1 s). Decode: BLOCK_M 1, 2 or 4 is the CUDA-core
 # kernel (_fp4_gemv_words_kernel, that many tokens per program), 16 the tensor-core one
 # (_fp4_gemv_words_mma_kernel, up to 16 tokens per program). From the H100 sweeps of
-# bench/bench_fp4_decode.py (bench/results/fp4_decode_h100_round1.*): the CUDA-core kernel is
-# fastest with 16-row tiles of 256-512 elements, the tensor-core one with 64-128 rows and a
-# split of 4-8; BLOCK_K 64 keeps a CUDA-core config for every K (a multiple of 64).
+# bench/bench_fp4_decode.py (bench/results/fp4_decode_h100_*): the CUDA-core kernel is fastest
+# with narrow tiles, 8-16 rows of 256-1024 elements (1 token: 8x1024 with 4 warps, 0.030 ms on
+# 5120->13824; 8x256 with 1 warp and a split of 4, 0.028 ms on 13824->5120), the tensor-core one
+# with 64-256 rows and a split of 4-16; BLOCK_K 64 keeps a CUDA-core config for every K (a
+# multiple of 64).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(16, bm, bk, sk, num_warps=4, num_stages=1)
           for bm in FMA_BLOCK_M for bk in (256, 512) for sk in (1, 2, 4, 8))
+    + tuple(KernelConfig(8, bm, bk, sk, num_warps=w, num_stages=1)
+            for bm in FMA_BLOCK_M for bk, w in ((1024, 4), (512, 2), (256, 1)) for sk in (1, 2, 4))
     + tuple(KernelConfig(16, bm, 64, 1, num_warps=4, num_stages=1) for bm in FMA_BLOCK_M)
     + tuple(KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
-            for bn, bk in ((64, 128), (128, 256), (128, 128)) for sk in (4, 8))
+            for bn, bk, sk in ((64, 128, 4), (64, 128, 8), (128, 128, 8), (128, 256, 4), (128, 256, 8),
+                               (128, 256, 16), (256, 256, 4)))
 )
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
@@ -1122,6 +1129,8 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
     if cfg.block_k % block_size or k_padded % cfg.block_k or (cfg.block_k // block_size) * (block_size // 2) < 16:
         return False
     if path == "gemv":
+        if cfg.block_n < MIN_DECODE_BLOCK_N:
+            return False  # the split-K arrival counters are sized for this many rows per tile
         if cfg.block_m == 16 and cfg.block_k // 8 < 16:
             return False  # one MMA per code position spans block_k / 8 words: K >= 16
         return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + (16,)
@@ -1143,7 +1152,7 @@ def _workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torc
     key = (device, m, n)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = (torch.zeros((m, n), dtype=torch.float32, device=device),
-                            torch.zeros((m * triton.cdiv(n, 16),), dtype=torch.int32, device=device))
+                            torch.zeros((m * triton.cdiv(n, MIN_DECODE_BLOCK_N),), dtype=torch.int32, device=device))
     return _WORKSPACES[key]
 
 

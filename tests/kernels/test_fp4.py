@@ -298,6 +298,7 @@ def test_decode_word_positions_match_kernel_layout():
 
 
 @pytest.mark.parametrize("k,cfg", [(300, KernelConfig(16, 4, 64, split_k=3)),  # CUDA cores
+                                   (300, KernelConfig(8, 1, 64, split_k=2)),  # narrowest tile: 5 tiles of N
                                    (380, KernelConfig(16, 16, 128, split_k=3))])  # tensor cores
 def test_split_k_workspace_is_rearmed_between_calls(k, cfg):
     """The last split of a tile zeroes its workspace rows and counter: a second call (same
@@ -309,6 +310,7 @@ def test_split_k_workspace_is_rearmed_between_calls(k, cfg):
     _assert_close(y2, ref, torch.bfloat16)
     ws, counters = fp4._WORKSPACES[(x.device, 3, 40)]
     assert not ws.any() and not counters.any()
+    assert counters.numel() >= 3 * -(-40 // cfg.block_n)  # one arrival counter per (token tile, N tile)
 
 
 @pytest.mark.parametrize("tile", [None, (8, 128, 4, 0), (4, 128, 4, 1)])
