@@ -17,6 +17,8 @@ import sys
 
 ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--cpu-smoke", action="store_true")
+ARGS.add_argument("--wide", action="store_true", help="also narrow dp4a tiles: 8-32 rows, 1-4 warps, K steps to 1024")
+ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -31,7 +33,9 @@ from graphopt.kernels import q4  # noqa: E402
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
 DEVICE = "cuda" if GPU else "cpu"
 SHAPES = [(5120, 13824), (13824, 5120)] if GPU else [(128, 48)]
-TOKENS = [1, 4, 16] if GPU else [1, 3]
+TOKENS = [int(t) for t in OPTS.tokens.split(",")] if OPTS.tokens else ([1, 4, 16] if GPU else [1, 3])
+WIDE_DP4A = [q4.TileConfig("dp4a", 0, bn, p, w, 1, sk) for bn in (8, 16, 32) for p in (4, 8, 16) for w in (1, 2, 4)
+             for sk in (0, 1, 2, 4)] if OPTS.wide and GPU else []
 
 def main() -> None:
     rows = []
@@ -51,7 +55,7 @@ def main() -> None:
             rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": "cuBLAS bf16", "ms": cublas, "vs_cublas": 1.0,
                          "gbps": gbps(2 * n * k, cublas)})
             best: dict[str, tuple[float, str]] = {}
-            for cfg in q4.candidate_configs(m, fused=True):
+            for cfg in q4.candidate_configs(m, fused=True) + WIDE_DP4A:
                 try:
                     y = q4.q4_linear_triton(x, qweight, scales, None, "fused", config=cfg)
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()

@@ -393,7 +393,11 @@ _GEMV_CONFIGS = [TileConfig("gemv", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, 
     (64, 4, 4, 1, 0, "workspace"), (64, 8, 4, 3, 0, "workspace"), (32, 8, 4, 1, 1, "workspace"))] + [
     TileConfig("dp4a", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
         (32, 8, 4, 1, 0, "workspace"), (64, 8, 4, 1, 0, "workspace"), (64, 4, 4, 1, 0, "atomic"),
-        (128, 4, 8, 1, 0, "workspace"), (64, 8, 4, 3, 0, "workspace"), (32, 4, 4, 1, 1, "workspace"))]
+        (128, 4, 8, 1, 0, "workspace"), (64, 8, 4, 3, 0, "workspace"), (32, 4, 4, 1, 1, "workspace"),
+        # one-warp tiles of 16-32 rows: the fastest dp4a configs of the H100 sweep
+        # (bench/results/q4_decode_h100_wide.*): 2.32-2.34x cuBLAS at 1 token, 1.04-1.12x at 4
+        (32, 4, 1, 1, 4, "workspace"), (16, 8, 1, 1, 4, "workspace"), (32, 8, 1, 1, 0, "workspace"),
+        (16, 8, 1, 1, 0, "workspace"))]
 _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
     (64, 2, 4, 3, 0, "workspace"), (128, 2, 4, 3, 0, "workspace"), (64, 4, 4, 3, 0, "atomic"),
     (32, 2, 4, 4, 0, "workspace"), (64, 2, 4, 3, 1, "workspace"))]
