@@ -731,9 +731,9 @@ if triton is not None:
                 x = tl.load(ptrs, mask=offs_l[:, None] < L, other=0.0).to(tl.float32)
             else:
                 x = tl.load(ptrs, mask=(offs_l[:, None] < L) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-            norm = tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)  # (SUB,); padded tokens stay 0 below
+            inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)  # (SUB,): one division per token
             x_acc += x
-            unit_acc += x / norm[:, None]
+            unit_acc += x * inv_norm[:, None]  # padded tokens stay 0
         return tl.sum(x_acc, 0), tl.sum(unit_acc, 0)
 
     @triton.jit
@@ -926,9 +926,20 @@ def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n:
                 off_sim_q=off_sim_q, off_pooled_k=off_pooled_k, off_sim_k=off_sim_k, work_size=off_sim_k + B * Hkv * n_k)
 
 
+# v2 pooling launch: elements per load slice and warps per program. H100 sweep
+# (bench/sparse_pool_configs.py, bench/results/sparse_pool_configs_h100_round2.*), B=1, H=16,
+# D=128: one warp with 2048-element slices reads Q and K at 2.3-2.45 TB/s (0.78-0.83 of the copy),
+# 2 warps 1.8-2.3, 4 warps 1.4-1.6, 8 warps (the old default) 0.9-1.0: fewer warps per block
+# means more blocks in flight per SM and no cross-warp reductions.
+POOL_SLICE_ELEMENTS = 2048
+POOL_WARPS = 1
+
+
 def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_n: int,
-                 work: torch.Tensor | None = None) -> torch.Tensor:
-    """The pooling launch into the fp32 workspace (allocated when not given)."""
+                 work: torch.Tensor | None = None, *, slice_elements: int = POOL_SLICE_ELEMENTS,
+                 num_warps: int = POOL_WARPS) -> torch.Tensor:
+    """The pooling launch into the fp32 workspace (allocated when not given). v2 reads each block
+    in slices of `slice_elements` (tokens x head dim) per load."""
     if work is None:
         work = torch.empty(g["work_size"], device=q.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(g["D"])
@@ -942,14 +953,14 @@ def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_
             num_warps=8 if g["tokens"] * block_d >= 8192 else 4,
         )
         return work
-    # one program per block, 8 warps; a slice of SUB tokens is 2048 elements (8 per thread)
+    # one program per block; a slice of SUB tokens is `slice_elements` elements
     n_q_programs = g["B"] * g["H"] * g["n_q"]
-    sub = max(1, 2048 // block_d)
+    sub = max(1, slice_elements // block_d)
     _pool_blocks_kernel[(n_q_programs + g["B"] * g["Hkv"] * g["n_k"],)](
         q, k, work, *q.stride(), *k.stride(),
         g["H"], g["Hkv"], g["Lq"], g["Lk"], g["n_q"], g["n_k"], n_q_programs, *offsets,
         HEAD_DIM=g["D"], BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        SUB_M=min(sub, block_m), SUB_N=min(sub, block_n), num_warps=8,
+        SUB_M=min(sub, block_m), SUB_N=min(sub, block_n), num_warps=num_warps,
     )
     return work
 
@@ -1003,12 +1014,12 @@ def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, blo
 
 
 def pool_qk_triton(q: torch.Tensor, k: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N, *,
-                   variant: str = "v2"):
+                   variant: str = "v2", slice_elements: int = POOL_SLICE_ELEMENTS, num_warps: int = POOL_WARPS):
     """The predictor's first launch on its own, as views of its workspace: pooled_q (B, H, nQ, D),
     sim_q (B, H, nQ), pooled_k (B, Hkv, nK, D), sim_k (B, Hkv, nK), all fp32 (see `pool_blocks`)."""
     _require_triton(q, k)
     g = _predictor_geometry(q, k, block_m, block_n, variant)
-    work = _launch_pool(q, k, g, block_m, block_n)
+    work = _launch_pool(q, k, g, block_m, block_n, slice_elements=slice_elements, num_warps=num_warps)
     B, H, Hkv, D, n_q, n_k = g["B"], g["H"], g["Hkv"], g["D"], g["n_q"], g["n_k"]
     return (work[: B * H * n_q * D].view(B, H, n_q, D), work[g["off_sim_q"]: g["off_sim_q"] + B * H * n_q].view(B, H, n_q),
             work[g["off_pooled_k"]: g["off_pooled_k"] + B * Hkv * n_k * D].view(B, Hkv, n_k, D),

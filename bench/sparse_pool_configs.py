@@ -1,0 +1,68 @@
+"""The sparse-attention predictor's pooling launch (v2: one program per Q or K block) timed per
+load-slice size and warp count, against the bytes it must read (Q and K once): achieved GB/s and
+the share of the copy bandwidth, with each config checked against the torch reference
+(`pool_blocks`) first.
+
+    python bench/sparse_pool_configs.py               # H100/H200: bf16, B=1, H=16, D=128
+    python bench/sparse_pool_configs.py --cpu-smoke   # tiny sizes through the interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ARGS.add_argument("--cpu-smoke", action="store_true")
+ARGS.add_argument("--lengths", default="8192,16384")
+OPTS = ARGS.parse_args()
+if OPTS.cpu_smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import cuda_graph_ms, gbps, median_ms, print_table, write_json  # noqa: E402
+from graphopt.kernels import sparse_attention as sa  # noqa: E402
+
+GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
+DEVICE = "cuda" if GPU else "cpu"
+LENGTHS = [int(v) for v in OPTS.lengths.split(",")] if GPU else [200]
+HEADS, HEAD_DIM = (16, 128) if GPU else (2, 32)
+CONFIGS = [(e, w) for e in (2048, 4096, 8192) for w in (1, 2, 4, 8)] if GPU else [(1024, 4), (2048, 8)]
+
+
+def main() -> None:
+    from graphopt.calibrate import measure_copy_bandwidth
+
+    copy_bw = measure_copy_bandwidth(512 << 20, DEVICE) if GPU else float("nan")
+    rows = []
+    for length in LENGTHS:
+        gen = torch.Generator().manual_seed(length)
+        q = torch.randn(1, HEADS, length, HEAD_DIM, generator=gen).to(DEVICE, torch.bfloat16)
+        k = torch.randn(1, HEADS, length, HEAD_DIM, generator=gen).to(DEVICE, torch.bfloat16)
+        ref_q, ref_sq = sa.pool_blocks(q, sa.BLOCK_M)
+        ref_k, ref_sk = sa.pool_blocks(k, sa.BLOCK_N)
+        nbytes = 2 * q.numel() * q.element_size()
+        for elements, warps in CONFIGS:
+            row = {"L": length, "slice_elements": elements, "warps": warps}
+            try:
+                pq, sq, pk, sk = sa.pool_qk_triton(q, k, slice_elements=elements, num_warps=warps)
+                err = max((a - b).abs().max().item() for a, b in ((pq, ref_q), (sq, ref_sq), (pk, ref_k), (sk, ref_sk)))
+                fn = lambda: sa.pool_qk_triton(q, k, slice_elements=elements, num_warps=warps)  # noqa: E731
+                ms = cuda_graph_ms(fn) if GPU else median_ms(fn, rep_ms=5)
+                row.update(check="PASS" if err < 1e-3 else "FAIL", max_abs_err=err, ms=ms, gbps=gbps(nbytes, ms),
+                           of_copy_bw=nbytes / (ms * 1e-3) / copy_bw)
+            except Exception as exc:  # noqa: BLE001 - one config must not end the sweep
+                row.update(check="FAIL", error=f"{type(exc).__name__}: {str(exc)[:120]}")
+            print(row, flush=True)
+            rows.append(row)
+    path = write_json("sparse_pool_configs", rows, copy_bandwidth_gbps=copy_bw / 1e9)
+    print(f"wrote {path}")
+    print_table(f"predictor pooling (v2) per load slice and warps; copy {copy_bw / 1e9:.0f} GB/s", rows,
+                ["L", "slice_elements", "warps", "check", "max_abs_err", "ms", "gbps", "of_copy_bw", "error"])
+
+
+if __name__ == "__main__":
+    main()
