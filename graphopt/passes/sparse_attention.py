@@ -58,15 +58,16 @@ PREDICTOR_LAUNCHES = 2  # pool Q and K (with self-similarity); pooled scores + t
 #    load, pipeline fill, epilogue, store) whatever its density: that is what makes the kernel's
 #    effective rate fall from 435 TFLOP/s at density 1 to 321 at 9.4% (L=8k) and 170 at L=4k.
 #    With these two constants every kernel timing is within 0.80-1.13x of the prediction.
-#  - PREDICTOR_SELECT_S_PER_KEY_BLOCK = 0.6 us: the LUT kernel bisects each row's threshold in
-#    31 dependent steps over all key blocks of 16 query blocks per program; its time grows with
-#    the number of key blocks, per wave of programs (PREDICTOR_PROGRAMS_PER_SM resident per SM,
-#    assumed). Fitted to the predictor timings 0.063 / 0.114 / 0.227 / 0.482 ms at L = 4k / 8k /
-#    16k / 32k (3-22% of cuDNN dense at L >= 8k): after the 2 launches and the Q/K read at the
-#    pointwise rate, 0.54 / 0.55 / 0.59 / 0.67 us per key block. A fixed cost on top fitted to
-#    zero (least squares gave a slightly negative one), so there is none.
+#  - The predictor (v2 kernels) is refit to an H100 run (bench/results/sparse_predictor_h100_
+#    pool1warp.json: 0.062 / 0.109 / 0.249 ms at L = 8k / 16k / 32k non-causal, B=1, H=16, D=128):
+#    PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.8: the pooling launch reads Q and K at 2.3-2.5 TB/s,
+#    0.78-0.83 of the copy bandwidth (sparse_pool_configs_h100_round2); PREDICTOR_SELECT_S_PER_KEY_
+#    BLOCK = 0.2 us: the LUT launch, 0.027 / 0.047 / 0.128 ms with one wave of programs, grows with
+#    the number of key blocks of a row (0.18-0.25 us each). The v1 predictor the H200 round-2
+#    timings come from took 0.55-0.67 us per key block and read Q and K at ~0.9 TB/s.
 SPARSE_ROW_COST_TILES = 6.0
-PREDICTOR_SELECT_S_PER_KEY_BLOCK = 0.6e-6
+PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.8
+PREDICTOR_SELECT_S_PER_KEY_BLOCK = 0.2e-6
 PREDICTOR_PROGRAMS_PER_SM = 2
 PREDICTOR_ROWS_PER_PROGRAM = 16  # graphopt.kernels.sparse_attention.PREDICTOR_ROWS
 
@@ -90,20 +91,27 @@ def kept_tile_count(lq: int, lk: int, *, causal: bool, density: float) -> float:
 
 
 def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, dtype_bytes: int = 2) -> Estimate:
-    """Pool Q and K blocks (read each once), then per 16 query blocks the pooled scores, top-cdf
-    selection and compact lists: bytes at the pointwise rate, plus the selection's latency."""
+    """Pool Q and K blocks (read each once, at PREDICTOR_POOL_MEMORY_EFFICIENCY of the memory
+    ceiling), then per 16 query blocks the pooled scores, top-cdf selection and compact lists
+    (their bytes at the pointwise rate), plus the selection's latency per key block."""
     n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
-    moved = dtype_bytes * (b * h * lq * d + b * hkv * lk * d) + 4 * (b * h * n_q * (d + 1) + b * hkv * n_k * (d + 1))
+    pooled = dtype_bytes * (b * h * lq * d + b * hkv * lk * d)
+    moved = 4 * (b * h * n_q * (d + 1) + b * hkv * n_k * (d + 1))  # pooled blocks, read back by the LUT launch
     moved += 4 * b * h * n_q * (n_k + 1)  # compact lists and counts written
     flops = 2.0 * b * h * n_q * n_k * d
     est = cost_model.roofline(hw, "sparse attention predictor", flops=flops, bytes_moved=moved,
                               launches=PREDICTOR_LAUNCHES, family="pointwise", unit="fp32")
     if not hw.is_gpu:
-        return est
+        return cost_model.roofline(hw, "sparse attention predictor", flops=flops, bytes_moved=moved + pooled,
+                                   launches=PREDICTOR_LAUNCHES, family="pointwise", unit="fp32")
+    pool_ms = pooled / (hw.memory_ceiling * PREDICTOR_POOL_MEMORY_EFFICIENCY) * 1e3
+    est = Estimate(est.name, est.ms + pool_ms, flops, moved + pooled, est.launches,
+                   "memory" if pool_ms > est.ms else est.bound)
     programs = b * h * _blocks(n_q, PREDICTOR_ROWS_PER_PROGRAM)
     waves = _blocks(programs, hw.sm_count * PREDICTOR_PROGRAMS_PER_SM)
     select_ms = waves * n_k * PREDICTOR_SELECT_S_PER_KEY_BLOCK * 1e3
-    return Estimate(est.name, est.ms + select_ms, flops, moved, est.launches, "latency" if select_ms > est.ms else est.bound)
+    return Estimate(est.name, est.ms + select_ms, flops, est.bytes, est.launches,
+                    "latency" if select_ms > est.ms else est.bound)
 
 
 def estimate_sparse_kernel(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,

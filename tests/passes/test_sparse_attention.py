@@ -69,16 +69,24 @@ def test_short_sequence_is_declined_by_the_cost_model():
 
 def test_cost_model_prefers_sparse_only_at_length():
     hw = get_spec("h100")
-    for length, wins in ((256, False), (4096, False), (16384, True)):  # at 50% sparsity
+    for length, wins in ((256, False), (2048, False), (16384, True)):  # at 50% sparsity
         dense = sp.estimate_dense(hw, "cudnn", 1, 16, 16, length, length, 128, causal=False)
         sparse = sp.estimate_sparse_attention(hw, 1, 16, 16, length, length, 128, causal=False, sparsity=0.5)
         assert (sparse.ms < dense.ms) == wins, (length, dense, sparse)
-    # the predictor: 6.5% of cuDNN dense at L=16k and 3.4% at 32k (non-causal) on the H200
-    hw = _measured_h200()
-    for length, measured in ((16384, 0.065), (32768, 0.034)):
-        fraction = sp.estimate_predictor(hw, 1, 16, 16, length, length, 128).ms / sp.estimate_dense(
-            hw, "cudnn", 1, 16, 16, length, length, 128, causal=False).ms
-        assert 0.7 * measured < fraction < 1.3 * measured, (length, fraction)
+
+
+PREDICTOR_H100 = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_predictor_h100_pool1warp.json"
+
+
+def test_predictor_estimate_tracks_the_h100_timings():
+    """The v2 predictor (pool + LUT, CUDA-graph replays) on an H100 at L = 8k-32k, causal and not:
+    every estimate within 0.85-1.2x of the measured time (the copy bandwidth of that machine)."""
+    hw = dataclasses.replace(SPECS["h100"], measured_memory_bandwidth=2.96e12)
+    rows = [r for r in json.loads(PREDICTOR_H100.read_text())["rows"] if r["variant"] == "v2"]
+    assert len(rows) == 6
+    for r in rows:
+        est = sp.estimate_predictor(hw, 1, 16, 16, r["L"], r["L"], 128)
+        assert 0.85 < est.ms / r["whole_graph_ms"] < 1.2, (r["L"], r["causal"], est.ms, r["whole_graph_ms"])
 
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_attention_h200_round2.json"
@@ -92,13 +100,15 @@ def _measured_h200():
 
 def _recorded_rows():
     """(B, H, D, L, causal, density, kernel ms, predictor ms, cuDNN ms) of the H200 round 2. The kernel
-    rows are timed on given block masks; the predictor row of the same L and causality (default
-    thresholds, local+sink inputs) is what the pass adds before the kernel."""
+    rows are timed on given block masks. The predictor that run timed (v1) is replaced: its column
+    is the current predictor's estimate on that H200 (the estimate is checked against the current
+    predictor's H100 timings in test_predictor_estimate_tracks_the_h100_timings)."""
     data = json.loads(RESULTS.read_text())
     cfg = data["config"]
-    predictor = {(p["L"], p["causal"]): p["predictor_ms"] for p in data["predictor"]}
-    return [(cfg["B"], cfg["H"], cfg["D"], r["L"], r["causal"], r["density"], r["ours_ms"], predictor[(r["L"], r["causal"])],
-             r["cudnn_ms"]) for r in data["rows"]]
+    hw = _measured_h200()
+    return [(cfg["B"], cfg["H"], cfg["D"], r["L"], r["causal"], r["density"], r["ours_ms"],
+             sp.estimate_predictor(hw, cfg["B"], cfg["H"], cfg["H"], r["L"], r["L"], cfg["D"]).ms, r["cudnn_ms"])
+            for r in data["rows"]]
 
 
 def _predicted(hw, b, h, d, length, causal, density):
@@ -109,8 +119,8 @@ def _predicted(hw, b, h, d, length, causal, density):
 
 @pytest.mark.skipif(not RESULTS.exists(), reason="recorded H200 results not in this checkout")
 def test_cost_model_tracks_recorded_h200_timings():
-    """Kernel and predictor estimates within 0.75-1.2x of every H200 round-2 timing, and the
-    sparse-vs-cuDNN call (predictor + kernel against the dense estimate) right on >= 90% of rows."""
+    """Kernel estimates within 0.75-1.2x of every H200 round-2 timing, and the sparse-vs-cuDNN call
+    (predictor + kernel against the dense estimate) right on >= 90% of rows."""
     hw = _measured_h200()
     rows = _recorded_rows()
     assert len(rows) == 32
@@ -118,8 +128,6 @@ def test_cost_model_tracks_recorded_h200_timings():
     for b, h, d, length, causal, density, kernel_ms, predictor_ms, cudnn_ms in rows:
         kernel = sp.estimate_sparse_kernel(hw, b, h, h, length, length, d, causal=causal, sparsity=1.0 - density)
         assert 0.75 < kernel.ms / kernel_ms < 1.2, (length, causal, density, kernel.ms, kernel_ms)
-        predictor = sp.estimate_predictor(hw, b, h, h, length, length, d)
-        assert 0.85 < predictor.ms / predictor_ms < 1.2, (length, causal, predictor.ms, predictor_ms)
         sparse, dense = _predicted(hw, b, h, d, length, causal, density)
         agree += (sparse.ms < dense.ms) == (kernel_ms + predictor_ms < cudnn_ms)
     assert agree / len(rows) >= 0.9, f"{agree}/{len(rows)}"
@@ -128,8 +136,8 @@ def test_cost_model_tracks_recorded_h200_timings():
 @pytest.mark.skipif(not RESULTS.exists(), reason="recorded H200 results not in this checkout")
 @pytest.mark.parametrize("calibrated", [True, False])
 def test_never_predicts_a_win_where_h200_measured_a_loss(calibrated):
-    """Where predictor + kernel measured > 5% slower than cuDNN (density 1 everywhere, 50% at L=4k),
-    the estimates the pass compares (SparseAttentionPass.accept) say slower, with the measured
+    """Where predictor + kernel measured > 5% slower than cuDNN (density 1 everywhere), the
+    estimates the pass compares (SparseAttentionPass.accept) say slower, with the measured
     ceilings and with the uncalibrated datasheet ones; and measured big wins (>= 1.5x) are taken."""
     hw = _measured_h200() if calibrated else SPECS["h200"]
     losses = wins = 0
@@ -142,7 +150,7 @@ def test_never_predicts_a_win_where_h200_measured_a_loss(calibrated):
         if cudnn_ms > 1.5 * measured:
             wins += 1
             assert sparse.ms < dense.ms, (length, causal, density, measured, cudnn_ms, sparse.ms, dense.ms)
-    assert losses >= 10 and wins >= 10
+    assert losses >= 8 and wins >= 10  # the 8 density-1 rows lose; 10+ rows win by >= 1.5x
 
 
 def test_padding_bias_is_declined_with_reason():
