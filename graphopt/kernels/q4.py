@@ -328,6 +328,9 @@ def reference_q4_linear_static(x: torch.Tensor, act_scale: torch.Tensor, qweight
 # =============================================================================================
 # Tile configs
 # =============================================================================================
+REDUCE_MODES = ("workspace", "atomic", "last")  # TileConfig.reduce choices (split-K partial sums)
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """One launch shape of the Q4 kernels.
@@ -343,7 +346,10 @@ class TileConfig:
     split_k: programs along K (1: none; 0: enough for PROGRAMS_PER_SM programs per SM). Their fp32
       partial sums are combined by `reduce`: "workspace" (split s writes slice s of an fp32
       [SPLIT_K, M, N] buffer; a small kernel sums the slices, adds the bias and casts) or "atomic"
-      (tl.atomic_add into a zeroed fp32 [M, N] buffer, then the same small kernel with one slice).
+      (tl.atomic_add into a zeroed fp32 [M, N] buffer, then the same small kernel with one slice), or
+      "last" (gemv/dp4a only: atomics into a persistent zeroed fp32 [M, N] buffer; the split that
+      finishes a tile last, by an arrival counter, writes the output with bias and re-zeroes its
+      part of the buffer and the counter: one launch per call).
     """
 
     kernel: str  # "gemm" | "gemv" | "dp4a"
@@ -358,8 +364,10 @@ class TileConfig:
     def __post_init__(self):
         if self.kernel not in ("gemm", "gemv", "dp4a"):
             raise ValueError(f"TileConfig.kernel {self.kernel!r} is not valid; valid choices: gemm, gemv, dp4a")
-        if self.reduce not in ("workspace", "atomic"):
-            raise ValueError(f"TileConfig.reduce {self.reduce!r} is not valid; valid choices: workspace, atomic")
+        if self.reduce not in REDUCE_MODES:
+            raise ValueError(f"TileConfig.reduce {self.reduce!r} is not valid; valid choices: {', '.join(REDUCE_MODES)}")
+        if self.reduce == "last" and self.kernel == "gemm":
+            raise ValueError("TileConfig.reduce 'last' is implemented by the gemv/dp4a decode kernels only")
         if self.kernel in ("gemv", "dp4a") and (self.pairs & (self.pairs - 1) or self.block_m > GEMV_MAX_ROWS
                                       or self.block_m & (self.block_m - 1)):
             raise ValueError(f"gemv configs need power-of-two pairs and block_m (0..{GEMV_MAX_ROWS}), got {self}")
@@ -369,7 +377,8 @@ class TileConfig:
         base = f"{self.kernel}_m{self.block_m}n{self.block_n}k{64 * self.pairs}_w{self.num_warps}s{self.num_stages}"
         if self.split_k == 1:
             return base
-        return f"{base}_sk{'auto' if self.split_k == 0 else self.split_k}{'A' if self.reduce == 'atomic' else 'W'}"
+        reduce = {"workspace": "W", "atomic": "A", "last": "L"}[self.reduce]
+        return f"{base}_sk{'auto' if self.split_k == 0 else self.split_k}{reduce}"
 
     def shared_memory_bytes(self, act_bytes: int) -> int:
         """Estimate of the shared memory one CTA needs: pipelined activation and weight tiles
@@ -397,7 +406,9 @@ _GEMV_CONFIGS = [TileConfig("gemv", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, 
         # one-warp tiles of 16-32 rows: the fastest dp4a configs of the H100 sweep
         # (bench/results/q4_decode_h100_wide.*): 2.32-2.34x cuBLAS at 1 token, 1.04-1.12x at 4
         (32, 4, 1, 1, 4, "workspace"), (16, 8, 1, 1, 4, "workspace"), (32, 8, 1, 1, 0, "workspace"),
-        (16, 8, 1, 1, 0, "workspace"))]
+        (16, 8, 1, 1, 0, "workspace"),
+        # the same with the single-launch split-K reduction (no separate sum kernel)
+        (32, 4, 1, 1, 4, "last"), (16, 8, 1, 1, 4, "last"), (32, 8, 1, 1, 0, "last"), (16, 8, 1, 1, 0, "last"))]
 _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
     (64, 2, 4, 3, 0, "workspace"), (128, 2, 4, 3, 0, "workspace"), (64, 4, 4, 3, 0, "atomic"),
     (32, 2, 4, 4, 0, "workspace"), (64, 2, 4, 3, 1, "workspace"))]
@@ -436,7 +447,7 @@ ACT_PREQUANTIZED = 0  # block_q8_1 bytes from _quantize_q8_1_kernel (the separat
 ACT_FUSED = 1  # bf16/fp16/fp32 activations, Q8_1 quantization in registers (the fused kernel)
 ACT_STATIC = 2  # round(x / s).clamp(qmin, qmax) with a per-row scale s (the fake-quant idiom)
 
-REDUCE_NONE, REDUCE_ATOMIC, REDUCE_WORKSPACE = 0, 1, 2
+REDUCE_NONE, REDUCE_ATOMIC, REDUCE_WORKSPACE, REDUCE_LAST = 0, 1, 2, 3
 
 # Float tricks used below (all exact, valid for |integer| < 2^22):
 #   int -> float:  bitcast(i + 0x4B400000) - 1.5*2^23   (IADD + FADD instead of a slow I2F)
@@ -558,6 +569,27 @@ def _write_output(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k,
 
 
 @triton.jit
+def _write_output_last(acc, out_ptr, bias_ptr, acc_ptr, counter_ptr, offs_m, offs_n, m_mask, n_mask, N,
+                       stride_om, SPLIT_K, HAS_BIAS: tl.constexpr):
+    """REDUCE_LAST: add acc (BM, BN) into the zeroed fp32 (M, N) buffer at acc_ptr; the split that
+    arrives last at this tile's counter reads the sums back from L2 (atomics), re-zeroes them and
+    the counter, and stores sum + bias in out's dtype."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    sums = acc_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.atomic_add(sums, acc, mask=mask, sem="relaxed")
+    tl.debug_barrier()  # every thread's adds precede the counter's release
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if arrived == SPLIT_K - 1:
+        zero = tl.zeros_like(acc)
+        total = tl.atomic_add(sums, zero, mask=mask, sem="relaxed")
+        tl.store(sums, zero, mask=mask)
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter_ptr, 0)
+
+
+@triton.jit
 def _q4_gemm_kernel(
     a_ptr, ad_ptr,  # activations (see _load_act_block)
     w_ptr, ws_ptr,  # qweight (N, Kp/2) uint8, scales (Kp/32, N) fp16
@@ -635,6 +667,7 @@ def _q4_gemv_kernel(
     x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight (N, Kp/2) uint8, or its int32 words (N, Kp/8)
     #                        when USE_DP4A; scales (Kp/32, N) fp16
     bias_ptr, out_ptr,  # bias (N,); out (M, N), or the fp32 buffers of REDUCE (see _write_output)
+    acc_ptr, counter_ptr,  # REDUCE_LAST: the persistent fp32 (M, N) sums and per-tile arrival counters
     M, N, K, pairs_per_split,
     stride_xm, stride_wn, stride_wsb, stride_os, stride_om,
     HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, EXACT: tl.constexpr,
@@ -715,8 +748,12 @@ def _q4_gemv_kernel(
             part = tl.sum(d4_lo * dot_lo + d4_hi * dot_hi, axis=1)  # (BN,)
             acc = tl.where(offs_r[:, None] == r, acc + part[None, :], acc)
     rows = row0 + offs_r
-    _write_output(acc, out_ptr, bias_ptr, rows, offs_n, rows < M, n_mask, pid_k, stride_os, stride_om,
-                  HAS_BIAS, REDUCE)
+    if REDUCE == 3:  # REDUCE_LAST
+        _write_output_last(acc, out_ptr, bias_ptr, acc_ptr, counter_ptr + pid_m * tl.num_programs(0) + pid_n,
+                           rows, offs_n, rows < M, n_mask, N, stride_om, tl.num_programs(1), HAS_BIAS)
+    else:
+        _write_output(acc, out_ptr, bias_ptr, rows, offs_n, rows < M, n_mask, pid_k, stride_os, stride_om,
+                      HAS_BIAS, REDUCE)
 
 
 @triton.jit
@@ -806,9 +843,13 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
         tiles_m = triton.cdiv(m, config.block_m)
     tiles_n = triton.cdiv(n, config.block_n)
     split, pairs_per_split = _split_k(config.split_k, tiles_m * tiles_n, num_pairs, config.pairs, out.device)
-    reduce = REDUCE_NONE if split == 1 else (REDUCE_ATOMIC if config.reduce == "atomic" else REDUCE_WORKSPACE)
+    reduce = REDUCE_NONE if split == 1 else {"atomic": REDUCE_ATOMIC, "workspace": REDUCE_WORKSPACE,
+                                              "last": REDUCE_LAST}[config.reduce]
     has_bias = bias is not None
-    if reduce == REDUCE_NONE:
+    acc_buf = counters = out  # placeholders, read only under REDUCE_LAST
+    if reduce == REDUCE_LAST:
+        acc_buf, counters = _last_split_buffers(out.device, m, n, tiles_m * tiles_n)
+    if reduce in (REDUCE_NONE, REDUCE_LAST):
         dest = out
     elif reduce == REDUCE_ATOMIC:
         direct = out.dtype == torch.float32 and not has_bias and out.is_contiguous()
@@ -822,7 +863,7 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
         dp4a = config.kernel == "dp4a"
         w = qweight.view(torch.int32) if dp4a else qweight
         _q4_gemv_kernel[(tiles_n, split, tiles_m)](
-            a, w, scales, bias_arg, dest, m, n, k, pairs_per_split,
+            a, w, scales, bias_arg, dest, acc_buf, counters, m, n, k, pairs_per_split,
             stride_am, w.stride(0), scales.stride(0), stride_os, stride_om,
             HAS_BIAS=has_bias, REDUCE=reduce, EXACT=_exact_mul(), USE_DP4A=dp4a, USE_ASM=dp4a and not _interpreting(),
             ROWS=rows, BLOCK_N=config.block_n, CHUNK=config.pairs, num_warps=config.num_warps,
@@ -840,6 +881,22 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
         _splitk_sum_kernel[(m, triton.cdiv(n, block))](
             dest, bias_arg, out, n, splits, stride_os, dest.stride(-2), out.stride(0),
             HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+
+
+# REDUCE_LAST buffers per (device, M, N): fp32 sums and arrival counters, all zero between calls
+# (the last split of a tile re-zeroes its part). Shared by every launch with that key: two such
+# launches must not run concurrently on different streams.
+_LAST_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _last_split_buffers(device: torch.device, m: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, m, n)
+    sums, counters = _LAST_SPLIT_BUFFERS.get(key, (None, None))
+    if sums is None or counters.numel() < tiles:
+        sums = torch.zeros((m, n), dtype=torch.float32, device=device)
+        counters = torch.zeros((tiles,), dtype=torch.int32, device=device)
+        _LAST_SPLIT_BUFFERS[key] = (sums, counters)
+    return sums, counters
 
 
 def _autotune_enabled() -> bool:

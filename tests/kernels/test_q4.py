@@ -193,7 +193,9 @@ GEMV_CONFIGS = [q4.TileConfig("gemv", 0, 16, 2, 2, 1),
                 q4.TileConfig("gemv", 2, 16, 1, 2, 1, split_k=2, reduce="workspace"),
                 q4.TileConfig("gemv", 0, 32, 4, 4, 1, split_k=0, reduce="atomic"),
                 q4.TileConfig("dp4a", 0, 16, 2, 2, 1),
-                q4.TileConfig("dp4a", 2, 32, 4, 4, 1, split_k=0, reduce="atomic")]
+                q4.TileConfig("dp4a", 2, 32, 4, 4, 1, split_k=0, reduce="atomic"),
+                q4.TileConfig("dp4a", 0, 8, 1, 1, 1, split_k=3, reduce="last"),  # one launch, last split writes
+                q4.TileConfig("gemv", 2, 16, 1, 1, 1, split_k=2, reduce="last")]
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS, ids=lambda c: c.name)
@@ -204,12 +206,25 @@ def test_decode_gemv_kernel_equals_dequantize_then_matmul(config, m, n, k):
     _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
 
 
-@pytest.mark.parametrize("config", [GEMV_CONFIGS[1], SPLIT_GEMM_CONFIGS[1]], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", [GEMV_CONFIGS[1], GEMV_CONFIGS[5], SPLIT_GEMM_CONFIGS[1]], ids=lambda c: c.name)
 def test_split_k_bf16_output_with_bias(config):
     x, qweight, scales, bias = _problem(2, 24, 128, torch.bfloat16, seed=6)
     y = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
     assert y.dtype == torch.bfloat16 and y.shape == (2, 24)
     _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.bfloat16)
+
+
+def test_last_split_buffers_are_rearmed_between_calls():
+    """REDUCE_LAST: the split that finishes a tile last zeroes its sums and counter, so a second
+    call gives the same output and the buffers are all zero afterwards."""
+    config = q4.TileConfig("dp4a", 0, 8, 1, 1, 1, split_k=3, reduce="last")
+    x, qweight, scales, bias = _problem(3, 40, 224, torch.float32, seed=9)
+    y1 = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
+    y2 = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
+    assert torch.equal(y1, y2)
+    _assert_close_fp32_sum(y2, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
+    sums, counters = q4._LAST_SPLIT_BUFFERS[(x.device, 3, 40)]
+    assert not sums.any() and not counters.any() and counters.numel() >= 5  # 5 tiles of 8 rows
 
 
 def test_split_k_program_count_and_pairs():
@@ -220,8 +235,10 @@ def test_split_k_program_count_and_pairs():
 
 
 def test_tile_config_rejects_invalid_choices():
-    with pytest.raises(ValueError, match="valid choices: workspace, atomic"):
+    with pytest.raises(ValueError, match="valid choices: workspace, atomic, last"):
         q4.TileConfig("gemv", 0, 32, 4, reduce="tree")
+    with pytest.raises(ValueError, match="decode kernels only"):
+        q4.TileConfig("gemm", 16, 32, reduce="last")
     with pytest.raises(ValueError, match="valid choices: gemm, gemv"):
         q4.TileConfig("mma", 16, 32)
     with pytest.raises(ValueError, match="power-of-two"):
