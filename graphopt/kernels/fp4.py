@@ -672,7 +672,7 @@ class KernelConfig:
 
 FMA_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # decode BLOCK_M values of the CUDA-core kernel
 MIN_DECODE_BLOCK_N = 8  # narrowest decode tile; sizes the split-K counters (one per tile)
-# Candidates the launcher times once per (path, token bucket, N, K, format, dtype) on a GPU. Kept
+# Candidates the launcher times once per (path, token bucket, N, K, format, dtype, bias, device) on a GPU. Kept
 # short: every distinct tile compiles once (~1 s). Decode: BLOCK_M 1, 2 or 4 is the CUDA-core
 # kernel (_fp4_gemv_words_kernel, that many tokens per program), 16 the tensor-core one
 # (_fp4_gemv_words_mma_kernel, up to 16 tokens per program). From the H100 sweeps of
@@ -721,13 +721,18 @@ if triton is not None:
             return (scale_bytes.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _decode_multiplier(global_scale_ptr, IS_NVFP4: tl.constexpr):
-        """Global scale times the powers of two that undo the 2^-14 of the e2m1 decode and (NVFP4)
-        the 2^-8 of the e4m3 decode."""
+    def _decode_power(IS_NVFP4: tl.constexpr):
+        """The power of two that undoes the 2^-14 of the e2m1 decode and (NVFP4) the 2^-8 of the
+        e4m3 decode."""
         if IS_NVFP4:
-            return tl.load(global_scale_ptr) * 4194304.0  # 2^22
+            return 4194304.0  # 2^22
         else:
-            return tl.load(global_scale_ptr) * 16384.0  # 2^14
+            return 16384.0  # 2^14
+
+    @triton.jit
+    def _decode_multiplier(global_scale_ptr, IS_NVFP4: tl.constexpr):
+        """Global scale times _decode_power: applied once to fp32 sums."""
+        return tl.load(global_scale_ptr) * _decode_power(IS_NVFP4)
 
     @triton.jit
     def _mma(w, x, acc, UPCAST_DOT: tl.constexpr):
@@ -964,7 +969,9 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for it in range(it_start, it_end):
             words = tl.load(word_ptrs + it * WORDS_PER_ITER)
-            scale = _block_scales(tl.load(scale_ptrs + it * (WORDS_PER_ITER // WPB)), IS_NVFP4)
+            # the power of two goes into the scale before the weights are rounded to the activation
+            # dtype: code * e4m3 (NVFP4) is then exact in fp16, and MXFP4 weights keep their size
+            scale = _block_scales(tl.load(scale_ptrs + it * (WORDS_PER_ITER // WPB)), IS_NVFP4) * _decode_power(IS_NVFP4)
             k = k_lo + it * (WORDS_PER_ITER * 8)
             bits = _e2m1_pair_bits(words, 0)
             acc = _word_half_dot(bits, scale, x_rows, k, K, m_mask, acc, UPCAST_DOT)
@@ -980,7 +987,7 @@ if triton is not None:
             acc = _word_half_dot(bits >> 16, scale, x_rows, k + (HALF + 3), K, m_mask, acc, UPCAST_DOT)
         # (prefetching the next word tile into registers, as the CUDA-core kernel does, measured
         # slower here: 0.065 vs 0.052 ms at 1 token on 5120->13824, H100 - more registers, fewer warps)
-        acc = acc * _decode_multiplier(global_scale_ptr, IS_NVFP4)
+        acc = acc * tl.load(global_scale_ptr)
 
         out_mask = n_mask[:, None] & m_mask[None, :]
         if HAS_BIAS:
@@ -1104,7 +1111,7 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------
 PATHS: tuple[str, ...] = ("gemv", "gemm", "dequant")
 _TUNED: dict[tuple, KernelConfig] = {}
-# Split-K workspaces of the CUDA-core decode kernel, per (device, M, N): an fp32 (M, N) buffer and
+# Split-K workspaces of the decode kernels (CUDA-core and tensor-core), per (device, M, N): an fp32 (M, N) buffer and
 # per-tile arrival counters, both all-zero between calls (the last split of a tile re-zeroes its
 # part). Shared by every launch with that key: two such launches must not run concurrently on
 # different streams.
@@ -1126,13 +1133,19 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
     """Whether a tile config can run this shape (correctness, not speed)."""
     if path == "dequant":
         return True
+
+    def power_of_two(v: int) -> bool:
+        return v > 0 and v & (v - 1) == 0
+
+    if not (power_of_two(cfg.block_n) and power_of_two(cfg.block_k)) or cfg.split_k < 1:
+        return False  # tl.arange extents; at least one K split
     if cfg.block_k % block_size or k_padded % cfg.block_k or (cfg.block_k // block_size) * (block_size // 2) < 16:
         return False
     if path == "gemv":
         if cfg.block_n < MIN_DECODE_BLOCK_N:
             return False  # the split-K arrival counters are sized for this many rows per tile
-        if cfg.block_m == 16 and cfg.block_k // 8 < 16:
-            return False  # one MMA per code position spans block_k / 8 words: K >= 16
+        if cfg.block_m == 16 and (cfg.block_k // 8 < 16 or cfg.block_n < 16):
+            return False  # one MMA per code position: K = block_k / 8 words >= 16, and N >= 16
         return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + (16,)
     return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
 
@@ -1318,8 +1331,10 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     cfg = config or _pick_config(path, args)
     if not _valid_config(cfg, path, m, out_features, k_padded, bs):
         raise ValueError(f"fp4_linear: config {cfg} is not valid for path {path} with M={m}, K_padded={k_padded}, "
-                         f"block {bs} (BLOCK_K must divide K_padded, be a multiple of the block and give MMA K >= 16; "
-                         f"SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, 4 or 16; prefill tiles >= 16 without split)")
+                         f"block {bs} (BLOCK_N and BLOCK_K powers of two; BLOCK_K must divide K_padded, be a multiple "
+                         f"of the block and give MMA K >= 16; 1 <= SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, "
+                         f"4 or 16 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16 for BLOCK_M 16); prefill tiles >= 16 "
+                         f"without split)")
     out = _launch(path, cfg, *args)
     return out.reshape(*x.shape[:-1], out_features)
 

@@ -158,6 +158,7 @@ def _assert_close(y, ref, dtype):
         (3, 40, 250, "gemv", KernelConfig(16, 16, 128, split_k=2), torch.bfloat16, True),  # MMA path, split-K
         (5, 37, 600, "gemv", KernelConfig(32, 16, 128, split_k=4), torch.bfloat16, False),  # MMA, uneven split
         (16, 24, 128, "gemv", KernelConfig(16, 16, 128, split_k=1), torch.float16, True),  # MMA path, direct store
+        (20, 40, 380, "gemv", KernelConfig(16, 16, 128, split_k=3), torch.bfloat16, True),  # MMA, 2 token tiles, split
         (70, 24, 200, "gemm", KernelConfig(16, 16, 64), torch.bfloat16, True),  # prefill, odd M/N/K
         (70, 24, 200, "dequant", None, torch.bfloat16, True),  # prefill: Triton dequantize + matmul
     ],
@@ -167,6 +168,28 @@ def test_triton_kernels_match_reference(fmt, m, n, k, path, config, dtype, bias)
     y = fp4.fp4_linear(x, kw, b, path=path, config=config)
     assert y.dtype == dtype
     _assert_close(y, ref, dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("config", [KernelConfig(16, 16, 128, split_k=2), KernelConfig(16, 4, 64, split_k=2)],
+                         ids=["tensor-cores", "cuda-cores"])
+def test_decode_keeps_small_weights_exact_in_fp16(fmt, config):
+    """fp16 activations with rows of very different size (row r scaled by 2^-(r % 12), down to
+    ~1e-5): the tensor-core decode rounds weights to fp16 before its MMA, so the powers of two of
+    the code and scale decodes must be in the weights by then (else NVFP4 weights of small blocks
+    and MXFP4 weights below 2^-9 lose their bits or vanish). Checked per output row."""
+    g = torch.Generator().manual_seed(11)
+    n, k, m = 24, 256, 5
+    w = torch.randn(n, k, generator=g) * 0.05 * torch.exp2(-(torch.arange(n) % 12).float())[:, None]
+    kw = to_kernel_layout(quantize_fp4(w, fmt))
+    x = torch.randn(m, k, generator=g).to(torch.float16)
+    w_deq = fp4.dequantize_kernel_layout(kw.codes, kw.scales, kw.global_scale, n, k, fmt).double()
+    ref = x.double() @ w_deq.T
+    kw = dataclasses.replace(kw, codes=kw.codes.to(DEVICE), scales=kw.scales.to(DEVICE),
+                             global_scale=kw.global_scale.to(DEVICE))
+    y = fp4.fp4_linear(x.to(DEVICE), kw, None, path="gemv", config=config).double().cpu()
+    row_scale = ref.abs().amax(dim=0)  # per output feature (column of y)
+    assert ((y - ref).abs() <= 2**-8 * row_scale + 1e-12).all(), ((y - ref).abs() / row_scale).max()
 
 
 def test_triton_default_dispatch_and_leading_dims():
@@ -204,6 +227,9 @@ def test_launcher_rejects_bad_arguments():
         fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 128))
     with pytest.raises(ValueError, match="MMA K >= 16"):  # the tensor-core decode needs 16 words per tile
         fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 64))
+    for bad in (KernelConfig(24, 1, 64), KernelConfig(16, 1, 64, split_k=0), KernelConfig(8, 16, 128)):
+        with pytest.raises(ValueError, match="powers of two"):  # non-power-of-two tile, no split, narrow MMA tile
+            fp4.fp4_linear_triton(x, *args, path="gemv", config=bad)
     with pytest.raises(ValueError, match="activations must be"):
         fp4.fp4_linear_triton(x.to(torch.int32), *args)
 
