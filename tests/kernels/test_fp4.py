@@ -323,6 +323,19 @@ def test_decode_word_positions_match_kernel_layout():
                     assert nibble == int(codes[element])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
+@pytest.mark.parametrize("cfg", [KernelConfig(8, 1, 256, split_k=4, num_stages=1),
+                                 KernelConfig(16, 4, 256, split_k=4, num_stages=1),
+                                 KernelConfig(64, 16, 128, split_k=8, num_stages=1)], ids=lambda c: f"{c.block_n}x{c.block_m}")
+def test_split_k_counters_under_concurrency(cfg):
+    """Many N tiles, several token tiles and K splits in flight at once (the interpreter runs
+    programs one after another, so a shared or misindexed arrival counter only races here)."""
+    m = 20 if cfg.block_m == 16 else 7
+    x, kw, b, ref = _case("nvfp4", m, 1000, 1024, torch.bfloat16, True, seed=12)
+    for _ in range(3):
+        _assert_close(fp4.fp4_linear(x, kw, b, path="gemv", config=cfg), ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("k,cfg", [(300, KernelConfig(16, 4, 64, split_k=3)),  # CUDA cores
                                    (300, KernelConfig(8, 1, 64, split_k=2)),  # narrowest tile: 5 tiles of N
                                    (380, KernelConfig(16, 16, 128, split_k=3))])  # tensor cores
