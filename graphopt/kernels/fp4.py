@@ -1161,9 +1161,13 @@ def _worth_timing(cfg: KernelConfig, path: str, m: int, k_padded: int) -> bool:
     return cfg.split_k == 1 or (k_padded // cfg.block_k) // cfg.split_k >= 2
 
 
-def _workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The key's split-K buffers; None when they do not exist yet and a CUDA-graph capture is
+    running (a zero fill recorded in the graph would not have run before the next eager call)."""
     key = (device, m, n)
     if key not in _WORKSPACES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         _WORKSPACES[key] = (torch.zeros((m, n), dtype=torch.float32, device=device),
                             torch.zeros((m * triton.cdiv(n, MIN_DECODE_BLOCK_N),), dtype=torch.int32, device=device))
     return _WORKSPACES[key]
@@ -1218,7 +1222,10 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         n_iters = k_padded // cfg.block_k
         split_k = triton.cdiv(n_iters, triton.cdiv(n_iters, cfg.split_k))  # every split owns >= 1 tile
         out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
-        ws, counters = _workspace(x2.device, m, n) if split_k > 1 else (out, out)
+        buffers = _workspace(x2.device, m, n) if split_k > 1 else None
+        if buffers is None:  # no split, or first use inside a CUDA-graph capture: one split
+            split_k, buffers = 1, (out, out)
+        ws, counters = buffers
         grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))
         args = (x2, codes.view(torch.int32), scales, global_scale, bias_arg, out, ws, counters, m, n, in_features,
                 k_padded, x2.stride(0), k_padded // 8, scales.stride(0), out.stride(0))

@@ -39,7 +39,8 @@ Kernels:
                          quantization, nibbles -> fp32 by bit tricks, fp32 FMAs (exact products).
   Both kernels split K over programs when the config asks (TileConfig.split_k; 0 = enough programs
   for PROGRAMS_PER_SM per SM) and combine the fp32 partials through a [SPLIT_K, M, N] workspace or
-  atomics into a zeroed [M, N] buffer, then _splitk_sum_kernel (+ bias, cast).
+  atomics into a zeroed [M, N] buffer, then _splitk_sum_kernel (+ bias, cast); the decode kernel
+  can also reduce in one launch ("last": the split that finishes a tile last writes the output).
   The launchers pick a config by token count; on a GPU they time the candidates once per (path,
   token bucket, N, K, dtype) -- decode sizes as CUDA-graph replays -- and cache the fastest
   (GRAPHOPT_Q4_AUTOTUNE=0 disables it).
@@ -49,7 +50,7 @@ launchers make them so). The fused kernels re-quantize the activation tile once 
 the gemv once per token row and N tile): redundant CUDA-core work that grows with M*K*N/BLOCK_N;
 at large token counts the separate path (quantize once) or dense bf16 wins, and the q4_linear
 pass's cost model says so. Split-K sums in a different fp32 order than the unsplit kernel, and
-the atomic reduction is not bitwise deterministic run to run.
+the atomic and "last" reductions are not bitwise deterministic run to run.
 """
 
 from __future__ import annotations
@@ -666,7 +667,7 @@ def _pack_int8x4(q, CHUNK: tl.constexpr):
 def _q4_gemv_kernel(
     x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight (N, Kp/2) uint8, or its int32 words (N, Kp/8)
     #                        when USE_DP4A; scales (Kp/32, N) fp16
-    bias_ptr, out_ptr,  # bias (N,); out (M, N), or the fp32 buffers of REDUCE (see _write_output)
+    bias_ptr, out_ptr,  # bias (N,); out (M, N) (REDUCE_NONE / _LAST), or the fp32 buffers of REDUCE (_write_output)
     acc_ptr, counter_ptr,  # REDUCE_LAST: the persistent fp32 (M, N) sums and per-tile arrival counters
     M, N, K, pairs_per_split,
     stride_xm, stride_wn, stride_wsb, stride_os, stride_om,
@@ -831,7 +832,8 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
             qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             config: TileConfig, quot_dtype=tl.float32, qmin: int = -128, qmax: int = 127) -> None:
     """Run `config` on (M=m, K=k) activations into `out` (M, N): the main kernel, plus, with
-    split-K, the fp32 buffer it reduces into and the small kernel that sums it into `out`."""
+    split-K, the fp32 buffer it reduces into and the small kernel that sums it into `out` (none with
+    reduce="last": the kernel's last split per tile writes `out`)."""
     n = qweight.shape[0]
     num_pairs = triton.cdiv(k, 64)
     if config.kernel in ("gemv", "dp4a"):
@@ -848,7 +850,11 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
     has_bias = bias is not None
     acc_buf = counters = out  # placeholders, read only under REDUCE_LAST
     if reduce == REDUCE_LAST:
-        acc_buf, counters = _last_split_buffers(out.device, m, n, tiles_m * tiles_n)
+        buffers = _last_split_buffers(out.device, m, n)
+        if buffers is None:  # first use inside a CUDA-graph capture: reduce through a workspace
+            reduce = REDUCE_WORKSPACE
+        else:
+            acc_buf, counters = buffers
     if reduce in (REDUCE_NONE, REDUCE_LAST):
         dest = out
     elif reduce == REDUCE_ATOMIC:
@@ -884,19 +890,22 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
 
 
 # REDUCE_LAST buffers per (device, M, N): fp32 sums and arrival counters, all zero between calls
-# (the last split of a tile re-zeroes its part). Shared by every launch with that key: two such
-# launches must not run concurrently on different streams.
+# (the last split of a tile re-zeroes its part). Allocated once per key and never replaced (CUDA
+# graphs keep their addresses): M * N counters cover any tiling. Shared by every launch with that
+# key: two such launches must not run concurrently on different streams.
 _LAST_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _last_split_buffers(device: torch.device, m: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _last_split_buffers(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The key's buffers; None when they do not exist yet and a CUDA-graph capture is running (a
+    zero fill recorded in the graph would not have run before the next eager call)."""
     key = (device, m, n)
-    sums, counters = _LAST_SPLIT_BUFFERS.get(key, (None, None))
-    if sums is None or counters.numel() < tiles:
-        sums = torch.zeros((m, n), dtype=torch.float32, device=device)
-        counters = torch.zeros((tiles,), dtype=torch.int32, device=device)
-        _LAST_SPLIT_BUFFERS[key] = (sums, counters)
-    return sums, counters
+    if key not in _LAST_SPLIT_BUFFERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _LAST_SPLIT_BUFFERS[key] = (torch.zeros((m, n), dtype=torch.float32, device=device),
+                                    torch.zeros((m * n,), dtype=torch.int32, device=device))
+    return _LAST_SPLIT_BUFFERS[key]
 
 
 def _autotune_enabled() -> bool:

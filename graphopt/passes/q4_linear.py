@@ -139,11 +139,13 @@ def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_featu
         return min((estimate_q4_fused(hw, m, k, n, act_bytes=act_bytes, bias=bias, config=c)
                     for c in q4k.candidate_configs(m, fused=True)), key=lambda e: e.ms)
     splits = split_k(hw, config, m, k, n)
-    launches = 1 if splits == 1 else 2  # + the split-K sum
+    last = config.reduce == "last"  # one launch; each split adds its fp32 partial into one buffer
+    launches = 1 if splits == 1 or last else 2  # + the split-K sum
     # fewer programs than SMs leave SMs idle: the memory rate scales with the filled fraction
     fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
+    partial_bytes = 4 * (splits + 2) * m * n if last else 2 * 4 * splits * m * n
     moved = _weight_bytes(n, k) + m * k * act_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
-        + (2 * 4 * splits * m * n if splits > 1 else 0)  # fp32 partials written and read back
+        + (partial_bytes if splits > 1 else 0)  # fp32 partials written and read back
     family = "q4_gemv" if config.kernel in ("gemv", "dp4a") else "q4_gemm"  # efficiencies are per kernel
     if config.kernel in ("gemv", "dp4a"):
         per_value = GEMV_UNPACK_OPS_PER_VALUE + m if config.kernel == "gemv" \

@@ -227,6 +227,18 @@ def test_last_split_buffers_are_rearmed_between_calls():
     assert not sums.any() and not counters.any() and counters.numel() >= 5  # 5 tiles of 8 rows
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
+@pytest.mark.parametrize("config", [q4.TileConfig("dp4a", 0, 16, 8, 1, 1, split_k=4, reduce="last"),
+                                    q4.TileConfig("dp4a", 2, 32, 4, 1, 1, split_k=0, reduce="last")], ids=lambda c: c.name)
+def test_last_split_counters_under_concurrency(config):
+    """Many N tiles, several token tiles and K splits in flight at once (the interpreter runs
+    programs one after another, so a shared or misindexed arrival counter only races here)."""
+    x, qweight, scales, bias = _problem(5, 1000, 2048, torch.float32, seed=13)
+    ref = _dequant_matmul64(x, qweight, scales, bias)
+    for _ in range(3):
+        _assert_close_fp32_sum(q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config), ref, torch.float32)
+
+
 def test_split_k_program_count_and_pairs():
     # 216 block pairs (K = 13824), 80 output tiles, 4 programs per SM on 132 SMs -> 7 splits of 32 pairs
     assert q4._split_k(7, 80, 216, 8, torch.device("cpu")) == (7, 32)
