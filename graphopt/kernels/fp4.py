@@ -652,6 +652,11 @@ try:
 except ImportError:  # pragma: no cover - the CPU reference works without Triton
     triton = None
 
+from graphopt.kernels.split_k import split_buffers  # noqa: E402
+
+if triton is not None:
+    from graphopt.kernels.split_k import finish_split_tile
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -990,24 +995,15 @@ if triton is not None:
         acc = acc * tl.load(global_scale_ptr)
 
         out_mask = n_mask[:, None] & m_mask[None, :]
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + rows).to(tl.float32)[:, None]
-        else:
-            bias = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
         if SPLIT_K == 1:
-            tl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=out_mask)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
-            ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
-            tl.atomic_add(ws_ptrs, acc, mask=out_mask, sem="relaxed")
-            tl.debug_barrier()
-            counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                total = tl.atomic_add(ws_ptrs, tl.zeros_like(acc), mask=out_mask, sem="relaxed")
-                tl.store(ws_ptrs, tl.zeros_like(acc), mask=out_mask)
-                tl.store(out_ptrs, (total + bias).to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(counter, 0)
+            finish_split_tile(acc, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, out_mask,
+                              bias_ptr + rows[:, None], n_mask[:, None],
+                              counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
 
     @triton.jit
     def _fp4_dequantize_kernel(
@@ -1111,11 +1107,6 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------
 PATHS: tuple[str, ...] = ("gemv", "gemm", "dequant")
 _TUNED: dict[tuple, KernelConfig] = {}
-# Split-K workspaces of the decode kernels (CUDA-core and tensor-core), per (device, M, N): an fp32 (M, N) buffer and
-# per-tile arrival counters, both all-zero between calls (the last split of a tile re-zeroes its
-# part). Shared by every launch with that key: two such launches must not run concurrently on
-# different streams.
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -1159,18 +1150,6 @@ def _worth_timing(cfg: KernelConfig, path: str, m: int, k_padded: int) -> bool:
     if cfg.block_m not in ((_token_bucket(m), 16) if m <= 4 else (4, 16)):
         return False
     return cfg.split_k == 1 or (k_padded // cfg.block_k) // cfg.split_k >= 2
-
-
-def _workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The key's split-K buffers; None when they do not exist yet and a CUDA-graph capture is
-    running (a zero fill recorded in the graph would not have run before the next eager call)."""
-    key = (device, m, n)
-    if key not in _WORKSPACES:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _WORKSPACES[key] = (torch.zeros((m, n), dtype=torch.float32, device=device),
-                            torch.zeros((m * triton.cdiv(n, MIN_DECODE_BLOCK_N),), dtype=torch.int32, device=device))
-    return _WORKSPACES[key]
 
 
 # Dequantize tile: (rows, elements per row, warps, interleave) per program. interleave 1: one
@@ -1222,7 +1201,7 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         n_iters = k_padded // cfg.block_k
         split_k = triton.cdiv(n_iters, triton.cdiv(n_iters, cfg.split_k))  # every split owns >= 1 tile
         out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
-        buffers = _workspace(x2.device, m, n) if split_k > 1 else None
+        buffers = split_buffers("fp4", x2.device, m, n, m * triton.cdiv(n, MIN_DECODE_BLOCK_N)) if split_k > 1 else None
         if buffers is None:  # no split, or first use inside a CUDA-graph capture: one split
             split_k, buffers = 1, (out, out)
         ws, counters = buffers

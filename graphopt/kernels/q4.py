@@ -64,6 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphopt.kernels.split_k import finish_split_tile, split_buffers
+
 try:  # libdevice mul_rn: a multiply rounded on its own, never contracted into an FMA
     from triton.language.extra import libdevice as _libdevice
 except ImportError:  # pragma: no cover (triton without the extra libdevice module)
@@ -570,27 +572,6 @@ def _write_output(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k,
 
 
 @triton.jit
-def _write_output_last(acc, out_ptr, bias_ptr, acc_ptr, counter_ptr, offs_m, offs_n, m_mask, n_mask, N,
-                       stride_om, SPLIT_K, HAS_BIAS: tl.constexpr):
-    """REDUCE_LAST: add acc (BM, BN) into the zeroed fp32 (M, N) buffer at acc_ptr; the split that
-    arrives last at this tile's counter reads the sums back from L2 (atomics), re-zeroes them and
-    the counter, and stores sum + bias in out's dtype."""
-    mask = m_mask[:, None] & n_mask[None, :]
-    sums = acc_ptr + offs_m[:, None] * N + offs_n[None, :]
-    tl.atomic_add(sums, acc, mask=mask, sem="relaxed")
-    tl.debug_barrier()  # every thread's adds precede the counter's release
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-    if arrived == SPLIT_K - 1:
-        zero = tl.zeros_like(acc)
-        total = tl.atomic_add(sums, zero, mask=mask, sem="relaxed")
-        tl.store(sums, zero, mask=mask)
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(counter_ptr, 0)
-
-
-@triton.jit
 def _q4_gemm_kernel(
     a_ptr, ad_ptr,  # activations (see _load_act_block)
     w_ptr, ws_ptr,  # qweight (N, Kp/2) uint8, scales (Kp/32, N) fp16
@@ -750,8 +731,10 @@ def _q4_gemv_kernel(
             acc = tl.where(offs_r[:, None] == r, acc + part[None, :], acc)
     rows = row0 + offs_r
     if REDUCE == 3:  # REDUCE_LAST
-        _write_output_last(acc, out_ptr, bias_ptr, acc_ptr, counter_ptr + pid_m * tl.num_programs(0) + pid_n,
-                           rows, offs_n, rows < M, n_mask, N, stride_om, tl.num_programs(1), HAS_BIAS)
+        finish_split_tile(acc, acc_ptr + rows[:, None] * N + offs_n[None, :],
+                          out_ptr + rows[:, None] * stride_om + offs_n[None, :], (rows < M)[:, None] & n_mask[None, :],
+                          bias_ptr + offs_n[None, :], n_mask[None, :], counter_ptr + pid_m * tl.num_programs(0) + pid_n,
+                          tl.num_programs(1), HAS_BIAS)
     else:
         _write_output(acc, out_ptr, bias_ptr, rows, offs_n, rows < M, n_mask, pid_k, stride_os, stride_om,
                       HAS_BIAS, REDUCE)
@@ -850,7 +833,7 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
     has_bias = bias is not None
     acc_buf = counters = out  # placeholders, read only under REDUCE_LAST
     if reduce == REDUCE_LAST:
-        buffers = _last_split_buffers(out.device, m, n)
+        buffers = split_buffers("q4", out.device, m, n, m * n)  # m * n counters cover any tiling
         if buffers is None:  # first use inside a CUDA-graph capture: reduce through a workspace
             reduce = REDUCE_WORKSPACE
         else:
@@ -887,25 +870,6 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
         _splitk_sum_kernel[(m, triton.cdiv(n, block))](
             dest, bias_arg, out, n, splits, stride_os, dest.stride(-2), out.stride(0),
             HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
-
-
-# REDUCE_LAST buffers per (device, M, N): fp32 sums and arrival counters, all zero between calls
-# (the last split of a tile re-zeroes its part). Allocated once per key and never replaced (CUDA
-# graphs keep their addresses): M * N counters cover any tiling. Shared by every launch with that
-# key: two such launches must not run concurrently on different streams.
-_LAST_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _last_split_buffers(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The key's buffers; None when they do not exist yet and a CUDA-graph capture is running (a
-    zero fill recorded in the graph would not have run before the next eager call)."""
-    key = (device, m, n)
-    if key not in _LAST_SPLIT_BUFFERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _LAST_SPLIT_BUFFERS[key] = (torch.zeros((m, n), dtype=torch.float32, device=device),
-                                    torch.zeros((m * n,), dtype=torch.int32, device=device))
-    return _LAST_SPLIT_BUFFERS[key]
 
 
 def _autotune_enabled() -> bool:

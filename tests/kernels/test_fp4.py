@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from graphopt.hardware import SPECS
-from graphopt.kernels import fp4
+from graphopt.kernels import fp4, split_k
 from graphopt.kernels.fp4 import (
     E2M1_VALUES, FORMATS, KernelConfig, dequantize_fp4, from_kernel_layout, quantize_fp4, round_to_e2m1_codes,
     sqnr_db, to_kernel_layout,
@@ -347,7 +347,7 @@ def test_split_k_workspace_is_rearmed_between_calls(k, cfg):
     y2 = fp4.fp4_linear(x, kw, b, path="gemv", config=cfg)
     assert torch.equal(y1, y2)
     _assert_close(y2, ref, torch.bfloat16)
-    ws, counters = fp4._WORKSPACES[(x.device, 3, 40)]
+    ws, counters = split_k.BUFFERS[("fp4", x.device, 3, 40)]
     assert not ws.any() and not counters.any()
     assert counters.numel() >= 3 * -(-40 // cfg.block_n)  # one arrival counter per (token tile, N tile)
 

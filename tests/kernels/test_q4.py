@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphopt  # noqa: F401  (registers graphopt::* ops)
-from graphopt.kernels import q4
+from graphopt.kernels import q4, split_k
 
 F32 = np.float32
 
@@ -223,7 +223,7 @@ def test_last_split_buffers_are_rearmed_between_calls():
     y2 = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
     assert torch.equal(y1, y2)
     _assert_close_fp32_sum(y2, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
-    sums, counters = q4._LAST_SPLIT_BUFFERS[(x.device, 3, 40)]
+    sums, counters = split_k.BUFFERS[("q4", x.device, 3, 40)]
     assert not sums.any() and not counters.any() and counters.numel() >= 5  # 5 tiles of 8 rows
 
 
