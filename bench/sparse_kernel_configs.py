@@ -20,6 +20,7 @@ ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--cpu-smoke", action="store_true")
 ARGS.add_argument("--lengths", default="8192,16384")
 ARGS.add_argument("--densities", default="1.0,0.5,0.25")
+ARGS.add_argument("--only", default="", help="time only configs whose settings include these, e.g. USE_TMA=1")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -53,7 +54,13 @@ def block_mask(length: int, density: float, causal: bool) -> torch.Tensor:
 def main() -> None:
     configs = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in sa._attention_configs()]
     if not GPU:
-        configs = [{"PREFETCH_INDEX": 1, "USE_TMA": t, "num_warps": 4, "num_stages": 1} for t in (0, 1)]
+        configs = [{"PREFETCH_INDEX": 1, "USE_TMA": t, "PAIR_BLOCKS": p, "num_warps": 4, "num_stages": 1}
+                   for t in (0, 1) for p in (0, 1)]
+    for setting in filter(None, OPTS.only.split(",")):
+        name, value = setting.split("=")
+        configs = [c for c in configs if str(c.get(name)) == value]
+    if GPU and HEAD_DIM >= 128:  # what the autotuner keeps (sparse_attention._prune_attention_configs)
+        configs = [c for c in configs if c["num_warps"] == 8]
     rows = []
     for length in LENGTHS:
         for causal in (False, True):

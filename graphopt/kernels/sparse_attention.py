@@ -329,12 +329,16 @@ def _attention_configs():
 
     PREFETCH_INDEX=1 reads the next kept block index one iteration ahead (the K/V addresses of a
     tile then never wait on a LUT load); 0 leaves the indirect load to Triton's pipeliner. Which
-    one pipelines better depends on the Triton version, so both are tuned."""
-    configs = [triton.Config({"PREFETCH_INDEX": p, "USE_TMA": 0}, num_warps=8, num_stages=s)
+    one pipelines better depends on the Triton version, so both are tuned. PAIR_BLOCKS=1 runs the
+    unmasked kept blocks two per step (see _attend_pairs)."""
+    configs = [triton.Config({"PREFETCH_INDEX": p, "USE_TMA": 0, "PAIR_BLOCKS": 0}, num_warps=8, num_stages=s)
                for p in (1, 0) for s in (3, 4, 2)]
-    configs += [triton.Config({"PREFETCH_INDEX": p, "USE_TMA": 0}, num_warps=4, num_stages=s) for p in (1, 0) for s in (3, 2)]
-    configs += [triton.Config({"PREFETCH_INDEX": 1, "USE_TMA": 1}, num_warps=w, num_stages=s)
+    configs += [triton.Config({"PREFETCH_INDEX": p, "USE_TMA": 0, "PAIR_BLOCKS": 0}, num_warps=4, num_stages=s)
+                for p in (1, 0) for s in (3, 2)]
+    configs += [triton.Config({"PREFETCH_INDEX": 1, "USE_TMA": 1, "PAIR_BLOCKS": 0}, num_warps=w, num_stages=s)
                 for w, s in ((8, 2), (8, 3), (8, 4), (4, 3))]
+    configs += [triton.Config({"PREFETCH_INDEX": 1, "USE_TMA": t, "PAIR_BLOCKS": 1}, num_warps=8, num_stages=s)
+                for t in (1,) for s in (2, 3)]  # with pointer loads the pair spills (sm_90, 8 warps)
     return configs
 
 
@@ -476,6 +480,45 @@ if triton is not None:
         return acc, l_i, m_i, next_index
 
     @triton.jit
+    def _attend_pairs(
+        acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, lut_row, lo, hi, offs_n, offs_d, stride_kn, stride_vn,
+        Lk, qk_scale,
+        HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        USE_TMA: tl.constexpr,
+    ):
+        """Unmasked tiles lut_row[lo:hi] (hi - lo even) two per step: two QK^T tiles share one
+        running-max update and one rescale of the (BLOCK_M, D) accumulator, which is what a
+        2 * BLOCK_N key tile costs in a dense kernel, though the two blocks need not be adjacent.
+        The pair's indices are read one step ahead."""
+        next0 = tl.load(lut_row + lo, mask=hi > lo, other=0)
+        next1 = tl.load(lut_row + lo + 1, mask=hi > lo, other=0)
+        for it in range(lo, hi, 2):
+            start0 = next0 * BLOCK_N
+            start1 = next1 * BLOCK_N
+            ahead = tl.minimum(it + 2, hi - 2)
+            next0 = tl.load(lut_row + ahead, eviction_policy="evict_last")
+            next1 = tl.load(lut_row + ahead + 1, eviction_policy="evict_last")
+            kt0 = _load_kv_tile(kt_ptrs, k_desc, start0, start0 + offs_n, offs_d, Lk, stride_kn, HEAD_DIM, PAD_D,
+                                False, True, USE_TMA)
+            kt1 = _load_kv_tile(kt_ptrs, k_desc, start1, start1 + offs_n, offs_d, Lk, stride_kn, HEAD_DIM, PAD_D,
+                                False, True, USE_TMA)
+            qk0 = tl.dot(q, kt0, input_precision=DOT_PRECISION)
+            qk1 = tl.dot(q, kt1, input_precision=DOT_PRECISION)
+            m_new = tl.maximum(m_i, tl.maximum(tl.max(qk0, 1), tl.max(qk1, 1)) * qk_scale)
+            p0 = tl.math.exp2(qk0 * qk_scale - m_new[:, None])
+            p1 = tl.math.exp2(qk1 * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + (tl.sum(p0, 1) + tl.sum(p1, 1))
+            v0 = _load_kv_tile(v_ptrs, v_desc, start0, start0 + offs_n, offs_d, Lk, stride_vn, HEAD_DIM, PAD_D,
+                               False, False, USE_TMA)
+            v1 = _load_kv_tile(v_ptrs, v_desc, start1, start1 + offs_n, offs_d, Lk, stride_vn, HEAD_DIM, PAD_D,
+                               False, False, USE_TMA)
+            acc = tl.dot(p0.to(v0.dtype), v0, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            acc = tl.dot(p1.to(v1.dtype), v1, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
     def _sparse_attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, pv_thresh_ptr, pv_thresh,
         stride_qb, stride_qh, stride_qm,
@@ -485,9 +528,10 @@ if triton is not None:
         H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, SEQ_BUCKET,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PV_PER_HEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PREFETCH_INDEX: tl.constexpr, USE_TMA: tl.constexpr,
+        PREFETCH_INDEX: tl.constexpr, USE_TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     ):
         """Grid (nQ, B*H): one query block of one head; visits the kept key blocks of its LUT row.
+        PAIR_BLOCKS (without PV skipping): unmasked blocks two per step (_attend_pairs).
         USE_TMA: K/V tiles through device-side tensor descriptors (Hopper TMA; the launcher
         checks alignment), else pointer loads.
         The last dimension of q, k, v, o is contiguous (the launcher guarantees it). SEQ_BUCKET is
@@ -540,9 +584,15 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        next_index = tl.load(lut_row, mask=count > 0, other=0)
+        single_lo = 0
+        if PAIR_BLOCKS and not PV_SKIP:
+            single_lo = n_plain - n_plain % 2
+            acc, l_i, m_i = _attend_pairs(
+                acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, lut_row, 0, single_lo, offs_n, offs_d,
+                stride_kn, stride_vn, Lk, qk_scale, HEAD_DIM, PAD_D, BLOCK_N, DOT_PRECISION, USE_TMA)
+        next_index = tl.load(lut_row + tl.minimum(single_lo, tl.maximum(count - 1, 0)), mask=count > 0, other=0)
         acc, l_i, m_i, next_index = _attend_list(
-            acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, lut_row, 0, n_plain, next_index, offs_m, offs_n, offs_d,
+            acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, lut_row, single_lo, n_plain, next_index, offs_m, offs_n, offs_d,
             neg_pv_thresh, stride_kn, stride_vn, Lq, Lk, qk_scale,
             HEAD_DIM, PAD_D, BLOCK_N, False, IS_CAUSAL, PV_SKIP, DOT_PRECISION, PREFETCH_INDEX, USE_TMA)
         if PREFETCH_INDEX:
@@ -1088,7 +1138,8 @@ def block_sparse_attention(
     `predict_block_lut`. Under `is_causal` every diagonal-crossing block must be in the list.
 
     config: None = autotuned on a GPU (the interpreter uses one fixed config); or an explicit
-    {"PREFETCH_INDEX": 0/1, "USE_TMA": 0/1, "num_warps": ..., "num_stages": ...} (tests, ablations)."""
+    {"PREFETCH_INDEX": 0/1, "USE_TMA": 0/1, "PAIR_BLOCKS": 0/1, "num_warps": ..., "num_stages": ...}
+    (tests, ablations)."""
     _require_triton(q, k, v)
     group, Dv = _check_inputs(q, k, v, is_causal)
     B, H, Lq, D = q.shape
@@ -1122,7 +1173,7 @@ def block_sparse_attention(
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     grid = (n_q, B * H)
     if config is None and _interpreting():
-        config = {"PREFETCH_INDEX": 1, "num_warps": 4, "num_stages": 1}
+        config = {"PREFETCH_INDEX": 1, "PAIR_BLOCKS": 1, "num_warps": 4, "num_stages": 1}
     use_tma = int(config.get("USE_TMA", 0)) if config is not None else None
     if use_tma and not tma_loads_supported(k, v):
         raise ValueError("config USE_TMA=1 needs a Hopper+ GPU, tl.make_tensor_descriptor and 16-byte aligned K/V "
@@ -1133,6 +1184,7 @@ def block_sparse_attention(
         _sparse_attention_kernel_tuned[grid](*args, **meta)
     else:
         _sparse_attention_kernel[grid](*args, **meta, PREFETCH_INDEX=int(config.get("PREFETCH_INDEX", 1)), USE_TMA=use_tma,
+                                       PAIR_BLOCKS=int(config.get("PAIR_BLOCKS", 0)),
                                        num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 3))
     return out
 

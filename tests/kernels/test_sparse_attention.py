@@ -252,20 +252,28 @@ def test_triton_predictor_ties_at_the_cdf_boundary():
     assert mask.all()
 
 
-@pytest.mark.parametrize("prefetch_index,use_tma", [(0, 0), (1, 0), (1, 1)])
+@pytest.mark.parametrize("prefetch_index,use_tma,pair_blocks", [(0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_triton_kernel_loop_variants(prefetch_index, use_tma, is_causal):
+def test_triton_kernel_loop_variants(prefetch_index, use_tma, pair_blocks, is_causal):
     # the loop variants the GPU autotuner chooses between (index prefetch; K/V through pointers or
-    # tensor descriptors), on a sparse mask with a partial last block (TMA zero-fills past Lk)
+    # tensor descriptors; unmasked blocks one or two per step), on a sparse mask with a partial
+    # last block (TMA zero-fills past Lk) and rows with odd and even numbers of kept blocks
     B, H, L, D = 1, 2, 450, 64
     q, k, v = on_device(*(randn(B, H, L, D, seed=s) for s in (60, 61, 62)))
     if use_tma and not sa.tma_loads_supported(k, v):
         pytest.skip("tensor descriptors need a Hopper+ GPU (or the interpreter) and a Triton that has them")
-    mask = sa.predict_block_mask(q, k, is_causal=is_causal, simthreshd1=-1.0, cdfthreshd=0.6)
+    n_q, n_k = sa.triton_cdiv(L, sa.BLOCK_M), sa.triton_cdiv(L, sa.BLOCK_N)
+    mask = torch.rand(B, H, n_q, n_k, generator=torch.Generator().manual_seed(5)) < 0.6
+    if is_causal:
+        allowed, diagonal = sa.causal_block_geometry(n_q, n_k, L, L, sa.BLOCK_M, sa.BLOCK_N)
+        mask = (mask & allowed) | diagonal
+    mask = mask.to(DEVICE)
     assert not mask.all()
     lut, counts = sa.block_mask_to_lut(mask)
+    assert {c % 2 for c in counts.flatten().tolist()} == {0, 1}
     ref = sa.block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal)
-    config = {"PREFETCH_INDEX": prefetch_index, "USE_TMA": use_tma, "num_warps": 4, "num_stages": 1 if DEVICE == "cpu" else 3}
+    config = {"PREFETCH_INDEX": prefetch_index, "USE_TMA": use_tma, "PAIR_BLOCKS": pair_blocks, "num_warps": 4,
+              "num_stages": 1 if DEVICE == "cpu" else 3}
     out = sa.block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal, config=config)
     torch.testing.assert_close(out, ref, **FP32_TOL)
 
