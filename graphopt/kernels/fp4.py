@@ -833,6 +833,28 @@ if triton is not None:
         return part
 
     @triton.jit
+    def _word_tile(words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr):
+        """The (BLOCK_N rows x WORDS_PER_ITER words) tiling both decode kernels share, for program
+        (pid_n = axis 0, pid_k = axis 1): output columns offs_n and their mask; word and scale
+        pointers of the tile's first iteration (rows clamped: the hot loop needs no masks; the
+        WORDS_PER_ITER // (BLOCK_SIZE // 8) scales of a tile, one per scale block); k_lo, the element
+        index of each word's first low-nibble code; and this split's iterations [it_start, it_end),
+        each split owning >= 1 (the launcher guarantees it)."""
+        WPB: tl.constexpr = BLOCK_SIZE // 8  # int32 words per scale block
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(offs_n, N - 1)
+        offs_w = tl.arange(0, WORDS_PER_ITER)
+        word_ptrs = words_ptr + rows[:, None] * stride_wn + offs_w[None, :]  # (BN, W)
+        scale_ptrs = scales_ptr + rows[:, None] * stride_sn + (offs_w // WPB)[None, :]  # (BN, W): WPB words share one
+        k_lo = (offs_w // WPB) * BLOCK_SIZE + (offs_w % WPB) * 4  # (W,)
+        n_iters = K_PADDED // (WORDS_PER_ITER * 8)
+        per_split = tl.cdiv(n_iters, SPLIT_K)
+        it_start = tl.program_id(1) * per_split
+        it_end = tl.minimum(it_start + per_split, n_iters)
+        return offs_n, offs_n < N, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end
+
+    @triton.jit
     def _fp4_gemv_words_kernel(
         x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
         M, N, K, K_PADDED,
@@ -855,15 +877,9 @@ if triton is not None:
         WPB: tl.constexpr = BLOCK_SIZE // 8  # int32 words per scale block
         HALF: tl.constexpr = BLOCK_SIZE // 2
         pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        rows = tl.minimum(offs_n, N - 1)  # clamped: the hot loop needs no masks
-        offs_w = tl.arange(0, WORDS_PER_ITER)
-        word_ptrs = words_ptr + rows[:, None] * stride_wn + offs_w[None, :]  # (BN, W)
-        scale_ptrs = scales_ptr + rows[:, None] * stride_sn + (offs_w // WPB)[None, :]  # (BN, W): WPB words share one
-        k_lo = (offs_w // WPB) * BLOCK_SIZE + (offs_w % WPB) * 4  # (W,)
+        offs_n, n_mask, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end = _word_tile(
+            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
 
         token0 = pid_m * BLOCK_M
         x_row0 = x_ptr + tl.minimum(token0, M - 1) * stride_xm
@@ -875,10 +891,6 @@ if triton is not None:
         acc2 = tl.zeros((BLOCK_N, WORDS_PER_ITER), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, WORDS_PER_ITER), dtype=tl.float32)
 
-        n_iters = K_PADDED // (WORDS_PER_ITER * 8)
-        per_split = tl.cdiv(n_iters, SPLIT_K)
-        it_start = pid_k * per_split
-        it_end = tl.minimum(it_start + per_split, n_iters)
         words = tl.load(word_ptrs + it_start * WORDS_PER_ITER)
         scale_bytes = tl.load(scale_ptrs + it_start * (WORDS_PER_ITER // WPB))
         for it in range(it_start, it_end):
@@ -954,23 +966,13 @@ if triton is not None:
         WPB: tl.constexpr = BLOCK_SIZE // 8
         HALF: tl.constexpr = BLOCK_SIZE // 2
         pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        rows = tl.minimum(offs_n, N - 1)
+        offs_n, n_mask, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end = _word_tile(
+            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
-        offs_w = tl.arange(0, WORDS_PER_ITER)
-        word_ptrs = words_ptr + rows[:, None] * stride_wn + offs_w[None, :]  # (BN, W)
-        scale_ptrs = scales_ptr + rows[:, None] * stride_sn + (offs_w // WPB)[None, :]
-        k_lo = (offs_w // WPB) * BLOCK_SIZE + (offs_w % WPB) * 4  # (W,)
         x_rows = x_ptr + offs_m[:, None] * stride_xm  # (BM, 1)
 
-        n_iters = K_PADDED // (WORDS_PER_ITER * 8)
-        per_split = tl.cdiv(n_iters, SPLIT_K)
-        it_start = pid_k * per_split
-        it_end = tl.minimum(it_start + per_split, n_iters)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for it in range(it_start, it_end):
             words = tl.load(word_ptrs + it * WORDS_PER_ITER)
