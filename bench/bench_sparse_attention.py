@@ -18,8 +18,9 @@ eager (do_bench: includes the host launch path when the GPU work is shorter) and
 CUDA graph (GPU time only; the predictor has no host sync, so it can be captured), the sparsity it
 finds there with the default thresholds, and the end-to-end time (predictor + kernel) against
 dense. Then the predictor breakdown (also alone with --predictor-only, L >= 8k): the pooling launch
-alone, the LUT launch alone and the whole predictor, for the first predictor (v1) and the current
-one (v2), eager and CUDA graph, as % of cuDNN dense; v1 and v2 LUTs are compared first. Prints the
+alone, the LUT stage alone and the whole predictor, for every variant (v1: the first; v2: the
+default; v3: the LUT stage in two launches), eager and CUDA graph, as % of cuDNN dense; the
+variants' block masks are compared with v2's and the torch reference's first. Prints the
 issue's targets (met / not met) last. Writes JSON and a speed-vs-density PNG to $OUT (or bench/out).
 
     python bench/bench_sparse_attention.py --predictor-only   # the breakdown alone (~1 min)
@@ -46,7 +47,10 @@ def parse_args():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--predictor-only", action="store_true",
-                   help="only the predictor breakdown (pool / LUT / whole, v1 vs v2; default L 8192,16384,32768)")
+                   help="only the predictor breakdown (pool / LUT / whole, every variant; default L 8192,16384,32768)")
+    p.add_argument("--v3-configs", default="",
+                   help="extra v3 launch shapes for the breakdown, ';'-separated, each 'key=value,...' with the keys "
+                        "of graphopt.kernels.sparse_attention.V3_SHAPE; e.g. 'select_rows=2;precision=tf32x3'")
     p.add_argument("--skip-flex-above", type=int, default=32768,
                    help="skip FlexAttention for non-causal L above this (compile time); default: never skip")
     return p.parse_args()
@@ -67,7 +71,9 @@ DTYPE = torch.float32 if ARGS.cpu_smoke else torch.bfloat16
 LENGTHS = [int(x) for x in ARGS.lengths.split(",")] if ARGS.lengths else ([256, 384] if ARGS.cpu_smoke else [4096, 8192, 16384, 32768])
 HEADS = 2 if ARGS.cpu_smoke else ARGS.heads
 HEAD_DIM = 32 if ARGS.cpu_smoke else ARGS.head_dim
-TARGET_MIN_L = 0 if ARGS.cpu_smoke else 8192  # the issue's targets apply at L >= 8k
+TARGET_MIN_L = 0 if ARGS.cpu_smoke else 8192
+V3_CONFIGS = [{k: (int(v) if v.isdigit() else v) for k, v in (kv.split("=") for kv in c.split(","))}
+              for c in ARGS.v3_configs.split(";") if c]  # the issue's targets apply at L >= 8k
 
 
 def time_ms(fn) -> float:
@@ -177,7 +183,8 @@ START = time.perf_counter()
 
 
 def predictor_breakdown(lengths: list[int]) -> list[dict]:
-    """Per (L, causal): v1 vs v2 predictor on local+sink inputs, by launch. Rows for print_table."""
+    """Per (L, causal): every predictor variant on local+sink inputs, by launch (v3's LUT stage is
+    its two launches). Rows for print_table."""
     rows: list[dict] = []
     for length in lengths:
         for causal in (False, True):
@@ -187,19 +194,24 @@ def predictor_breakdown(lengths: list[int]) -> list[dict]:
                 dense_ms = time_ms(cudnn_dense(qs, ks, qs, causal))
                 stages = {variant: sa.predictor_stages(qs, ks, is_causal=causal, variant=variant)
                           for variant in sa.PREDICTOR_VARIANTS}
+                for v3_config in V3_CONFIGS:  # v3 with other launch shapes
+                    label = "v3/" + ",".join(f"{k}={v}" for k, v in v3_config.items())
+                    stages[label] = sa.predictor_stages(qs, ks, is_causal=causal, variant="v3", v3_shape=v3_config)
                 masks = {}
                 for variant, (pool, lut, (lut_out, counts)) in stages.items():
                     pool()
                     lut()
                     masks[variant] = sa.lut_to_block_mask(lut_out, counts)
                 ref = sa.predict_block_mask(qs, ks, is_causal=causal)
-                differ = int((masks["v1"] != masks["v2"]).sum())
-                rows_differ = int((masks["v1"] != masks["v2"]).any(-1).sum())
-                print(f"{'PASS' if differ == 0 else 'FAIL'} predictor v2 vs v1 L={length} causal={causal}: "
-                      f"{differ} of {ref.numel()} blocks differ ({rows_differ} rows); vs torch reference: "
+                for variant in [v for v in stages if v != "v2"]:
+                    differ = int((masks[variant] != masks["v2"]).sum())
+                    rows_differ = int((masks[variant] != masks["v2"]).any(-1).sum())
+                    print(f"{'PASS' if differ == 0 else 'FAIL'} predictor {variant} vs v2 L={length} causal={causal}: "
+                          f"{differ} of {ref.numel()} blocks differ ({rows_differ} rows)")
+                print(f"predictor vs torch reference L={length} causal={causal}: "
                       + ", ".join(f"{v} {int((m != ref).sum())} blocks differ" for v, m in masks.items()))
                 read_bytes = (qs.numel() + ks.numel()) * qs.element_size()
-                for variant in ("v1", "v2"):
+                for variant in stages:
                     pool, lut, _ = stages[variant]
 
                     def whole(pool=pool, lut=lut):
@@ -207,7 +219,8 @@ def predictor_breakdown(lengths: list[int]) -> list[dict]:
                         lut()
                     row = {"L": length, "causal": causal, "variant": variant, "cudnn_ms": dense_ms,
                            "kept": round(masks[variant].float().mean().item(), 3)}
-                    for name, fn in (("pool", pool), ("lut", lut), ("whole", whole)):
+                    parts = getattr(lut, "parts", {})  # v3: its two LUT-stage launches, also one by one
+                    for name, fn in (("pool", pool), ("lut", lut), *parts.items(), ("whole", whole)):
                         row[f"{name}_ms"] = time_ms(fn)
                         row[f"{name}_graph_ms"] = graph_ms(fn)
                     row["pool_GBps"] = gbps(read_bytes, row["pool_graph_ms"] or row["pool_ms"])
@@ -215,20 +228,22 @@ def predictor_breakdown(lengths: list[int]) -> list[dict]:
                     if row["whole_graph_ms"] is not None:
                         row["whole_graph_%_of_dense"] = 100 * row["whole_graph_ms"] / dense_ms
                     # the public entry point (allocations + two launches), as the pass calls it
-                    row["predict_block_lut_ms"] = time_ms(lambda v=variant: sa.predict_block_lut(qs, ks, is_causal=causal, variant=v))
+                    if variant in sa.PREDICTOR_VARIANTS:
+                        row["predict_block_lut_ms"] = time_ms(lambda v=variant: sa.predict_block_lut(qs, ks, is_causal=causal, variant=v))
                     rows.append(row)
                 by_variant = {r["variant"]: r for r in rows[-len(stages):]}
-                v1, v2 = by_variant["v1"], by_variant["v2"]
-                for key in ("pool_ms", "lut_ms", "whole_ms", "whole_graph_ms"):
-                    if v1.get(key) and v2.get(key):
-                        v2[f"speedup_{key[:-3]}"] = v1[key] / v2[key]
+                v1 = by_variant["v1"]
+                for variant, r in by_variant.items():
+                    for key in ("pool_ms", "lut_ms", "whole_ms", "whole_graph_ms"):
+                        if variant != "v1" and v1.get(key) and r.get(key):
+                            r[f"speedup_{key[:-3]}"] = v1[key] / r[key]
             except Exception as exc:
                 print(f"FAIL predictor breakdown L={length} causal={causal}: {type(exc).__name__}: {exc}")
     return rows
 
 
 BREAKDOWN_COLUMNS = ["L", "causal", "variant", "kept", "cudnn_ms", "pool_ms", "pool_graph_ms", "pool_GBps", "lut_ms",
-                     "lut_graph_ms", "whole_ms", "whole_graph_ms", "predict_block_lut_ms", "whole_%_of_dense",
+                     "lut_graph_ms", "scores_graph_ms", "select_graph_ms", "whole_ms", "whole_graph_ms", "predict_block_lut_ms", "whole_%_of_dense",
                      "whole_graph_%_of_dense", "speedup_pool", "speedup_lut", "speedup_whole", "speedup_whole_graph"]
 
 
@@ -238,8 +253,8 @@ def main_predictor_only() -> int:
     write_json("bench_sparse_attention_predictor", rows,
                config={"B": 1, "H": HEADS, "D": HEAD_DIM, "dtype": str(DTYPE), "block_m": sa.BLOCK_M, "block_n": sa.BLOCK_N})
     print(f"total bench time: {time.perf_counter() - START:.0f} s")
-    print_table("sparse attention predictor breakdown, v1 vs v2 (local+sink inputs, default thresholds; "
-                "graph = CUDA-graph replay; speedup = v1 / v2)", rows, BREAKDOWN_COLUMNS)
+    print_table("sparse attention predictor breakdown per variant (local+sink inputs, default thresholds; "
+                "graph = CUDA-graph replay; speedup = v1 / variant)", rows, BREAKDOWN_COLUMNS)
     return 0
 
 
@@ -349,7 +364,7 @@ def main() -> int:
     for key, config in tuned_configs.items():
         print(f"autotuned sparse kernel config {key}: {config}")
     print(f"total bench time: {time.perf_counter() - START:.0f} s")
-    print_table("sparse attention predictor breakdown, v1 vs v2 (graph = CUDA-graph replay; speedup = v1 / v2)",
+    print_table("sparse attention predictor breakdown per variant (graph = CUDA-graph replay; speedup = v1 / variant)",
                 breakdown_rows, BREAKDOWN_COLUMNS)
     print_table("sparse attention: predictor on local+sink inputs (default thresholds; graph = CUDA-graph replay, GPU only)",
                 predictor_rows, ["L", "causal", "sparsity_found", "rel_L1_vs_dense", "cudnn_ms", "predictor_ms",

@@ -25,13 +25,14 @@ the predictor's block sizes are the kernel's):
      first tokens of the query block see themselves). Every row keeps at least one block.
   The kernel reads the kept blocks of each row as a compact list: `lut[b, h, i, :counts[b, h, i]]`
   holds the kept key-block indices in ascending order.
-  On the Triton path the predictor is two launches with no host synchronization (CUDA-graph
+  On the Triton path the predictor is three launches with no host synchronization (CUDA-graph
   capturable): (1) pool Q and K blocks with their self-similarity into one fp32 workspace;
-  (2) per 16 query blocks: pooled scores, masked softmax, top-cdf and the compact list, in
-  registers. Step 4 there needs no sort: a block is kept iff the mass of the strictly larger
-  probabilities is < cdfthreshd, i.e. iff its probability is >= the smallest fp32 t with
-  F(t) = sum(p > t) < cdfthreshd, found by searching the bit patterns of t from the row max
-  (3 pivots, 16 steps on short rows; bisection, 31 steps, on long ones).
+  (2) the pooled scores, a small GEMM per head; (3) per query block, in one warp: masked
+  softmax, top-cdf and the compact list, in registers. Step 4 there needs no sort: a block is
+  kept iff the mass of the strictly larger probabilities is < cdfthreshd, i.e. iff its
+  probability is >= the smallest fp32 t with F(t) = sum(p > t) < cdfthreshd, found by searching
+  the bit patterns of t from the row max (3 pivots, 16 steps on short rows; bisection, 31 steps,
+  on long ones).
 
 Kernel: online-softmax flash attention over the row's list. Under `is_causal` the token-level
 causal mask is applied inside the diagonal blocks (SpargeAttn's fast path masks only at block
@@ -759,7 +760,7 @@ if triton is not None:
         tl.store(count_ptr + q_rows, tl.sum(keep, 1), mask=row_ok)
 
     # The kernels above are predictor "v1" (kept for side-by-side benchmarks: variant="v1"). "v2"
-    # below is the default: one program per block with all its loads in flight at once (40-50
+    # below (its pooling is also v3's): one program per block with all its loads in flight at once (40-50
     # registers at D=128 instead of ~175, so ~5 programs per SM stream Q and K instead of one),
     # and a LUT kernel whose masks are rebuilt rather than kept live (no spills up to nK = 512),
     # with a 3-pivot threshold search (16 steps instead of 31) where the rows are short.
@@ -836,38 +837,15 @@ if triton is not None:
         return tl.sum(tl.where(probs > t[:, None], probs, 0.0), 1)
 
     @triton.jit
-    def _predict_lut_kernel_v2(
+    def _select_blocks(
+        scores, rows, row_ok, cols, col_ok, q_rows, k_rows, h,
         work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
-        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, scale,
-        off_sim_q, off_pooled_k, off_sim_k,
-        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+        Lq, Lk, N_K_BLOCKS, off_sim_q, off_sim_k,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     ):
-        """Grid (cdiv(nQ, ROWS), B*H), same contract as `_predict_lut_kernel`: ROWS rows of the block
-        mask, from the pooled scores to the compact ascending lists lut[row, :count]."""
-        pid_r = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        h = pid_bh % H
-        b = pid_bh // H
-        kv_bh = b * (H // KV_GROUP) + h // KV_GROUP
-        rows = pid_r * ROWS + tl.arange(0, ROWS)  # query block indices (ROWS,)
-        row_ok = rows < N_Q_BLOCKS
-        cols = tl.arange(0, N_K_POW2)  # key block indices (N_K_POW2,)
-        col_ok = cols < N_K_BLOCKS
-        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
-        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
-        # pooled scores (ROWS, N_K_POW2) = pooled_q (ROWS, D) @ pooled_k^T (D, nK): one fp32 FMA
-        # chain over D per score (accumulator form: the D chunking does not change the rounding)
-        scores = tl.zeros([ROWS, N_K_POW2], dtype=tl.float32)
-        for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
-            offs_d = d0 + tl.arange(0, D_CHUNK)
-            pq = tl.load(work_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
-                         mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            pkt = tl.load(work_ptr + off_pooled_k + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
-                          mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-            scores = tl.dot(pq, pkt, scores, input_precision="ieee")
-        scores = scores * scale
+        """From scaled pooled scores (ROWS, N_K_POW2) of one head to lut[row, :count] and counts:
+        masked row softmax, top-cdf threshold search, forced blocks, compaction (v2 and v3)."""
         if PER_HEAD:
             sim_thresh = tl.load(sim_thresh_ptr + h)
             cdf_thresh = tl.load(cdf_thresh_ptr + h)
@@ -926,11 +904,110 @@ if triton is not None:
                  mask=(keep != 0) & row_ok[:, None])
         tl.store(count_ptr + q_rows, tl.sum(keep, 1), mask=row_ok)
 
+    @triton.jit
+    def _predict_lut_kernel_v2(
+        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, scale,
+        off_sim_q, off_pooled_k, off_sim_k,
+        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    ):
+        """Grid (cdiv(nQ, ROWS), B*H), same contract as `_predict_lut_kernel`: ROWS rows of the block
+        mask, from the pooled scores to the compact ascending lists lut[row, :count]."""
+        pid_r = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        h = pid_bh % H
+        b = pid_bh // H
+        kv_bh = b * (H // KV_GROUP) + h // KV_GROUP
+        rows = pid_r * ROWS + tl.arange(0, ROWS)  # query block indices (ROWS,)
+        row_ok = rows < N_Q_BLOCKS
+        cols = tl.arange(0, N_K_POW2)  # key block indices (N_K_POW2,)
+        col_ok = cols < N_K_BLOCKS
+        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
+        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
+        # pooled scores (ROWS, N_K_POW2) = pooled_q (ROWS, D) @ pooled_k^T (D, nK): one fp32 FMA
+        # chain over D per score (accumulator form: the D chunking does not change the rounding)
+        scores = tl.zeros([ROWS, N_K_POW2], dtype=tl.float32)
+        for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
+            offs_d = d0 + tl.arange(0, D_CHUNK)
+            pq = tl.load(work_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
+                         mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            pkt = tl.load(work_ptr + off_pooled_k + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
+                          mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+            scores = tl.dot(pq, pkt, scores, input_precision="ieee")
+        _select_blocks(scores * scale, rows, row_ok, cols, col_ok, q_rows, k_rows, h,
+                       work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
+                       Lq, Lk, N_K_BLOCKS, off_sim_q, off_sim_k,
+                       BLOCK_M, BLOCK_N, ROWS, N_K_POW2, IS_CAUSAL, PER_HEAD, PIVOTS, SEARCH_STEPS)
+
+    # v3 (the default): v2's LUT launch split in two. v2 runs one program per 16 query blocks (the
+    # fp32 dot needs 16 rows), so at 8k (64 rows per head) only 64 programs run its serial 16-step
+    # search, with cross-warp row sums. v3 computes the pooled scores as a small tiled GEMM on the
+    # tensor cores (3xTF32), then selects in one-warp programs of one row (`V3_SHAPE`): the row
+    # sums are warp shuffles with no barrier, and there are 16 times more programs.
+    @triton.jit
+    def _pooled_scores_kernel(
+        work_ptr, H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, scale, off_pooled_k, off_scores,
+        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+        ROWS: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Grid (cdiv(nQ, ROWS), cdiv(nK, COLS), B*H): scores[q_row, col] = scale * pooled_q . pooled_k,
+        into the workspace (B*H*nQ, nK). PRECISION "ieee": one fp32 FMA chain over D per score, as
+        in v2; "tf32x3": three TF32 tensor-core products (about fp32 accuracy, other rounding)."""
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        pid_bh = tl.program_id(2)
+        kv_bh = (pid_bh // H) * (H // KV_GROUP) + (pid_bh % H) // KV_GROUP
+        rows = pid_r * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < N_Q_BLOCKS
+        cols = pid_c * COLS + tl.arange(0, COLS)
+        col_ok = cols < N_K_BLOCKS
+        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
+        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
+        scores = tl.zeros([ROWS, COLS], dtype=tl.float32)
+        for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
+            offs_d = d0 + tl.arange(0, D_CHUNK)
+            pq = tl.load(work_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
+                         mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            pkt = tl.load(work_ptr + off_pooled_k + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
+                          mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+            scores = tl.dot(pq, pkt, scores, input_precision=PRECISION)
+        tl.store(work_ptr + off_scores + q_rows[:, None] * N_K_BLOCKS + cols[None, :], scores * scale,
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _select_blocks_kernel(
+        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, off_sim_q, off_sim_k, off_scores,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    ):
+        """Grid (cdiv(nQ, ROWS), B*H), launched with one warp: the scores written by
+        `_pooled_scores_kernel` -> `_select_blocks`. (With more warps Triton splits a row's
+        columns across warps, and every row sum of the search then crosses shared memory.)"""
+        pid_r = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        h = pid_bh % H
+        kv_bh = (pid_bh // H) * (H // KV_GROUP) + h // KV_GROUP
+        rows = pid_r * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < N_Q_BLOCKS
+        cols = tl.arange(0, N_K_POW2)
+        col_ok = cols < N_K_BLOCKS
+        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
+        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
+        scores = tl.load(work_ptr + off_scores + q_rows[:, None] * N_K_BLOCKS + cols[None, :],
+                         mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        _select_blocks(scores, rows, row_ok, cols, col_ok, q_rows, k_rows, h,
+                       work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
+                       Lq, Lk, N_K_BLOCKS, off_sim_q, off_sim_k,
+                       BLOCK_M, BLOCK_N, ROWS, N_K_POW2, IS_CAUSAL, PER_HEAD, PIVOTS, SEARCH_STEPS)
+
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
-PREDICTOR_VARIANTS = ("v2", "v1")  # v2: default; v1: the first predictor, kept for benchmarks
+PREDICTOR_VARIANTS = ("v3", "v2", "v1")  # v3: default; v2: one LUT launch; v1: the first predictor
 
 
 def _require_triton(*tensors: torch.Tensor) -> None:
@@ -951,7 +1028,7 @@ def _threshold_args(value, n_heads: int, name: str, device) -> tuple[torch.Tenso
     return per_head(value, n_heads, name, device), 0.0
 
 
-def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int, variant: str = "v2") -> dict:
+def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int, variant: str = "v3") -> dict:
     if variant not in PREDICTOR_VARIANTS:
         raise ValueError(f"predictor variant={variant!r} is not valid; valid choices: {', '.join(PREDICTOR_VARIANTS)}")
     if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
@@ -971,9 +1048,11 @@ def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n:
     off_sim_q = aligned(B * H * n_q * D)
     off_pooled_k = off_sim_q + aligned(B * H * n_q)
     off_sim_k = off_pooled_k + aligned(B * Hkv * n_k * D)
+    off_scores = off_sim_k + aligned(B * Hkv * n_k)  # v3 only: the pooled scores (B*H*nQ, nK)
+    work_size = off_scores + (B * H * n_q * n_k if variant == "v3" else 0)
     return dict(B=B, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D, n_q=n_q, n_k=n_k, tokens=tokens, variant=variant,
-                q_tiles=triton_cdiv(Lq, tokens), k_tiles=triton_cdiv(Lk, tokens),
-                off_sim_q=off_sim_q, off_pooled_k=off_pooled_k, off_sim_k=off_sim_k, work_size=off_sim_k + B * Hkv * n_k)
+                q_tiles=triton_cdiv(Lq, tokens), k_tiles=triton_cdiv(Lk, tokens), off_sim_q=off_sim_q,
+                off_pooled_k=off_pooled_k, off_sim_k=off_sim_k, off_scores=off_scores, work_size=work_size)
 
 
 # v2 pooling launch: elements per load slice and warps per program. H100 sweep
@@ -1025,8 +1104,33 @@ def _lut_kernel_config(n_k_pow2: int, block_d: int) -> dict:
                 num_warps=num_warps)
 
 
-def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, block_m, block_n, variant):
-    """(pool, lut, work, lut_out, counts): the two predictor launches as closures over buffers
+# v3 launch shape: score tiles (score_rows x score_cols, score_warps warps, dot precision) and
+# selection programs of one warp with select_rows rows and 1 or 3 search pivots (None: 3 up to 128
+# key blocks, else 1). H100 sweeps (bench/results/sparse_predictor_h100_v3*.json, L = 8k-32k):
+# - one row per selection program beat 2 and 4;
+# - 3 pivots (16 steps of three independent row sums) won at 128 key blocks (4.7 against 5.5 us),
+#   1 pivot (31 steps) at 256 and 512 (7.5 against 9.1 us, 20 against 26 us);
+# - "tf32x3" scores (three TF32 tensor-core products, error ~1e-6 relative) took 3.1 / 6.7 / 19 us
+#   at 8k / 16k / 32k, "ieee" (one fp32 FMA chain per score, v2's) 7.4 / 22 / 83 us. Against the
+#   torch predictor (cuBLAS fp32), tf32x3 changed 1 block of 524288 at 16k and none elsewhere;
+# - 16 x 64 score tiles with 4 warps beat 32 x 64, 16 x 32, 16 x 128 and 8 warps.
+V3_SHAPE = dict(select_rows=1, pivots=None, score_rows=16, score_cols=64, score_warps=4, precision="tf32x3")
+
+
+def _v3_shape(overrides: dict | None) -> dict:
+    shape = dict(V3_SHAPE)
+    unknown = set(overrides or {}) - set(shape)
+    if unknown:
+        raise ValueError(f"unknown v3 launch-shape keys {sorted(unknown)}; valid keys: {', '.join(shape)}")
+    shape.update(overrides or {})
+    if shape["pivots"] not in (None, 1, 3) or shape["precision"] not in ("ieee", "tf32x3"):
+        raise ValueError(f"v3 shape {shape}: pivots must be None (automatic), 1 or 3; precision 'ieee' or 'tf32x3'")
+    return shape
+
+
+def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, block_m, block_n, variant,
+                         v3_shape: dict | None = None):
+    """(pool, lut, work, lut_out, counts): the predictor's pooling and LUT stages as closures over buffers
     allocated here; calling pool() then lut() fills lut_out and counts. No host synchronization."""
     _require_triton(q, k)
     g = _predictor_geometry(q, k, block_m, block_n, variant)
@@ -1060,11 +1164,34 @@ def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, blo
     def lut_v2():
         _predict_lut_kernel_v2[grid](*args, **meta, **_lut_kernel_config(n_k_pow2, block_d))
 
-    return pool, (lut_v1 if variant == "v1" else lut_v2), work, lut, counts
+    shape = _v3_shape(v3_shape)
+    score_rows, score_cols = shape["score_rows"], min(shape["score_cols"], n_k_pow2)
+    pivots = shape["pivots"] or (3 if n_k_pow2 <= 128 else 1)
+
+    def scores_v3():
+        _pooled_scores_kernel[(triton_cdiv(n_q, score_rows), triton_cdiv(n_k, score_cols), B * H)](
+            work, H, H // g["Hkv"], n_q, n_k, scale, g["off_pooled_k"], g["off_scores"],
+            HEAD_DIM=D, D_CHUNK=max(16, min(block_d, 4096 // score_cols)), BLOCK_D=block_d,
+            ROWS=score_rows, COLS=score_cols, PRECISION=shape["precision"], num_warps=shape["score_warps"])
+
+    def select_v3():
+        _select_blocks_kernel[(triton_cdiv(n_q, shape["select_rows"]), B * H)](
+            *args[:13], g["off_sim_q"], g["off_sim_k"], g["off_scores"],
+            BLOCK_M=block_m, BLOCK_N=block_n, ROWS=shape["select_rows"], N_K_POW2=n_k_pow2, IS_CAUSAL=is_causal,
+            PER_HEAD=per_head_thresholds, PIVOTS=pivots, SEARCH_STEPS=16 if pivots == 3 else 31,
+            num_warps=1)
+
+    def lut_v3():
+        scores_v3()
+        select_v3()
+    lut_v3.parts = {"scores": scores_v3, "select": select_v3}  # timed one by one in the benchmark
+
+    lut_launch = {"v1": lut_v1, "v2": lut_v2, "v3": lut_v3}[variant]
+    return pool, lut_launch, work, lut, counts
 
 
 def pool_qk_triton(q: torch.Tensor, k: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N, *,
-                   variant: str = "v2", slice_elements: int = POOL_SLICE_ELEMENTS, num_warps: int = POOL_WARPS):
+                   variant: str = "v3", slice_elements: int = POOL_SLICE_ELEMENTS, num_warps: int = POOL_WARPS):
     """The predictor's first launch on its own, as views of its workspace: pooled_q (B, H, nQ, D),
     sim_q (B, H, nQ), pooled_k (B, Hkv, nK, D), sim_k (B, Hkv, nK), all fp32 (see `pool_blocks`)."""
     _require_triton(q, k)
@@ -1073,7 +1200,7 @@ def pool_qk_triton(q: torch.Tensor, k: torch.Tensor, block_m: int = BLOCK_M, blo
     B, H, Hkv, D, n_q, n_k = g["B"], g["H"], g["Hkv"], g["D"], g["n_q"], g["n_k"]
     return (work[: B * H * n_q * D].view(B, H, n_q, D), work[g["off_sim_q"]: g["off_sim_q"] + B * H * n_q].view(B, H, n_q),
             work[g["off_pooled_k"]: g["off_pooled_k"] + B * Hkv * n_k * D].view(B, Hkv, n_k, D),
-            work[g["off_sim_k"]:].view(B, Hkv, n_k))
+            work[g["off_sim_k"]: g["off_sim_k"] + B * Hkv * n_k].view(B, Hkv, n_k))
 
 
 def predict_block_lut(
@@ -1086,13 +1213,14 @@ def predict_block_lut(
     cdfthreshd=DEFAULT_CDFTHRESHD,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
-    variant: str = "v2",
+    variant: str = "v3",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The predictor on the Triton path: lut int32 (B, H, nQ, nK) and counts int32 (B, H, nQ), as
-    `block_mask_to_lut(predict_block_mask(...))` (only lut[..., :counts] is defined). Two launches
-    (pool Q and K with self-similarity; scores + softmax + top-cdf + LUT), three allocations, no
-    host synchronization: it can be captured in a CUDA graph. Float thresholds go to the kernel as
-    scalars (no tensor is built). variant: "v2" (default) or "v1" (the first version, for benchmarks)."""
+    `block_mask_to_lut(predict_block_mask(...))` (only lut[..., :counts] is defined). Three
+    launches (pool Q and K with self-similarity; pooled scores; softmax + top-cdf + LUT), three
+    allocations, no host synchronization: it can be captured in a CUDA graph. Float thresholds go
+    to the kernels as scalars (no tensor is built). variant: "v3" (default); "v2" (scores and
+    selection in one launch) and "v1" (the first version) are kept for benchmarks."""
     pool, lut_launch, _, lut, counts = _predictor_launchers(
         q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
         block_m=block_m, block_n=block_n, variant=variant)
@@ -1109,14 +1237,16 @@ def predictor_stages(
     scale: float | None = None,
     simthreshd1=DEFAULT_SIMTHRESHD1,
     cdfthreshd=DEFAULT_CDFTHRESHD,
-    variant: str = "v2",
+    variant: str = "v3",
+    v3_shape: dict | None = None,
 ):
     """Benchmark hook: (pool, lut, outputs) where pool() is the pooling launch alone, lut() the LUT
-    launch alone (reading what pool() last wrote) and outputs = (lut, counts), filled in place. The
-    buffers are allocated once here, so each call is exactly one launch (CUDA-graph capturable)."""
+    stage alone (reading what pool() last wrote; one launch, two for v3) and outputs = (lut,
+    counts), filled in place. The buffers are allocated once here, so each call only launches
+    (CUDA-graph capturable). v3_shape: overrides of `V3_SHAPE` (benchmarks)."""
     pool, lut_launch, _, lut, counts = _predictor_launchers(
         q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
-        block_m=BLOCK_M, block_n=BLOCK_N, variant=variant)
+        block_m=BLOCK_M, block_n=BLOCK_N, variant=variant, v3_shape=v3_shape)
     return pool, lut_launch, (lut, counts)
 
 

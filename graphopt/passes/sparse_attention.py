@@ -13,7 +13,7 @@ does not name) the documented defaults apply: simthreshd1=0.6, cdfthreshd=0.98, 
 their error was not measured on this model, which the decision says.
 
 The cost model decides: dense time (the backend the attention pass chose, on the target GPU)
-against the predictor (2 launches) plus the block-sparse kernel at the plan's measured sparsity
+against the predictor (3 launches) plus the block-sparse kernel at the plan's measured sparsity
 (without a plan: an assumed ASSUMED_SPARSITY_WITHOUT_PLAN, recorded as such). Both estimates are
 rooflines fitted to the H200 round-2 timings (bench/results/sparse_attention_h200_round2.json; see
 the constants below). Where the kernel currently wins there (bf16, D=128, B=1, H=16, predictor
@@ -47,7 +47,7 @@ from graphopt.passes.base import GraphPass, PassContext, module_path
 from graphopt.passes.fx_utils import dtype, fake, replace_with_call, shape
 
 ASSUMED_SPARSITY_WITHOUT_PLAN = 0.5  # fraction of QK blocks skipped, for the cost model only
-PREDICTOR_LAUNCHES = 2  # pool Q and K (with self-similarity); pooled scores + top-cdf + compact lists
+PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; top-cdf + compact lists
 
 # Fitted to bench/results/sparse_attention_h200_round2.json (H200, bf16, B=1, H=16, D=128,
 # L=4k-32k, causal and not, densities 1/0.5/0.25/0.1; ceilings 690 TFLOP/s, 4.22 TB/s, 6 us launch):
@@ -58,18 +58,16 @@ PREDICTOR_LAUNCHES = 2  # pool Q and K (with self-similarity); pooled scores + t
 #    load, pipeline fill, epilogue, store) whatever its density: that is what makes the kernel's
 #    effective rate fall from 435 TFLOP/s at density 1 to 321 at 9.4% (L=8k) and 170 at L=4k.
 #    With these two constants every kernel timing is within 0.80-1.13x of the prediction.
-#  - The predictor (v2 kernels) is refit to an H100 run (bench/results/sparse_predictor_h100_
-#    pool1warp.json: 0.062 / 0.109 / 0.249 ms at L = 8k / 16k / 32k non-causal, B=1, H=16, D=128):
+#  - The predictor (v3 kernels) is refit to an H100 run (bench/results/sparse_predictor_h100_v3_
+#    final.json: 0.041 / 0.074 / 0.158 ms at L = 8k / 16k / 32k, B=1, H=16, D=128, CUDA graph):
 #    PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.8: the pooling launch reads Q and K at 2.3-2.5 TB/s,
-#    0.78-0.83 of the copy bandwidth (sparse_pool_configs_h100_round2); PREDICTOR_SELECT_S_PER_KEY_
-#    BLOCK = 0.2 us: the LUT launch, 0.027 / 0.047 / 0.128 ms with one wave of programs, grows with
-#    the number of key blocks of a row (0.18-0.25 us each). The v1 predictor the H200 round-2
-#    timings come from took 0.55-0.67 us per key block and read Q and K at ~0.9 TB/s.
+#    0.78-0.83 of the copy bandwidth (sparse_pool_configs_h100_round2); PREDICTOR_S_PER_SCORE =
+#    10 ps per (query block, key block) pooled score for the scores GEMM and the selection beyond
+#    their launches: 3.1 + 4.6 us at 8k (131k scores), 19 + 20 us at 32k (2.1M). The v1 predictor
+#    the H200 round-2 timings come from read Q and K at ~0.9 TB/s and took 4x longer per score.
 SPARSE_ROW_COST_TILES = 6.0
 PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.8
-PREDICTOR_SELECT_S_PER_KEY_BLOCK = 0.2e-6
-PREDICTOR_PROGRAMS_PER_SM = 2
-PREDICTOR_ROWS_PER_PROGRAM = 16  # graphopt.kernels.sparse_attention.PREDICTOR_ROWS
+PREDICTOR_S_PER_SCORE = 10e-12
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,8 +90,8 @@ def kept_tile_count(lq: int, lk: int, *, causal: bool, density: float) -> float:
 
 def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, dtype_bytes: int = 2) -> Estimate:
     """Pool Q and K blocks (read each once, at PREDICTOR_POOL_MEMORY_EFFICIENCY of the memory
-    ceiling), then per 16 query blocks the pooled scores, top-cdf selection and compact lists
-    (their bytes at the pointwise rate), plus the selection's latency per key block."""
+    ceiling), then the pooled scores, top-cdf selection and compact lists (their bytes at the
+    pointwise rate, three launches), plus PREDICTOR_S_PER_SCORE per pooled score."""
     n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
     pooled = dtype_bytes * (b * h * lq * d + b * hkv * lk * d)
     moved = 4 * (b * h * n_q * (d + 1) + b * hkv * n_k * (d + 1))  # pooled blocks, read back by the LUT launch
@@ -107,9 +105,7 @@ def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *
     pool_ms = pooled / (hw.memory_ceiling * PREDICTOR_POOL_MEMORY_EFFICIENCY) * 1e3
     est = Estimate(est.name, est.ms + pool_ms, flops, moved + pooled, est.launches,
                    "memory" if pool_ms > est.ms else est.bound)
-    programs = b * h * _blocks(n_q, PREDICTOR_ROWS_PER_PROGRAM)
-    waves = _blocks(programs, hw.sm_count * PREDICTOR_PROGRAMS_PER_SM)
-    select_ms = waves * n_k * PREDICTOR_SELECT_S_PER_KEY_BLOCK * 1e3
+    select_ms = b * h * n_q * n_k * PREDICTOR_S_PER_SCORE * 1e3
     return Estimate(est.name, est.ms + select_ms, flops, est.bytes, est.launches,
                     "latency" if select_ms > est.ms else est.bound)
 

@@ -170,9 +170,10 @@ def _structured_mixture(B, H, Hkv, L, D, seed):
     return on_device(q, k)
 
 
+@pytest.mark.parametrize("variant", sa.PREDICTOR_VARIANTS)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 3, 3, 333, 48), (2, 4, 2, 1000, 32)])
-def test_triton_predictor_matches_reference(shape, is_causal):
+def test_triton_predictor_matches_reference(shape, is_causal, variant):
     B, H, Hkv, L, D = shape
     q, k = _structured_mixture(B, H, Hkv, L, D, seed=42)
     cases = [
@@ -184,8 +185,8 @@ def test_triton_predictor_matches_reference(shape, is_causal):
     ]
     for thresholds in cases:
         mask = sa.predict_block_mask(q, k, is_causal=is_causal, **thresholds)
-        lut, counts = sa.predict_block_lut(q, k, is_causal=is_causal, **thresholds)
-        assert torch.equal(sa.lut_to_block_mask(lut, counts), mask), f"mask differs for {thresholds}"
+        lut, counts = sa.predict_block_lut(q, k, is_causal=is_causal, variant=variant, **thresholds)
+        assert torch.equal(sa.lut_to_block_mask(lut, counts), mask), f"{variant}: mask differs for {thresholds}"
         # the lists are ascending and never empty
         for row, n in zip(lut.reshape(-1, lut.shape[-1]).tolist(), counts.reshape(-1).tolist()):
             assert n >= 1 and row[:n] == sorted(set(row[:n]))
@@ -217,13 +218,14 @@ def _assert_predictor_matches_reference(q, k, **kwargs):
 
 @pytest.mark.parametrize("pivots", [1, 3])
 def test_triton_predictor_search_modes_match_reference(monkeypatch, pivots):
-    # v2 searches the top-cdf threshold with 3 pivots (16 steps) on short rows and 1 (31 steps) on
-    # long ones: force each mode at a tiny size. Unstructured random q/k (flat rows: t* is small and
+    # v2 and v3 search the top-cdf threshold with 3 pivots (16 steps) on short rows and 1 (31 steps)
+    # on long ones: force each mode at a tiny size. Unstructured random q/k (flat rows: t* is small and
     # many blocks are kept) and structured ones (peaked rows), odd L, GQA, per-head thresholds
     # including cdf 0 (only forced blocks), a cdf just below 1, and similarity above every block.
     config = sa._lut_kernel_config
     monkeypatch.setattr(sa, "_lut_kernel_config", lambda n, d: {**config(n, d), "PIVOTS": pivots,
                                                                 "SEARCH_STEPS": 16 if pivots == 3 else 31})
+    monkeypatch.setitem(sa.V3_SHAPE, "pivots", pivots)
     random_qk = on_device(randn(1, 4, 700, 32, seed=60), randn(1, 2, 700, 32, seed=61))
     structured_qk = _structured_mixture(1, 4, 2, 700, 32, seed=62)
     per_head = dict(simthreshd1=torch.tensor([-1.0, 0.2, 2.0, 0.5], device=DEVICE),
@@ -346,3 +348,10 @@ def test_input_errors_name_the_problem():
         sa.sparse_attention(q, q, q, implementation="cuda")
     with pytest.raises(ValueError, match="multiple"):
         sa.sparse_attention(q, randn(1, 3, 64, 32, seed=31), randn(1, 3, 64, 32, seed=32))
+    qd, = on_device(q)
+    with pytest.raises(ValueError, match="valid keys"):
+        sa.predictor_stages(qd, qd, v3_shape={"rows": 2})
+    with pytest.raises(ValueError, match="precision"):
+        sa.predictor_stages(qd, qd, v3_shape={"precision": "bf16"})
+    with pytest.raises(ValueError, match="valid choices"):
+        sa.predict_block_lut(qd, qd, variant="v4")
