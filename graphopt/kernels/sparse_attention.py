@@ -1167,16 +1167,19 @@ def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, blo
     shape = _v3_shape(v3_shape)
     score_rows, score_cols = shape["score_rows"], min(shape["score_cols"], n_k_pow2)
     pivots = shape["pivots"] or (3 if n_k_pow2 <= 128 else 1)
+    tf32_ok = not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 8
+    precision = shape["precision"] if tf32_ok else "ieee"  # TF32 tensor cores need sm_80+
+    select_args = args[:13]  # the LUT kernels' arguments up to (not including) the scale
 
     def scores_v3():
         _pooled_scores_kernel[(triton_cdiv(n_q, score_rows), triton_cdiv(n_k, score_cols), B * H)](
             work, H, H // g["Hkv"], n_q, n_k, scale, g["off_pooled_k"], g["off_scores"],
             HEAD_DIM=D, D_CHUNK=max(16, min(block_d, 4096 // score_cols)), BLOCK_D=block_d,
-            ROWS=score_rows, COLS=score_cols, PRECISION=shape["precision"], num_warps=shape["score_warps"])
+            ROWS=score_rows, COLS=score_cols, PRECISION=precision, num_warps=shape["score_warps"])
 
     def select_v3():
         _select_blocks_kernel[(triton_cdiv(n_q, shape["select_rows"]), B * H)](
-            *args[:13], g["off_sim_q"], g["off_sim_k"], g["off_scores"],
+            *select_args, g["off_sim_q"], g["off_sim_k"], g["off_scores"],
             BLOCK_M=block_m, BLOCK_N=block_n, ROWS=shape["select_rows"], N_K_POW2=n_k_pow2, IS_CAUSAL=is_causal,
             PER_HEAD=per_head_thresholds, PIVOTS=pivots, SEARCH_STEPS=16 if pivots == 3 else 31,
             num_warps=1)
