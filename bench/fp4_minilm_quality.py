@@ -1,15 +1,22 @@
 """Sentence embeddings of real MiniLM (all-MiniLM-L6-v2) with FP4 weights (CPU).
 
-Every nn.Linear of the encoder gets its weight quantized to NVFP4 / MXFP4 (amax rule and MSE scale
-search) and dequantized back, which is exactly what graphopt::fp4_linear computes on CPU; one more
-row runs the real path, torch.compile(backend="graphopt") with the fp4_linear pass forced (the
-cost model declines FP4 on a CPU target). Reported: cosine similarity of the mean-pooled sentence
-embeddings to the fp32 model (and, for scale, of the bf16 model to fp32), min and mean over the
-sentences, plus the weight SQNR over all linears. GPTQ rows: graphopt.kernels.fp4.calibrate_fp4 on
-CALIBRATION_SENTENCES (disjoint from the evaluation SENTENCES), default damping; the last row
-compiles with those NVFP4 weights through a plan (graphopt.passes.fp4_linear.save_fp4_plan).
+Every nn.Linear of the encoder (all 37) gets its weight quantized to NVFP4 / MXFP4 (amax rule and
+MSE scale search) and dequantized back, which is exactly what graphopt::fp4_linear computes on
+CPU; two more rows run the real path, torch.compile(backend="graphopt") with the fp4_linear pass
+forced (the cost model declines FP4 on a CPU target), with compile-time quantization and with
+GPTQ weights loaded from a plan (graphopt.passes.fp4_linear.save_fp4_plan). Reported: cosine
+similarity of the mean-pooled sentence embeddings to the fp32 model (and, for scale, of the bf16
+model to fp32), min and mean over the 10 evaluation SENTENCES and over the 40 further held-out
+VALIDATION_SENTENCES (bench/fp4_calibration_text.py), plus the weight SQNR over all linears and
+the calibration time. GPTQ rows: graphopt.kernels.fp4.calibrate_fp4, default damping, on the 24
+CALIBRATION_SENTENCES below (the earlier setting) or on the 352 CALIBRATION_TEXTS of
+bench/fp4_calibration_text.py (about 7,300 tokens); "sequential" is calibrate_fp4(sequential=True).
+No calibration text is an evaluation or validation sentence; all are fed one at a time (no padding).
 
     python bench/fp4_minilm_quality.py
+
+bench/results/fp4_minilm_quality_cpu.log (and .json) ran with OMP_NUM_THREADS=1 on a 2-core machine
+shared with another job; calibration_s is that wall time.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import print_table, write_json  # noqa: E402
+from bench.fp4_calibration_text import CALIBRATION_TEXTS, VALIDATION_SENTENCES  # noqa: E402
 from graphopt.kernels import fp4  # noqa: E402
 
 SENTENCES = [
@@ -42,7 +50,8 @@ SENTENCES = [
 ]
 
 
-# GPTQ calibration text: different sentences from SENTENCES (evaluation), fed one at a time (no padding).
+# The first GPTQ calibration set (24 short sentences, ~400 tokens; kept for comparison): different
+# sentences from SENTENCES and VALIDATION_SENTENCES.
 CALIBRATION_SENTENCES = [
     "A light breeze carried the smell of fresh bread down the narrow street.",
     "The committee postponed its vote on the new zoning regulations until March.",
@@ -84,69 +93,27 @@ def embed(model, enc) -> torch.Tensor:
     return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
 
-def quantized_copy(model, fmt: str, scale_search: bool):
-    q_model = copy.deepcopy(model)
-    signal = noise = 0.0
-    with torch.no_grad():
-        for mod in q_model.modules():
-            if isinstance(mod, torch.nn.Linear):
-                w = mod.weight.detach().float()
-                w_q = fp4.dequantize_fp4(fp4.quantize_fp4(w, fmt, scale_search=scale_search))
-                signal += w.double().square().sum().item()
-                noise += (w.double() - w_q.double()).square().sum().item()
-                mod.weight.copy_(w_q)
-    import math
-
-    return q_model, 10 * math.log10(signal / noise)
-
-
-def gptq_copy(model, quantized: dict):
-    """Copy of `model` whose linears hold the dequantized GPTQ weights; also their weight SQNR."""
+def with_weights(model, weights: dict):
+    """Copy of `model` whose linears hold the dequantized `weights` ({module path: Fp4Tensor}); also
+    the weight SQNR over all of them, in dB."""
     import math
 
     q_model = copy.deepcopy(model)
     signal = noise = 0.0
     with torch.no_grad():
         for name, mod in q_model.named_modules():
-            if isinstance(mod, torch.nn.Linear):
-                w = mod.weight.detach().float()
-                w_q = fp4.dequantize_fp4(quantized[name])
-                signal += w.double().square().sum().item()
-                noise += (w.double() - w_q.double()).square().sum().item()
+            if name in weights:
+                w = mod.weight.detach().double()
+                w_q = fp4.dequantize_fp4(weights[name]).double()
+                signal += w.square().sum().item()
+                noise += (w - w_q).square().sum().item()
                 mod.weight.copy_(w_q)
     return q_model, 10 * math.log10(signal / noise)
 
 
-def main() -> None:
-    from transformers import AutoModel, AutoTokenizer
-
-    path = model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval().float()
-    enc = tokenizer(SENTENCES, padding=True, truncation=True, return_tensors="pt")
-    reference = embed(model, enc)
-    rows = []
-
-    def add(name: str, emb: torch.Tensor, weight_sqnr=None):
-        cos = (emb * reference).sum(-1)
-        rows.append({"variant": name, "min_cosine": cos.min().item(), "mean_cosine": cos.mean().item(),
-                     "weight_sqnr_db": weight_sqnr})
-        print(f"{name}: min cosine {cos.min().item():.5f}, mean {cos.mean().item():.5f}", flush=True)
-
-    add("bf16 weights+activations", embed(copy.deepcopy(model).to(torch.bfloat16), enc))
-    gptq = {}
-    for fmt in ("nvfp4", "mxfp4"):
-        for search in (False, True):
-            q_model, sqnr = quantized_copy(model, fmt, search)
-            add(f"{fmt}{' + scale search' if search else ''}", embed(q_model, enc), sqnr)
-        start = time.perf_counter()
-        calibration = [dict(tokenizer(s, return_tensors="pt")) for s in CALIBRATION_SENTENCES]
-        gptq[fmt] = fp4.calibrate_fp4(model, calibration, fmt)
-        q_model, sqnr = gptq_copy(model, gptq[fmt])
-        add(f"{fmt} + GPTQ ({len(CALIBRATION_SENTENCES)} other sentences, {time.perf_counter() - start:.0f} s)",
-            embed(q_model, enc), sqnr)
-
-    import graphopt  # noqa: F401
+def compiled_embeddings(model, encodings, options: dict):
+    """Embeddings of torch.compile(model, backend="graphopt", fp4_linear forced) for each encoding,
+    and the pass's applied decisions for the first (each new batch shape compiles again)."""
     from graphopt import backend
 
     decisions = []
@@ -154,35 +121,80 @@ def main() -> None:
     try:
         torch._dynamo.reset()
         compiled = torch.compile(copy.deepcopy(model), backend="graphopt",
-                                 options={"passes": {"fp4_linear": True}, "force": True, "fp4_format": "nvfp4"})
-        emb = embed(compiled, enc)
+                                 options={"passes": {"fp4_linear": True}, "force": True, "fp4_format": "nvfp4", **options})
+        embeddings = [embed(compiled, encodings[0])]
+        first = list(decisions)
+        embeddings += [embed(compiled, enc) for enc in encodings[1:]]
     finally:
         backend._DECISION_SINKS.remove(decisions)
         torch._dynamo.reset()
-    applied = [d for d in decisions if d.pass_name == "fp4_linear" and d.applied]
-    saved = sum(d.details["memory_saved_bytes"] for d in applied)
-    add(f"graphopt fp4_linear nvfp4 ({len(applied)} linears, {saved / 2**20:.1f} MiB saved)", emb)
+    return embeddings, [d for d in first if d.pass_name == "fp4_linear" and d.applied]
 
-    # The real path with the GPTQ weights: a plan beside a temporary file, compiled as above.
+
+def main() -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    import graphopt  # noqa: F401  (registers the backend)
     from graphopt.passes.fp4_linear import save_fp4_plan
 
+    path = model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval().float()
+    encodings = [tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+                 for texts in (SENTENCES, VALIDATION_SENTENCES)]
+    references = [embed(model, enc) for enc in encodings]
+    linears = {name: mod for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    rows = []
+
+    def add(name: str, embeddings: list, weight_sqnr=None, seconds=None):
+        cos, val = [(emb * ref).sum(-1) for emb, ref in zip(embeddings, references)]
+        rows.append({"variant": name, "min_cosine": cos.min().item(), "mean_cosine": cos.mean().item(),
+                     "val_min_cosine": val.min().item(), "val_mean_cosine": val.mean().item(),
+                     "weight_sqnr_db": weight_sqnr, "calibration_s": seconds})
+        print(f"{name}: min cosine {cos.min().item():.5f}, mean {cos.mean().item():.5f}; validation min "
+              f"{val.min().item():.5f}, mean {val.mean().item():.5f}", flush=True)
+
+    def add_weights(name: str, weights: dict, seconds=None):
+        q_model, sqnr = with_weights(model, weights)
+        add(name, [embed(q_model, enc) for enc in encodings], sqnr, seconds)
+
+    def calibrated(fmt: str, texts: list[str], **kwargs):
+        start = time.perf_counter()
+        inputs = [dict(tokenizer(t, return_tensors="pt")) for t in texts]
+        weights = fp4.calibrate_fp4(model, inputs, fmt, **kwargs)
+        return weights, time.perf_counter() - start
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    add("bf16 weights+activations", [embed(bf16, enc) for enc in encodings])
+    best = None
+    for fmt in ("nvfp4", "mxfp4"):
+        for search in (False, True):
+            add_weights(f"{fmt}{' + scale search' if search else ''}",
+                        {n: fp4.quantize_fp4(m.weight.detach(), fmt, scale_search=search) for n, m in linears.items()})
+        settings = [(CALIBRATION_TEXTS, True)]
+        if fmt == "nvfp4":
+            settings = [(CALIBRATION_SENTENCES, False), (CALIBRATION_TEXTS, False)] + settings
+        for texts, sequential in settings:
+            weights, seconds = calibrated(fmt, texts, sequential=sequential)
+            add_weights(f"{fmt} + {'sequential ' if sequential else ''}GPTQ ({len(texts)} texts)", weights, seconds)
+            if fmt == "nvfp4" and sequential:
+                best = weights
+
+    embeddings, applied = compiled_embeddings(model, encodings, {})
+    saved = sum(d.details["memory_saved_bytes"] for d in applied)
+    add(f"graphopt fp4_linear nvfp4 ({len(applied)} linears, {saved / 2**20:.1f} MiB saved)", embeddings)
+
+    # The real path with the sequential GPTQ weights: a plan in a temporary directory.
     with tempfile.TemporaryDirectory() as tmp:
-        plan = save_fp4_plan(Path(tmp) / "minilm_fp4_plan.json", gptq["nvfp4"])
-        decisions = []
-        backend._DECISION_SINKS.append(decisions)
-        try:
-            torch._dynamo.reset()
-            compiled = torch.compile(copy.deepcopy(model), backend="graphopt",
-                                     options={"passes": {"fp4_linear": True}, "force": True, "fp4_format": "nvfp4",
-                                              "plan": str(plan)})
-            emb = embed(compiled, enc)
-        finally:
-            backend._DECISION_SINKS.remove(decisions)
-            torch._dynamo.reset()
-    applied = [d for d in decisions if d.pass_name == "fp4_linear" and d.applied]
+        plan = save_fp4_plan(Path(tmp) / "minilm_fp4_plan.json", best)
+        embeddings, applied = compiled_embeddings(model, encodings, {"plan": str(plan)})
     from_plan = sum("plan weights" in d.details.get("weights_from", "") for d in applied)
-    add(f"graphopt fp4_linear nvfp4 + GPTQ plan ({len(applied)} linears, {from_plan} from the plan)", emb)
-    write_json("fp4_minilm_quality", rows, model=str(path), sentences=len(SENTENCES))
+    lowest = min(d.details["sqnr_db"] for d in applied)
+    add(f"graphopt fp4_linear nvfp4 + sequential GPTQ plan ({len(applied)} linears, {from_plan} from the plan)", embeddings)
+    print(f"plan weights: lowest per-layer weight SQNR {lowest:.1f} dB (the pass's budget checks each layer)")
+    write_json("fp4_minilm_quality", rows, model=str(path), sentences=len(SENTENCES),
+               validation_sentences=len(VALIDATION_SENTENCES), calibration_texts=len(CALIBRATION_TEXTS),
+               plan_lowest_layer_sqnr_db=lowest)
     print_table("MiniLM-L6 sentence embeddings: cosine similarity to the fp32 model", rows)
 
 

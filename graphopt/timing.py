@@ -1,4 +1,5 @@
-"""Timing used by the CLI and the benchmarks: median of many runs, CUDA events on a GPU."""
+"""Timing used by the CLI, the kernel autotuners and the benchmarks: median of many runs, CUDA
+events on a GPU; cold-L2 timing over rotated weight copies replayed from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -29,6 +30,46 @@ def median_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 1
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+COLD_BYTES = 120 << 20  # > 2x the H100/H200 L2 (50 MB)
+
+
+def copies_for(nbytes: int) -> int:
+    """Distinct weight copies a cold-L2 timing rotates through, so every call reads from HBM."""
+    return max(2, -(-COLD_BYTES // nbytes))
+
+
+def cold_graph_ms(calls: list[Callable[[], Any]], reps: int = 50) -> float:
+    """Per-call median ms of one CUDA graph that runs `calls` back to back (each over distinct
+    weights, see copies_for), as the layers of a real model read theirs. On CPU: one timed pass."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) * 1e3 / len(calls)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile, tune) outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return sorted(times)[len(times) // 2]
 
 
 def first_tensor(output: Any) -> torch.Tensor:

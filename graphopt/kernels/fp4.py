@@ -18,8 +18,9 @@ Formats (`quantize_fp4` / `dequantize_fp4`, one `Fp4Tensor` per weight of shape 
   error (any scale is a valid MXFP4/NVFP4 tensor; decoders are unchanged).
   `quantize_fp4_gptq(w, hessian)` (GPTQ-style: rounding errors fed forward along K through the
   inverse-Hessian Cholesky factor, block scales re-chosen as the scan reaches each block) and
-  `calibrate_fp4(model, inputs)` (Hessians of every nn.Linear from forward hooks) return the same
-  Fp4Tensor, so everything downstream is unchanged.
+  `calibrate_fp4(model, inputs)` (Hessians of every nn.Linear from forward hooks; with
+  `sequential=True` layer by layer on the partly quantized model, aiming at the full-precision
+  output) return the same Fp4Tensor, so everything downstream is unchanged.
   K that is not a multiple of the block is zero-padded inside the format; `shape` keeps the
   real (N, K). NaN/Inf weights are rejected.
 
@@ -169,13 +170,17 @@ def _blocks(w: torch.Tensor, block_size: int) -> torch.Tensor:
     return wf.reshape(n, -1, block_size)
 
 
-def _quantize_blocks(blocks: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes for blocks (N, B, bs) under per-block decode scales (N, B); also the squared error."""
+def _quantize_blocks(blocks: torch.Tensor, scale: torch.Tensor, error_weights: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes for blocks (N, B, bs) under per-block decode scales (N, B); also the squared error per
+    block, each element's weighted by `error_weights` (broadcast against (N, B, bs)) when given."""
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = round_to_e2m1_codes(blocks / safe[..., None])
     codes = torch.where(scale[..., None] > 0, codes, torch.zeros_like(codes))
-    err = (e2m1_values(codes) * scale[..., None] - blocks).square().sum(-1)
-    return codes, err
+    err = (e2m1_values(codes) * scale[..., None] - blocks).square()
+    if error_weights is not None:
+        err = err * error_weights
+    return codes, err.sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,10 +215,11 @@ def _global_scale(blocks: torch.Tensor, format: str) -> torch.Tensor:
     return torch.where(tensor_amax > 0, tensor_amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(tensor_amax)).to(torch.float32)
 
 
-def _choose_block_scales(blocks: torch.Tensor, format: str, global_scale: torch.Tensor, scale_search: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _choose_block_scales(blocks: torch.Tensor, format: str, global_scale: torch.Tensor, scale_search: bool,
+                         error_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-block scale rule of quantize_fp4 for blocks (N, B, bs): (codes (N, B, bs), stored scales
-    (N, B) — uint8 e8m0 bytes or float8_e4m3fn — and fp32 decode scales (N, B))."""
+    (N, B) — uint8 e8m0 bytes or float8_e4m3fn — and fp32 decode scales (N, B)). The scale search
+    compares squared errors weighted by `error_weights` (broadcast against blocks; None: unweighted)."""
     amax = blocks.abs().amax(-1)  # (N, B)
     if format == "mxfp4":
         _, exponent = torch.frexp(amax)  # amax = m * 2^e with m in [0.5, 1): floor(log2 amax) = e - 1
@@ -222,7 +228,7 @@ def _choose_block_scales(blocks: torch.Tensor, format: str, global_scale: torch.
         best_codes = best_err = best_exp = None
         for offset in offsets:
             exp = (base + offset).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
-            codes, err = _quantize_blocks(blocks, torch.exp2(exp.to(torch.float32)))
+            codes, err = _quantize_blocks(blocks, torch.exp2(exp.to(torch.float32)), error_weights)
             if best_err is None:
                 best_codes, best_err, best_exp = codes, err, exp
             else:
@@ -236,7 +242,7 @@ def _choose_block_scales(blocks: torch.Tensor, format: str, global_scale: torch.
     best_codes = best_err = best_s8 = None
     for factor in factors:
         s8 = (target * factor).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-        codes, err = _quantize_blocks(blocks, s8.to(torch.float32) * global_scale)
+        codes, err = _quantize_blocks(blocks, s8.to(torch.float32) * global_scale, error_weights)
         if best_err is None:
             best_codes, best_err, best_s8 = codes, err, s8
         else:
@@ -282,13 +288,30 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
 # U of H^-1 (H^-1 = U^T U), is subtracted from the columns not yet quantized, so correlated inputs
 # absorb it. Block scales are chosen when the scan reaches a block's first column, from the
 # block's *current* (error-updated) values, with the same rule as quantize_fp4 (amax rule, or the
-# per-block MSE scale search); the NVFP4 global scale comes from the original weight. Updates are
-# applied lazily per chunk of GPTQ_CHUNK columns (a multiple of both block sizes).
+# per-block scale search), except that the search weighs column j's squared error by 1 / U[j, j]^2,
+# the output error that quantizing column j leaves after compensation (GPTQ's own loss); the NVFP4
+# global scale comes from the original weight. Updates are applied lazily per chunk of GPTQ_CHUNK
+# columns (a multiple of both block sizes; speed only, the result does not depend on it).
+# The weighting is a small gain on MiniLM (bench/fp4_minilm_quality.py's measure, NVFP4, 352
+# calibration texts, 2 CPU threads; embedding cosine min / mean over the 10 evaluation and the 40
+# validation sentences; the thread count alone moves these by up to 0.001):
+# weighted 0.9876 / 0.9923 and 0.9898 / 0.9923, unweighted 0.9892 / 0.9919 and 0.9894 / 0.9916;
+# with calibrate_fp4(sequential=True) 0.9923 / 0.9948 and 0.9910 / 0.9945 against 0.9917 / 0.9946
+# and 0.9909 / 0.9944. Tried there and not kept (changes within +-0.001 of the mean, or worse):
+# activation order (columns by descending diag H, each block's scale chosen at its first column
+# in that order, or up front from W), a finer scale search (35 factors, 16x slower), only the
+# amax->6 / amax->4 scale pair (0.9862 / 0.9903: the search's 10 factors include both), a
+# least-squares re-fit of the block scales under H with the codes fixed, a larger NVFP4 global
+# scale (x1.1, x1.5: same; x0.9 and below saturate blocks and hurt), and bias correction
+# b += (W - Wq) E[x] after GPTQ.
 GPTQ_CHUNK = 128
-# Damping: H += GPTQ_DAMP * mean(diag H) * I. Larger than GPTQ's usual 0.01 because FP4 with a few
-# hundred calibration tokens over-fits the Hessian: on MiniLM (24 calibration sentences, ~400
-# tokens) 0.01 gave NVFP4 embedding cosine min/mean 0.975/0.985 (weight SQNR 17.2 dB), 0.1 gave
-# 0.983/0.989 (19.7 dB), 1.0 gave 0.985/0.989 (21.3 dB); bench/fp4_minilm_quality.py.
+# Damping: H += GPTQ_DAMP * mean(diag H) * I (also the ridge of calibrate_fp4's sequential target
+# re-fit). Larger than GPTQ's usual 0.01 because FP4 over-fits an estimated Hessian: on MiniLM with
+# 24 calibration sentences (~400 tokens) 0.01 / 0.1 / 1.0 gave NVFP4 embedding cosine min/mean
+# 0.975/0.985, 0.983/0.989, 0.985/0.989; with 196 texts (~4,100 tokens) 0.01 to 0.1 were alike
+# (0.987-0.989 / 0.992) and 1.0 worse (0.985 / 0.989); sequential calibration on those 196 texts
+# gave 0.9879/0.9925, 0.9900/0.9936, 0.9908/0.9940 with 0.03 / 0.1 / 0.3 (the measure of
+# bench/fp4_minilm_quality.py, unweighted scale search).
 GPTQ_DAMP = 0.1
 
 
@@ -315,8 +338,9 @@ def quantize_fp4_gptq(w: torch.Tensor, hessian: torch.Tensor, format: str = "nvf
     Hessian `hessian` (K, K) = 2 X^T X / tokens of calibration activations X (tokens, K).
 
     Same Fp4Tensor as quantize_fp4 (same packing, scales, global scale rule), so kernels, the op
-    and ONNX are unchanged; only which codes / block scales are picked differs. With an identity
-    (or any diagonal) Hessian no error is fed forward and the result equals
+    and ONNX are unchanged; only which codes / block scales are picked differs. With a diagonal
+    Hessian no error is fed forward; the scale search then minimizes each block's H-weighted
+    squared error, so for a multiple of the identity the result equals
     quantize_fp4(w, format, scale_search=scale_search). Input channels that calibration never
     excited (zero Hessian diagonal) are quantized as zero weights. Cost: one Python step per
     column of K (a few ms per column for N of a few thousand on CPU).
@@ -345,6 +369,7 @@ def quantize_fp4_gptq(w: torch.Tensor, hessian: torch.Tensor, format: str = "nvf
     h[dead, dead] = 1.0
     weight[:, dead] = 0.0
     upper = _inverse_hessian_factor(h, damp).to(torch.float32)  # (Kb, Kb)
+    column_loss = upper.diagonal().square().reciprocal()  # (Kb,) output error per unit squared column error
 
     codes = torch.zeros(n, k_blocks, dtype=torch.uint8, device=w.device)
     stored_scales = []  # per block: (N,) uint8 e8m0 bytes / float8_e4m3fn
@@ -357,7 +382,8 @@ def quantize_fp4_gptq(w: torch.Tensor, hessian: torch.Tensor, format: str = "nvf
         for j in range(end - start):
             if j % block_size == 0:  # the block's scale, from its error-updated values
                 block = chunk[:, j:j + block_size].unsqueeze(1)  # (N, 1, bs)
-                _, stored, decode = _choose_block_scales(block, format, global_scale, scale_search)
+                loss = column_loss[start + j:start + j + block_size]
+                _, stored, decode = _choose_block_scales(block, format, global_scale, scale_search, loss / loss.mean())
                 stored_scales.append(stored[:, 0])
                 decode_scale = decode[:, 0]  # (N,)
             column = chunk[:, j]
@@ -374,7 +400,7 @@ def quantize_fp4_gptq(w: torch.Tensor, hessian: torch.Tensor, format: str = "nvf
 
 
 def calibrate_fp4(model: torch.nn.Module, calibration_inputs, format: str = "nvfp4", *, scale_search: bool = True,
-                  damp: float = GPTQ_DAMP) -> dict[str, Fp4Tensor]:
+                  damp: float = GPTQ_DAMP, sequential: bool = False) -> dict[str, Fp4Tensor]:
     """GPTQ-style FP4 weights for every nn.Linear of `model` that the calibration run reaches.
 
     `calibration_inputs`: an iterable of model inputs, each a Mapping (called as model(**x)), a
@@ -382,13 +408,29 @@ def calibrate_fp4(model: torch.nn.Module, calibration_inputs, format: str = "nvf
     each Linear's input (float64, all leading dims flattened to tokens; padding tokens count too,
     so feed unpadded sequences where it matters) while the full-precision model runs under
     no_grad; then each weight is quantized with quantize_fp4_gptq(w, 2 X^T X / tokens).
+
+    `sequential=True` quantizes the linears in the order the model first calls them, in groups
+    that read the same input tensor (attention's q, k, v), so that each group sees the inputs Xq
+    the model produces with the earlier linears already quantized, and aims at the full-precision
+    model's output rather than at its own: it quantizes the ridge solution of
+    min ||X W^T - Xq W'^T||^2 + ||(W - W') R^1/2||^2, W' = W (X^T Xq + R) (Xq^T Xq + R)^-1 with
+    R = damp * mean(diag Xq^T Xq) * I, under the Hessian 2 Xq^T Xq / tokens (GPTQ's sequential
+    mode, with an asymmetric target as in GPTAQ; for R -> 0 this minimizes ||X W^T - Xq Wq^T||^2
+    exactly), so later layers undo part of the earlier layers' error. The Fp4Tensor then
+    approximates W' (its SQNR against W is a little lower). Cost: per group, two forwards of
+    every calibration input up to that group (stopped there), one of the full-precision model and
+    one with the quantized weights (torch.func.functional_call; `model` is never modified). Needs each reached nn.Linear called once per forward (else ValueError).
+    On MiniLM (bench/fp4_minilm_quality.py, NVFP4, 352 texts) it lifts the embedding cosine
+    min / mean from 0.988 / 0.992 to 0.993 / 0.995 on the 10 evaluation sentences (0.990 / 0.992
+    to 0.990 / 0.994 on 40 validation ones), for 5.5x the calibration time (27 s -> 149 s).
+
     Returns {module path (as in model.named_modules()): Fp4Tensor}; write a plan for the
     fp4_linear pass with graphopt.passes.fp4_linear.save_fp4_plan.
     """
-    from collections.abc import Mapping
-
     _check_format(format)
     linears = {name: mod for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    if sequential:
+        return _calibrate_sequential(model, list(calibration_inputs), linears, format, scale_search, damp)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
@@ -403,12 +445,7 @@ def calibrate_fp4(model: torch.nn.Module, calibration_inputs, format: str = "nvf
     try:
         with torch.no_grad():
             for item in calibration_inputs:
-                if isinstance(item, Mapping):
-                    model(**item)
-                elif isinstance(item, (tuple, list)):
-                    model(*item)
-                else:
-                    model(item)
+                _call(model, item)
     finally:
         for handle in handles:
             handle.remove()
@@ -417,6 +454,106 @@ def calibrate_fp4(model: torch.nn.Module, calibration_inputs, format: str = "nvf
     return {name: quantize_fp4_gptq(linears[name].weight.detach(), 2.0 * sums[name] / counts[name], format,
                                     scale_search=scale_search, damp=damp)
             for name in linears if name in counts}
+
+
+def _call(model: torch.nn.Module, item, parameters: dict | None = None):
+    """model(**item) / model(*item) / model(item), with `parameters` ({name: tensor}) substituted
+    for the model's own through torch.func.functional_call when given."""
+    from collections.abc import Mapping
+
+    args, kwargs = ((), dict(item)) if isinstance(item, Mapping) else (
+        (tuple(item), {}) if isinstance(item, (tuple, list)) else ((item,), {}))
+    if parameters:
+        return torch.func.functional_call(model, parameters, args, kwargs)
+    return model(*args, **kwargs)
+
+
+class _InputCaptured(Exception):
+    """Raised by a forward pre-hook to end a calibration forward once it holds the input it wanted."""
+
+
+def _linear_groups(model: torch.nn.Module, item, linears: dict) -> list[list[str]]:
+    """Names of the linears one forward of `item` reaches, in first-call order, grouped where
+    consecutive linears read the same input tensor."""
+    calls: list[tuple[str, torch.Tensor]] = []
+    handles = [mod.register_forward_pre_hook(lambda mod, args, name=name: calls.append((name, args[0])))
+               for name, mod in linears.items()]
+    try:
+        with torch.no_grad():
+            _call(model, item)
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = [name for name, _ in calls]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"calibrate_fp4(sequential=True) needs each nn.Linear called once per forward; "
+                         f"{', '.join(repeated)} called more often; use sequential=False")
+    groups: list[list[str]] = []
+    for i, (name, x) in enumerate(calls):
+        if i and x is calls[i - 1][1]:
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return groups
+
+
+def _captured_input(model: torch.nn.Module, item, module: torch.nn.Module, parameters: dict | None) -> torch.Tensor:
+    """The input (tokens, K) float64 that `module` receives when the model runs `item`; the
+    forward stops there."""
+    captured = []
+
+    def hook(mod, args):
+        captured.append(args[0].detach().reshape(-1, mod.in_features).to(torch.float64))
+        raise _InputCaptured
+
+    handle = module.register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            _call(model, item, parameters)
+    except _InputCaptured:
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise ValueError("calibrate_fp4(sequential=True): a calibration input did not reach a linear that the first "
+                         "one reached; the linears' order must not depend on the input")
+    return captured[0]
+
+
+def _calibrate_sequential(model, inputs: list, linears: dict, format: str, scale_search: bool, damp: float
+                          ) -> dict[str, Fp4Tensor]:
+    """calibrate_fp4(sequential=True): see its docstring."""
+    if not inputs:
+        raise ValueError("calibrate_fp4: the calibration inputs reached no nn.Linear (empty inputs?)")
+    groups = _linear_groups(model, inputs[0], linears)
+    if not groups:
+        raise ValueError("calibrate_fp4: the calibration inputs reached no nn.Linear (empty inputs?)")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    quantized: dict[str, Fp4Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}  # parameter name -> dequantized weight of the linears done
+    for group in groups:
+        first = linears[group[0]]
+        xq_xq = x_xq = 0  # (K, K) float64: Xq^T Xq and X^T Xq, tokens paired between the two runs
+        tokens = 0
+        for item in inputs:
+            x = _captured_input(model, item, first, None)
+            xq = _captured_input(model, item, first, dequantized)
+            xq_xq = xq_xq + xq.t() @ xq
+            x_xq = x_xq + x.t() @ xq
+            tokens += xq.shape[0]
+        ridge = damp * xq_xq.diagonal().mean().clamp_min(1e-12) * torch.eye(xq_xq.shape[0], dtype=torch.float64,
+                                                                             device=xq_xq.device)
+        # W' = W M, M = (X^T Xq + R)(Xq^T Xq + R)^-1 (the second factor symmetric): the full-precision
+        # output from the quantized inputs, shrunk toward W where the calibration data say little.
+        target_map = torch.linalg.solve(xq_xq + ridge, (x_xq + ridge).t()).t()
+        for name in group:
+            weight = linears[name].weight.detach()
+            target = (weight.to(torch.float64) @ target_map.to(weight.device)).to(torch.float32)
+            quantized[name] = quantize_fp4_gptq(target, 2.0 * xq_xq / tokens, format, scale_search=scale_search, damp=damp)
+            deq = dequantize_fp4(quantized[name], weight.dtype)
+            dequantized.update({pname: deq for pname, p in params.items() if p is linears[name].weight})
+    return quantized
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1233,6 +1370,30 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
 DEQUANT_CONFIG = KernelConfig(64, 1, KERNEL_K_MULTIPLE)  # placeholder: the dequant path has no tile choice
 
 
+def _cold_decode_timer(args: tuple):
+    """A decode tile's time as a model step sees it: calls over distinct copies of the weight,
+    back to back in one CUDA graph, so each reads from HBM (graphopt.timing.cold_graph_ms, the
+    benchmark's L2-cold timing). do_bench's L2 flush leaves the cache full of dirty lines, and its
+    host-launched calls can be launch-bound at ~20 us; tiles picked that way ran up to 20% slower
+    cold (session 6: 5120->13824 at 1 token, 1.48x against 1.81x). None when the copies do not fit
+    (the caller falls back to do_bench)."""
+    from graphopt.timing import cold_graph_ms, copies_for
+
+    x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
+    # at most 16 copies: a weight 16x smaller than the cold set is small next to the L2 anyway
+    copies = min(16, copies_for(codes.numel() * codes.element_size() + scales.numel() * scales.element_size()))
+    try:
+        weights = [(codes, scales)] + [(codes.clone(), scales.clone()) for _ in range(copies - 1)]
+    except torch.OutOfMemoryError:
+        return None
+
+    def time_config(cfg: KernelConfig) -> float:
+        calls = [lambda c=c, s=s: _launch("gemv", cfg, x2, c, s, global_scale, bias, out_features, in_features, format,
+                                          out_dtype) for c, s in weights]
+        return cold_graph_ms(calls, reps=10)
+    return time_config
+
+
 def _pick_config(path: str, args: tuple) -> KernelConfig:
     """The fastest valid candidate for this shape, timed once per key on the GPU (cached). A
     candidate whose output disagrees with the first one that ran is dropped (a guard against a
@@ -1251,9 +1412,13 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
     key = (path, _token_bucket(m), out_features, k_padded, format, x2.dtype, bias is not None, x2.device.index)
     if key in _TUNED:
         return _TUNED[key]
-    from triton.testing import do_bench
-
     candidates = DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS
+    time_config = _cold_decode_timer(args) if path == "gemv" else None
+    if time_config is None:
+        from triton.testing import do_bench
+
+        def time_config(cfg):
+            return do_bench(lambda: _launch(path, cfg, *args), warmup=5, rep=20, return_mode="median")
     best, best_ms, first_out = None, math.inf, None
     for cfg in candidates:
         if not (_valid_config(cfg, path, m, out_features, k_padded, bs) and _worth_timing(cfg, path, m, k_padded)):
@@ -1264,7 +1429,7 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
                 first_out = out
             elif not torch.allclose(out, first_out, rtol=2e-2, atol=2e-2 * float(first_out.abs().max()) + 1e-6):
                 continue
-            ms = do_bench(lambda: _launch(path, cfg, *args), warmup=5, rep=20, return_mode="median")
+            ms = time_config(cfg)
         except Exception:  # e.g. out of shared memory for this tile on this GPU
             continue
         if ms < best_ms:
