@@ -837,6 +837,23 @@ if triton is not None:
         return tl.sum(tl.where(probs > t[:, None], probs, 0.0), 1)
 
     @triton.jit
+    def _pooled_scores(work_ptr, q_rows, row_ok, k_rows, col_ok, off_pooled_k, HEAD_DIM: tl.constexpr,
+                       D_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        """Unscaled pooled scores (ROWS, COLS) = pooled_q[q_rows] (ROWS, D) @ pooled_k[k_rows]^T, in
+        D chunks chained through the accumulator: with "ieee", one fp32 FMA chain over D per
+        score whatever the chunking (v2 and v3)."""
+        scores = tl.zeros([ROWS, COLS], dtype=tl.float32)
+        for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
+            offs_d = d0 + tl.arange(0, D_CHUNK)
+            pq = tl.load(work_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
+                         mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            pkt = tl.load(work_ptr + off_pooled_k + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
+                          mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+            scores = tl.dot(pq, pkt, scores, input_precision=PRECISION)
+        return scores
+
+    @triton.jit
     def _select_blocks(
         scores, rows, row_ok, cols, col_ok, q_rows, k_rows, h,
         work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
@@ -926,16 +943,8 @@ if triton is not None:
         col_ok = cols < N_K_BLOCKS
         q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
         k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
-        # pooled scores (ROWS, N_K_POW2) = pooled_q (ROWS, D) @ pooled_k^T (D, nK): one fp32 FMA
-        # chain over D per score (accumulator form: the D chunking does not change the rounding)
-        scores = tl.zeros([ROWS, N_K_POW2], dtype=tl.float32)
-        for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
-            offs_d = d0 + tl.arange(0, D_CHUNK)
-            pq = tl.load(work_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
-                         mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            pkt = tl.load(work_ptr + off_pooled_k + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
-                          mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-            scores = tl.dot(pq, pkt, scores, input_precision="ieee")
+        scores = _pooled_scores(work_ptr, q_rows, row_ok, k_rows, col_ok, off_pooled_k,
+                                HEAD_DIM, D_CHUNK, BLOCK_D, ROWS, N_K_POW2, "ieee")
         _select_blocks(scores * scale, rows, row_ok, cols, col_ok, q_rows, k_rows, h,
                        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
                        Lq, Lk, N_K_BLOCKS, off_sim_q, off_sim_k,
@@ -965,14 +974,8 @@ if triton is not None:
         col_ok = cols < N_K_BLOCKS
         q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
         k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
-        scores = tl.zeros([ROWS, COLS], dtype=tl.float32)
-        for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
-            offs_d = d0 + tl.arange(0, D_CHUNK)
-            pq = tl.load(work_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
-                         mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            pkt = tl.load(work_ptr + off_pooled_k + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
-                          mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-            scores = tl.dot(pq, pkt, scores, input_precision=PRECISION)
+        scores = _pooled_scores(work_ptr, q_rows, row_ok, k_rows, col_ok, off_pooled_k,
+                                HEAD_DIM, D_CHUNK, BLOCK_D, ROWS, COLS, PRECISION)
         tl.store(work_ptr + off_scores + q_rows[:, None] * N_K_BLOCKS + cols[None, :], scores * scale,
                  mask=row_ok[:, None] & col_ok[None, :])
 
