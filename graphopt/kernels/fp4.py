@@ -910,15 +910,22 @@ if triton is not None:
         return (magnitude & 0x0E000E00) | (sign & -2147450880)  # -2147450880 == 0x80008000
 
     @triton.jit
-    def _fp16_halves(bits):
-        """int32 holding two fp16 bit patterns -> (low, high) as fp32."""
-        lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return lo, hi
+    def _fp16_halves(bits, USE_ASM: tl.constexpr):
+        """int32 holding two fp16 bit patterns -> (low, high) as fp32. USE_ASM: one PTX cvt per
+        half straight from the 32-bit register (sm_90: one HADD2.F32 each; the int16 casts cost
+        an extra PRMT/shift per half). The interpreter cannot run PTX."""
+        if USE_ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+                "=f,=f,r", [bits], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            return lo, hi
 
     @triton.jit
-    def _decode_shift(words, SHIFT: tl.constexpr):
-        return _fp16_halves(_e2m1_pair_bits(words, SHIFT))
+    def _decode_shift(words, SHIFT: tl.constexpr, USE_ASM: tl.constexpr):
+        return _fp16_halves(_e2m1_pair_bits(words, SHIFT), USE_ASM)
 
     @triton.jit
     def _finish_row(acc, token, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr,
@@ -963,25 +970,38 @@ if triton is not None:
         k_b = k_a + HALF
         x0, x1, x2, x3 = _split4(tl.load(x_row + k_a, mask=k_a < K, other=0.0).to(tl.float32))
         x8, x9, x10, x11 = _split4(tl.load(x_row + k_b, mask=k_b < K, other=0.0).to(tl.float32))
-        part = w0a * x0[None, :] + w0b * x2[None, :]
-        part += w8a * x1[None, :] + w8b * x3[None, :]
-        part += w4a * x8[None, :] + w4b * x10[None, :]
-        part += w12a * x9[None, :] + w12b * x11[None, :]
+        # one dependent FMA chain: 1 FMUL + 7 FFMA (pairwise sums cost 4 FMUL + 4 FFMA + 3 FADD)
+        part = w0a * x0[None, :]
+        part += w0b * x2[None, :]
+        part += w8a * x1[None, :]
+        part += w8b * x3[None, :]
+        part += w4a * x8[None, :]
+        part += w4b * x10[None, :]
+        part += w12a * x9[None, :]
+        part += w12b * x11[None, :]
         return part
 
     @triton.jit
     def _word_tile(words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
+                   WORD_COLUMNS: tl.constexpr = False):
         """The (BLOCK_N rows x WORDS_PER_ITER words) tiling both decode kernels share, for program
         (pid_n = axis 0, pid_k = axis 1): output columns offs_n and their mask; word and scale
         pointers of the tile's first iteration (rows clamped: the hot loop needs no masks; the
         WORDS_PER_ITER // (BLOCK_SIZE // 8) scales of a tile, one per scale block); k_lo, the element
         index of each word's first low-nibble code; and this split's iterations [it_start, it_end),
-        each split owning >= 1 (the launcher guarantees it)."""
+        each split owning >= 1 (the launcher guarantees it). WORD_COLUMNS: hide the words'
+        contiguity from the compiler, so each thread loads ONE word column for all BLOCK_N rows
+        (a warp still reads 128 contiguous bytes per row) instead of a 16-byte vector of 4 words
+        of 1-2 rows: a word's 8 activations are then one (W, 8) load in the layout the FMAs use,
+        where a 4-word vector per thread needs 8 shared-memory layout conversions (16 barriers)
+        per iteration (sm_90 SASS)."""
         WPB: tl.constexpr = BLOCK_SIZE // 8  # int32 words per scale block
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(offs_n, N - 1)
         offs_w = tl.arange(0, WORDS_PER_ITER)
+        if WORD_COLUMNS:
+            offs_w = tl.max_contiguous(offs_w, 1)
         word_ptrs = words_ptr + rows[:, None] * stride_wn + offs_w[None, :]  # (BN, W)
         scale_ptrs = scales_ptr + rows[:, None] * stride_sn + (offs_w // WPB)[None, :]  # (BN, W): WPB words share one
         k_lo = (offs_w // WPB) * BLOCK_SIZE + (offs_w % WPB) * 4  # (W,)
@@ -998,6 +1018,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_sn, stride_om,
         IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
+        USE_ASM: tl.constexpr,
     ):
         """Decode on CUDA cores, 1-4 tokens per program: out[M, N] = x[M, K] @ W[N, K]^T.
         Grid: (N / BLOCK_N, SPLIT_K, M / BLOCK_M); every split owns >= 1 K iteration.
@@ -1016,7 +1037,8 @@ if triton is not None:
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(2)
         offs_n, n_mask, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end = _word_tile(
-            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
+            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K,
+            WORD_COLUMNS=True)
 
         token0 = pid_m * BLOCK_M
         x_row0 = x_ptr + tl.minimum(token0, M - 1) * stride_xm
@@ -1036,10 +1058,10 @@ if triton is not None:
             next_scale_bytes = tl.load(scale_ptrs + nxt * (WORDS_PER_ITER // WPB))
 
             scale = _block_scales(scale_bytes, IS_NVFP4)  # (BN, W)
-            w0a, w0b = _decode_shift(words, 0)
-            w4a, w4b = _decode_shift(words, 4)
-            w8a, w8b = _decode_shift(words, 8)
-            w12a, w12b = _decode_shift(words, 12)
+            w0a, w0b = _decode_shift(words, 0, USE_ASM)
+            w4a, w4b = _decode_shift(words, 4, USE_ASM)
+            w8a, w8b = _decode_shift(words, 8, USE_ASM)
+            w12a, w12b = _decode_shift(words, 12, USE_ASM)
             k_it = k_lo + it * (WORDS_PER_ITER * 8)
             acc0 += scale * _word_column_sums(x_row0, k_it, K, w0a, w0b, w4a, w4b, w8a, w8b, w12a, w12b, HALF)
             if BLOCK_M > 1:
@@ -1351,7 +1373,7 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
                       BLOCK_N=cfg.block_n, WORDS_PER_ITER=cfg.block_k // 8, SPLIT_K=split_k,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.block_m in FMA_BLOCK_M:
-            _fp4_gemv_words_kernel[grid](*args, **common)
+            _fp4_gemv_words_kernel[grid](*args, USE_ASM=not _interpreting(), **common)
         else:
             _fp4_gemv_words_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), **common)
         return out

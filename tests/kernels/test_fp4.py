@@ -306,17 +306,19 @@ if fp4.triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _decode_words_kernel(words_ptr, out_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    def _decode_words_kernel(words_ptr, out_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
         offs = tl.arange(0, BLOCK)
-        lo, hi = fp4._decode_shift(tl.load(words_ptr + offs), SHIFT)
+        lo, hi = fp4._decode_shift(tl.load(words_ptr + offs), SHIFT, USE_ASM)
         tl.store(out_ptr + 2 * offs, lo)
         tl.store(out_ptr + 2 * offs + 1, hi)
 
 
+@pytest.mark.parametrize("use_asm", [False] + ([True] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("shift", [0, 4, 8, 12])
-def test_word_decode_is_exact_for_every_code_pair(shift):
+def test_word_decode_is_exact_for_every_code_pair(shift, use_asm):
     """All 16 x 16 code pairs at the two nibbles one shift reads (bits s and s + 16), with random
-    codes in the other nibbles: fp16 bit placement gives value * 2^-14 exactly, -0 included."""
+    codes in the other nibbles: fp16 bit placement gives value * 2^-14 exactly, -0 included.
+    use_asm: the PTX fp16-half conversion the GPU kernel runs (GPU only)."""
     g = torch.Generator().manual_seed(shift)
     lo_code, hi_code = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
     lo_code, hi_code = lo_code.flatten(), hi_code.flatten()
@@ -326,7 +328,7 @@ def test_word_decode_is_exact_for_every_code_pair(shift):
     words = (nibbles << (4 * torch.arange(8))).sum(1)  # int64, < 2^32
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).to(DEVICE)
     out = torch.empty(512, dtype=torch.float32, device=DEVICE)
-    _decode_words_kernel[(1,)](words, out, SHIFT=shift, BLOCK=256)
+    _decode_words_kernel[(1,)](words, out, SHIFT=shift, BLOCK=256, USE_ASM=use_asm)
     table = torch.tensor(E2M1_VALUES) * 2.0**-14
     expected = torch.stack((table[lo_code], table[hi_code]), 1).flatten()
     out = out.cpu()
