@@ -40,6 +40,17 @@ def copies_for(nbytes: int) -> int:
     return max(2, -(-COLD_BYTES // nbytes))
 
 
+def cold_copies(tensors: tuple[torch.Tensor, ...], max_copies: int = 16) -> list[tuple[torch.Tensor, ...]] | None:
+    """`tensors` (one layer's weights) plus clones, as many as copies_for asks but at most
+    `max_copies` (a weight that many times smaller than the cold set is small next to the L2
+    anyway): the argument sets of a cold_graph_ms timing. None when the clones do not fit."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    try:
+        return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(min(max_copies, copies_for(nbytes)) - 1)]
+    except torch.OutOfMemoryError:
+        return None
+
+
 def cold_graph_ms(calls: list[Callable[[], Any]], reps: int = 50) -> float:
     """Per-call median ms of one CUDA graph that runs `calls` back to back (each over distinct
     weights, see copies_for), as the layers of a real model read theirs. On CPU: one timed pass."""

@@ -983,25 +983,17 @@ if triton is not None:
 
     @triton.jit
     def _word_tile(words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
-                   WORD_COLUMNS: tl.constexpr = False):
+                   BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr):
         """The (BLOCK_N rows x WORDS_PER_ITER words) tiling both decode kernels share, for program
         (pid_n = axis 0, pid_k = axis 1): output columns offs_n and their mask; word and scale
         pointers of the tile's first iteration (rows clamped: the hot loop needs no masks; the
         WORDS_PER_ITER // (BLOCK_SIZE // 8) scales of a tile, one per scale block); k_lo, the element
         index of each word's first low-nibble code; and this split's iterations [it_start, it_end),
-        each split owning >= 1 (the launcher guarantees it). WORD_COLUMNS: hide the words'
-        contiguity from the compiler, so each thread loads ONE word column for all BLOCK_N rows
-        (a warp still reads 128 contiguous bytes per row) instead of a 16-byte vector of 4 words
-        of 1-2 rows: a word's 8 activations are then one (W, 8) load in the layout the FMAs use,
-        where a 4-word vector per thread needs 8 shared-memory layout conversions (16 barriers)
-        per iteration (sm_90 SASS)."""
+        each split owning >= 1 (the launcher guarantees it)."""
         WPB: tl.constexpr = BLOCK_SIZE // 8  # int32 words per scale block
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(offs_n, N - 1)
         offs_w = tl.arange(0, WORDS_PER_ITER)
-        if WORD_COLUMNS:
-            offs_w = tl.max_contiguous(offs_w, 1)
         word_ptrs = words_ptr + rows[:, None] * stride_wn + offs_w[None, :]  # (BN, W)
         scale_ptrs = scales_ptr + rows[:, None] * stride_sn + (offs_w // WPB)[None, :]  # (BN, W): WPB words share one
         k_lo = (offs_w // WPB) * BLOCK_SIZE + (offs_w % WPB) * 4  # (W,)
@@ -1037,8 +1029,7 @@ if triton is not None:
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(2)
         offs_n, n_mask, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end = _word_tile(
-            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K,
-            WORD_COLUMNS=True)
+            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
 
         token0 = pid_m * BLOCK_M
         x_row0 = x_ptr + tl.minimum(token0, M - 1) * stride_xm
@@ -1101,10 +1092,11 @@ if triton is not None:
                 tl.atomic_xchg(counter, 0)
 
     @triton.jit
-    def _word_half_dot(w16_bits, scale, x_row_ptrs, k, K, m_mask, acc, UPCAST_DOT: tl.constexpr):
+    def _word_half_dot(codes, scale, x_row_ptrs, k, K, m_mask, acc, UPCAST_DOT: tl.constexpr):
         """acc (BN, BM) += (decoded codes * block scale) (BN, W) @ x[:, k]^T: one of the eight code
-        positions of every word, as its own MMA over the W words (the K order of a dot is free)."""
-        w = (w16_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale).to(x_row_ptrs.dtype.element_ty)
+        positions of every word (fp32 code values * 2^-14), as its own MMA over the W words (the K
+        order of a dot is free)."""
+        w = (codes * scale).to(x_row_ptrs.dtype.element_ty)
         x = tl.load(x_row_ptrs + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)  # (BM, W)
         return _mma(w, x, acc, UPCAST_DOT)
 
@@ -1115,7 +1107,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_sn, stride_om,
         IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
-        UPCAST_DOT: tl.constexpr,
+        UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr,
     ):
         """Decode on tensor cores, up to BLOCK_M (16) tokens per program: the word tile of
         _fp4_gemv_words_kernel, decoded two codes per 4 integer ops, and eight MMAs per tile, one
@@ -1139,18 +1131,18 @@ if triton is not None:
             # dtype: code * e4m3 (NVFP4) is then exact in fp16, and MXFP4 weights keep their size
             scale = _block_scales(tl.load(scale_ptrs + it * (WORDS_PER_ITER // WPB)), IS_NVFP4) * _decode_power(IS_NVFP4)
             k = k_lo + it * (WORDS_PER_ITER * 8)
-            bits = _e2m1_pair_bits(words, 0)
-            acc = _word_half_dot(bits, scale, x_rows, k, K, m_mask, acc, UPCAST_DOT)
-            acc = _word_half_dot(bits >> 16, scale, x_rows, k + 2, K, m_mask, acc, UPCAST_DOT)
-            bits = _e2m1_pair_bits(words, 4)
-            acc = _word_half_dot(bits, scale, x_rows, k + HALF, K, m_mask, acc, UPCAST_DOT)
-            acc = _word_half_dot(bits >> 16, scale, x_rows, k + (HALF + 2), K, m_mask, acc, UPCAST_DOT)
-            bits = _e2m1_pair_bits(words, 8)
-            acc = _word_half_dot(bits, scale, x_rows, k + 1, K, m_mask, acc, UPCAST_DOT)
-            acc = _word_half_dot(bits >> 16, scale, x_rows, k + 3, K, m_mask, acc, UPCAST_DOT)
-            bits = _e2m1_pair_bits(words, 12)
-            acc = _word_half_dot(bits, scale, x_rows, k + (HALF + 1), K, m_mask, acc, UPCAST_DOT)
-            acc = _word_half_dot(bits >> 16, scale, x_rows, k + (HALF + 3), K, m_mask, acc, UPCAST_DOT)
+            lo, hi = _decode_shift(words, 0, USE_ASM)
+            acc = _word_half_dot(lo, scale, x_rows, k, K, m_mask, acc, UPCAST_DOT)
+            acc = _word_half_dot(hi, scale, x_rows, k + 2, K, m_mask, acc, UPCAST_DOT)
+            lo, hi = _decode_shift(words, 4, USE_ASM)
+            acc = _word_half_dot(lo, scale, x_rows, k + HALF, K, m_mask, acc, UPCAST_DOT)
+            acc = _word_half_dot(hi, scale, x_rows, k + (HALF + 2), K, m_mask, acc, UPCAST_DOT)
+            lo, hi = _decode_shift(words, 8, USE_ASM)
+            acc = _word_half_dot(lo, scale, x_rows, k + 1, K, m_mask, acc, UPCAST_DOT)
+            acc = _word_half_dot(hi, scale, x_rows, k + 3, K, m_mask, acc, UPCAST_DOT)
+            lo, hi = _decode_shift(words, 12, USE_ASM)
+            acc = _word_half_dot(lo, scale, x_rows, k + (HALF + 1), K, m_mask, acc, UPCAST_DOT)
+            acc = _word_half_dot(hi, scale, x_rows, k + (HALF + 3), K, m_mask, acc, UPCAST_DOT)
         # (prefetching the next word tile into registers, as the CUDA-core kernel does, measured
         # slower here: 0.065 vs 0.052 ms at 1 token on 5120->13824, H100 - more registers, fewer warps)
         acc = acc * tl.load(global_scale_ptr)
@@ -1375,7 +1367,7 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         if cfg.block_m in FMA_BLOCK_M:
             _fp4_gemv_words_kernel[grid](*args, USE_ASM=not _interpreting(), **common)
         else:
-            _fp4_gemv_words_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), **common)
+            _fp4_gemv_words_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(), **common)
         return out
     common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.block_k // bs,
@@ -1399,14 +1391,11 @@ def _cold_decode_timer(args: tuple):
     host-launched calls can be launch-bound at ~20 us; tiles picked that way ran up to 20% slower
     cold (session 6: 5120->13824 at 1 token, 1.48x against 1.81x). None when the copies do not fit
     (the caller falls back to do_bench)."""
-    from graphopt.timing import cold_graph_ms, copies_for
+    from graphopt.timing import cold_copies, cold_graph_ms
 
     x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
-    # at most 16 copies: a weight 16x smaller than the cold set is small next to the L2 anyway
-    copies = min(16, copies_for(codes.numel() * codes.element_size() + scales.numel() * scales.element_size()))
-    try:
-        weights = [(codes, scales)] + [(codes.clone(), scales.clone()) for _ in range(copies - 1)]
-    except torch.OutOfMemoryError:
+    weights = cold_copies((codes, scales))
+    if weights is None:
         return None
 
     def time_config(cfg: KernelConfig) -> float:

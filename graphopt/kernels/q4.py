@@ -883,12 +883,22 @@ def _token_bucket(m: int) -> int:
 _TUNED: dict[tuple, TileConfig] = {}
 
 
-def _time_config(run, config: TileConfig, m: int) -> float:
-    """GPU time of one config: CUDA-graph replays for decode sizes (a launch costs more than the
-    kernel there, so plain do_bench would time the CPU), CUDA events otherwise."""
+def _time_config(run, config: TileConfig, m: int, cold_weights: list | None = None) -> float:
+    """GPU time of one config. Decode sizes: with `cold_weights` (graphopt.timing.cold_copies of
+    the layer's (qweight, scales)), calls over the distinct copies back to back in one CUDA graph,
+    so each reads its weight from HBM as a model step does (graphopt.timing.cold_graph_ms, as the
+    FP4 decode tuner and the benchmarks time); else CUDA-graph replays of one call (a launch costs
+    more than the kernel there, so plain do_bench would time the CPU). CUDA events otherwise."""
     from triton.testing import do_bench, do_bench_cudagraph
 
+    from graphopt.timing import cold_graph_ms
+
     run(config)  # compile outside any capture
+    if m <= DECODE_MAX_TOKENS and cold_weights:
+        try:
+            return cold_graph_ms([lambda w=w: run(config, *w) for w in cold_weights], reps=10)
+        except Exception:  # capture not possible here: fall back to the hot timings below
+            pass
     if m <= DECODE_MAX_TOKENS:
         try:
             return float(do_bench_cudagraph(lambda: run(config), rep=20, return_mode="median"))
@@ -897,17 +907,22 @@ def _time_config(run, config: TileConfig, m: int) -> float:
     return float(do_bench(lambda: run(config), warmup=5, rep=20, return_mode="median"))
 
 
-def _choose(path: str, m: int, n: int, k: int, dtype: torch.dtype, fused: bool, run) -> TileConfig:
-    """Fastest candidate config for this problem (timed once on the GPU, cached), or the default."""
+def _choose(path: str, m: int, n: int, k: int, dtype: torch.dtype, fused: bool, run,
+            weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> TileConfig:
+    """Fastest candidate config for this problem (timed once on the GPU, cached), or the default.
+    `weights` (qweight, scales): decode sizes are timed L2-cold over copies of them."""
     key = (path, _token_bucket(m), n, k, dtype)
     if not _autotune_enabled() or torch.cuda.is_current_stream_capturing():
         return _TUNED.get(key, default_config(m, fused))
     if key in _TUNED:
         return _TUNED[key]
+    from graphopt.timing import cold_copies
+
+    cold_weights = cold_copies(weights) if weights is not None and m <= DECODE_MAX_TOKENS else None
     best, best_ms = default_config(m, fused), math.inf
     for config in candidate_configs(m, fused):
         try:
-            ms = _time_config(run, config, m)
+            ms = _time_config(run, config, m, cold_weights)
         except Exception:  # out of shared memory / registers for this tile: skip it
             continue
         if ms < best_ms:
@@ -942,10 +957,10 @@ def q4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        def run(cfg: TileConfig) -> None:
-            _launch(ACT_FUSED, x2, x2, x2.stride(0), 0, m, k, qweight, scales, bias, out, cfg)
+        def run(cfg: TileConfig, qw: torch.Tensor = qweight, sc: torch.Tensor = scales) -> None:
+            _launch(ACT_FUSED, x2, x2, x2.stride(0), 0, m, k, qw, sc, bias, out, cfg)
 
-        run(config or _choose("fused", m, n, k, x.dtype, True, run))
+        run(config or _choose("fused", m, n, k, x.dtype, True, run, weights=(qweight, scales)))
     return out.reshape(*x.shape[:-1], n)
 
 
