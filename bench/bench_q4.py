@@ -32,6 +32,7 @@ import traceback
 ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU through the Triton interpreter")
 ARGS.add_argument("--no-e2e", action="store_true", help="skip the end-to-end LLaMA row")
+ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16,64,256,4096)")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
@@ -53,6 +54,8 @@ if GPU:
 else:
     SHAPES = [(64, 96), (96, 64)]
     TOKENS = [1, 4, 17]
+if OPTS.tokens:
+    TOKENS = [int(t) for t in OPTS.tokens.split(",")]
 DECODE_TOKENS = 16
 SWEEP_SHAPES = {(5120, 13824), (13824, 5120)} if GPU else set(SHAPES)  # the target shapes
 
