@@ -32,6 +32,7 @@ import traceback
 ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU through the Triton interpreter")
 ARGS.add_argument("--no-e2e", action="store_true", help="skip the end-to-end LLaMA row")
+ARGS.add_argument("--shapes", default=None, help="comma-separated KxN shapes (default: six LLaMA shapes)")
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16,64,256,4096)")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
@@ -56,6 +57,8 @@ else:
     TOKENS = [1, 4, 17]
 if OPTS.tokens:
     TOKENS = [int(t) for t in OPTS.tokens.split(",")]
+if OPTS.shapes:
+    SHAPES = [tuple(int(v) for v in s.lower().split("x")) for s in OPTS.shapes.split(",")]
 DECODE_TOKENS = 16
 SWEEP_SHAPES = {(5120, 13824), (13824, 5120)} if GPU else set(SHAPES)  # the target shapes
 
@@ -179,16 +182,26 @@ def bench_e2e(rows: list) -> None:
                 compile_s = time.perf_counter() - start
                 err = ((logits - eager).norm() / eager.norm()).item()
                 ms = median_ms(lambda: fn(*inputs), rep_ms=100 if GPU else 5)
-                results[label] = ms
-                print(f"  e2e {label}: {ms:.4f} ms, rel. logits error {err:.3e}, first call {compile_s:.1f} s")
-                rows.append({"shape": f"{name} e2e", "tokens": 1, "variant": label, "ms": ms, "rel_logit_err": err})
+                graph_ms = None
+                if GPU:  # the step replayed from a CUDA graph: no launch gaps (as bench_fp4 reports it)
+                    try:
+                        graph_ms = cuda_graph_ms(lambda: fn(*inputs), rep_ms=100)
+                    except Exception as exc:
+                        print(f"  (no CUDA-graph timing for {label}: {type(exc).__name__}: {exc})")
+                results[label] = (ms, graph_ms)
+                print(f"  e2e {label}: {ms:.4f} ms (CUDA graph {graph_ms} ms), rel. logits error {err:.3e}, "
+                      f"first call {compile_s:.1f} s")
+                rows.append({"shape": f"{name} e2e", "tokens": 1, "variant": label, "ms": ms, "cuda_graph_ms": graph_ms,
+                             "rel_logit_err": err})
             except Exception as exc:
                 print(f"  FAIL e2e {label}: {type(exc).__name__}: {exc}")
                 traceback.print_exc(limit=3)
-    base = results.get("inductor_bf16", results.get("eager"))
+    base_ms, base_graph_ms = results.get("inductor_bf16", results.get("eager", (None, None)))
     for row in rows:
-        if row.get("shape", "").endswith("e2e") and base:
-            row["vs_cublas"] = base / row["ms"]
+        if row.get("shape", "").endswith("e2e") and base_ms:
+            row["vs_cublas"] = base_ms / row["ms"]
+            if base_graph_ms and row.get("cuda_graph_ms"):
+                row["graph_vs_inductor"] = base_graph_ms / row["cuda_graph_ms"]
 
 
 def main() -> None:
@@ -222,7 +235,8 @@ def main() -> None:
     print_table(f"Q4_0 x Q8_1 linear (of_copy = GB/s / {copy_gbps:.0f} GB/s copy; vs_cublas = cuBLAS ms / variant ms; "
                 "fused_vs_separate = separate ms / fused ms)",
                 main_rows, ["shape", "tokens", "variant", "ms", "GB/s", "of_copy", "TOPS", "vs_cublas",
-                            "fused_vs_separate", "tuned_config", "best_swept", "best_swept_ms"])
+                            "fused_vs_separate", "tuned_config", "best_swept", "best_swept_ms", "cuda_graph_ms",
+                            "graph_vs_inductor"])
 
 
 if __name__ == "__main__":
