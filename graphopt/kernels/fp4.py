@@ -44,9 +44,10 @@ Kernels (CUDA; on CPU they run under TRITON_INTERPRET=1 for tests):
     a (BLOCK_N rows x K-range) strip of the codes as tiles of int32 words, prefetching the next
     tile in registers. A word right-shifted by 0/4/8/12 holds two codes at bits 0 and 16, so four
     integer ops place both into fp16 bit patterns (sign << 15 | magnitude << 9 = value * 2^-14,
-    exact; the 2^14 and the scale decode's 2^8 are folded into one per-call multiplier). A word's
+    exact; the 2^14 and the scale decode's 2^8 are folded into one per-call multiplier; on the
+    GPU one PTX cvt per half turns them into fp32, with no 16-bit extraction first). A word's
     eight activations are two 4-element vector loads shared by every row of the tile; w * x is
-    summed per word in-thread, times the word's block scale, and rows are reduced across threads
+    summed per word in-thread (one FMA chain), times the word's block scale, and rows are reduced across threads
     once at the end. Split-K adds into a persistent zeroed fp32 workspace; the split that
     finishes a tile last (atomic counter) writes the output with bias and re-zeroes the
     workspace: one launch per call, no memset or cast kernels.
