@@ -653,15 +653,15 @@ def reference_fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
 DECODE_TOKENS_PER_PASS = 16  # the tensor-core decode kernel re-reads the weights once per 16 tokens
 
 # The decode (gemv) kernels were rewritten around word tiles in session 5; their constants are
-# fitted to bench/results/fp4_h100_decode_words2.json (H100, NVFP4, L2-cold, the six LLaMA
-# shapes, the DECODE_CONFIGS below). CUDA-core _fp4_gemv_words_kernel (BLOCK_M in FMA_BLOCK_M):
-# per weight, one fp32 FMA (2 ops) per token row plus this many ops of code/scale decode, at the
-# fp4_gemv compute efficiency (0.13 of the fp32 ceiling): 1 token 0.40-0.49 ps per weight
-# measured on the five large shapes (0.46 predicted; 4096x4096 took 0.93, its tuned tile was
-# picked on L2-hot timings).
-FMA_GEMV_DECODE_OPS_PER_WEIGHT = 2.0
+# fitted to bench/results/fp4_h100_session8_ptx_cvt.json (H100, NVFP4, L2-cold, the six LLaMA
+# shapes, the DECODE_CONFIGS below; session 8's PTX conversions). CUDA-core
+# _fp4_gemv_words_kernel (BLOCK_M in FMA_BLOCK_M): per weight, one fp32 FMA (2 ops) per token
+# row plus this many ops of code/scale decode, at the fp4_gemv compute efficiency (0.13 of the
+# fp32 ceiling): 1 token 0.30-0.34 ps per weight after the 4 us launch on all six shapes (0.32
+# predicted), where the memory term (0.65 of the copy bandwidth) is just below.
+FMA_GEMV_DECODE_OPS_PER_WEIGHT = 0.8
 # Tensor-core _fp4_gemv_words_mma_kernel: decode ops per weight per pass of 16 tokens; measured
-# 0.73-0.96 ps per weight at 4 tokens and 0.83-1.37 at 16 (predicted 0.80).
+# 0.76-0.93 ps per weight at 4 tokens and 0.84-1.10 at 16 in the same run (predicted 0.80 + launch).
 GEMV_MMA_DECODE_OPS_PER_WEIGHT = 7.0
 # The fused prefill GEMM (_fp4_gemm_kernel) decodes every weight to bf16 in registers once per
 # BLOCK_M token rows: CUDA-core ops per decoded weight, fitted on the H200
