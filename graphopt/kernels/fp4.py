@@ -47,8 +47,8 @@ Kernels (CUDA; on CPU they run under TRITON_INTERPRET=1 for tests):
     exact; the 2^14 and the scale decode's 2^8 are folded into one per-call multiplier; on the
     GPU one PTX cvt per half turns them into fp32, with no 16-bit extraction first). A word's
     eight activations are two 4-element vector loads shared by every row of the tile; w * x is
-    summed per word in-thread (one FMA chain), times the word's block scale, and rows are reduced across threads
-    once at the end. Split-K adds into a persistent zeroed fp32 workspace; the split that
+    summed per word in-thread (one FMA chain), times the word's block scale, and rows are reduced
+    across threads once at the end. Split-K adds into a persistent zeroed fp32 workspace; the split that
     finishes a tile last (atomic counter) writes the output with bias and re-zeroes the
     workspace: one launch per call, no memset or cast kernels.
   * `_fp4_gemv_words_mma_kernel`, decode on tensor cores, up to 16 tokens per program: the same
