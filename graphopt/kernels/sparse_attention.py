@@ -678,6 +678,21 @@ if triton is not None:
                        N_K_BLOCKS - first, HEAD_DIM, BLOCK_D, TOKENS, BLOCK_N)
 
     @triton.jit
+    def _mask_tile(pid_r, pid_c, pid_bh, H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS: tl.constexpr,
+                   COLS: tl.constexpr):
+        """The (ROWS query blocks x COLS key blocks) tile of one head's block mask that a predictor
+        program owns: its head h; query block indices `rows` and key block indices `cols` with
+        their bounds masks; and their int64 rows in the workspace's pooled_q / sim_q (`q_rows`,
+        B*H*nQ of them) and pooled_k / sim_k (`k_rows`, B*HKV*nK, the head's KV group)."""
+        h = pid_bh % H
+        kv_bh = (pid_bh // H) * (H // KV_GROUP) + h // KV_GROUP
+        rows = pid_r * ROWS + tl.arange(0, ROWS)
+        cols = pid_c * COLS + tl.arange(0, COLS)
+        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
+        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
+        return h, rows, rows < N_Q_BLOCKS, cols, cols < N_K_BLOCKS, q_rows, k_rows
+
+    @triton.jit
     def _predict_lut_kernel(
         work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
         H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, scale,
@@ -690,17 +705,8 @@ if triton is not None:
         compact ascending lists lut[row, :count] the attention kernel reads. All in registers:
         pooled QK^T (fp32 dot over D chunks), masked row softmax, top-cdf selection by bisection
         over the fp32 bit patterns of the threshold (no sort), forced blocks, compaction."""
-        pid_r = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        h = pid_bh % H
-        b = pid_bh // H
-        kv_bh = b * (H // KV_GROUP) + h // KV_GROUP
-        rows = pid_r * ROWS + tl.arange(0, ROWS)  # query block indices (ROWS,)
-        row_ok = rows < N_Q_BLOCKS
-        cols = tl.arange(0, N_K_POW2)  # key block indices (N_K_POW2,)
-        col_ok = cols < N_K_BLOCKS
-        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
-        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
+        h, rows, row_ok, cols, col_ok, q_rows, k_rows = _mask_tile(
+            tl.program_id(0), 0, tl.program_id(1), H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS, N_K_POW2)
         # pooled scores (ROWS, N_K_POW2): pooled_q (ROWS, D) @ pooled_k^T (D, nK), in D chunks
         scores = tl.zeros([ROWS, N_K_POW2], dtype=tl.float32)
         for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
@@ -932,17 +938,8 @@ if triton is not None:
     ):
         """Grid (cdiv(nQ, ROWS), B*H), same contract as `_predict_lut_kernel`: ROWS rows of the block
         mask, from the pooled scores to the compact ascending lists lut[row, :count]."""
-        pid_r = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        h = pid_bh % H
-        b = pid_bh // H
-        kv_bh = b * (H // KV_GROUP) + h // KV_GROUP
-        rows = pid_r * ROWS + tl.arange(0, ROWS)  # query block indices (ROWS,)
-        row_ok = rows < N_Q_BLOCKS
-        cols = tl.arange(0, N_K_POW2)  # key block indices (N_K_POW2,)
-        col_ok = cols < N_K_BLOCKS
-        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
-        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
+        h, rows, row_ok, cols, col_ok, q_rows, k_rows = _mask_tile(
+            tl.program_id(0), 0, tl.program_id(1), H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS, N_K_POW2)
         scores = _pooled_scores(work_ptr, q_rows, row_ok, k_rows, col_ok, off_pooled_k,
                                 HEAD_DIM, D_CHUNK, BLOCK_D, ROWS, N_K_POW2, "ieee")
         _select_blocks(scores * scale, rows, row_ok, cols, col_ok, q_rows, k_rows, h,
@@ -964,16 +961,8 @@ if triton is not None:
         """Grid (cdiv(nQ, ROWS), cdiv(nK, COLS), B*H): scores[q_row, col] = scale * pooled_q . pooled_k,
         into the workspace (B*H*nQ, nK). PRECISION "ieee": one fp32 FMA chain over D per score, as
         in v2; "tf32x3": three TF32 tensor-core products (about fp32 accuracy, other rounding)."""
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        pid_bh = tl.program_id(2)
-        kv_bh = (pid_bh // H) * (H // KV_GROUP) + (pid_bh % H) // KV_GROUP
-        rows = pid_r * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < N_Q_BLOCKS
-        cols = pid_c * COLS + tl.arange(0, COLS)
-        col_ok = cols < N_K_BLOCKS
-        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
-        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
+        _, rows, row_ok, cols, col_ok, q_rows, k_rows = _mask_tile(
+            tl.program_id(0), tl.program_id(1), tl.program_id(2), H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS, COLS)
         scores = _pooled_scores(work_ptr, q_rows, row_ok, k_rows, col_ok, off_pooled_k,
                                 HEAD_DIM, D_CHUNK, BLOCK_D, ROWS, COLS, PRECISION)
         tl.store(work_ptr + off_scores + q_rows[:, None] * N_K_BLOCKS + cols[None, :], scores * scale,
@@ -989,16 +978,8 @@ if triton is not None:
         """Grid (cdiv(nQ, ROWS), B*H), launched with one warp: the scores written by
         `_pooled_scores_kernel` -> `_select_blocks`. (With more warps Triton splits a row's
         columns across warps, and every row sum of the search then crosses shared memory.)"""
-        pid_r = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        h = pid_bh % H
-        kv_bh = (pid_bh // H) * (H // KV_GROUP) + h // KV_GROUP
-        rows = pid_r * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < N_Q_BLOCKS
-        cols = tl.arange(0, N_K_POW2)
-        col_ok = cols < N_K_BLOCKS
-        q_rows = (pid_bh * N_Q_BLOCKS + rows).to(tl.int64)
-        k_rows = (kv_bh * N_K_BLOCKS + cols).to(tl.int64)
+        h, rows, row_ok, cols, col_ok, q_rows, k_rows = _mask_tile(
+            tl.program_id(0), 0, tl.program_id(1), H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS, N_K_POW2)
         scores = tl.load(work_ptr + off_scores + q_rows[:, None] * N_K_BLOCKS + cols[None, :],
                          mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         _select_blocks(scores, rows, row_ok, cols, col_ok, q_rows, k_rows, h,
