@@ -50,8 +50,9 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     # with the launch); memory 0.65 (the 1-token kernel streams 0.63 of the copy bandwidth on
     # 5120->13824 once the 4 us launch is taken off; 0.34-0.53 with it on the six shapes).
     # fp4_gemm: 0.066 of fp32 peak for the fused GEMM's in-tile decode (4096 tokens: 0.92 ms for
-    # 4096x4096). q4_gemv: 1-token gemv streams at 0.34 of copy bandwidth (4096->14336: 0.028 ms), its CUDA-core work at 0.16; q4_gemm: the
-    # int8 GEMM (MMA + per-32-block epilogue + nibble unpack) at 0.12 (4096 tokens: ~92 TOPS).
+    # 4096x4096). q4_gemv: 1-token gemv streams at 0.34 of copy bandwidth (4096->14336: 0.028 ms),
+    # its CUDA-core work at 0.16; q4_gemm: the int8 GEMM (MMA + per-32-block epilogue + nibble
+    # unpack) at 0.12 (4096 tokens: ~92 TOPS).
     "fp4_gemv": (0.13, 0.65),
     "fp4_gemm": (0.066, 0.8),
     "q4_gemv": (0.16, 0.34),
