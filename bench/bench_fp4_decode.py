@@ -27,7 +27,7 @@ import sys
 ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--cpu-smoke", action="store_true")
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
-ARGS.add_argument("--kernels", default="word,word-mma")
+ARGS.add_argument("--kernels", default="word,word-mma,joined-mma,joined-mma-fp32")
 ARGS.add_argument("--wide", action="store_true", help="narrow row tiles, 1-2 warps, K tiles to 1024, MMA stages")
 ARGS.add_argument("--profile-best", default=None, help="JSON from a previous run: run each best config once")
 OPTS = ARGS.parse_args()
@@ -50,8 +50,16 @@ TOKENS = [int(t) for t in OPTS.tokens.split(",")] if OPTS.tokens else ([1, 4, 16
 KERNELS = [k.strip() for k in OPTS.kernels.split(",") if k.strip()]
 
 
+MMA_VARIANTS = {"word-mma": "per-position", "joined-mma": "joined", "joined-mma-fp32": "joined-fp32"}
+
+
 def candidates(kernel: str, m: int) -> list[KernelConfig]:
-    mma = kernel == "word-mma"
+    mma = kernel in MMA_VARIANTS
+    if GPU and kernel.startswith("joined"):
+        stages = (1, 3) if kernel == "joined-mma" else (3,)
+        return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=st)
+                for bn in (64, 128) for bk in (128, 256) for st in stages for sk in (4, 8, 16)
+                if kernel == "joined-mma" or bk == 128]
     if not GPU:
         return [KernelConfig(16, 16 if mma else fp4._token_bucket(min(m, 4)), 128, split_k=2, num_stages=1)]
     if kernel == "word":
@@ -68,11 +76,11 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
                     for bn in (64, 128, 256) for bk in (128, 256) for st in (1, 3) for sk in (4, 8, 16)]
         return [KernelConfig(bn, 16, bk, sk, num_warps=w, num_stages=1)
                 for bn in (64, 128) for bk in (128, 256) for w in (4, 8) for sk in (2, 4, 8)]
-    raise ValueError(f"unknown kernel {kernel!r}; valid choices: word, word-mma")
+    raise ValueError(f"unknown kernel {kernel!r}; valid choices: word, {', '.join(MMA_VARIANTS)}")
 
 
 def config_name(cfg: KernelConfig) -> str:
-    return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps}"
+    return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}"
 
 
 def weights(k: int, n: int):
@@ -119,6 +127,7 @@ def main() -> None:
             rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": "cuBLAS bf16", "ms": cublas, "vs_cublas": 1.0,
                          "gbps": gbps(2 * n * k, cublas)})
             for kernel in KERNELS:
+                fp4._MMA_DECODE = MMA_VARIANTS.get(kernel, fp4._MMA_DECODE)
                 best = None
                 for cfg in candidates(kernel, m):
                     if not fp4._valid_config(cfg, "gemv", m, n, kw.codes.shape[1] * 2, fp4.BLOCK_SIZES[FORMAT]):
@@ -134,6 +143,7 @@ def main() -> None:
                         print(f"[skip] {k}->{n} m={m} {kernel} {config_name(cfg)}: {type(exc).__name__}: "
                               f"{str(exc)[:100]}", flush=True)
                         continue
+                    print(f"  {k}->{n} m={m} {kernel} {config_name(cfg)}: {ms * 1e3:.1f} us", flush=True)
                     if best is None or ms < best[0]:
                         best = (ms, cfg, err)
                 if best is None:

@@ -824,6 +824,7 @@ MIN_DECODE_BLOCK_N = 8  # narrowest decode tile; sizes the split-K counters (one
 # 5120->13824; 8x256 with 1 warp and a split of 4, 0.028 ms on 13824->5120), the tensor-core one
 # with 64-256 rows and a split of 4-16; BLOCK_K 64 keeps a CUDA-core config for every K (a
 # multiple of 64).
+_MMA_DECODE = "joined"  # EXPERIMENT (A/B in bench_fp4_decode.py): per-position | joined | joined-fp32
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(16, bm, bk, sk, num_warps=4, num_stages=1)
           for bm in FMA_BLOCK_M for bk in (256, 512) for sk in (1, 2, 4, 8))
@@ -895,20 +896,22 @@ if triton is not None:
     # of a block (bytes 4q..4q+3) the (low, high) halves are elements
     #   SHIFT 0: (4q, 4q+2)  4: (4q+H, 4q+2+H)  8: (4q+1, 4q+3)  12: (4q+1+H, 4q+3+H),  H = BS/2.
     @triton.jit
-    def _e2m1_pair_bits(words, SHIFT: tl.constexpr):
-        """int32 words -> int32 with two fp16 bit patterns: the code at bit SHIFT (low half) and at
-        bit SHIFT + 16 (high half), each as sign << 15 | magnitude << 9."""
-        # magnitude bits (code bits 0-2) to fp16 bits 9-11, sign (code bit 3) to bit 15, each with
-        # one shift of the word (an arithmetic right shift's extended bits are masked off)
-        if SHIFT <= 9:
-            magnitude = words << (9 - SHIFT)
+    def _e2m1_pair_bits(words, SHIFT: tl.constexpr, MANTISSA_LSB: tl.constexpr):
+        """int32 words -> int32 with two 16-bit float bit patterns: the code at bit SHIFT (low half)
+        and at bit SHIFT + 16 (high half), each as sign << 15 | magnitude << MANTISSA_LSB. fp16
+        (MANTISSA_LSB 9) gives value * 2^-14, bf16 (6) value * 2^-126, exactly."""
+        # magnitude bits (code bits 0-2) to bits MANTISSA_LSB.., sign (code bit 3) to bit 15, each
+        # with one shift of the word (an arithmetic right shift's extended bits are masked off)
+        if SHIFT <= MANTISSA_LSB:
+            magnitude = words << (MANTISSA_LSB - SHIFT)
         else:
-            magnitude = words >> (SHIFT - 9)
+            magnitude = words >> (SHIFT - MANTISSA_LSB)
         if SHIFT == 12:
             sign = words
         else:
             sign = words << (12 - SHIFT)
-        return (magnitude & 0x0E000E00) | (sign & -2147450880)  # -2147450880 == 0x80008000
+        magnitude_mask: tl.constexpr = (7 << MANTISSA_LSB) | (7 << (MANTISSA_LSB + 16))
+        return (magnitude & magnitude_mask) | (sign & -2147450880)  # -2147450880 == 0x80008000
 
     @triton.jit
     def _fp16_halves(bits, USE_ASM: tl.constexpr):
@@ -926,7 +929,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_shift(words, SHIFT: tl.constexpr, USE_ASM: tl.constexpr):
-        return _fp16_halves(_e2m1_pair_bits(words, SHIFT), USE_ASM)
+        return _fp16_halves(_e2m1_pair_bits(words, SHIFT, 9), USE_ASM)
 
     @triton.jit
     def _finish_row(acc, token, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr,
@@ -1160,6 +1163,103 @@ if triton is not None:
                               counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
 
     @triton.jit
+    def _bf16_scale_pair(block_scale):
+        """NVFP4 block scales from _block_scales (e4m3 value * 2^-8, fp32) -> int32 holding the
+        bf16 of e4m3 value * 2^119 in both halves: exact, so the fp32 bits' low half is zero."""
+        high = (block_scale * 1.7014118346046923e38).to(tl.int32, bitcast=True)  # * 2^127
+        return high | (high.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _bf16_scaled_pair(words, SHIFT: tl.constexpr, scale_pair, USE_ASM: tl.constexpr):
+        """Two codes (bits SHIFT and SHIFT + 16) times their NVFP4 block scale, as bf16 (low, high):
+        the codes' bf16 bit placement (value * 2^-126) times scale_pair (bf16 e4m3 value * 2^119 in
+        both halves) in one bf16x2 multiply. Exact: value * scale * 2^-7 has at most 6
+        significant bits and lies in bf16's normal range (e4m3 <= 448 keeps the factor < 2^128)."""
+        bits = _e2m1_pair_bits(words, SHIFT, 6)
+        if USE_ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; mul.rn.bf16x2 t, $2, $3; mov.b32 {$0, $1}, t; }",
+                "=h,=h,r,r", [bits, scale_pair], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        else:  # a bf16 half is the top of an fp32; the product is exact in fp32 too
+            scale = (scale_pair & -65536).to(tl.float32, bitcast=True)
+            lo = (bits << 16).to(tl.float32, bitcast=True) * scale
+            hi = (bits & -65536).to(tl.float32, bitcast=True) * scale
+            return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+
+    @triton.jit
+    def _word_tile_weights(words, block_scale, IS_NVFP4: tl.constexpr, dtype: tl.constexpr,
+                           DIRECT_BF16: tl.constexpr, USE_ASM: tl.constexpr):
+        """(BN, W) code words and their block scales (_block_scales) -> (BN, 8 W) weights in
+        `dtype`, times 2^-7 (DIRECT_BF16: NVFP4 into bf16, _bf16_scaled_pair) or times 1 (fp32
+        products rounded to `dtype`). Each word's 8 codes come in element order
+        k_lo + (0, 1, 2, 3, H, H+1, H+2, H+3): tl.join appends its selecting dimension innermost,
+        so the joins run from the outermost index (high nibble) to the innermost (parity)."""
+        if DIRECT_BF16:
+            scale_pair = _bf16_scale_pair(block_scale)
+            e0, e2 = _bf16_scaled_pair(words, 0, scale_pair, USE_ASM)
+            e1, e3 = _bf16_scaled_pair(words, 8, scale_pair, USE_ASM)
+            h0, h2 = _bf16_scaled_pair(words, 4, scale_pair, USE_ASM)
+            h1, h3 = _bf16_scaled_pair(words, 12, scale_pair, USE_ASM)
+        else:
+            scale = block_scale * _decode_power(IS_NVFP4)
+            e0, e2 = _decode_shift(words, 0, USE_ASM)
+            e1, e3 = _decode_shift(words, 8, USE_ASM)
+            h0, h2 = _decode_shift(words, 4, USE_ASM)
+            h1, h3 = _decode_shift(words, 12, USE_ASM)
+            e0, e1, e2, e3 = (e0 * scale).to(dtype), (e1 * scale).to(dtype), (e2 * scale).to(dtype), (e3 * scale).to(dtype)
+            h0, h1, h2, h3 = (h0 * scale).to(dtype), (h1 * scale).to(dtype), (h2 * scale).to(dtype), (h3 * scale).to(dtype)
+        even = tl.join(tl.join(e0, h0), tl.join(e2, h2))  # (BN, W, h, r1)
+        odd = tl.join(tl.join(e1, h1), tl.join(e3, h3))
+        return tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
+
+    @triton.jit
+    def _fp4_gemv_joined_mma_kernel(
+        x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
+        M, N, K, K_PADDED,
+        stride_xm, stride_wn, stride_sn, stride_om,
+        IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
+        UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr,
+    ):
+        """EXPERIMENT: one MMA per word tile, K = 8 WORDS_PER_ITER."""
+        WPB: tl.constexpr = BLOCK_SIZE // 8
+        HALF: tl.constexpr = BLOCK_SIZE // 2
+        W: tl.constexpr = WORDS_PER_ITER
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(2)
+        offs_n, n_mask, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end = _word_tile(
+            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        # the activations in the weights' K order: position 8 w + 4 h + 2 r1 + r0 of a tile is
+        # element k_lo[w] + h HALF + 2 r1 + r0, so x loads in runs of 4
+        p = tl.arange(0, 8 * W)
+        word = p // 8
+        k_perm = (word // WPB) * BLOCK_SIZE + (word % WPB) * 4 + ((p // 4) % 2) * HALF + p % 4
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_perm[None, :]  # (BM, 8W)
+
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for it in range(it_start, it_end):
+            k0 = it * (W * 8)
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k_perm[None, :] + k0 < K), other=0.0)
+            words = tl.load(word_ptrs + it * W)
+            block_scale = _block_scales(tl.load(scale_ptrs + it * (W // WPB)), IS_NVFP4)
+            w = _word_tile_weights(words, block_scale, IS_NVFP4, x_ptr.dtype.element_ty, DIRECT_BF16, USE_ASM)
+            acc = _mma(w, x, acc, UPCAST_DOT)
+        acc = acc * (tl.load(global_scale_ptr) * (128.0 if DIRECT_BF16 else 1.0))
+
+        out_mask = n_mask[:, None] & m_mask[None, :]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            finish_split_tile(acc, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, out_mask,
+                              bias_ptr + rows[:, None], n_mask[:, None],
+                              counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
+
+    @triton.jit
     def _fp4_dequantize_kernel(
         codes_ptr, scales_ptr, global_scale_ptr, out_ptr, N, K, N_BLOCKS,
         stride_cn, stride_sn, stride_on,
@@ -1367,8 +1467,12 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.block_m in FMA_BLOCK_M:
             _fp4_gemv_words_kernel[grid](*args, USE_ASM=not _interpreting(), **common)
-        else:
+        elif _MMA_DECODE == "per-position":
             _fp4_gemv_words_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(), **common)
+        else:
+            direct = _MMA_DECODE == "joined" and format == "nvfp4" and x2.dtype == torch.bfloat16
+            _fp4_gemv_joined_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),
+                                              DIRECT_BF16=direct, **common)
         return out
     common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.block_k // bs,

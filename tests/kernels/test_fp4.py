@@ -313,22 +313,58 @@ if fp4.triton is not None:
         tl.store(out_ptr + 2 * offs + 1, hi)
 
 
+    @triton.jit
+    def _bf16_pairs_kernel(words_ptr, scale_bytes_ptr, out_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+                           USE_ASM: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        block_scale = fp4._block_scales(tl.load(scale_bytes_ptr + offs), True)
+        lo, hi = fp4._bf16_scaled_pair(tl.load(words_ptr + offs), SHIFT, fp4._bf16_scale_pair(block_scale), USE_ASM)
+        tl.store(out_ptr + 2 * offs, lo.to(tl.float32))
+        tl.store(out_ptr + 2 * offs + 1, hi.to(tl.float32))
+
+
+def _words_with_code_pairs(shift: int, repeats: int = 1):
+    """int32 words whose nibbles at bits shift and shift + 16 run through all 16 x 16 code pairs
+    (`repeats` times), random codes elsewhere; and the (low, high) codes."""
+    g = torch.Generator().manual_seed(shift)
+    lo_code, hi_code = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    lo_code, hi_code = lo_code.flatten().repeat(repeats), hi_code.flatten().repeat(repeats)
+    nibbles = torch.randint(0, 16, (lo_code.numel(), 8), generator=g)
+    nibbles[:, shift // 4] = lo_code
+    nibbles[:, shift // 4 + 4] = hi_code
+    words = (nibbles << (4 * torch.arange(8))).sum(1)  # int64, < 2^32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32), lo_code, hi_code
+
+
+@pytest.mark.parametrize("use_asm", [False] + ([True] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("shift", [0, 4, 8, 12])
+def test_bf16_scaled_pairs_are_exact_for_every_code_pair_and_e4m3_scale(shift, use_asm):
+    """The tensor-core decode's NVFP4 -> bf16 path: every code pair times every finite e4m3 scale
+    (0 to 448) gives code * scale * 2^-7 exactly, through the bf16 codes' subnormals (0.5 is
+    2^-127 before the multiply). use_asm: the PTX bf16x2 multiply (GPU only)."""
+    words, lo_code, hi_code = _words_with_code_pairs(shift, repeats=128)  # 32768 words
+    scale_bytes = torch.arange(words.numel()) // 256 % 127  # every byte 0-126 (0x7f is NaN)
+    e4m3 = scale_bytes.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    out = torch.empty(2 * words.numel(), dtype=torch.float32, device=DEVICE)
+    _bf16_pairs_kernel[(1,)](words.to(DEVICE), scale_bytes.to(torch.uint8).to(DEVICE), out, SHIFT=shift,
+                             BLOCK=words.numel(), USE_ASM=use_asm)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    expected = torch.stack((table[lo_code] * e4m3, table[hi_code] * e4m3), 1).flatten() * 2.0**-7
+    assert torch.equal(expected.to(torch.bfloat16).double(), expected)  # representable: the test can tell
+    out = out.cpu().double()
+    assert torch.equal(out, expected)
+    assert torch.equal(torch.signbit(out), torch.signbit(expected))
+
+
 @pytest.mark.parametrize("use_asm", [False] + ([True] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("shift", [0, 4, 8, 12])
 def test_word_decode_is_exact_for_every_code_pair(shift, use_asm):
     """All 16 x 16 code pairs at the two nibbles one shift reads (bits s and s + 16), with random
     codes in the other nibbles: fp16 bit placement gives value * 2^-14 exactly, -0 included.
     use_asm: the PTX fp16-half conversion the GPU kernel runs (GPU only)."""
-    g = torch.Generator().manual_seed(shift)
-    lo_code, hi_code = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
-    lo_code, hi_code = lo_code.flatten(), hi_code.flatten()
-    nibbles = torch.randint(0, 16, (256, 8), generator=g)
-    nibbles[:, shift // 4] = lo_code
-    nibbles[:, shift // 4 + 4] = hi_code
-    words = (nibbles << (4 * torch.arange(8))).sum(1)  # int64, < 2^32
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).to(DEVICE)
+    words, lo_code, hi_code = _words_with_code_pairs(shift)
     out = torch.empty(512, dtype=torch.float32, device=DEVICE)
-    _decode_words_kernel[(1,)](words, out, SHIFT=shift, BLOCK=256, USE_ASM=use_asm)
+    _decode_words_kernel[(1,)](words.to(DEVICE), out, SHIFT=shift, BLOCK=256, USE_ASM=use_asm)
     table = torch.tensor(E2M1_VALUES) * 2.0**-14
     expected = torch.stack((table[lo_code], table[hi_code]), 1).flatten()
     out = out.cpu()
