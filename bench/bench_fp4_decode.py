@@ -56,10 +56,10 @@ MMA_VARIANTS = {"word-mma": "per-position", "joined-mma": "joined", "joined-mma-
 def candidates(kernel: str, m: int) -> list[KernelConfig]:
     mma = kernel in MMA_VARIANTS
     if GPU and kernel.startswith("joined"):
-        stages = (1, 3) if kernel == "joined-mma" else (3,)
         return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=st)
-                for bn in (64, 128) for bk in (128, 256) for st in stages for sk in (4, 8, 16)
-                if kernel == "joined-mma" or bk == 128]
+                for bn in (32, 64, 128) for bk in (64, 128) for st in (3, 5) for sk in (4, 8, 16)]
+    if GPU and kernel == "word" and m <= 4:
+        return [cfg for cfg in fp4.DECODE_CONFIGS if cfg.block_m == fp4._token_bucket(m)]
     if not GPU:
         return [KernelConfig(16, 16 if mma else fp4._token_bucket(min(m, 4)), 128, split_k=2, num_stages=1)]
     if kernel == "word":

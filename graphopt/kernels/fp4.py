@@ -1389,7 +1389,7 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
     if path == "gemv":
         if cfg.block_n < MIN_DECODE_BLOCK_N:
             return False  # the split-K arrival counters are sized for this many rows per tile
-        if cfg.block_m == 16 and (cfg.block_k // 8 < 16 or cfg.block_n < 16):
+        if cfg.block_m == 16 and (cfg.block_k // 8 < (16 if _MMA_DECODE == "per-position" else 2) or cfg.block_n < 16):
             return False  # one MMA per code position: K = block_k / 8 words >= 16, and N >= 16
         return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + (16,)
     return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
