@@ -105,6 +105,7 @@ def profile_best(path: str) -> None:
                 continue  # (rows of the removed scale-block kernels have tile "block")
             fields = {f.name for f in dataclasses.fields(KernelConfig)}
             cfg = KernelConfig(**{key: v for key, v in row["config"].items() if key in fields})  # older JSON: extra keys
+            fp4._MMA_DECODE = MMA_VARIANTS.get(row["kernel"], fp4._MMA_DECODE)
             x = torch.randn(row["tokens"], k, device=DEVICE, dtype=torch.bfloat16)
             for _ in range(3):
                 run(x, kw, cfg)
