@@ -1260,6 +1260,112 @@ if triton is not None:
                               counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
 
     @triton.jit
+    def _split_positions(x, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """(BM, 8 W) activations of a word tile in element order -> the eight (BM, W) pieces the
+        code positions of _decode_shift read, in order (s0 lo, s0 hi, s4 lo, s4 hi, s8 lo, s8 hi,
+        s12 lo, s12 hi). Element e of a scale block is 4 q + 2 r1 + r0 + HALF h (word q)."""
+        BM: tl.constexpr = x.shape[0]
+        WPB: tl.constexpr = BLOCK_SIZE // 8
+        NB: tl.constexpr = x.shape[1] // BLOCK_SIZE
+        x = tl.reshape(x, (BM, NB, 2, WPB, 2, 2))  # (m, block, h, q, r1, r0)
+        x = tl.reshape(tl.permute(x, (0, 1, 3, 2, 4, 5)), (BM, NB * WPB, 2, 2, 2))  # (m, word, h, r1, r0)
+        even, odd = tl.split(x)  # r0
+        e_lo, e_hi = tl.split(even)  # r1: (r0 0, r1 0) = s0 lo; (r0 0, r1 1) = s0 hi
+        o_lo, o_hi = tl.split(odd)
+        s0_lo, s4_lo = tl.split(e_lo)  # h
+        s0_hi, s4_hi = tl.split(e_hi)
+        s8_lo, s12_lo = tl.split(o_lo)
+        s8_hi, s12_hi = tl.split(o_hi)
+        return s0_lo, s0_hi, s4_lo, s4_hi, s8_lo, s8_hi, s12_lo, s12_hi
+
+    @triton.jit
+    def _fp4_gemv_split_mma_kernel(
+        x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
+        M, N, K, K_PADDED,
+        stride_xm, stride_wn, stride_sn, stride_om,
+        IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
+        UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr, PREFETCH: tl.constexpr,
+    ):
+        """EXPERIMENT: eight MMAs per word tile (one per code position, weights decoded in the
+        MMA's register layout), the activations loaded once per tile and split in registers."""
+        WPB: tl.constexpr = BLOCK_SIZE // 8
+        HALF: tl.constexpr = BLOCK_SIZE // 2
+        W: tl.constexpr = WORDS_PER_ITER
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(2)
+        offs_n, n_mask, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end = _word_tile(
+            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        offs_k = tl.arange(0, 8 * W)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # (BM, 8W)
+        dtype: tl.constexpr = x_ptr.dtype.element_ty
+
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        # next tile prefetched in registers (num_stages 1: Triton's pipeliner would stage the
+        # decoded weights through shared memory)
+        x = tl.load(x_ptrs + it_start * (W * 8), mask=m_mask[:, None] & (offs_k[None, :] + it_start * (W * 8) < K), other=0.0)
+        words = tl.load(word_ptrs + it_start * W)
+        scale_bytes = tl.load(scale_ptrs + it_start * (W // WPB))
+        for it in range(it_start, it_end):
+            if PREFETCH:
+                nxt = tl.minimum(it + 1, it_end - 1)
+            else:
+                nxt = it
+                x = tl.load(x_ptrs + it * (W * 8), mask=m_mask[:, None] & (offs_k[None, :] + it * (W * 8) < K), other=0.0)
+                words = tl.load(word_ptrs + it * W)
+                scale_bytes = tl.load(scale_ptrs + it * (W // WPB))
+            next_x = tl.load(x_ptrs + nxt * (W * 8), mask=m_mask[:, None] & (offs_k[None, :] + nxt * (W * 8) < K), other=0.0)
+            next_words = tl.load(word_ptrs + nxt * W)
+            next_scale_bytes = tl.load(scale_ptrs + nxt * (W // WPB))
+            x0, x1, x2, x3, x4, x5, x6, x7 = _split_positions(x, HALF, BLOCK_SIZE)
+            block_scale = _block_scales(scale_bytes, IS_NVFP4)
+            if DIRECT_BF16:
+                scale_pair = _bf16_scale_pair(block_scale)
+                lo, hi = _bf16_scaled_pair(words, 0, scale_pair, USE_ASM)
+                acc = _mma(lo, x0, acc, UPCAST_DOT)
+                acc = _mma(hi, x1, acc, UPCAST_DOT)
+                lo, hi = _bf16_scaled_pair(words, 4, scale_pair, USE_ASM)
+                acc = _mma(lo, x2, acc, UPCAST_DOT)
+                acc = _mma(hi, x3, acc, UPCAST_DOT)
+                lo, hi = _bf16_scaled_pair(words, 8, scale_pair, USE_ASM)
+                acc = _mma(lo, x4, acc, UPCAST_DOT)
+                acc = _mma(hi, x5, acc, UPCAST_DOT)
+                lo, hi = _bf16_scaled_pair(words, 12, scale_pair, USE_ASM)
+                acc = _mma(lo, x6, acc, UPCAST_DOT)
+                acc = _mma(hi, x7, acc, UPCAST_DOT)
+            else:
+                scale = block_scale * _decode_power(IS_NVFP4)
+                lo, hi = _decode_shift(words, 0, USE_ASM)
+                acc = _mma((lo * scale).to(dtype), x0, acc, UPCAST_DOT)
+                acc = _mma((hi * scale).to(dtype), x1, acc, UPCAST_DOT)
+                lo, hi = _decode_shift(words, 4, USE_ASM)
+                acc = _mma((lo * scale).to(dtype), x2, acc, UPCAST_DOT)
+                acc = _mma((hi * scale).to(dtype), x3, acc, UPCAST_DOT)
+                lo, hi = _decode_shift(words, 8, USE_ASM)
+                acc = _mma((lo * scale).to(dtype), x4, acc, UPCAST_DOT)
+                acc = _mma((hi * scale).to(dtype), x5, acc, UPCAST_DOT)
+                lo, hi = _decode_shift(words, 12, USE_ASM)
+                acc = _mma((lo * scale).to(dtype), x6, acc, UPCAST_DOT)
+                acc = _mma((hi * scale).to(dtype), x7, acc, UPCAST_DOT)
+            x = next_x
+            words = next_words
+            scale_bytes = next_scale_bytes
+        acc = acc * (tl.load(global_scale_ptr) * (128.0 if DIRECT_BF16 else 1.0))
+
+        out_mask = n_mask[:, None] & m_mask[None, :]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            finish_split_tile(acc, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, out_mask,
+                              bias_ptr + rows[:, None], n_mask[:, None],
+                              counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
+
+    @triton.jit
     def _fp4_dequantize_kernel(
         codes_ptr, scales_ptr, global_scale_ptr, out_ptr, N, K, N_BLOCKS,
         stride_cn, stride_sn, stride_on,
@@ -1389,7 +1495,7 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
     if path == "gemv":
         if cfg.block_n < MIN_DECODE_BLOCK_N:
             return False  # the split-K arrival counters are sized for this many rows per tile
-        if cfg.block_m == 16 and (cfg.block_k // 8 < (16 if _MMA_DECODE == "per-position" else 2) or cfg.block_n < 16):
+        if cfg.block_m == 16 and (cfg.block_k // 8 < (2 if _MMA_DECODE.startswith("joined") else 16) or cfg.block_n < 16):
             return False  # one MMA per code position: K = block_k / 8 words >= 16, and N >= 16
         return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + (16,)
     return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
@@ -1469,6 +1575,10 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
             _fp4_gemv_words_kernel[grid](*args, USE_ASM=not _interpreting(), **common)
         elif _MMA_DECODE == "per-position":
             _fp4_gemv_words_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(), **common)
+        elif _MMA_DECODE.startswith("split"):
+            direct = format == "nvfp4" and x2.dtype == torch.bfloat16
+            _fp4_gemv_split_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),
+                                             DIRECT_BF16=direct, PREFETCH=_MMA_DECODE == "split-prefetch", **common)
         else:
             direct = _MMA_DECODE == "joined" and format == "nvfp4" and x2.dtype == torch.bfloat16
             _fp4_gemv_joined_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),
