@@ -51,7 +51,7 @@ KERNELS = [k.strip() for k in OPTS.kernels.split(",") if k.strip()]
 
 
 MMA_VARIANTS = {"word-mma": "per-position", "joined-mma": "joined", "joined-mma-fp32": "joined-fp32",
-                "split-mma": "split", "split-mma-prefetch": "split-prefetch"}
+                "split-mma": "split", "split-mma-prefetch": "split-prefetch", "split-mma-paired": "split-paired"}
 
 
 def candidates(kernel: str, m: int) -> list[KernelConfig]:
@@ -60,8 +60,8 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
         return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=3)
                 for bn in (64, 128) for bk in (64, 128) for sk in (4, 8, 16)]
     if GPU and kernel.startswith("split"):
-        return [KernelConfig(bn, 16, bk, sk, num_warps=8 if bn == 256 else 4, num_stages=1)
-                for bn in (64, 128, 256) for bk in (128, 256) for sk in (4, 8, 16) if bn * bk <= 32768]
+        return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
+                for bn, bk in ((64, 128), (128, 256), (64, 256)) for sk in (8, 16)]
     if GPU and kernel == "word" and m <= 4:
         return [cfg for cfg in fp4.DECODE_CONFIGS if cfg.block_m == fp4._token_bucket(m)]
     if not GPU:

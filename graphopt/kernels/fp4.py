@@ -1286,6 +1286,7 @@ if triton is not None:
         IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
         UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr, PREFETCH: tl.constexpr,
+        PAIRED: tl.constexpr = False,
     ):
         """EXPERIMENT: eight MMAs per word tile (one per code position, weights decoded in the
         MMA's register layout), the activations loaded once per tile and split in registers."""
@@ -1321,7 +1322,17 @@ if triton is not None:
             next_scale_bytes = tl.load(scale_ptrs + nxt * (W // WPB))
             x0, x1, x2, x3, x4, x5, x6, x7 = _split_positions(x, HALF, BLOCK_SIZE)
             block_scale = _block_scales(scale_bytes, IS_NVFP4)
-            if DIRECT_BF16:
+            if PAIRED:
+                scale_pair = _bf16_scale_pair(block_scale)
+                lo, hi = _bf16_scaled_pair(words, 0, scale_pair, USE_ASM)
+                acc = _mma(tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * W)), tl.reshape(tl.join(x0, x1), (BLOCK_M, 2 * W)), acc, UPCAST_DOT)
+                lo, hi = _bf16_scaled_pair(words, 4, scale_pair, USE_ASM)
+                acc = _mma(tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * W)), tl.reshape(tl.join(x2, x3), (BLOCK_M, 2 * W)), acc, UPCAST_DOT)
+                lo, hi = _bf16_scaled_pair(words, 8, scale_pair, USE_ASM)
+                acc = _mma(tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * W)), tl.reshape(tl.join(x4, x5), (BLOCK_M, 2 * W)), acc, UPCAST_DOT)
+                lo, hi = _bf16_scaled_pair(words, 12, scale_pair, USE_ASM)
+                acc = _mma(tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * W)), tl.reshape(tl.join(x6, x7), (BLOCK_M, 2 * W)), acc, UPCAST_DOT)
+            elif DIRECT_BF16:
                 scale_pair = _bf16_scale_pair(block_scale)
                 lo, hi = _bf16_scaled_pair(words, 0, scale_pair, USE_ASM)
                 acc = _mma(lo, x0, acc, UPCAST_DOT)
@@ -1578,7 +1589,8 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         elif _MMA_DECODE.startswith("split"):
             direct = format == "nvfp4" and x2.dtype == torch.bfloat16
             _fp4_gemv_split_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),
-                                             DIRECT_BF16=direct, PREFETCH=_MMA_DECODE == "split-prefetch", **common)
+                                             DIRECT_BF16=direct, PREFETCH=_MMA_DECODE == "split-prefetch",
+                                             PAIRED=direct and _MMA_DECODE == "split-paired", **common)
         else:
             direct = _MMA_DECODE == "joined" and format == "nvfp4" and x2.dtype == torch.bfloat16
             _fp4_gemv_joined_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),
