@@ -7,9 +7,9 @@ copies, >= 120 MB per graph), the way a model's layers read them.
     python bench/bench_fp4_decode.py --profile-best bench_fp4_decode.json   # run each best config once (for ncu)
 
 Kernels: "word" is the CUDA-core decode kernel (1-4 tokens per program), "word-mma" the
-tensor-core one (16 tokens per program). Both tile the weight as (rows x int32 code words), read
-each word's eight activations as two vector loads shared by the tile's rows, and (mma) run one
-MMA per code position. The scale-block kernels they replaced are in the first sweep's JSON
+tensor-core one (16 tokens per program). Both tile the weight as (rows x int32 code words); the
+CUDA-core one reads each word's eight activations as two vector loads shared by the tile's rows,
+the tensor-core one loads the tile's activations once and runs one MMA per shift of the words. The scale-block kernels they replaced are in the first sweep's JSON
 (bench/results/fp4_decode_h100_round1.json, "block" / "block-mma"). bench_fp4.py times the path
 the cost model picks at every token count; this is the short decode round used to judge kernel
 changes. Each config is checked against dequantize-then-matmul (fp32) first; a config that fails
@@ -27,7 +27,7 @@ import sys
 ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--cpu-smoke", action="store_true")
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
-ARGS.add_argument("--kernels", default="word,word-mma,joined-mma,joined-mma-fp32")
+ARGS.add_argument("--kernels", default="word,word-mma")
 ARGS.add_argument("--wide", action="store_true", help="narrow row tiles, 1-2 warps, K tiles to 1024, MMA stages")
 ARGS.add_argument("--profile-best", default=None, help="JSON from a previous run: run each best config once")
 OPTS = ARGS.parse_args()
@@ -50,20 +50,8 @@ TOKENS = [int(t) for t in OPTS.tokens.split(",")] if OPTS.tokens else ([1, 4, 16
 KERNELS = [k.strip() for k in OPTS.kernels.split(",") if k.strip()]
 
 
-MMA_VARIANTS = {"word-mma": "per-position", "joined-mma": "joined", "joined-mma-fp32": "joined-fp32",
-                "split-mma": "split", "split-mma-prefetch": "split-prefetch", "split-mma-paired": "split-paired"}
-
-
 def candidates(kernel: str, m: int) -> list[KernelConfig]:
-    mma = kernel in MMA_VARIANTS
-    if GPU and kernel.startswith("joined"):
-        return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=3)
-                for bn in (64, 128) for bk in (64, 128) for sk in (4, 8, 16)]
-    if GPU and kernel.startswith("split"):
-        return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
-                for bn, bk in ((64, 128), (128, 256), (64, 256)) for sk in (8, 16)]
-    if GPU and kernel == "word" and m <= 4:
-        return [cfg for cfg in fp4.DECODE_CONFIGS if cfg.block_m == fp4._token_bucket(m)]
+    mma = kernel == "word-mma"
     if not GPU:
         return [KernelConfig(16, 16 if mma else fp4._token_bucket(min(m, 4)), 128, split_k=2, num_stages=1)]
     if kernel == "word":
@@ -74,13 +62,13 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
                     for bn in (8, 16, 32) for bk in (256, 512, 1024) for w in (1, 2, 4) for sk in (1, 2, 4)]
         return [KernelConfig(bn, fp4._token_bucket(m), bk, sk, num_warps=w, num_stages=1)
                 for bn in (16, 64, 128) for bk in (256, 512) for w in (4, 8) for sk in (1, 2, 4, 8)]
-    if mma:
+    if mma:  # num_stages 1: see _fp4_gemv_words_mma_kernel
         if OPTS.wide:
-            return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=st)
-                    for bn in (64, 128, 256) for bk in (128, 256) for st in (1, 3) for sk in (4, 8, 16)]
-        return [KernelConfig(bn, 16, bk, sk, num_warps=w, num_stages=1)
-                for bn in (64, 128) for bk in (128, 256) for w in (4, 8) for sk in (2, 4, 8)]
-    raise ValueError(f"unknown kernel {kernel!r}; valid choices: word, {', '.join(MMA_VARIANTS)}")
+            return [KernelConfig(bn, 16, bk, sk, num_warps=w, num_stages=1)
+                    for bn in (64, 128, 256) for bk in (64, 128, 256) for w in (4, 8) for sk in (4, 8, 16)]
+        return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
+                for bn in (64, 128) for bk in (128, 256) for sk in (4, 8, 16)]
+    raise ValueError(f"unknown kernel {kernel!r}; valid choices: word, word-mma")
 
 
 def config_name(cfg: KernelConfig) -> str:
@@ -109,7 +97,6 @@ def profile_best(path: str) -> None:
                 continue  # (rows of the removed scale-block kernels have tile "block")
             fields = {f.name for f in dataclasses.fields(KernelConfig)}
             cfg = KernelConfig(**{key: v for key, v in row["config"].items() if key in fields})  # older JSON: extra keys
-            fp4._MMA_DECODE = MMA_VARIANTS.get(row["kernel"], fp4._MMA_DECODE)
             x = torch.randn(row["tokens"], k, device=DEVICE, dtype=torch.bfloat16)
             for _ in range(3):
                 run(x, kw, cfg)
@@ -132,7 +119,6 @@ def main() -> None:
             rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": "cuBLAS bf16", "ms": cublas, "vs_cublas": 1.0,
                          "gbps": gbps(2 * n * k, cublas)})
             for kernel in KERNELS:
-                fp4._MMA_DECODE = MMA_VARIANTS.get(kernel, fp4._MMA_DECODE)
                 best = None
                 for cfg in candidates(kernel, m):
                     if not fp4._valid_config(cfg, "gemv", m, n, kw.codes.shape[1] * 2, fp4.BLOCK_SIZES[FORMAT]):

@@ -822,9 +822,9 @@ MIN_DECODE_BLOCK_N = 8  # narrowest decode tile; sizes the split-K counters (one
 # bench/bench_fp4_decode.py (bench/results/fp4_decode_h100_*): the CUDA-core kernel is fastest
 # with narrow tiles, 8-16 rows of 256-1024 elements (1 token: 8x1024 with 4 warps, 0.030 ms on
 # 5120->13824; 8x256 with 1 warp and a split of 4, 0.028 ms on 13824->5120), the tensor-core one
-# with 64-256 rows and a split of 4-16; BLOCK_K 64 keeps a CUDA-core config for every K (a
-# multiple of 64).
-_MMA_DECODE = "joined"  # EXPERIMENT (A/B in bench_fp4_decode.py): per-position | joined | joined-fp32
+# with 64 rows x 128 elements or 128 x 256 and a split of 8-16 (bench/results/
+# fp4_decode_h100_split_ab.* and _paired_ab.*: 0.041-0.045 ms at 4-16 tokens on both shapes);
+# BLOCK_K 64 keeps a CUDA-core config for every K (a multiple of 64).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(16, bm, bk, sk, num_warps=4, num_stages=1)
           for bm in FMA_BLOCK_M for bk in (256, 512) for sk in (1, 2, 4, 8))
@@ -832,8 +832,8 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
             for bm in FMA_BLOCK_M for bk, w in ((1024, 4), (512, 2), (256, 1)) for sk in (1, 2, 4))
     + tuple(KernelConfig(16, bm, 64, 1, num_warps=4, num_stages=1) for bm in FMA_BLOCK_M)
     + tuple(KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
-            for bn, bk, sk in ((64, 128, 4), (64, 128, 8), (128, 128, 8), (128, 256, 4), (128, 256, 8),
-                               (128, 256, 16), (256, 256, 4)))
+            for bn, bk, sk in ((64, 128, 4), (64, 128, 8), (64, 128, 16), (128, 256, 4), (128, 256, 8),
+                               (128, 256, 16)))
 )
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
@@ -1096,73 +1096,6 @@ if triton is not None:
                 tl.atomic_xchg(counter, 0)
 
     @triton.jit
-    def _word_half_dot(codes, scale, x_row_ptrs, k, K, m_mask, acc, UPCAST_DOT: tl.constexpr):
-        """acc (BN, BM) += (decoded codes * block scale) (BN, W) @ x[:, k]^T: one of the eight code
-        positions of every word (fp32 code values * 2^-14), as its own MMA over the W words (the K
-        order of a dot is free)."""
-        w = (codes * scale).to(x_row_ptrs.dtype.element_ty)
-        x = tl.load(x_row_ptrs + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)  # (BM, W)
-        return _mma(w, x, acc, UPCAST_DOT)
-
-    @triton.jit
-    def _fp4_gemv_words_mma_kernel(
-        x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
-        M, N, K, K_PADDED,
-        stride_xm, stride_wn, stride_sn, stride_om,
-        IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
-        UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr,
-    ):
-        """Decode on tensor cores, up to BLOCK_M (16) tokens per program: the word tile of
-        _fp4_gemv_words_kernel, decoded two codes per 4 integer ops, and eight MMAs per tile, one
-        per code position of a word (elements k_lo + {0, 2, H, H+2, 1, 3, H+1, H+3}), so no
-        register shuffles build a contiguous K tile. Split-K as in _fp4_gemv_words_kernel (fp32
-        workspace, the last split writes the output)."""
-        WPB: tl.constexpr = BLOCK_SIZE // 8
-        HALF: tl.constexpr = BLOCK_SIZE // 2
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(2)
-        offs_n, n_mask, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end = _word_tile(
-            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
-        x_rows = x_ptr + offs_m[:, None] * stride_xm  # (BM, 1)
-
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for it in range(it_start, it_end):
-            words = tl.load(word_ptrs + it * WORDS_PER_ITER)
-            # the power of two goes into the scale before the weights are rounded to the activation
-            # dtype: code * e4m3 (NVFP4) is then exact in fp16, and MXFP4 weights keep their size
-            scale = _block_scales(tl.load(scale_ptrs + it * (WORDS_PER_ITER // WPB)), IS_NVFP4) * _decode_power(IS_NVFP4)
-            k = k_lo + it * (WORDS_PER_ITER * 8)
-            lo, hi = _decode_shift(words, 0, USE_ASM)
-            acc = _word_half_dot(lo, scale, x_rows, k, K, m_mask, acc, UPCAST_DOT)
-            acc = _word_half_dot(hi, scale, x_rows, k + 2, K, m_mask, acc, UPCAST_DOT)
-            lo, hi = _decode_shift(words, 4, USE_ASM)
-            acc = _word_half_dot(lo, scale, x_rows, k + HALF, K, m_mask, acc, UPCAST_DOT)
-            acc = _word_half_dot(hi, scale, x_rows, k + (HALF + 2), K, m_mask, acc, UPCAST_DOT)
-            lo, hi = _decode_shift(words, 8, USE_ASM)
-            acc = _word_half_dot(lo, scale, x_rows, k + 1, K, m_mask, acc, UPCAST_DOT)
-            acc = _word_half_dot(hi, scale, x_rows, k + 3, K, m_mask, acc, UPCAST_DOT)
-            lo, hi = _decode_shift(words, 12, USE_ASM)
-            acc = _word_half_dot(lo, scale, x_rows, k + (HALF + 1), K, m_mask, acc, UPCAST_DOT)
-            acc = _word_half_dot(hi, scale, x_rows, k + (HALF + 3), K, m_mask, acc, UPCAST_DOT)
-        # (prefetching the next word tile into registers, as the CUDA-core kernel does, measured
-        # slower here: 0.065 vs 0.052 ms at 1 token on 5120->13824, H100 - more registers, fewer warps)
-        acc = acc * tl.load(global_scale_ptr)
-
-        out_mask = n_mask[:, None] & m_mask[None, :]
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            finish_split_tile(acc, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, out_mask,
-                              bias_ptr + rows[:, None], n_mask[:, None],
-                              counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
-
-    @triton.jit
     def _bf16_scale_pair(block_scale):
         """NVFP4 block scales from _block_scales (e4m3 value * 2^-8, fp32) -> int32 holding the
         bf16 of e4m3 value * 2^119 in both halves: exact, so the fp32 bits' low half is zero."""
@@ -1187,33 +1120,37 @@ if triton is not None:
             return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
 
     @triton.jit
-    def _word_tile_weights(words, block_scale, IS_NVFP4: tl.constexpr, dtype: tl.constexpr,
-                           DIRECT_BF16: tl.constexpr, USE_ASM: tl.constexpr):
-        """(BN, W) code words and their block scales (_block_scales) -> (BN, 8 W) weights in
-        `dtype`, times 2^-7 (DIRECT_BF16: NVFP4 into bf16, _bf16_scaled_pair) or times 1 (fp32
-        products rounded to `dtype`). Each word's 8 codes come in element order
-        k_lo + (0, 1, 2, 3, H, H+1, H+2, H+3): tl.join appends its selecting dimension innermost,
-        so the joins run from the outermost index (high nibble) to the innermost (parity)."""
-        if DIRECT_BF16:
-            scale_pair = _bf16_scale_pair(block_scale)
-            e0, e2 = _bf16_scaled_pair(words, 0, scale_pair, USE_ASM)
-            e1, e3 = _bf16_scaled_pair(words, 8, scale_pair, USE_ASM)
-            h0, h2 = _bf16_scaled_pair(words, 4, scale_pair, USE_ASM)
-            h1, h3 = _bf16_scaled_pair(words, 12, scale_pair, USE_ASM)
-        else:
-            scale = block_scale * _decode_power(IS_NVFP4)
-            e0, e2 = _decode_shift(words, 0, USE_ASM)
-            e1, e3 = _decode_shift(words, 8, USE_ASM)
-            h0, h2 = _decode_shift(words, 4, USE_ASM)
-            h1, h3 = _decode_shift(words, 12, USE_ASM)
-            e0, e1, e2, e3 = (e0 * scale).to(dtype), (e1 * scale).to(dtype), (e2 * scale).to(dtype), (e3 * scale).to(dtype)
-            h0, h1, h2, h3 = (h0 * scale).to(dtype), (h1 * scale).to(dtype), (h2 * scale).to(dtype), (h3 * scale).to(dtype)
-        even = tl.join(tl.join(e0, h0), tl.join(e2, h2))  # (BN, W, h, r1)
-        odd = tl.join(tl.join(e1, h1), tl.join(e3, h3))
-        return tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
+    def _split_positions(x, BLOCK_SIZE: tl.constexpr):
+        """(BM, 8 W) activations of a word tile, in element order -> for each shift s in
+        (0, 4, 8, 12), the (BM, W) pieces that the low and high codes of _decode_shift(words, s)
+        multiply. Element e of a scale block is 4 q + 2 r1 + r0 + BS/2 h for word q: the pieces
+        are (r0, h) = (0, 0), (0, 1), (1, 0), (1, 1), and r1 = 0 / 1 within a piece pair."""
+        BM: tl.constexpr = x.shape[0]
+        WPB: tl.constexpr = BLOCK_SIZE // 8
+        NB: tl.constexpr = x.shape[1] // BLOCK_SIZE
+        x = tl.reshape(x, (BM, NB, 2, WPB, 2, 2))  # (m, block, h, q, r1, r0)
+        x = tl.reshape(tl.permute(x, (0, 1, 3, 2, 4, 5)), (BM, NB * WPB, 2, 2, 2))  # (m, word, h, r1, r0)
+        even, odd = tl.split(x)
+        s0_or_s4, s8_or_s12 = tl.split(even), tl.split(odd)  # each (r1 = 0, r1 = 1), (m, word, h)
+        s0_lo, s4_lo = tl.split(s0_or_s4[0])
+        s0_hi, s4_hi = tl.split(s0_or_s4[1])
+        s8_lo, s12_lo = tl.split(s8_or_s12[0])
+        s8_hi, s12_hi = tl.split(s8_or_s12[1])
+        return s0_lo, s0_hi, s4_lo, s4_hi, s8_lo, s8_hi, s12_lo, s12_hi
 
     @triton.jit
-    def _fp4_gemv_joined_mma_kernel(
+    def _pair_dot(lo, hi, x_lo, x_hi, acc, UPCAST_DOT: tl.constexpr):
+        """acc += [lo | hi] @ [x_lo | x_hi]^T with lo and hi interleaved along K: the two halves of
+        one bf16x2 register stay one register of the MMA operand (the K order of a dot is free)."""
+        BN: tl.constexpr = lo.shape[0]
+        BM: tl.constexpr = x_lo.shape[0]
+        W: tl.constexpr = lo.shape[1]
+        w = tl.reshape(tl.join(lo, hi), (BN, 2 * W))
+        x = tl.reshape(tl.join(x_lo, x_hi), (BM, 2 * W))
+        return _mma(w, x, acc, UPCAST_DOT)
+
+    @triton.jit
+    def _fp4_gemv_words_mma_kernel(
         x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
         M, N, K, K_PADDED,
         stride_xm, stride_wn, stride_sn, stride_om,
@@ -1221,77 +1158,16 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
         UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr,
     ):
-        """EXPERIMENT: one MMA per word tile, K = 8 WORDS_PER_ITER."""
+        """Decode on tensor cores, up to BLOCK_M (16) tokens per program, on the word tile of
+        _fp4_gemv_words_kernel. Per shift of the words, the two decoded codes of each word are one
+        MMA operand register (_pair_dot): four MMAs per tile, each with K = 2 WORDS_PER_ITER. The
+        activations are loaded once per tile, contiguous, and split into the matching pieces in
+        registers. DIRECT_BF16 (NVFP4, bf16 activations): codes times block scale in one bf16x2
+        multiply (_bf16_scaled_pair), otherwise fp32 products rounded to the activation dtype.
+        The weights are decoded in the MMA's register layout; num_stages must stay 1, since
+        Triton's pipeliner would stage the decoded tile through shared memory (H100: 0.92-0.96x
+        cuBLAS at 1-16 tokens against 1.18-1.40x). Split-K as in _fp4_gemv_words_kernel."""
         WPB: tl.constexpr = BLOCK_SIZE // 8
-        HALF: tl.constexpr = BLOCK_SIZE // 2
-        W: tl.constexpr = WORDS_PER_ITER
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(2)
-        offs_n, n_mask, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end = _word_tile(
-            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
-        # the activations in the weights' K order: position 8 w + 4 h + 2 r1 + r0 of a tile is
-        # element k_lo[w] + h HALF + 2 r1 + r0, so x loads in runs of 4
-        p = tl.arange(0, 8 * W)
-        word = p // 8
-        k_perm = (word // WPB) * BLOCK_SIZE + (word % WPB) * 4 + ((p // 4) % 2) * HALF + p % 4
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_perm[None, :]  # (BM, 8W)
-
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for it in range(it_start, it_end):
-            k0 = it * (W * 8)
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k_perm[None, :] + k0 < K), other=0.0)
-            words = tl.load(word_ptrs + it * W)
-            block_scale = _block_scales(tl.load(scale_ptrs + it * (W // WPB)), IS_NVFP4)
-            w = _word_tile_weights(words, block_scale, IS_NVFP4, x_ptr.dtype.element_ty, DIRECT_BF16, USE_ASM)
-            acc = _mma(w, x, acc, UPCAST_DOT)
-        acc = acc * (tl.load(global_scale_ptr) * (128.0 if DIRECT_BF16 else 1.0))
-
-        out_mask = n_mask[:, None] & m_mask[None, :]
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            finish_split_tile(acc, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, out_mask,
-                              bias_ptr + rows[:, None], n_mask[:, None],
-                              counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
-
-    @triton.jit
-    def _split_positions(x, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        """(BM, 8 W) activations of a word tile in element order -> the eight (BM, W) pieces the
-        code positions of _decode_shift read, in order (s0 lo, s0 hi, s4 lo, s4 hi, s8 lo, s8 hi,
-        s12 lo, s12 hi). Element e of a scale block is 4 q + 2 r1 + r0 + HALF h (word q)."""
-        BM: tl.constexpr = x.shape[0]
-        WPB: tl.constexpr = BLOCK_SIZE // 8
-        NB: tl.constexpr = x.shape[1] // BLOCK_SIZE
-        x = tl.reshape(x, (BM, NB, 2, WPB, 2, 2))  # (m, block, h, q, r1, r0)
-        x = tl.reshape(tl.permute(x, (0, 1, 3, 2, 4, 5)), (BM, NB * WPB, 2, 2, 2))  # (m, word, h, r1, r0)
-        even, odd = tl.split(x)  # r0
-        e_lo, e_hi = tl.split(even)  # r1: (r0 0, r1 0) = s0 lo; (r0 0, r1 1) = s0 hi
-        o_lo, o_hi = tl.split(odd)
-        s0_lo, s4_lo = tl.split(e_lo)  # h
-        s0_hi, s4_hi = tl.split(e_hi)
-        s8_lo, s12_lo = tl.split(o_lo)
-        s8_hi, s12_hi = tl.split(o_hi)
-        return s0_lo, s0_hi, s4_lo, s4_hi, s8_lo, s8_hi, s12_lo, s12_hi
-
-    @triton.jit
-    def _fp4_gemv_split_mma_kernel(
-        x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
-        M, N, K, K_PADDED,
-        stride_xm, stride_wn, stride_sn, stride_om,
-        IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
-        UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr, PREFETCH: tl.constexpr,
-        PAIRED: tl.constexpr = False,
-    ):
-        """EXPERIMENT: eight MMAs per word tile (one per code position, weights decoded in the
-        MMA's register layout), the activations loaded once per tile and split in registers."""
-        WPB: tl.constexpr = BLOCK_SIZE // 8
-        HALF: tl.constexpr = BLOCK_SIZE // 2
         W: tl.constexpr = WORDS_PER_ITER
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(2)
@@ -1304,66 +1180,35 @@ if triton is not None:
         dtype: tl.constexpr = x_ptr.dtype.element_ty
 
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        # next tile prefetched in registers (num_stages 1: Triton's pipeliner would stage the
-        # decoded weights through shared memory)
-        x = tl.load(x_ptrs + it_start * (W * 8), mask=m_mask[:, None] & (offs_k[None, :] + it_start * (W * 8) < K), other=0.0)
-        words = tl.load(word_ptrs + it_start * W)
-        scale_bytes = tl.load(scale_ptrs + it_start * (W // WPB))
         for it in range(it_start, it_end):
-            if PREFETCH:
-                nxt = tl.minimum(it + 1, it_end - 1)
-            else:
-                nxt = it
-                x = tl.load(x_ptrs + it * (W * 8), mask=m_mask[:, None] & (offs_k[None, :] + it * (W * 8) < K), other=0.0)
-                words = tl.load(word_ptrs + it * W)
-                scale_bytes = tl.load(scale_ptrs + it * (W // WPB))
-            next_x = tl.load(x_ptrs + nxt * (W * 8), mask=m_mask[:, None] & (offs_k[None, :] + nxt * (W * 8) < K), other=0.0)
-            next_words = tl.load(word_ptrs + nxt * W)
-            next_scale_bytes = tl.load(scale_ptrs + nxt * (W // WPB))
-            x0, x1, x2, x3, x4, x5, x6, x7 = _split_positions(x, HALF, BLOCK_SIZE)
-            block_scale = _block_scales(scale_bytes, IS_NVFP4)
-            if PAIRED:
+            k0 = it * (8 * W)
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (offs_k[None, :] + k0 < K), other=0.0)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _split_positions(x, BLOCK_SIZE)
+            words = tl.load(word_ptrs + it * W)
+            block_scale = _block_scales(tl.load(scale_ptrs + it * (W // WPB)), IS_NVFP4)
+            if DIRECT_BF16:
                 scale_pair = _bf16_scale_pair(block_scale)
                 lo, hi = _bf16_scaled_pair(words, 0, scale_pair, USE_ASM)
-                acc = _mma(tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * W)), tl.reshape(tl.join(x0, x1), (BLOCK_M, 2 * W)), acc, UPCAST_DOT)
+                acc = _pair_dot(lo, hi, x0, x1, acc, UPCAST_DOT)
                 lo, hi = _bf16_scaled_pair(words, 4, scale_pair, USE_ASM)
-                acc = _mma(tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * W)), tl.reshape(tl.join(x2, x3), (BLOCK_M, 2 * W)), acc, UPCAST_DOT)
+                acc = _pair_dot(lo, hi, x2, x3, acc, UPCAST_DOT)
                 lo, hi = _bf16_scaled_pair(words, 8, scale_pair, USE_ASM)
-                acc = _mma(tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * W)), tl.reshape(tl.join(x4, x5), (BLOCK_M, 2 * W)), acc, UPCAST_DOT)
+                acc = _pair_dot(lo, hi, x4, x5, acc, UPCAST_DOT)
                 lo, hi = _bf16_scaled_pair(words, 12, scale_pair, USE_ASM)
-                acc = _mma(tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * W)), tl.reshape(tl.join(x6, x7), (BLOCK_M, 2 * W)), acc, UPCAST_DOT)
-            elif DIRECT_BF16:
-                scale_pair = _bf16_scale_pair(block_scale)
-                lo, hi = _bf16_scaled_pair(words, 0, scale_pair, USE_ASM)
-                acc = _mma(lo, x0, acc, UPCAST_DOT)
-                acc = _mma(hi, x1, acc, UPCAST_DOT)
-                lo, hi = _bf16_scaled_pair(words, 4, scale_pair, USE_ASM)
-                acc = _mma(lo, x2, acc, UPCAST_DOT)
-                acc = _mma(hi, x3, acc, UPCAST_DOT)
-                lo, hi = _bf16_scaled_pair(words, 8, scale_pair, USE_ASM)
-                acc = _mma(lo, x4, acc, UPCAST_DOT)
-                acc = _mma(hi, x5, acc, UPCAST_DOT)
-                lo, hi = _bf16_scaled_pair(words, 12, scale_pair, USE_ASM)
-                acc = _mma(lo, x6, acc, UPCAST_DOT)
-                acc = _mma(hi, x7, acc, UPCAST_DOT)
+                acc = _pair_dot(lo, hi, x6, x7, acc, UPCAST_DOT)
             else:
+                # the power of two goes into the scale before the weights are rounded to the
+                # activation dtype: code * e4m3 (NVFP4) is then exact in fp16, and MXFP4 weights keep their size
                 scale = block_scale * _decode_power(IS_NVFP4)
                 lo, hi = _decode_shift(words, 0, USE_ASM)
-                acc = _mma((lo * scale).to(dtype), x0, acc, UPCAST_DOT)
-                acc = _mma((hi * scale).to(dtype), x1, acc, UPCAST_DOT)
+                acc = _pair_dot((lo * scale).to(dtype), (hi * scale).to(dtype), x0, x1, acc, UPCAST_DOT)
                 lo, hi = _decode_shift(words, 4, USE_ASM)
-                acc = _mma((lo * scale).to(dtype), x2, acc, UPCAST_DOT)
-                acc = _mma((hi * scale).to(dtype), x3, acc, UPCAST_DOT)
+                acc = _pair_dot((lo * scale).to(dtype), (hi * scale).to(dtype), x2, x3, acc, UPCAST_DOT)
                 lo, hi = _decode_shift(words, 8, USE_ASM)
-                acc = _mma((lo * scale).to(dtype), x4, acc, UPCAST_DOT)
-                acc = _mma((hi * scale).to(dtype), x5, acc, UPCAST_DOT)
+                acc = _pair_dot((lo * scale).to(dtype), (hi * scale).to(dtype), x4, x5, acc, UPCAST_DOT)
                 lo, hi = _decode_shift(words, 12, USE_ASM)
-                acc = _mma((lo * scale).to(dtype), x6, acc, UPCAST_DOT)
-                acc = _mma((hi * scale).to(dtype), x7, acc, UPCAST_DOT)
-            x = next_x
-            words = next_words
-            scale_bytes = next_scale_bytes
-        acc = acc * (tl.load(global_scale_ptr) * (128.0 if DIRECT_BF16 else 1.0))
+                acc = _pair_dot((lo * scale).to(dtype), (hi * scale).to(dtype), x6, x7, acc, UPCAST_DOT)
+        acc = acc * (tl.load(global_scale_ptr) * (128.0 if DIRECT_BF16 else 1.0))  # DIRECT_BF16: undo 2^-7
 
         out_mask = n_mask[:, None] & m_mask[None, :]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
@@ -1506,8 +1351,8 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
     if path == "gemv":
         if cfg.block_n < MIN_DECODE_BLOCK_N:
             return False  # the split-K arrival counters are sized for this many rows per tile
-        if cfg.block_m == 16 and (cfg.block_k // 8 < (2 if _MMA_DECODE.startswith("joined") else 16) or cfg.block_n < 16):
-            return False  # one MMA per code position: K = block_k / 8 words >= 16, and N >= 16
+        if cfg.block_m == 16 and (cfg.block_k // 8 < 8 or cfg.block_n < 16):
+            return False  # one MMA per shift of the words, K = 2 words per row: block_k / 8 >= 8, and N >= 16
         return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + (16,)
     return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
 
@@ -1584,17 +1429,9 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.block_m in FMA_BLOCK_M:
             _fp4_gemv_words_kernel[grid](*args, USE_ASM=not _interpreting(), **common)
-        elif _MMA_DECODE == "per-position":
-            _fp4_gemv_words_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(), **common)
-        elif _MMA_DECODE.startswith("split"):
-            direct = format == "nvfp4" and x2.dtype == torch.bfloat16
-            _fp4_gemv_split_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),
-                                             DIRECT_BF16=direct, PREFETCH=_MMA_DECODE == "split-prefetch",
-                                             PAIRED=direct and _MMA_DECODE == "split-paired", **common)
         else:
-            direct = _MMA_DECODE == "joined" and format == "nvfp4" and x2.dtype == torch.bfloat16
-            _fp4_gemv_joined_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),
-                                              DIRECT_BF16=direct, **common)
+            _fp4_gemv_words_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),
+                                             DIRECT_BF16=format == "nvfp4" and x2.dtype == torch.bfloat16, **common)
         return out
     common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.block_k // bs,
@@ -1724,7 +1561,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"fp4_linear: config {cfg} is not valid for path {path} with M={m}, K_padded={k_padded}, "
                          f"block {bs} (BLOCK_N and BLOCK_K powers of two; BLOCK_K must divide K_padded, be a multiple "
                          f"of the block and give MMA K >= 16; 1 <= SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, "
-                         f"4 or 16 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16 for BLOCK_M 16); prefill tiles >= 16 "
+                         f"4 or 16 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 64, for BLOCK_M 16); prefill tiles >= 16 "
                          f"without split)")
     out = _launch(path, cfg, *args)
     return out.reshape(*x.shape[:-1], out_features)
