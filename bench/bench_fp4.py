@@ -8,7 +8,7 @@ For every (format, shape K->N, tokens) it first checks the Triton kernel against
 dequantize-then-matmul in fp32 (PASS/FAIL with the relative error) and reports the output SQNR
 against the bf16 linear with the original weights. Then it times cuBLAS bf16 (F.linear) and the
 FP4 kernel the cost model picks (gemv = decode/split-K, gemm = fused prefill, dequant = Triton
-decode of W to bf16 + cuBLAS); >= 64 tokens also time both prefill paths (gemm_ms, dequant_ms).
+decode of W to bf16 + cuBLAS); >= 64 tokens also time every path (gemv_ms, gemm_ms, dequant_ms).
 <= 16 tokens are timed as CUDA-graph replays for both (launch gaps would otherwise dominate), twice:
 `*_ms` replays one call (its weights may stay in the 50 MB L2 between replays: the FP4 weights of
 every shape here fit), `*_cold_ms` replays a graph of calls over enough distinct weight copies
@@ -137,7 +137,7 @@ def kernel_rows(copy_bw: float) -> list[dict]:
                         cublas_t, fp4_t = cublas_cold, fp4_cold
                         row.update(cublas_cold_ms=cublas_cold, fp4_cold_ms=fp4_cold, cold_speedup=cublas_cold / fp4_cold)
                     if m >= 64:
-                        for alt in ("gemm", "dequant"):
+                        for alt in ("gemv", "gemm", "dequant"):
                             try:
                                 row[f"{alt}_ms"] = time_ms(lambda alt=alt: fp4.fp4_linear_triton(
                                     x, kw.codes, kw.scales, kw.global_scale, None, n, k, fmt, path=alt), m)
@@ -253,7 +253,7 @@ def main() -> None:
     print("tuned configs:", json.dumps(tuned, default=str)[:4000])
     print_table(f"FP4 weight-only linear vs cuBLAS bf16 (copy {bw / 1e9:.0f} GB/s; GB/s from the cold time)", rows,
                 ["format", "shape", "tokens", "path", "check", "rel_err", "out_sqnr_db", "cublas_ms", "fp4_ms", "speedup",
-                 "cublas_cold_ms", "fp4_cold_ms", "cold_speedup", "gemm_ms", "dequant_ms",
+                 "cublas_cold_ms", "fp4_cold_ms", "cold_speedup", "gemv_ms", "gemm_ms", "dequant_ms",
                  "fp4_gbps", "fp4_of_copy_bw", "cublas_tflops", "fp4_tflops", "error"])
 
 

@@ -653,16 +653,18 @@ def reference_fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
 DECODE_TOKENS_PER_PASS = 16  # the tensor-core decode kernel re-reads the weights once per 16 tokens
 
 # The decode (gemv) kernels were rewritten around word tiles in session 5; their constants are
-# fitted to bench/results/fp4_h100_session8_ptx_cvt.json (H100, NVFP4, L2-cold, the six LLaMA
-# shapes, the DECODE_CONFIGS below; session 8's PTX conversions). CUDA-core
+# fitted to bench/results/fp4_h100_session9_mma_decode.json (H100, NVFP4, L2-cold, the six LLaMA
+# shapes, the DECODE_CONFIGS below; session 8's PTX conversions, session 9's tensor-core kernel;
+# predicted / measured 0.88-1.13 on all 18 rows). CUDA-core
 # _fp4_gemv_words_kernel (BLOCK_M in FMA_BLOCK_M): per weight, one fp32 FMA (2 ops) per token
 # row plus this many ops of code/scale decode, at the fp4_gemv compute efficiency (0.13 of the
 # fp32 ceiling): 1 token 0.30-0.34 ps per weight after the 4 us launch on all six shapes (0.32
 # predicted), where the memory term (0.65 of the copy bandwidth) is just below.
 FMA_GEMV_DECODE_OPS_PER_WEIGHT = 0.8
 # Tensor-core _fp4_gemv_words_mma_kernel: decode ops per weight per pass of 16 tokens; measured
-# 0.76-0.93 ps per weight at 4 tokens and 0.84-1.10 at 16 in the same run (predicted 0.80 + launch).
-GEMV_MMA_DECODE_OPS_PER_WEIGHT = 7.0
+# 0.58-0.67 ps per weight at 4-16 tokens on the four 45-71 M weight layers (0.75-0.84 on the
+# smaller two) in the same run; predicted 0.57 + launch.
+GEMV_MMA_DECODE_OPS_PER_WEIGHT = 5.0
 # The fused prefill GEMM (_fp4_gemm_kernel) decodes every weight to bf16 in registers once per
 # BLOCK_M token rows: CUDA-core ops per decoded weight, fitted on the H200
 # (bench/results/fp4_h200_round2.json): 0.55-0.6e12 decoded weights/s at 4096 tokens with every
@@ -1351,8 +1353,10 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
     if path == "gemv":
         if cfg.block_n < MIN_DECODE_BLOCK_N:
             return False  # the split-K arrival counters are sized for this many rows per tile
-        if cfg.block_m == 16 and (cfg.block_k // 8 < 8 or cfg.block_n < 16):
-            return False  # one MMA per shift of the words, K = 2 words per row: block_k / 8 >= 8, and N >= 16
+        if cfg.block_m == 16 and (cfg.block_k // 8 < 16 or cfg.block_n < 16):
+            # 16 words per row (the MMAs' K is 32; with 8 words, K 16, the H100 results were wrong
+            # although the interpreter's were right), and N >= 16
+            return False
         return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + (16,)
     return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
 
@@ -1561,7 +1565,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"fp4_linear: config {cfg} is not valid for path {path} with M={m}, K_padded={k_padded}, "
                          f"block {bs} (BLOCK_N and BLOCK_K powers of two; BLOCK_K must divide K_padded, be a multiple "
                          f"of the block and give MMA K >= 16; 1 <= SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, "
-                         f"4 or 16 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 64, for BLOCK_M 16); prefill tiles >= 16 "
+                         f"4 or 16 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 128, for BLOCK_M 16); prefill tiles >= 16 "
                          f"without split)")
     out = _launch(path, cfg, *args)
     return out.reshape(*x.shape[:-1], out_features)

@@ -160,7 +160,6 @@ def _assert_close(y, ref, dtype):
         (5, 37, 600, "gemv", KernelConfig(32, 16, 128, split_k=4), torch.bfloat16, False),  # MMA, uneven split
         (16, 24, 128, "gemv", KernelConfig(16, 16, 128, split_k=1), torch.float16, True),  # MMA path, direct store
         (20, 40, 380, "gemv", KernelConfig(16, 16, 128, split_k=3), torch.bfloat16, True),  # MMA, 2 token tiles, split
-        (7, 40, 200, "gemv", KernelConfig(16, 16, 64, split_k=2), torch.bfloat16, False),  # MMA, 8 words per row
         (70, 24, 200, "gemm", KernelConfig(16, 16, 64), torch.bfloat16, True),  # prefill, odd M/N/K
         (70, 24, 200, "dequant", None, torch.bfloat16, True),  # prefill: Triton dequantize + matmul
     ],
@@ -256,8 +255,8 @@ def test_launcher_rejects_bad_arguments():
         fp4.fp4_linear_triton(x, kw.codes[:, :16].contiguous(), *args[1:])
     with pytest.raises(ValueError, match="BLOCK_K must divide"):
         fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 128))
-    with pytest.raises(ValueError, match="BLOCK_K >= 64, for BLOCK_M 16"):  # tensor-core decode: 8 words per row
-        fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 32))
+    with pytest.raises(ValueError, match="BLOCK_K >= 128, for BLOCK_M 16"):  # tensor-core decode: 16 words per row
+        fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 64))
     for bad in (KernelConfig(24, 1, 64), KernelConfig(16, 1, 64, split_k=0), KernelConfig(8, 16, 128)):
         with pytest.raises(ValueError, match="powers of two"):  # non-power-of-two tile, no split, narrow MMA tile
             fp4.fp4_linear_triton(x, *args, path="gemv", config=bad)
