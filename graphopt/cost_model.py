@@ -46,8 +46,8 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     # compute term is CUDA-core decode/epilogue work (see the op counts in kernels/fp4.py and
     # passes/q4_linear.py). fp4_gemv: decode + FMA of the 1-4 token word-tile kernel and bf16
     # decode of the 16-token MMA kernel at 0.13 of fp32 peak (refit on the H100 to the word-tile
-    # kernels, bench/results/fp4_h100_session8_ptx_cvt.json: 1 token 0.36-0.55 ps per weight cold
-    # with the launch); memory 0.65 (the 1-token kernel streams 0.63 of the copy bandwidth on
+    # kernels, bench/results/fp4_h100_session9_mma_decode.json: 1 token 0.36-0.55 ps per weight
+    # cold with the launch, 4-16 tokens 0.58-0.84); memory 0.65 (the 1-token kernel streams 0.63 of the copy bandwidth on
     # 5120->13824 once the 4 us launch is taken off; 0.34-0.53 with it on the six shapes).
     # fp4_gemm: 0.066 of fp32 peak for the fused GEMM's in-tile decode (4096 tokens: 0.92 ms for
     # 4096x4096). q4_gemv: 1-token gemv streams at 0.34 of copy bandwidth (4096->14336: 0.028 ms),

@@ -103,16 +103,25 @@ def test_fp4_pass_declines_every_linear_measured_slower_than_cublas(source, hw):
             f"{cublas_ms / paths[path]:.2f}x of cuBLAS on path {path}")
 
 
-def test_fp4_path_choice_matches_the_fastest_measured_path_where_all_were_timed():
-    """At 64+ tokens the bench timed all three paths: the chosen one is within 25% of the best."""
-    checked = 0
-    for k, n, tokens, _, paths in _fp4_rows():
-        if len(paths) < 3:
-            continue
-        chosen = fp4k.choose_fp4_path(H200, tokens, k, n, "nvfp4")
-        assert paths[chosen] <= 1.25 * min(paths.values()), (k, n, tokens, chosen, paths)
-        checked += 1
-    assert checked == 6  # the 64-token rows
+def test_fp4_path_choice_at_64_tokens_on_h100():
+    """bench/results/fp4_h100_session9_64_tokens.json timed all three paths at 64 tokens with the
+    current kernels (the H200 run's gemv rows there are of replaced kernels). The model's path is
+    within 1.4x of the fastest measured one on every row (its dequant term is shape-blind: the
+    H100 decode to bf16 ran at 0.3-0.9 of the copy bandwidth depending on the shape), its gemv and
+    gemm times are within 0.75-1.3x of the measured ones, and the pass declines all six layers
+    (every FP4 path measured 0.33-0.56x of cuBLAS)."""
+    rows = json.loads((RESULTS / "fp4_h100_session9_64_tokens.json").read_text())["rows"]
+    assert len(rows) == 6
+    for r in rows:
+        k, n = _shape(r["shape"])
+        measured = {p: r[f"{p}_ms"] for p in fp4k.PATHS}
+        chosen = fp4k.choose_fp4_path(H100, 64, k, n, "nvfp4")
+        assert measured[chosen] <= 1.4 * min(measured.values()), (k, n, chosen, measured)
+        for path in ("gemv", "gemm"):
+            predicted = fp4k.estimate_fp4_linear(H100, 64, k, n, "nvfp4", path=path).ms
+            assert 0.75 <= predicted / measured[path] <= 1.3, (k, n, path, predicted, measured)
+        before, after = fp4_linear.predict(H100, 64, k, n, "nvfp4")
+        assert not fp4_linear.worth_rewriting(before, after) and r["cublas_ms"] < min(measured.values())
 
 
 def test_fp4_decode_rewritten_where_measured_clearly_faster_on_h100():
