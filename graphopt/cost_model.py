@@ -50,13 +50,16 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     # cold with the launch, 4-16 tokens 0.58-0.84); memory 0.65 (the 1-token kernel streams 0.63 of the copy bandwidth on
     # 5120->13824 once the 4 us launch is taken off; 0.34-0.53 with it on the six shapes).
     # fp4_gemm: 0.066 of fp32 peak for the fused GEMM's in-tile decode (4096 tokens: 0.92 ms for
-    # 4096x4096). q4_gemv: 1-token gemv streams at 0.34 of copy bandwidth (4096->14336: 0.028 ms),
-    # its CUDA-core work at 0.16; q4_gemm: the int8 GEMM (MMA + per-32-block epilogue + nibble
-    # unpack) at 0.12 (4096 tokens: ~92 TOPS).
+    # 4096x4096). q4_gemv: the 1-token dp4a decode streams at 0.65 of copy bandwidth (H100,
+    # session 8 tiles: 0.021 ms on 5120->13824; 0.34 in the H200 round-2 kernels), its CUDA-core
+    # work at 0.16; q4_gemm: the int8 GEMM (MMA + per-32-block epilogue + nibble unpack) at 0.09
+    # (refit in session 9 from 0.12 on both GPUs' rows: 0.12 had the m16 decode GEMM ~10% faster
+    # than measured, so 16-token layers measured 0.97-1.01x of cuBLAS on the H100 were taken;
+    # 4096 tokens now predicted ~1.8x slow, where cuBLAS is 8-10x faster either way).
     "fp4_gemv": (0.13, 0.65),
     "fp4_gemm": (0.066, 0.8),
-    "q4_gemv": (0.16, 0.34),
-    "q4_gemm": (0.12, 0.8),
+    "q4_gemv": (0.16, 0.65),
+    "q4_gemm": (0.09, 0.8),
     "fft_chain": (0.5, 0.7),
     "cpu_kernel": (1.0, 1.0),
 }

@@ -58,11 +58,14 @@ from graphopt.passes.fx_utils import arg, canonical, dtype, find_linears, replac
 # share, multiply, round via truncation + compare, convert, sum-reduce share, int8 pack).
 QUANT_OPS_PER_VALUE = 12
 # The fused GEMM re-quantizes its activation tile in every N tile: effective CUDA-core ops per value
-# and N tile. Fitted (with GEMM_UNPACK_OPS_PER_WEIGHT and the q4_gemm efficiency, least squares on
-# log time over every GEMM-kernel row of bench/results/q4_h200_round2.json, rms error ~20%): the
-# fused kernel measured 1.1-1.2x *faster* than the separate one at 64-4096 tokens, so most of the
-# QUANT_OPS_PER_VALUE count overlaps the MMA; 12 here could not reproduce that.
-FUSED_REQUANT_OPS_PER_VALUE = 2
+# and N tile. First fitted (with GEMM_UNPACK_OPS_PER_WEIGHT and the q4_gemm efficiency, least
+# squares on log time over every GEMM-kernel row of bench/results/q4_h200_round2.json) to 2; the
+# fused kernel measured 1.12-1.35x *faster* than the separate one at 64-4096 tokens on both GPUs
+# (H200 round 2; H100 bench/results/q4_h100_session9_prefill.json), so most of the
+# QUANT_OPS_PER_VALUE count overlaps the MMA. 2 still had the separate path predicted faster at
+# 256-4096 tokens (7 of 18 H200 rows and 2 of 6 H100 rows agreed on fused vs separate); 1 gets
+# all 24 right (session 9 refit, with q4_gemm's efficiency 0.09).
+FUSED_REQUANT_OPS_PER_VALUE = 1
 # The int8 GEMM kernel unpacks each 4-bit weight to int8 once per BLOCK_M token rows (fitted, as
 # above): this is what keeps the m16 decode GEMM at 0.6-0.8x of cuBLAS for 4-16 tokens.
 GEMM_UNPACK_OPS_PER_WEIGHT = 1
@@ -73,12 +76,14 @@ EPILOGUE_OPS_PER_BLOCK = 4
 # half a byte extract, one LOP3 (nibble | exponent bits) and one FADD (remove the offset).
 GEMV_UNPACK_OPS_PER_VALUE = 2.5
 # The dp4a decode kernel: per weight value, the nibble masks/shift of its word (3 ops per 8
-# values, counted from the kernel) and, per token row, an effective 2 ops. The per-row figure is
-# fitted to bench/results/q4_decode_h100.json (H100, CUDA graph, L2-cold): 1 token 0.025-0.026 ms
-# (2.1x cuBLAS) but 4 tokens 0.061 ms (0.92x): the packed-int8 activation words and the dp4a
-# word sums cost far more per row than the dp4a count alone suggests.
+# values, counted from the kernel) and, per token row, an effective 1.3 ops (the packed-int8
+# activation words and the dp4a word sums cost more per row than the dp4a count alone). Refit in
+# session 9 to the narrow one-warp tiles of bench/results/q4_h100_session8_cold_tuner.json (H100,
+# L2-cold): 1 token 0.021 ms (2.4-2.5x cuBLAS, 0.63 of the copy bandwidth: q4_gemv's memory
+# efficiency), 4 tokens 0.045-0.052 ms, 16 tokens 0.16-0.21 ms; the best tile of each is predicted
+# within 0.97-1.16x. (Fitted first to bench/results/q4_decode_h100.json's wider tiles: 2.0 ops.)
 DP4A_UNPACK_OPS_PER_VALUE = 0.375
-DP4A_OPS_PER_VALUE_AND_ROW = 2.0
+DP4A_OPS_PER_VALUE_AND_ROW = 1.3
 # Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
 # own quantization with another CTA's loads. An assumption (the H200 data has no such tile chosen).
 FUSED_SINGLE_CTA_DERATE = 0.7
