@@ -414,9 +414,7 @@ _GEMV_CONFIGS = [TileConfig("gemv", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, 
         (32, 4, 1, 1, 4, "last"), (16, 8, 1, 1, 4, "last"), (32, 8, 1, 1, 0, "last"), (16, 8, 1, 1, 0, "last"))]
 _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
     (64, 2, 4, 3, 0, "workspace"), (128, 2, 4, 3, 0, "workspace"), (64, 4, 4, 3, 0, "atomic"),
-    (32, 2, 4, 4, 0, "workspace"), (64, 2, 4, 3, 1, "workspace"),
-    (64, 2, 4, 1, 0, "workspace"), (128, 2, 4, 1, 0, "workspace"), (64, 4, 4, 1, 0, "workspace"),
-    (128, 4, 8, 1, 0, "workspace"))]  # EXPERIMENT: single-stage tiles
+    (32, 2, 4, 4, 0, "workspace"), (64, 2, 4, 3, 1, "workspace"))]
 _MID_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s, sk) for bm, bn, p, w, s, sk in (
     (32, 64, 2, 4, 3, 0), (64, 64, 2, 4, 3, 0), (32, 128, 2, 4, 3, 0), (64, 128, 2, 8, 3, 1), (32, 64, 1, 4, 4, 1))]
 _LARGE_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in (
