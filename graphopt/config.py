@@ -78,6 +78,7 @@ class GraphOptConfig:
     attention_backend: str = "auto"
     fp4_format: str = "nvfp4"
     q4_mode: str = "auto"
+    fuse_sibling_linears: bool = True  # fp4_linear / q4_linear: one quantized GEMM for linears sharing an input
 
     def __post_init__(self) -> None:
         if not isinstance(self.passes, Mapping):
@@ -106,8 +107,9 @@ class GraphOptConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("fp4_format", self.fp4_format, FP4_FORMATS)
         _check_choice("q4_mode", self.q4_mode, Q4_MODES)
-        if not isinstance(self.force, bool):
-            raise ValueError(f"graphopt option force must be True or False, got {self.force!r}")
+        for flag in ("force", "fuse_sibling_linears"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"graphopt option {flag} must be True or False, got {getattr(self, flag)!r}")
         if self.plan is not None and not isinstance(self.plan, (str, os.PathLike)):
             raise ValueError(f"graphopt option plan must be a path to a JSON plan, got {self.plan!r}")
 

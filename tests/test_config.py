@@ -33,6 +33,7 @@ def test_misspelt_pass_name_lists_valid_passes():
         ({"error_budget": {"fp4_linear": -1}}, "non-negative"),
         ({"error_budget": {"attention": 0.1}}, "unknown pass 'attention' in error_budget"),
         ({"force": 1}, "force must be True or False"),
+        ({"fuse_sibling_linears": "yes"}, "fuse_sibling_linears must be True or False"),
     ],
 )
 def test_bad_values_are_rejected_with_the_valid_choices(options, fragment):

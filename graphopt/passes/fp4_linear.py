@@ -53,7 +53,8 @@ from graphopt import cost_model
 from graphopt.kernels import fp4 as fp4k
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
-from graphopt.passes.fx_utils import LinearMatch, dtype, find_linears, replace_with_call
+from graphopt.passes.fx_utils import (LinearMatch, dtype, find_linears, replace_siblings_with_call, replace_with_call,
+                                      sibling_groups)
 from graphopt.plan import plan_section, save_plan
 
 # Compile-time quantization uses the per-block MSE scale search (one-time cost; lowers weight
@@ -88,46 +89,57 @@ class Fp4LinearPass(GraphPass):
         fmt = ctx.config.fp4_format
         budget_db = ctx.config.error_budget["fp4_linear"]
         plan = _PlanWeights(plan_section(ctx, self.name))
-        replaced: dict = {}  # erased linear node -> its graphopt::fp4_linear node (later matches read it)
-        for m in find_linears(ctx):
-            new = self._one(ctx, m, fmt, budget_db, replaced, plan)
-            if new is not None:
-                replaced[m.node] = new
+        replaced: dict = {}  # erased linear node -> the node now computing it (later matches read it)
+        matches = find_linears(ctx)
+        if ctx.config.fuse_sibling_linears:
+            for group in sibling_groups(matches):
+                if any(plan.has(m.location) for m in group):
+                    continue  # plan weights carry their own global scales
+                outs = self._siblings(ctx, group, fmt, budget_db, replaced)
+                for m, out in zip(group, outs or ()):
+                    replaced[m.node] = out
+        for m in matches:
+            if m.node not in replaced:
+                new = self._one(ctx, m, fmt, budget_db, replaced, plan)
+                if new is not None:
+                    replaced[m.node] = new
 
-    def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict, plan: "_PlanWeights"):
-        node = m.node
+    def _decide(self, ctx: PassContext, m: LinearMatch, fmt: str) -> tuple[str | None, dict]:
+        """(why not, {}) or (None, the estimates): every check that needs no quantized weight."""
         ok, why = ctx.can_freeze(m.weight_node)
         if not ok:
-            ctx.record(self.name, False, why, node=node)
-            return
-        x_dtype, out_dtype = dtype(m.input), dtype(node)
+            return why, {}
+        x_dtype, out_dtype = dtype(m.input), dtype(m.node)
         if x_dtype is None or out_dtype is None or not x_dtype.is_floating_point:
-            ctx.record(self.name, False, "input/output dtype unknown or not floating point", node=node)
-            return
+            return "input/output dtype unknown or not floating point", {}
         if x_dtype != out_dtype:
-            ctx.record(self.name, False, f"mixed dtypes (input {x_dtype}, output {out_dtype}); the op returns the input's dtype",
-                       node=node)
-            return
+            return f"mixed dtypes (input {x_dtype}, output {out_dtype}); the op returns the input's dtype", {}
         if m.bias_node is not None and m.kind != "linear" and m.bias_node.meta.get("example_value") is not None:
             bias_shape = tuple(m.bias_node.meta["example_value"].shape)
             if bias_shape != (m.out_features,):
-                ctx.record(self.name, False, f"addmm bias of shape {bias_shape} is not a per-output-feature vector", node=node)
-                return
+                return f"addmm bias of shape {bias_shape} is not a per-output-feature vector", {}
         tokens = m.tokens()
         tokens_note = ""
         if tokens is None:
             tokens, tokens_note = 1, " (dynamic token count: costed at 1 token)"
-        in_f, out_f = m.in_features, m.out_features
         dtype_bytes = _dtype_bytes(x_dtype)
-        has_bias = m.bias_node is not None
-        before, after = predict(ctx.hardware, tokens, in_f, out_f, fmt, dtype_bytes=dtype_bytes, bias=has_bias)
+        before, after = predict(ctx.hardware, tokens, m.in_features, m.out_features, fmt, dtype_bytes=dtype_bytes,
+                                bias=m.bias_node is not None)
+        info = dict(before=before, after=after, tokens=tokens, note=tokens_note, dtype_bytes=dtype_bytes)
         accepted, reason = self.accept(ctx, before, after)
         if accepted and not ctx.config.force and not worth_rewriting(before, after):
             accepted, reason = False, (f"predicted gain {before.ms / after.ms:.2f}x is below {MIN_PREDICTED_SPEEDUP:.2f}x, "
                                        f"not worth a lossy rewrite ({before.ms:.4f} -> {after.ms:.4f} ms)")
-        if not accepted:
-            ctx.record(self.name, False, reason + tokens_note, node=node, before=before, after=after)
+        return (None if accepted else reason + tokens_note), {**info, "reason": reason}
+
+    def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict, plan: "_PlanWeights"):
+        node = m.node
+        why, info = self._decide(ctx, m, fmt)
+        if why is not None:
+            ctx.record(self.name, False, why, node=node, before=info.get("before"), after=info.get("after"))
             return
+        before, after, tokens = info["before"], info["after"], info["tokens"]
+        in_f, out_f = m.in_features, m.out_features
 
         # Measure before freezing: a declined layer must not pin the parameter.
         value = ctx.example_value(m.weight_node).detach()
@@ -153,25 +165,62 @@ class Fp4LinearPass(GraphPass):
         kw = fp4k.to_kernel_layout(q)
         path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_f, fmt) if ctx.hardware.is_gpu else "reference")
         dense_bytes = weight.numel() * weight.element_size()
-        saved = dense_bytes - kw.nbytes
-        codes = ctx.add_constant(kw.codes, "fp4_codes")
-        codes_fp4 = ctx.add_constant(kw.codes.view(torch.float4_e2m1fn_x2), "fp4_codes_e2m1")
-        scales = ctx.add_constant(kw.scales, "fp4_scales")
-        global_scale = ctx.add_constant(kw.global_scale, "fp4_global_scale")
         ctx.record(
-            self.name, True, reason + tokens_note, node=node, before=before, after=after,
+            self.name, True, info["reason"] + info["note"], node=node, before=before, after=after,
             implementation=f"fp4_{path}" if path != "reference" else "fp4_reference",
-            memory_saved_bytes=int(saved), dense_weight_bytes=int(dense_bytes), fp4_weight_bytes=int(kw.nbytes),
-            sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from=source,
+            memory_saved_bytes=int(dense_bytes - kw.nbytes), dense_weight_bytes=int(dense_bytes),
+            fp4_weight_bytes=int(kw.nbytes), sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from=source,
         )
         x_node = replaced.get(m.input, m.input)
         bias_node = replaced.get(m.bias_node, m.bias_node)
-        new = replace_with_call(
-            ctx, node, torch.ops.graphopt.fp4_linear.default,
-            (x_node, codes, codes_fp4, scales, global_scale, bias_node, out_f, in_f, fmt),
-            matched=list(m.extra_nodes),
-        )
-        return new
+        return replace_with_call(ctx, node, torch.ops.graphopt.fp4_linear.default,
+                                 (x_node, *self._constants(ctx, kw), bias_node, out_f, in_f, fmt),
+                                 matched=list(m.extra_nodes))
+
+    def _siblings(self, ctx: PassContext, group: list[LinearMatch], fmt: str, budget_db: float, replaced: dict):
+        """Quantize a sibling group's weights as one (concatenated along the output features; for
+        NVFP4 that means one global scale) and run a single fp4_linear for all of them: one launch
+        and one weight stream instead of several. Every member must pass on its own (cost model
+        and weight SQNR); otherwise None, nothing changed or recorded, and the members go through
+        _one."""
+        infos = []
+        for m in group:
+            why, info = self._decide(ctx, m, fmt)
+            if why is not None:
+                return None
+            infos.append(info)
+        weights = [ctx.example_value(m.weight_node).detach() for m in group]
+        q = fp4k.quantize_fp4(torch.cat(weights), fmt, scale_search=SCALE_SEARCH)
+        restored = fp4k.dequantize_fp4(q).split([w.shape[0] for w in weights])
+        sqnrs = [fp4k.sqnr_db(w, r) for w, r in zip(weights, restored)]
+        if min(sqnrs) < budget_db:
+            return None
+        for m in group:
+            m.weight(ctx)  # freeze
+        kw = fp4k.to_kernel_layout(q)
+        in_f, out_total, tokens = group[0].in_features, sum(w.shape[0] for w in weights), infos[0]["tokens"]
+        path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_total, fmt) if ctx.hardware.is_gpu else "reference")
+        _, fused_after = predict(ctx.hardware, tokens, in_f, out_total, fmt, dtype_bytes=infos[0]["dtype_bytes"])
+        names = ", ".join(m.location or m.node.name for m in group)
+        for m, info, w, sqnr in zip(group, infos, weights, sqnrs):
+            dense_bytes = w.numel() * w.element_size()
+            share = kw.nbytes * w.shape[0] // out_total
+            ctx.record(
+                self.name, True, f"{info['reason']}{info['note']}; run as one {out_total}x{in_f} FP4 GEMM with its "
+                f"siblings ({names}), predicted {fused_after.ms:.4f} ms for all", node=m.node, before=info["before"],
+                after=info["after"], implementation=f"fp4_{path}" if path != "reference" else "fp4_reference",
+                memory_saved_bytes=int(dense_bytes - share), dense_weight_bytes=int(dense_bytes), fp4_weight_bytes=int(share),
+                sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from="compile-time quantization (with its siblings)",
+            )
+        x_node = replaced.get(group[0].input, group[0].input)
+        return replace_siblings_with_call(ctx, group, torch.ops.graphopt.fp4_linear.default,
+                                          (x_node, *self._constants(ctx, kw), None, out_total, in_f, fmt))
+
+    @staticmethod
+    def _constants(ctx: PassContext, kw) -> tuple:
+        """The op's weight arguments: codes, the same bytes as float4_e2m1fn_x2 (ONNX), scales, global scale."""
+        return (ctx.add_constant(kw.codes, "fp4_codes"), ctx.add_constant(kw.codes.view(torch.float4_e2m1fn_x2), "fp4_codes_e2m1"),
+                ctx.add_constant(kw.scales, "fp4_scales"), ctx.add_constant(kw.global_scale, "fp4_global_scale"))
 
 
 PASS = Fp4LinearPass()

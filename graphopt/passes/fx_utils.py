@@ -219,3 +219,42 @@ def find_linears(ctx: PassContext) -> list[LinearMatch]:
                 if _param_2d(ctx, w.args[0]):
                     matches.append(LinearMatch(node, x, w.args[0], False, None, "matmul", (w,)))
     return matches
+
+
+def sibling_groups(matches: list[LinearMatch]) -> list[list[LinearMatch]]:
+    """Linears that read the same input tensor, two or more per group in graph order: a
+    transformer block's q/k/v projections, or its MLP's gate and up projections. Only plain
+    bias-free `F.linear` calls against [out, in] weights of one dtype qualify, so the group is one
+    linear against the weights concatenated along the output features."""
+    by_input: dict[tuple, list[LinearMatch]] = {}
+    for m in matches:
+        if m.kind == "linear" and m.bias_node is None and not m.weight_transposed and not m.extra_nodes:
+            by_input.setdefault((m.input, dtype(m.weight_node)), []).append(m)
+    return [group for group in by_input.values() if len(group) >= 2]
+
+
+def replace_siblings_with_call(ctx: PassContext, group: list[LinearMatch], target: Any, args: tuple) -> list[fx.Node]:
+    """Replace the linears of a sibling group by one call of `target(*args)`, whose last dimension
+    holds their outputs side by side, and a split. Returns each member's new value node."""
+    graph = ctx.gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    first = min((m.node for m in group), key=order.__getitem__)
+    sizes = [m.out_features for m in group]
+    with graph.inserting_before(first):  # the shared input is defined before every member
+        fused = graph.call_function(target, tuple(args))
+        parts = graph.call_function(torch.split, (fused, sizes, -1))
+        outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(group))]
+    value = fake(first)
+    if isinstance(value, torch.Tensor):
+        try:  # metadata for later passes; never fail the rewrite for it
+            fused.meta["example_value"] = value.new_empty((*value.shape[:-1], sum(sizes)))
+        except Exception:
+            pass
+    for m, out in zip(group, outs):
+        for key in ("example_value", "val", "nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in m.node.meta:
+                out.meta[key] = m.node.meta[key]
+        m.node.replace_all_uses_with(out)
+    erase_unused([m.node for m in group], graph)
+    return outs
+

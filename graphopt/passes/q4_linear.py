@@ -52,7 +52,8 @@ from graphopt.hardware import HardwareSpec
 from graphopt.kernels import q4 as q4k
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
-from graphopt.passes.fx_utils import arg, canonical, dtype, find_linears, replace_with_call, shape
+from graphopt.passes.fx_utils import (LinearMatch, arg, canonical, dtype, find_linears, replace_siblings_with_call,
+                                      replace_with_call, shape, sibling_groups)
 
 # CUDA-core operations per activation value to quantize it to Q8_1 in registers (abs, max-reduce
 # share, multiply, round via truncation + compare, convert, sum-reduce share, int8 pack).
@@ -333,54 +334,106 @@ class Q4LinearPass(GraphPass):
     # -- 3. plain linears ------------------------------------------------------------------------
     def _quantize_linears(self, ctx: PassContext) -> None:
         budget = ctx.config.error_budget["q4_linear"]
-        for m in find_linears(ctx):
-            node = m.node
-            ok, why = ctx.can_freeze(m.weight_node)
-            if not ok:
-                ctx.record(self.name, False, why, node=node)
-                continue
-            k, n = m.in_features, m.out_features
-            if k % q4k.QK:
-                ctx.record(self.name, False, f"in_features={k} is not a multiple of 32 (Q4_0 blocks)", node=node)
-                continue
-            act_dtype = dtype(m.input)
-            if act_dtype not in q4k.SUPPORTED_ACT_DTYPES:
-                ctx.record(self.name, False, f"activation dtype {act_dtype} not supported (float16, bfloat16, float32)", node=node)
-                continue
-            if m.bias_node is not None and len(shape(m.bias_node) or ()) != 1:
-                ctx.record(self.name, False, "bias is not a 1-D [out_features] tensor", node=node)
-                continue
-            tokens = m.tokens()
-            note = "" if tokens is not None else " (symbolic token count: estimated at 1 token)"
-            tokens = tokens or 1
-            act = _dtype_bytes(act_dtype)
-            has_bias = m.bias_node is not None
-            before, after, mode, fused, separate = predict_linear(ctx.hardware, tokens, k, n, act_bytes=act, bias=has_bias,
-                                                                 mode=ctx.config.q4_mode)
-            details = dict(fused_ms=fused.ms, separate_ms=separate.ms, tokens=tokens)
-            ok, why = self.accept(ctx, before, after)
-            if not ok:
-                ctx.record(self.name, False, why + note, node=node, before=before, after=after, **details)
-                continue
-            w = ctx.example_value(m.weight_node).detach()
-            w = w.t() if m.weight_transposed else w
-            qweight, scales = q4k.quantize_weight(w)
-            sqnr = q4k.weight_sqnr_db(w, qweight, scales)
-            if sqnr < budget:
-                ctx.record(self.name, False, f"weight SQNR {sqnr:.1f} dB is below the budget of {budget:.1f} dB",
-                           node=node, before=before, after=after, sqnr_db=sqnr, **details)
-                continue
+        matches = find_linears(ctx)
+        done: set = set()
+        if ctx.config.fuse_sibling_linears:
+            for group in sibling_groups(matches):
+                if self._siblings(ctx, group, budget):
+                    done.update(m.node for m in group)
+        for m in matches:
+            if m.node not in done:
+                self._one(ctx, m, budget)
+
+    def _decide(self, ctx: PassContext, m: LinearMatch, out_features: int | None = None) -> tuple[str | None, dict]:
+        """(why not, details) or (None, the estimates and mode): every check before quantizing.
+        out_features: cost the layer with this many outputs (a sibling group's total)."""
+        ok, why = ctx.can_freeze(m.weight_node)
+        if not ok:
+            return why, {}
+        k, n = m.in_features, out_features or m.out_features
+        if k % q4k.QK:
+            return f"in_features={k} is not a multiple of 32 (Q4_0 blocks)", {}
+        act_dtype = dtype(m.input)
+        if act_dtype not in q4k.SUPPORTED_ACT_DTYPES:
+            return f"activation dtype {act_dtype} not supported (float16, bfloat16, float32)", {}
+        if m.bias_node is not None and len(shape(m.bias_node) or ()) != 1:
+            return "bias is not a 1-D [out_features] tensor", {}
+        tokens = m.tokens()
+        note = "" if tokens is not None else " (symbolic token count: estimated at 1 token)"
+        tokens = tokens or 1
+        before, after, mode, fused, separate = predict_linear(ctx.hardware, tokens, k, n, act_bytes=_dtype_bytes(act_dtype),
+                                                             bias=m.bias_node is not None, mode=ctx.config.q4_mode)
+        info = dict(before=before, after=after, mode=mode, note=note,
+                    details=dict(fused_ms=fused.ms, separate_ms=separate.ms, tokens=tokens))
+        ok, why = self.accept(ctx, before, after)
+        return (None if ok else why + note), {**info, "reason": why}
+
+    def _one(self, ctx: PassContext, m: LinearMatch, budget: float) -> None:
+        node = m.node
+        why, info = self._decide(ctx, m)
+        if why is not None:
+            ctx.record(self.name, False, why, node=node, before=info.get("before"), after=info.get("after"),
+                       **info.get("details", {}))
+            return
+        before, after, details = info["before"], info["after"], info["details"]
+        w = ctx.example_value(m.weight_node).detach()
+        w = w.t() if m.weight_transposed else w
+        qweight, scales = q4k.quantize_weight(w)
+        sqnr = q4k.weight_sqnr_db(w, qweight, scales)
+        if sqnr < budget:
+            ctx.record(self.name, False, f"weight SQNR {sqnr:.1f} dB is below the budget of {budget:.1f} dB",
+                       node=node, before=before, after=after, sqnr_db=sqnr, **details)
+            return
+        m.weight(ctx)  # freeze
+        saved = w.numel() * w.element_size() - qweight.numel() - scales.numel() * scales.element_size()
+        ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{info['note']}", node=node,
+                   before=before, after=after, implementation=f"q4_linear {info['mode']}", sqnr_db=sqnr,
+                   memory_saved_bytes=saved, **details)
+        replace_with_call(ctx, node, torch.ops.graphopt.q4_linear.default,
+                          (m.input, *self._constants(ctx, qweight, scales), m.bias_node, _op_mode(info["mode"])),
+                          matched=list(m.extra_nodes))
+
+    def _siblings(self, ctx: PassContext, group: list[LinearMatch], budget: float) -> bool:
+        """One Q4 GEMM for a sibling group: the weights concatenated along the output features
+        (Q4_0 blocks are per row, so this quantizes each weight exactly as on its own), one launch
+        and one weight stream. Every member must pass on its own; otherwise nothing is changed or
+        recorded (False) and the members go through _one."""
+        members = [self._decide(ctx, m) for m in group]
+        if any(why is not None for why, _ in members):
+            return False
+        weights = [ctx.example_value(m.weight_node).detach() for m in group]
+        quantized = [q4k.quantize_weight(w) for w in weights]
+        sqnrs = [q4k.weight_sqnr_db(w, qw, sc) for w, (qw, sc) in zip(weights, quantized)]
+        if min(sqnrs) < budget:
+            return False
+        out_total = sum(w.shape[0] for w in weights)
+        why, total = self._decide(ctx, group[0], out_features=out_total)
+        if why is not None:  # the group costed as one layer (cannot be slower than its members, but be safe)
+            return False
+        for m in group:
             m.weight(ctx)  # freeze
-            saved = w.numel() * w.element_size() - qweight.numel() - scales.numel() * scales.element_size()
-            ctx.record(self.name, True, f"{why}; Q4_0 weight SQNR {sqnr:.1f} dB{note}", node=node, before=before,
-                       after=after, implementation=f"q4_linear {mode}", sqnr_db=sqnr, memory_saved_bytes=saved,
-                       **details)
-            qw_node = ctx.add_constant(qweight, "q4_weight")
-            sc_node = ctx.add_constant(scales, "q4_scales")
-            # Off the GPU the op always runs its reference; it still takes a kernel mode.
-            op_mode = mode if mode in ("fused", "separate") else "fused"
-            replace_with_call(ctx, node, torch.ops.graphopt.q4_linear.default,
-                              (m.input, qw_node, sc_node, m.bias_node, op_mode), matched=list(m.extra_nodes))
+        qweight = torch.cat([qw for qw, _ in quantized])  # (N, K/2) rows
+        scales = torch.cat([sc for _, sc in quantized], dim=-1)  # (K/32, N)
+        names = ", ".join(m.location or m.node.name for m in group)
+        for m, (why, info), w, (qw, sc), sqnr in zip(group, members, weights, quantized, sqnrs):
+            saved = w.numel() * w.element_size() - qw.numel() - sc.numel() * sc.element_size()
+            ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{info['note']}; run as one "
+                       f"{out_total}x{m.in_features} Q4 GEMM with its siblings ({names}), predicted {total['after'].ms:.4f} "
+                       f"ms for all", node=m.node, before=info["before"], after=info["after"],
+                       implementation=f"q4_linear {total['mode']}", sqnr_db=sqnr, memory_saved_bytes=saved,
+                       **info["details"])
+        replace_siblings_with_call(ctx, group, torch.ops.graphopt.q4_linear.default,
+                                   (group[0].input, *self._constants(ctx, qweight, scales), None, _op_mode(total["mode"])))
+        return True
+
+    @staticmethod
+    def _constants(ctx: PassContext, qweight: torch.Tensor, scales: torch.Tensor) -> tuple:
+        return ctx.add_constant(qweight, "q4_weight"), ctx.add_constant(scales, "q4_scales")
+
+
+def _op_mode(mode: str) -> str:
+    """Off the GPU the op always runs its reference; it still takes a kernel mode."""
+    return mode if mode in ("fused", "separate") else "fused"
 
 
 def _same_scale(a, b) -> bool:

@@ -25,11 +25,37 @@ def _llama_tiny():
     return LlamaForCausalLM(cfg).eval()
 
 
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # per decoder layer: they read one input
+
+
+def _quantized_reference(model, fmt: str, fuse: bool):
+    """The model with every linear's weight replaced by its FP4 round trip; with `fuse`, each
+    layer's q/k/v and gate/up weights are quantized as one concatenated matrix, as the pass does."""
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in reference.model.layers:
+            groups = [[getattr(layer.self_attn, n) for n in SIBLINGS[0]], [getattr(layer.mlp, n) for n in SIBLINGS[1]]]
+            others = [layer.self_attn.o_proj, layer.mlp.down_proj]
+            for mods in (groups if fuse else []) + [[m] for m in others + (sum(groups, []) if not fuse else [])]:
+                weight = torch.cat([m.weight for m in mods])
+                restored = fp4.dequantize_fp4(fp4.quantize_fp4(weight, fmt, scale_search=SCALE_SEARCH))
+                for m, part in zip(mods, restored.split([m.weight.shape[0] for m in mods])):
+                    m.weight.copy_(part)
+        head = reference.lm_head
+        head.weight.copy_(fp4.dequantize_fp4(fp4.quantize_fp4(head.weight, fmt, scale_search=SCALE_SEARCH)))
+    return reference
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["siblings-fused", "one-by-one"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_llama_tiny_every_linear_rewritten_logits_match_dequantized_reference(fmt):
+def test_llama_tiny_every_linear_rewritten_logits_match_dequantized_reference(fmt, fuse):
+    """Every linear is rewritten (forced on CPU). With fuse_sibling_linears (the default) each
+    layer's q/k/v and gate/up projections share one quantized weight and one fp4_linear, and the
+    logits match a reference quantized the same way; without it, a per-layer reference."""
     model = _llama_tiny()
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
-    report = graphopt.explain(model, ids, passes={"fp4_linear": True}, force=True, fp4_format=fmt)
+    report = graphopt.explain(model, ids, passes={"fp4_linear": True}, force=True, fp4_format=fmt,
+                              fuse_sibling_linears=fuse)
     decisions = [d for d in report.decisions if d.pass_name == "fp4_linear"]
     linears = [name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
     assert len(decisions) == len(linears) == 15
@@ -40,13 +66,13 @@ def test_llama_tiny_every_linear_rewritten_logits_match_dequantized_reference(fm
     for d in applied:
         assert d.details["format"] == fmt and d.details["sqnr_db"] >= 15.0
         assert d.details["memory_saved_bytes"] == d.details["dense_weight_bytes"] - d.details["fp4_weight_bytes"]
+    grouped = sorted(d.location for d in applied if "siblings" in d.details["weights_from"])
+    expected_grouped = sorted(f"model.layers.{i}.{kind}.{n}" for i in range(2) for kind, names in
+                              (("self_attn", SIBLINGS[0]), ("mlp", SIBLINGS[1])) for n in names)
+    assert grouped == (expected_grouped if fuse else [])
 
-    reference = copy.deepcopy(model)
+    expected = _quantized_reference(model, fmt, fuse)(ids).logits.detach()
     with torch.no_grad():
-        for mod in reference.modules():
-            if isinstance(mod, torch.nn.Linear):
-                mod.weight.copy_(fp4.dequantize_fp4(fp4.quantize_fp4(mod.weight, fmt, scale_search=SCALE_SEARCH)))
-        expected = reference(ids).logits
         original = model(ids).logits
     got = report.output.logits
     assert got.shape == expected.shape and got.dtype == expected.dtype
@@ -252,3 +278,40 @@ def test_plan_with_wrong_format_or_shape_declines_and_other_layers_fall_back(tmp
                               plan=str(plan), downstream="eager")
     up = next(d for d in report.decisions if d.pass_name == "fp4_linear" and d.location == "up")
     assert not up.applied and "format 'mxfp4' does not match fp4_format='nvfp4'" in up.reason
+
+
+class _Gated(torch.nn.Module):
+    """Two linears reading one input (a gated MLP's gate and up projections)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(128, 64, bias=False)
+        self.up = torch.nn.Linear(128, 32, bias=False)
+
+    def forward(self, x):
+        return F.silu(self.gate(x))[..., :32] * self.up(x)
+
+
+def test_sibling_linears_export_as_one_fp4_weight_and_a_split(tmp_path):
+    """The standard ONNX form of a fused sibling group: one FLOAT4E2M1 initializer of the
+    concatenated weight (96 x 128), one DequantizeLinear -> MatMul, then a Split; onnxruntime's
+    runnable form matches the rewritten PyTorch graph."""
+    import onnx
+
+    from graphopt.onnx_export import capture_rewritten, run_onnxruntime
+
+    torch.manual_seed(0)
+    model, x = _Gated().eval(), torch.randn(2, 5, 128)
+    options = dict(passes={"fp4_linear": True}, force=True, fp4_format="nvfp4")
+    proto = onnx.load(str(graphopt.export_onnx(model, (x,), tmp_path / "std.onnx", **options)))
+    fp4_inits = [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT4E2M1]
+    assert [list(i.dims) for i in fp4_inits] == [[96, 128]]
+    assert "Split" in [n.op_type for n in proto.graph.node]
+    path = graphopt.export_onnx(model, (x,), tmp_path / "run.onnx", onnx_forms={"graphopt::fp4_linear": "runnable"},
+                                **options)
+    (y,) = run_onnxruntime(path, x)
+    rewritten, decisions = capture_rewritten(model, (x,), **options)
+    assert [d.applied for d in decisions] == [True, True]
+    assert all("siblings" in d.reason for d in decisions)
+    with torch.no_grad():
+        np.testing.assert_allclose(y, rewritten(x).numpy(), atol=1e-5, rtol=1e-4)

@@ -64,6 +64,35 @@ def test_llama_tiny_compiles_with_q4_linear_forced():
     assert sqnr > 12, sqnr
 
 
+class Gated(torch.nn.Module):
+    """Three linears reading one input (q/k/v-like), then one that does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(64, n, bias=False) for n in (64, 32, 32))
+        self.out = torch.nn.Linear(64, 40, bias=False)
+
+    def forward(self, x):
+        return self.out(self.q(x) * torch.cat([self.k(x), self.v(x)], dim=-1))
+
+
+def test_sibling_linears_share_one_q4_gemm_with_unchanged_outputs():
+    """q, k and v read the same input: one graphopt::q4_linear on their concatenated Q4_0 weight
+    (row-wise blocks, so each weight is quantized exactly as on its own) and a split, giving what
+    the one-by-one rewrite gives; `out` stays alone. fuse_sibling_linears=False keeps four."""
+    torch.manual_seed(3)
+    model, x = Gated().eval(), torch.randn(2, 5, 64)
+    fused, decisions = capture_rewritten(model, (x,), force=True, passes={"q4_linear": True})
+    single, single_decisions = capture_rewritten(model, (x,), force=True, passes={"q4_linear": True},
+                                                 fuse_sibling_linears=False)
+    assert _targets(fused).count("graphopt.q4_linear.default") == 2
+    assert _targets(single).count("graphopt.q4_linear.default") == 4
+    assert [d.location for d in decisions if d.applied and "siblings" in d.reason] == ["q", "k", "v"]
+    assert [d.details["sqnr_db"] for d in decisions] == [d.details["sqnr_db"] for d in single_decisions]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), single(x), rtol=1e-6, atol=1e-6)
+
+
 def test_declines_with_reasons():
     torch.manual_seed(1)
     model, x = MLP().eval(), torch.randn(4, 64)
