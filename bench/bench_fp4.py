@@ -201,6 +201,8 @@ def llama_rows() -> list[dict]:
         variants = [("inductor bf16", dict(backend="inductor"))]
         for fmt in FORMATS:
             variants.append((f"graphopt {fmt}", dict(backend="graphopt", options={"passes": {"fp4_linear": True}, "fp4_format": fmt})))
+            variants.append((f"graphopt {fmt}, siblings unfused", dict(backend="graphopt", options={
+                "passes": {"fp4_linear": True}, "fp4_format": fmt, "fuse_sibling_linears": False})))
         base_ms = None
         for name, kwargs in variants:
             row = {"format": "e2e", "shape": "LLaMA-7B shapes, 2 layers", "tokens": 1, "variant": name}

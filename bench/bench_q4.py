@@ -169,10 +169,12 @@ def bench_e2e(rows: list) -> None:
     with torch.no_grad():
         eager = model(*inputs).logits.float()
         setups = [("inductor_bf16", dict(backend="inductor"))] if GPU else [("eager", None)]
-        setups += [("graphopt_q4", dict(backend="graphopt", options={"passes": {"q4_linear": True}}))]
+        setups += [("graphopt_q4", dict(backend="graphopt", options={"passes": {"q4_linear": True}})),
+                   ("graphopt_q4, siblings unfused", dict(backend="graphopt", options={
+                       "passes": {"q4_linear": True}, "fuse_sibling_linears": False}))]
         if not GPU:
-            setups[-1][1]["options"]["downstream"] = "eager"
-            setups[-1][1]["options"]["force"] = True
+            for _, kwargs in setups[1:]:
+                kwargs["options"].update(downstream="eager", force=True)
         for label, kwargs in setups:
             try:
                 torch._dynamo.reset()
