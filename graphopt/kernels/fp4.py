@@ -672,9 +672,11 @@ GEMV_MMA_DECODE_OPS_PER_WEIGHT = 5.0
 # (64 tokens, K=4096: 0.137 ms for every N of 4096..14336).
 MMA_DECODE_OPS_PER_WEIGHT = 7.5
 # _fp4_dequantize_kernel (the `dequant` path) reads the packed weight and writes W in bf16 at
-# this fraction of the copy bandwidth: 0.057 ms for 4096x4096, 0.146-0.24 ms for the 45-71 M
-# weight layers (dequant_ms - cublas_ms at 256 and 4096 tokens, 0.17-0.19 of 4.22 TB/s).
-DEQUANT_COPY_FRACTION = 0.18
+# this fraction of the copy bandwidth. Refit in session 9 to the interleaved tiles (DEQUANT_TILES)
+# on the H100 (bench/results/fp4_h100_session9_64_tokens.json, dequant_ms - cublas_ms at 64
+# tokens: 44-72 us for the 45-71 M weight layers, 0.87 of the copy bandwidth; predicted within
+# 0.94-1.14x); the 0.18 fitted to the H200 round-2 tiles predicted 2.7-3x too slow.
+DEQUANT_COPY_FRACTION = 0.85
 
 
 def fp4_weight_bytes(in_features: int, out_features: int, format: str) -> int:
