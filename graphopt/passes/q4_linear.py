@@ -335,14 +335,16 @@ class Q4LinearPass(GraphPass):
     def _quantize_linears(self, ctx: PassContext) -> None:
         budget = ctx.config.error_budget["q4_linear"]
         matches = find_linears(ctx)
-        done: set = set()
+        replaced: dict = {}  # erased linear node -> the node now computing it (later matches read it)
         if ctx.config.fuse_sibling_linears:
             for group in sibling_groups(matches):
-                if self._siblings(ctx, group, budget):
-                    done.update(m.node for m in group)
+                for m, out in zip(group, self._siblings(ctx, group, budget, replaced) or ()):
+                    replaced[m.node] = out
         for m in matches:
-            if m.node not in done:
-                self._one(ctx, m, budget)
+            if m.node not in replaced:
+                new = self._one(ctx, m, budget, replaced)
+                if new is not None:
+                    replaced[m.node] = new
 
     def _decide(self, ctx: PassContext, m: LinearMatch, out_features: int | None = None) -> tuple[str | None, dict]:
         """(why not, details) or (None, the estimates and mode): every check before quantizing.
@@ -368,7 +370,7 @@ class Q4LinearPass(GraphPass):
         ok, why = self.accept(ctx, before, after)
         return (None if ok else why + note), {**info, "reason": why}
 
-    def _one(self, ctx: PassContext, m: LinearMatch, budget: float) -> None:
+    def _one(self, ctx: PassContext, m: LinearMatch, budget: float, replaced: dict) -> fx.Node | None:
         node = m.node
         why, info = self._decide(ctx, m)
         if why is not None:
@@ -389,27 +391,28 @@ class Q4LinearPass(GraphPass):
         ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{info['note']}", node=node,
                    before=before, after=after, implementation=f"q4_linear {info['mode']}", sqnr_db=sqnr,
                    memory_saved_bytes=saved, **details)
-        replace_with_call(ctx, node, torch.ops.graphopt.q4_linear.default,
-                          (m.input, *self._constants(ctx, qweight, scales), m.bias_node, _op_mode(info["mode"])),
-                          matched=list(m.extra_nodes))
+        return replace_with_call(ctx, node, torch.ops.graphopt.q4_linear.default,
+                                 (replaced.get(m.input, m.input), *self._constants(ctx, qweight, scales),
+                                  replaced.get(m.bias_node, m.bias_node), _op_mode(info["mode"])),
+                                 matched=list(m.extra_nodes))
 
-    def _siblings(self, ctx: PassContext, group: list[LinearMatch], budget: float) -> bool:
+    def _siblings(self, ctx: PassContext, group: list[LinearMatch], budget: float, replaced: dict) -> list | None:
         """One Q4 GEMM for a sibling group: the weights concatenated along the output features
         (Q4_0 blocks are per row, so this quantizes each weight exactly as on its own), one launch
-        and one weight stream. Every member must pass on its own; otherwise nothing is changed or
-        recorded (False) and the members go through _one."""
+        and one weight stream. Returns the members' new value nodes. Every member must pass on its
+        own; otherwise nothing is changed or recorded (None) and the members go through _one."""
         members = [self._decide(ctx, m) for m in group]
         if any(why is not None for why, _ in members):
-            return False
+            return None
         weights = [ctx.example_value(m.weight_node).detach() for m in group]
         quantized = [q4k.quantize_weight(w) for w in weights]
         sqnrs = [q4k.weight_sqnr_db(w, qw, sc) for w, (qw, sc) in zip(weights, quantized)]
         if min(sqnrs) < budget:
-            return False
+            return None
         out_total = sum(w.shape[0] for w in weights)
         why, total = self._decide(ctx, group[0], out_features=out_total)
         if why is not None:  # the group costed as one layer (cannot be slower than its members, but be safe)
-            return False
+            return None
         for m in group:
             m.weight(ctx)  # freeze
         qweight = torch.cat([qw for qw, _ in quantized])  # (N, K/2) rows
@@ -422,9 +425,9 @@ class Q4LinearPass(GraphPass):
                        f"ms for all", node=m.node, before=info["before"], after=info["after"],
                        implementation=f"q4_linear {total['mode']}", sqnr_db=sqnr, memory_saved_bytes=saved,
                        **info["details"])
-        replace_siblings_with_call(ctx, group, torch.ops.graphopt.q4_linear.default,
-                                   (group[0].input, *self._constants(ctx, qweight, scales), None, _op_mode(total["mode"])))
-        return True
+        return replace_siblings_with_call(ctx, group, torch.ops.graphopt.q4_linear.default,
+                                          (replaced.get(group[0].input, group[0].input),
+                                           *self._constants(ctx, qweight, scales), None, _op_mode(total["mode"])))
 
     @staticmethod
     def _constants(ctx: PassContext, qweight: torch.Tensor, scales: torch.Tensor) -> tuple:

@@ -315,3 +315,38 @@ def test_sibling_linears_export_as_one_fp4_weight_and_a_split(tmp_path):
     assert all("siblings" in d.reason for d in decisions)
     with torch.no_grad():
         np.testing.assert_allclose(y, rewritten(x).numpy(), atol=1e-5, rtol=1e-4)
+
+
+class _Chained(torch.nn.Module):
+    """Two siblings reading the output of another linear directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(128, 128, bias=False)
+        self.a, self.b = torch.nn.Linear(128, 64, bias=False), torch.nn.Linear(128, 64, bias=False)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.a(h) * self.b(h)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_linears_reading_a_rewritten_linear_read_its_replacement(fuse):
+    """a and b (siblings) read proj's output: after proj is rewritten they read the new node.
+    MXFP4 (no global scale), so grouped and one-by-one give the same weights."""
+    from graphopt.onnx_export import capture_rewritten
+
+    torch.manual_seed(5)
+    model, x = _Chained().eval(), torch.randn(3, 128)
+    rewritten, decisions = capture_rewritten(model, (x,), passes={"fp4_linear": True}, force=True, fp4_format="mxfp4",
+                                             fuse_sibling_linears=fuse)
+    assert [d.applied for d in decisions] == [True] * 3
+    assert sum("siblings" in d.reason for d in decisions) == (2 if fuse else 0)
+
+    def roundtrip(w):
+        return fp4.dequantize_fp4(fp4.quantize_fp4(w, "mxfp4", scale_search=SCALE_SEARCH))
+
+    with torch.no_grad():
+        h = F.linear(x, roundtrip(model.proj.weight))
+        expected = F.linear(h, roundtrip(model.a.weight)) * F.linear(h, roundtrip(model.b.weight))
+        torch.testing.assert_close(rewritten(x), expected, rtol=1e-4, atol=1e-5)

@@ -93,6 +93,36 @@ def test_sibling_linears_share_one_q4_gemm_with_unchanged_outputs():
         torch.testing.assert_close(fused(x), single(x), rtol=1e-6, atol=1e-6)
 
 
+class Chained(torch.nn.Module):
+    """Two siblings reading the output of another linear directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64, bias=False)
+        self.a, self.b = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.a(h) * self.b(h)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_linears_reading_a_rewritten_linear_read_its_replacement(fuse):
+    """a and b read proj's output: after proj is rewritten they must read the new node (a stale
+    reference to the erased one would break the graph), grouped or not."""
+    torch.manual_seed(4)
+    model, x = Chained().eval(), torch.randn(3, 64)
+    rewritten, decisions = capture_rewritten(model, (x,), force=True, passes={"q4_linear": True},
+                                             fuse_sibling_linears=fuse)
+    assert sum(d.applied for d in decisions) == 3
+    assert _targets(rewritten).count("graphopt.q4_linear.default") == (2 if fuse else 3)
+    h = q4.reference_q4_linear(x, *q4.quantize_weight(model.proj.weight), None)
+    expected = (q4.reference_q4_linear(h, *q4.quantize_weight(model.a.weight), None)
+                * q4.reference_q4_linear(h, *q4.quantize_weight(model.b.weight), None))
+    with torch.no_grad():
+        torch.testing.assert_close(rewritten(x), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_declines_with_reasons():
     torch.manual_seed(1)
     model, x = MLP().eval(), torch.randn(4, 64)
