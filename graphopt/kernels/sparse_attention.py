@@ -693,6 +693,18 @@ if triton is not None:
         return h, rows, rows < N_Q_BLOCKS, cols, cols < N_K_BLOCKS, q_rows, k_rows
 
     @triton.jit
+    def _store_block_lists(keep, best, cols, q_rows, row_ok, lut_ptr, count_ptr, N_K_BLOCKS):
+        """Rows of the (ROWS, N_K_POW2) keep mask -> lut[row, :count] (ascending kept block
+        indices) and count[row]. A row that kept nothing keeps `best`, its allowed block with the
+        highest pooled score."""
+        none_kept = (tl.sum(keep, 1) == 0).to(tl.int32)
+        keep = keep | (none_kept[:, None] & (cols[None, :] == best[:, None]).to(tl.int32))
+        position = tl.cumsum(keep, 1) - 1
+        lut_rows = lut_ptr + q_rows[:, None] * N_K_BLOCKS
+        tl.store(lut_rows + position, cols[None, :] + tl.zeros_like(keep), mask=(keep != 0) & row_ok[:, None])
+        tl.store(count_ptr + q_rows, tl.sum(keep, 1), mask=row_ok)
+
+    @triton.jit
     def _predict_lut_kernel(
         work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
         H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, scale,
@@ -757,13 +769,7 @@ if triton is not None:
         keep = keep & allowed
         # at least one block per row: the allowed block with the highest pooled score
         best = tl.argmax(tl.where(allowed != 0, scores, float("-inf")), 1)  # (ROWS,)
-        none_kept = (tl.sum(keep, 1) == 0).to(tl.int32)
-        keep = keep | (none_kept[:, None] & (cols[None, :] == best[:, None]).to(tl.int32))
-        position = tl.cumsum(keep, 1) - 1
-        lut_rows = lut_ptr + q_rows[:, None] * N_K_BLOCKS
-        tl.store(lut_rows + position, cols[None, :] + tl.zeros([ROWS, N_K_POW2], dtype=tl.int32),
-                 mask=(keep != 0) & row_ok[:, None])
-        tl.store(count_ptr + q_rows, tl.sum(keep, 1), mask=row_ok)
+        _store_block_lists(keep, best, cols, q_rows, row_ok, lut_ptr, count_ptr, N_K_BLOCKS)
 
     # The kernels above are predictor "v1" (kept for side-by-side benchmarks: variant="v1"). "v2"
     # below (its pooling is also v3's): one program per block with all its loads in flight at once (40-50
@@ -919,13 +925,7 @@ if triton is not None:
             last_key = tl.minimum((cols + 1) * BLOCK_N, Lk) - 1  # (N_K_POW2,)
             keep = keep | (last_key[None, :] > rows[:, None] * BLOCK_M).to(tl.int32)
         keep = keep & allowed
-        none_kept = (tl.sum(keep, 1) == 0).to(tl.int32)
-        keep = keep | (none_kept[:, None] & (cols[None, :] == best[:, None]).to(tl.int32))
-        position = tl.cumsum(keep, 1) - 1
-        lut_rows = lut_ptr + q_rows[:, None] * N_K_BLOCKS
-        tl.store(lut_rows + position, cols[None, :] + tl.zeros([ROWS, N_K_POW2], dtype=tl.int32),
-                 mask=(keep != 0) & row_ok[:, None])
-        tl.store(count_ptr + q_rows, tl.sum(keep, 1), mask=row_ok)
+        _store_block_lists(keep, best, cols, q_rows, row_ok, lut_ptr, count_ptr, N_K_BLOCKS)
 
     @triton.jit
     def _predict_lut_kernel_v2(
