@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import graphopt
 from graphopt.kernels import fp4
 from graphopt.passes.fp4_linear import SCALE_SEARCH
+from tests.passes.sibling_models import SiblingsOnALinear
 
 
 def _llama_tiny():
@@ -317,19 +318,6 @@ def test_sibling_linears_export_as_one_fp4_weight_and_a_split(tmp_path):
         np.testing.assert_allclose(y, rewritten(x).numpy(), atol=1e-5, rtol=1e-4)
 
 
-class _Chained(torch.nn.Module):
-    """Two siblings reading the output of another linear directly."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(128, 128, bias=False)
-        self.a, self.b = torch.nn.Linear(128, 64, bias=False), torch.nn.Linear(128, 64, bias=False)
-
-    def forward(self, x):
-        h = self.proj(x)
-        return self.a(h) * self.b(h)
-
-
 @pytest.mark.parametrize("fuse", [True, False])
 def test_linears_reading_a_rewritten_linear_read_its_replacement(fuse):
     """a and b (siblings) read proj's output: after proj is rewritten they read the new node.
@@ -337,7 +325,7 @@ def test_linears_reading_a_rewritten_linear_read_its_replacement(fuse):
     from graphopt.onnx_export import capture_rewritten
 
     torch.manual_seed(5)
-    model, x = _Chained().eval(), torch.randn(3, 128)
+    model, x = SiblingsOnALinear(128).eval(), torch.randn(3, 128)
     rewritten, decisions = capture_rewritten(model, (x,), passes={"fp4_linear": True}, force=True, fp4_format="mxfp4",
                                              fuse_sibling_linears=fuse)
     assert [d.applied for d in decisions] == [True] * 3

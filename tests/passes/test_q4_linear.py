@@ -12,6 +12,7 @@ from graphopt.hardware import SPECS
 from graphopt.kernels import q4
 from graphopt.onnx_export import capture_rewritten, export_onnx, run_onnxruntime
 from graphopt.passes.q4_linear import ctas_per_sm, estimate_q4_fused, estimate_q4_separate
+from tests.passes.sibling_models import SiblingsOnALinear
 
 ON = dict(passes={"q4_linear": True}, downstream="eager")
 
@@ -93,25 +94,12 @@ def test_sibling_linears_share_one_q4_gemm_with_unchanged_outputs():
         torch.testing.assert_close(fused(x), single(x), rtol=1e-6, atol=1e-6)
 
 
-class Chained(torch.nn.Module):
-    """Two siblings reading the output of another linear directly."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(64, 64, bias=False)
-        self.a, self.b = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
-
-    def forward(self, x):
-        h = self.proj(x)
-        return self.a(h) * self.b(h)
-
-
 @pytest.mark.parametrize("fuse", [True, False])
 def test_linears_reading_a_rewritten_linear_read_its_replacement(fuse):
     """a and b read proj's output: after proj is rewritten they must read the new node (a stale
     reference to the erased one would break the graph), grouped or not."""
     torch.manual_seed(4)
-    model, x = Chained().eval(), torch.randn(3, 64)
+    model, x = SiblingsOnALinear(64).eval(), torch.randn(3, 64)
     rewritten, decisions = capture_rewritten(model, (x,), force=True, passes={"q4_linear": True},
                                              fuse_sibling_linears=fuse)
     assert sum(d.applied for d in decisions) == 3
