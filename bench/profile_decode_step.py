@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from bench.common import print_table, write_json  # noqa: E402
 from graphopt.models import build  # noqa: E402
+from graphopt.timing import capture_cuda_graph  # noqa: E402
 
 VARIANTS = {
     "inductor bf16": dict(backend="inductor"),
@@ -33,15 +34,7 @@ VARIANTS = {
 
 def kernel_times(fn, steps: int) -> dict[str, float]:
     """Per-step GPU time (us) of each kernel name over `steps` replays of a CUDA graph of fn."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_cuda_graph([fn], warmups=3)
     graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -34,6 +34,7 @@ import torch
 from graphopt import cost_model
 from graphopt.hardware import get_spec
 from graphopt.kernels import fft_chain as fft
+from graphopt.timing import capture_cuda_graph
 
 QUICK_LAYERS = [0, 10, 19, 25, 30, 35, 39]
 FULL_LAYERS = [0, 10, 19, 30, 39]
@@ -69,15 +70,7 @@ def time_ms(fn, *, warmup: int, runs: int, device: torch.device, cuda_graph: boo
     call = fn
     if cuda_graph:
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            call, method = graph.replay, "cuda_graph"
+            call, method = capture_cuda_graph([fn]).replay, "cuda_graph"
         except Exception:  # noqa: BLE001 - capture can fail (e.g. host syncs): time plain launches
             torch.cuda.synchronize()
     flush = torch.empty(64 * 2**20, dtype=torch.int8, device=device)  # 64 MB > L2: cold caches

@@ -51,6 +51,24 @@ def cold_copies(tensors: tuple[torch.Tensor, ...], max_copies: int = 16) -> list
         return None
 
 
+def capture_cuda_graph(calls: list[Callable[[], Any]], *, warmups: int = 1) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph of `calls` run back to back, captured after `warmups` passes on a side
+    stream (compilation and autotuning happen there, outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            for call in calls:
+                call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph
+
+
 def cold_graph_ms(calls: list[Callable[[], Any]], reps: int = 50) -> float:
     """Per-call median ms of one CUDA graph that runs `calls` back to back (each over distinct
     weights, see copies_for), as the layers of a real model read theirs. On CPU: one timed pass."""
@@ -59,17 +77,7 @@ def cold_graph_ms(calls: list[Callable[[], Any]], reps: int = 50) -> float:
         for call in calls:
             call()
         return (time.perf_counter() - start) * 1e3 / len(calls)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compile, tune) outside the capture
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
+    graph = capture_cuda_graph(calls)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
