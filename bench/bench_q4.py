@@ -140,7 +140,8 @@ def bench_shape(k: int, n: int, rows: list, checks: list, copy_gbps: float) -> N
                  "prequant_gemm": weight_bytes(n, k) + tokens * k * 36 / 32 + out_bytes}
         configs = {name: ms for name, ms in timings.items() if name.startswith("fused:")}
         best_config = min(configs, key=configs.get) if configs else None
-        tuned = q4._TUNED.get(("fused", q4._token_bucket(tokens), n, k, x.dtype))
+        tuned = {"fused": q4._TUNED.get(("fused", q4._token_bucket(tokens), n, k, x.dtype))}
+        tuned["separate"] = tuned["prequant_gemm"] = q4._TUNED.get(("gemm", q4._token_bucket(tokens), n, k, x.dtype))
         for name, ms in timings.items():
             nbytes = moved.get(name, weight_bytes(n, k) + act + out_bytes)
             row = {"shape": f"{k}->{n}", "tokens": tokens, "variant": name, "ms": ms, "GB/s": gbps(nbytes, ms),
@@ -151,7 +152,7 @@ def bench_shape(k: int, n: int, rows: list, checks: list, copy_gbps: float) -> N
             rows.append({
                 **row, "vs_cublas": timings.get("cublas_bf16", float("nan")) / ms,
                 "fused_vs_separate": (timings["separate"] / timings["fused"]) if name == "fused" and "separate" in timings else None,
-                "tuned_config": tuned.name if name == "fused" and tuned else None,
+                "tuned_config": tuned[name].name if tuned.get(name) else None,
                 "best_swept": best_config if name == "fused" else None,
                 "best_swept_ms": configs.get(best_config) if name == "fused" and best_config else None,
             })

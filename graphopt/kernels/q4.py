@@ -422,10 +422,13 @@ _LARGE_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in (
 
 
 def candidate_configs(m: int, fused: bool) -> list[TileConfig]:
-    """Tile configs worth timing for `m` token rows (the gemv kernel quantizes in-kernel, so it is
-    a candidate of the fused path only)."""
+    """Tile configs worth timing for `m` token rows (the fp32 gemv kernel quantizes in-kernel, so it
+    is a candidate of the fused path only; the dp4a one runs either way)."""
     if m <= DECODE_MAX_TOKENS:  # the dp4a decode kernel's per-row cost is small enough for 16 rows
-        decode = [c for c in _GEMV_CONFIGS if m <= GEMV_MAX_TOKENS or c.kernel == "dp4a"] if fused else []
+        if fused:
+            decode = [c for c in _GEMV_CONFIGS if m <= GEMV_MAX_TOKENS or c.kernel == "dp4a"]
+        else:  # Q8_1 blocks in: the dp4a kernel reads them as they are (the fp32 gemv kernel cannot)
+            decode = [c for c in _GEMV_CONFIGS if c.kernel == "dp4a"]
         return decode + _DECODE_GEMM_CONFIGS
     if m <= 64:
         return _MID_CONFIGS
@@ -645,6 +648,19 @@ def _pack_int8x4(q, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _q8_1_words(x_row, blocks, mask, USE_ASM: tl.constexpr):
+    """Blocks `blocks` (CHUNK,) of one block_q8_1 row seen as int32 words (9 per block): the 8
+    packed value words (CHUNK, 8), sum(q) (CHUNK,) int32 (one dp4a with 0x01010101 per word) and
+    d (CHUNK,) fp32. Masked blocks read as zeros (mask (CHUNK, 1))."""
+    offs_w = tl.arange(0, 8)
+    words = tl.load(x_row + blocks[:, None] * 9 + 1 + offs_w[None, :], mask=mask, other=0)
+    header = tl.load(x_row + blocks[:, None] * 9, mask=mask, other=0)  # (CHUNK, 1): d | s << 16
+    d = (header & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    ones = tl.full(words.shape, 0x01010101, tl.int32)
+    return words, tl.sum(_dp4a(words, ones, USE_ASM), axis=1), tl.reshape(d, (blocks.shape[0],))
+
+
+@triton.jit
 def _q4_gemv_kernel(
     x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight (N, Kp/2) uint8, or its int32 words (N, Kp/8)
     #                        when USE_DP4A; scales (Kp/32, N) fp16
@@ -653,7 +669,7 @@ def _q4_gemv_kernel(
     M, N, K, pairs_per_split,
     stride_xm, stride_wn, stride_wsb, stride_os, stride_om,
     HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, EXACT: tl.constexpr,
-    USE_DP4A: tl.constexpr, USE_ASM: tl.constexpr,
+    USE_DP4A: tl.constexpr, USE_ASM: tl.constexpr, PREQUANTIZED: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Decode: a streaming split-K GEMV on CUDA cores. Program (j, s, i) owns weight rows
@@ -669,7 +685,12 @@ def _q4_gemv_kernel(
     elements 4i..4i+3 of block 2p, its high nibbles the same elements of block 2p + 1, so
     (w & 0x0F0F0F0F) and ((w >> 4) & 0x0F0F0F0F) are four unsigned int8 each, dotted with the
     matching packed Q8_1 word by one dp4a. Per block: d4 * d8 * (dot(q4u, q8) - 8 * sum(q8)), the
-    integer formula of the reference (exact ints)."""
+    integer formula of the reference (exact ints).
+    PREQUANTIZED (dp4a only; the separate path): x_ptr is the int32 view of block_q8_1 rows (9
+    words per block: d | s << 16, then the 32 int8 values), stride_xm in words. The packed words
+    are loaded as they are and sum(q8) is one more dp4a against 0x01010101, so nothing is
+    quantized per program: at several tokens the fused kernel repeats each row's quantization in
+    every one of the N / BLOCK_N programs."""
     WORDS: tl.constexpr = 8 if USE_DP4A else 32  # loaded elements per block pair (int32 / uint8)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -710,18 +731,26 @@ def _q4_gemv_kernel(
             row = row0 + r
             x_row = x_ptr + row * stride_xm
             row_ok = (offs_c * 0 + row < M)[:, None]  # (CHUNK, 1)
-            x_lo = tl.load(x_row + k_lo, mask=(k_lo < K) & row_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_row + k_lo + 32, mask=(k_lo + 32 < K) & row_ok, other=0.0).to(tl.float32)
-            q_lo, qi_lo, _, d8_lo = _q8_1_quantize(x_lo, EXACT)
-            q_hi, qi_hi, _, d8_hi = _q8_1_quantize(x_hi, EXACT)
+            if PREQUANTIZED:
+                xw_lo, sum_lo, d8_lo = _q8_1_words(x_row, 2 * pairs, live[:, None] & row_ok, USE_ASM)
+                xw_hi, sum_hi, d8_hi = _q8_1_words(x_row, 2 * pairs + 1, live[:, None] & row_ok
+                                                   & ((2 * pairs + 1) * 32 < K)[:, None], USE_ASM)
+            else:
+                x_lo = tl.load(x_row + k_lo, mask=(k_lo < K) & row_ok, other=0.0).to(tl.float32)
+                x_hi = tl.load(x_row + k_lo + 32, mask=(k_lo + 32 < K) & row_ok, other=0.0).to(tl.float32)
+                q_lo, qi_lo, _, d8_lo = _q8_1_quantize(x_lo, EXACT)
+                q_hi, qi_hi, _, d8_hi = _q8_1_quantize(x_hi, EXACT)
             if USE_DP4A:
-                xw_lo = _pack_int8x4(qi_lo, CHUNK)  # (CHUNK, 8)
-                xw_hi = _pack_int8x4(qi_hi, CHUNK)
+                if not PREQUANTIZED:
+                    xw_lo = _pack_int8x4(qi_lo, CHUNK)  # (CHUNK, 8)
+                    xw_hi = _pack_int8x4(qi_hi, CHUNK)
+                    sum_lo = tl.sum(qi_lo, axis=1)
+                    sum_hi = tl.sum(qi_hi, axis=1)
                 # |dot - 8 sum| <= 32 * 15 * 128 + 8 * 32 * 128 < 2^22: exact int -> float trick
                 dot_lo = tl.sum(_dp4a(w_lo, tl.broadcast_to(xw_lo[None, :, :], w_lo.shape), USE_ASM), axis=2)
                 dot_hi = tl.sum(_dp4a(w_hi, tl.broadcast_to(xw_hi[None, :, :], w_hi.shape), USE_ASM), axis=2)
-                dot_lo = d8_lo[None, :] * _int_to_float(dot_lo - 8 * tl.sum(qi_lo, axis=1)[None, :])  # (BN, CHUNK)
-                dot_hi = d8_hi[None, :] * _int_to_float(dot_hi - 8 * tl.sum(qi_hi, axis=1)[None, :])
+                dot_lo = d8_lo[None, :] * _int_to_float(dot_lo - 8 * sum_lo[None, :])  # (BN, CHUNK)
+                dot_hi = d8_hi[None, :] * _int_to_float(dot_hi - 8 * sum_hi[None, :])
             else:
                 a_lo = q_lo * d8_lo[:, None]  # the dequantized Q8_1 values, exact in fp32
                 a_hi = q_hi * d8_hi[:, None]
@@ -820,8 +849,9 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
     n = qweight.shape[0]
     num_pairs = triton.cdiv(k, 64)
     if config.kernel in ("gemv", "dp4a"):
-        if act_mode != ACT_FUSED:
-            raise ValueError("the gemv decode kernel takes unquantized activations (the fused path)")
+        if act_mode != ACT_FUSED and not (act_mode == ACT_PREQUANTIZED and config.kernel == "dp4a"):
+            raise ValueError("the decode kernels take unquantized activations (the fused path); of them, only "
+                             "'dp4a' also reads Q8_1 blocks (the separate path)")
         rows = config.block_m or min(GEMV_MAX_ROWS, triton.next_power_of_2(max(m, 1)))
         tiles_m = triton.cdiv(m, rows)
     else:
@@ -855,7 +885,7 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
             a, w, scales, bias_arg, dest, acc_buf, counters, m, n, k, pairs_per_split,
             stride_am, w.stride(0), scales.stride(0), stride_os, stride_om,
             HAS_BIAS=has_bias, REDUCE=reduce, EXACT=_exact_mul(), USE_DP4A=dp4a, USE_ASM=dp4a and not _interpreting(),
-            ROWS=rows, BLOCK_N=config.block_n, CHUNK=config.pairs, num_warps=config.num_warps,
+            PREQUANTIZED=act_mode == ACT_PREQUANTIZED, ROWS=rows, BLOCK_N=config.block_n, CHUNK=config.pairs, num_warps=config.num_warps,
             num_stages=config.num_stages)
     else:
         _q4_gemm_kernel[(tiles_m, tiles_n, split)](
@@ -969,8 +999,9 @@ def q4_q8_gemm_triton(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     """Pre-quantized activations (block_q8_1 bytes [..., K/32, 36]) x Q4_0 -> [..., N] in out_dtype."""
     if xq.dtype != torch.uint8 or xq.shape[-1] != Q8_1_BLOCK_BYTES:
         raise ValueError(f"q4_q8_gemm expects block_q8_1 bytes uint8 [..., K/32, 36], got {xq.dtype} {tuple(xq.shape)}")
-    if config is not None and config.kernel in ("gemv", "dp4a"):
-        raise ValueError("q4_q8_gemm takes Q8_1 bytes: only 'gemm' configs apply (the gemv kernel quantizes itself)")
+    if config is not None and config.kernel == "gemv":
+        raise ValueError("q4_q8_gemm takes Q8_1 bytes: only 'gemm' and 'dp4a' configs apply (the fp32 gemv kernel "
+                         "quantizes itself)")
     k = xq.shape[-2] * QK
     n = _check_weight(qweight, scales, k)
     bias = _check_bias(bias, n)
@@ -981,10 +1012,16 @@ def q4_q8_gemm_triton(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         q_view = x3.view(torch.int8)[:, :, 4:]
         d_view = x3.view(torch.float16)
 
-        def run(cfg: TileConfig) -> None:
-            _launch(ACT_PREQUANTIZED, q_view, d_view, x3.stride(0), d_view.stride(0), m, k, qweight, scales, bias, out, cfg)
+        aligned = x3 if x3.data_ptr() % 4 == 0 else x3.clone()
+        words = aligned.view(torch.int32).reshape(m, -1)  # the dp4a decode kernel reads whole blocks as words
 
-        run(config or _choose("gemm", m, n, k, out_dtype, False, run))
+        def run(cfg: TileConfig, qw: torch.Tensor = qweight, sc: torch.Tensor = scales) -> None:
+            if cfg.kernel == "dp4a":
+                _launch(ACT_PREQUANTIZED, words, words, words.stride(0), 0, m, k, qw, sc, bias, out, cfg)
+            else:
+                _launch(ACT_PREQUANTIZED, q_view, d_view, x3.stride(0), d_view.stride(0), m, k, qw, sc, bias, out, cfg)
+
+        run(config or _choose("gemm", m, n, k, out_dtype, False, run, weights=(qweight, scales)))
     return out.reshape(*xq.shape[:-2], n)
 
 

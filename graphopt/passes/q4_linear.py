@@ -83,6 +83,7 @@ GEMV_UNPACK_OPS_PER_VALUE = 2.5
 # L2-cold): 1 token 0.021 ms (2.4-2.5x cuBLAS, 0.63 of the copy bandwidth: q4_gemv's memory
 # efficiency), 4 tokens 0.045-0.052 ms, 16 tokens 0.16-0.21 ms; the best tile of each is predicted
 # within 0.97-1.16x. (Fitted first to bench/results/q4_decode_h100.json's wider tiles: 2.0 ops.)
+PREQUANT_SUM_OPS_PER_VALUE = 0.25  # Q8_1 blocks in: a block's sum(q) is one dp4a per 4 values, per program
 DP4A_UNPACK_OPS_PER_VALUE = 0.375
 DP4A_OPS_PER_VALUE_AND_ROW = 1.3
 # Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
@@ -136,6 +137,27 @@ def _kernel(hw: HardwareSpec, name: str, family: str, *, int8_ops: float, fp32_o
     return Estimate(name, body + launch_ms, int8_ops + fp32_ops, moved, launches, bound)
 
 
+def _decode_estimate(hw: HardwareSpec, config: q4k.TileConfig, m: int, k: int, n: int, *, act_in_bytes: float,
+                     act_bytes: int, bias: bool, per_program_ops_per_value: float, label: str) -> Estimate:
+    """The decode kernel ("gemv" fp32 FMAs or "dp4a"), reading act_in_bytes of activations. Every
+    one of the ceil(N / BLOCK_N) programs along N redoes per_program_ops_per_value ops per
+    activation value: the Q8_1 quantization (fused), or the sum of each block (Q8_1 blocks in)."""
+    splits = split_k(hw, config, m, k, n)
+    last = config.reduce == "last"  # one launch; each split adds its fp32 partial into one buffer
+    launches = 1 if splits == 1 or last else 2  # + the split-K sum
+    # fewer programs than SMs leave SMs idle: the memory rate scales with the filled fraction
+    fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
+    partial_bytes = 4 * (splits + 2) * m * n if last else 2 * 4 * splits * m * n
+    moved = _weight_bytes(n, k) + act_in_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
+        + (partial_bytes if splits > 1 else 0)  # fp32 partials written and read back
+    per_value = GEMV_UNPACK_OPS_PER_VALUE + m if config.kernel == "gemv" \
+        else DP4A_UNPACK_OPS_PER_VALUE + DP4A_OPS_PER_VALUE_AND_ROW * m
+    fp32 = per_value * n * k + EPILOGUE_OPS_PER_BLOCK * m * n * (k / 32) \
+        + per_program_ops_per_value * m * k * math.ceil(n / config.block_n)
+    return _kernel(hw, f"{label}, {config.name})", "q4_gemv", int8_ops=0.0, fp32_ops=fp32, moved=moved,
+                   launches=launches, memory_derate=fill)
+
+
 def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *,
                       act_bytes: int = 2, bias: bool = False, config: q4k.TileConfig | None = None) -> Estimate:
     """The fused kernel (decode GEMV at <= GEMV_MAX_TOKENS tokens, tiled int8 GEMM above, both with
@@ -144,22 +166,16 @@ def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_featu
     if config is None:  # the launcher times the candidates on the GPU; predict the best of them
         return min((estimate_q4_fused(hw, m, k, n, act_bytes=act_bytes, bias=bias, config=c)
                     for c in q4k.candidate_configs(m, fused=True)), key=lambda e: e.ms)
+    if config.kernel in ("gemv", "dp4a"):
+        return _decode_estimate(hw, config, m, k, n, act_in_bytes=m * k * act_bytes, act_bytes=act_bytes, bias=bias,
+                                per_program_ops_per_value=QUANT_OPS_PER_VALUE, label="Q4 fused GEMV (decode")
     splits = split_k(hw, config, m, k, n)
-    last = config.reduce == "last"  # one launch; each split adds its fp32 partial into one buffer
-    launches = 1 if splits == 1 or last else 2  # + the split-K sum
+    launches = 1 if splits == 1 else 2  # + the split-K sum
     # fewer programs than SMs leave SMs idle: the memory rate scales with the filled fraction
     fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
-    partial_bytes = 4 * (splits + 2) * m * n if last else 2 * 4 * splits * m * n
     moved = _weight_bytes(n, k) + m * k * act_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
-        + (partial_bytes if splits > 1 else 0)  # fp32 partials written and read back
-    family = "q4_gemv" if config.kernel in ("gemv", "dp4a") else "q4_gemm"  # efficiencies are per kernel
-    if config.kernel in ("gemv", "dp4a"):
-        per_value = GEMV_UNPACK_OPS_PER_VALUE + m if config.kernel == "gemv" \
-            else DP4A_UNPACK_OPS_PER_VALUE + DP4A_OPS_PER_VALUE_AND_ROW * m
-        fp32 = per_value * n * k + EPILOGUE_OPS_PER_BLOCK * m * n * (k / 32) \
-            + QUANT_OPS_PER_VALUE * m * k * math.ceil(n / config.block_n)
-        return _kernel(hw, f"Q4 fused GEMV (decode, {config.name})", family, int8_ops=0.0, fp32_ops=fp32, moved=moved,
-                       launches=launches, memory_derate=fill)
+        + (2 * 4 * splits * m * n if splits > 1 else 0)  # fp32 partials written and read back
+    family = "q4_gemm"
     m_pad = config.block_m * math.ceil(m / config.block_m)
     occupancy = ctas_per_sm(hw, config, act_bytes)
     if occupancy < 1:
@@ -181,8 +197,12 @@ def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_fe
     if config is None:
         return min((estimate_q4_separate(hw, m, k, n, act_bytes=act_bytes, bias=bias, config=c)
                     for c in q4k.candidate_configs(m, fused=False)), key=lambda e: e.ms)
+    if config.kernel == "dp4a":  # the blocks' words straight into dp4a; one more dp4a per word for sum(q)
+        gemv = _decode_estimate(hw, config, m, k, n, act_in_bytes=q8_bytes, act_bytes=act_bytes, bias=bias,
+                                per_program_ops_per_value=PREQUANT_SUM_OPS_PER_VALUE, label="Q4xQ8_1 dp4a GEMV (decode")
+        return cost_model.chain("Q4 separate (quantize + dp4a GEMV)", quant, gemv)
     m_pad = config.block_m * math.ceil(m / config.block_m)
-    family = "q4_gemv" if config.kernel == "gemv" else "q4_gemm"
+    family = "q4_gemm"
     splits = split_k(hw, config, m, k, n)
     moved = _weight_bytes(n, k) + q8_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
         + (2 * 4 * splits * m * n if splits > 1 else 0)

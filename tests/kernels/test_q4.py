@@ -256,13 +256,15 @@ def test_tile_config_rejects_invalid_choices():
     with pytest.raises(ValueError, match="power-of-two"):
         q4.TileConfig("gemv", 0, 32, 3)
     x, qweight, scales, _ = _problem(1, 16, 64, torch.float32)
-    with pytest.raises(ValueError, match="only 'gemm' configs"):
+    with pytest.raises(ValueError, match="only 'gemm' and 'dp4a' configs"):
         q4.q4_q8_gemm_triton(q4.quantize_q8_1(x), qweight, scales, None, torch.float32, config=GEMV_CONFIGS[0])
 
 
-@pytest.mark.parametrize("config", [GEMM_CONFIGS[0], SPLIT_GEMM_CONFIGS[0]], ids=lambda c: c.name)
-def test_separate_integer_gemm_equals_dequantize_then_matmul(config):
-    x, qweight, scales, bias = _problem(6, 40, 96, torch.float32, seed=3)
+@pytest.mark.parametrize("config", [GEMM_CONFIGS[0], SPLIT_GEMM_CONFIGS[0]] + GEMV_CONFIGS[3:6], ids=lambda c: c.name)
+@pytest.mark.parametrize("m,k", [(6, 96), (16, 160)])  # odd block counts: the last pair has no second block
+def test_separate_integer_gemm_equals_dequantize_then_matmul(config, m, k):
+    """Q8_1 blocks in: the tensor-core GEMM, and the dp4a decode kernel reading the blocks as words."""
+    x, qweight, scales, bias = _problem(m, 40, k, torch.float32, seed=3)
     y = q4.q4_q8_gemm_triton(q4.quantize_q8_1_triton(x), qweight, scales, bias, torch.float32, config=config)
     _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
 
