@@ -63,8 +63,8 @@ def _fp4_rows(source: str = "h200"):
 
 
 Q4_RUNS = {"h200": ("q4_h200_round2.json",),  # six shapes, 1-4096 tokens
-           # the issue's two shapes: decode (session 10: separate path with the dp4a kernel) and prefill
-           "h100": ("q4_h100_session10_prequant_decode.json", "q4_h100_session9_prefill.json")}
+           # the issue's two shapes: decode (session 10: chained dp4a, separate path with it) and prefill
+           "h100": ("q4_h100_session10_chained_dp4a.json", "q4_h100_session9_prefill.json")}
 
 
 def _q4_rows(source: str = "h200"):
@@ -157,8 +157,13 @@ def test_q4_predicted_faster_or_slower_agrees_with_h200():
 
 
 def test_q4_pass_declines_every_linear_measured_slower_than_cublas():
+    """H200 round 2. Its 4-token rows timed the dp4a kernel before session 10 chained its dp4a
+    (H100: 4 tokens 1.05-1.15x -> 1.61-1.62x); the model now predicts that kernel, so those rows
+    are left out here (the H100 test checks 4 tokens)."""
     applied = []
     for k, n, tokens, ms in _q4_rows():
+        if tokens == 4:
+            continue
         before, after, mode, _, _ = q4_linear.predict_linear(H200, tokens, k, n)
         if not after.ms < before.ms:  # Q4LinearPass.accept: rewrite when predicted faster
             continue
@@ -171,8 +176,8 @@ def test_q4_pass_declines_every_linear_measured_slower_than_cublas():
 
 def test_q4_h100_rewrites_the_measured_wins_and_declines_the_ties():
     """H100, the issue's two shapes: the pass takes the 1- and 4-token layers (session 10: 2.50-2.55x
-    cuBLAS fused at 1 token, 1.05-1.15x at 4 with either mode) and declines the 16-token ones, where
-    both modes only tie cuBLAS (0.90-1.02x), and every prefill row (0.10-0.49x)."""
+    cuBLAS fused at 1 token, 1.61-1.62x separate at 4) and declines the 16-token ones, where both
+    modes only tie cuBLAS (0.90-1.02x), and every prefill row (0.10-0.49x)."""
     rows = _q4_rows("h100")
     assert len(rows) == 12
     for k, n, tokens, ms in rows:

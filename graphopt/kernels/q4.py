@@ -640,6 +640,48 @@ def _dp4a(a, b, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _dp4a_acc(a, b, c, USE_ASM: tl.constexpr):
+    """c + _dp4a(a, b): dp4a's own int32 addend, so a chain of them needs no separate adds."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        return c + _dp4a(a, b, False)
+
+
+@triton.jit
+def _split_words(x):
+    """(A, B, 8) -> its eight (A, B) slices along the last axis (in a fixed order: a dot of two
+    tensors split alike does not depend on it)."""
+    A: tl.constexpr = x.shape[0]
+    B: tl.constexpr = x.shape[1]
+    even, odd = tl.split(tl.reshape(x, (A, B, 4, 2)))
+    even_even, even_odd = tl.split(tl.reshape(even, (A, B, 2, 2)))
+    odd_even, odd_odd = tl.split(tl.reshape(odd, (A, B, 2, 2)))
+    w0, w1 = tl.split(even_even)
+    w2, w3 = tl.split(even_odd)
+    w4, w5 = tl.split(odd_even)
+    w6, w7 = tl.split(odd_odd)
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _dp4a_dot8(w, x, init, USE_ASM: tl.constexpr):
+    """init + sum over the last axis (8 words) of _dp4a(w, x), as one chain of accumulating dp4a:
+    (A, B, 8) x (A, B, 8) + (A, B) -> (A, B) int32."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _split_words(w)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split_words(x)
+    acc = _dp4a_acc(w0, x0, init, USE_ASM)
+    acc = _dp4a_acc(w1, x1, acc, USE_ASM)
+    acc = _dp4a_acc(w2, x2, acc, USE_ASM)
+    acc = _dp4a_acc(w3, x3, acc, USE_ASM)
+    acc = _dp4a_acc(w4, x4, acc, USE_ASM)
+    acc = _dp4a_acc(w5, x5, acc, USE_ASM)
+    acc = _dp4a_acc(w6, x6, acc, USE_ASM)
+    return _dp4a_acc(w7, x7, acc, USE_ASM)
+
+
+@triton.jit
 def _pack_int8x4(q, CHUNK: tl.constexpr):
     """int32 (CHUNK, 32) values in [-128, 127] -> (CHUNK, 8) words, element 4i + b in byte b of word i."""
     lanes = tl.reshape(q & 0xFF, (CHUNK, 8, 4))
@@ -746,11 +788,14 @@ def _q4_gemv_kernel(
                     xw_hi = _pack_int8x4(qi_hi, CHUNK)
                     sum_lo = tl.sum(qi_lo, axis=1)
                     sum_hi = tl.sum(qi_hi, axis=1)
-                # |dot - 8 sum| <= 32 * 15 * 128 + 8 * 32 * 128 < 2^22: exact int -> float trick
-                dot_lo = tl.sum(_dp4a(w_lo, tl.broadcast_to(xw_lo[None, :, :], w_lo.shape), USE_ASM), axis=2)
-                dot_hi = tl.sum(_dp4a(w_hi, tl.broadcast_to(xw_hi[None, :, :], w_hi.shape), USE_ASM), axis=2)
-                dot_lo = d8_lo[None, :] * _int_to_float(dot_lo - 8 * sum_lo[None, :])  # (BN, CHUNK)
-                dot_hi = d8_hi[None, :] * _int_to_float(dot_hi - 8 * sum_hi[None, :])
+                # dot - 8 sum, the -8 sum as the chain's first addend; |dot - 8 sum| <= 32 * 15 * 128
+                # + 8 * 32 * 128 < 2^22: exact int -> float trick
+                dot_lo = _dp4a_dot8(w_lo, tl.broadcast_to(xw_lo[None, :, :], w_lo.shape),
+                                    tl.broadcast_to(-8 * sum_lo[None, :], (BLOCK_N, CHUNK)), USE_ASM)
+                dot_hi = _dp4a_dot8(w_hi, tl.broadcast_to(xw_hi[None, :, :], w_hi.shape),
+                                    tl.broadcast_to(-8 * sum_hi[None, :], (BLOCK_N, CHUNK)), USE_ASM)
+                dot_lo = d8_lo[None, :] * _int_to_float(dot_lo)  # (BN, CHUNK)
+                dot_hi = d8_hi[None, :] * _int_to_float(dot_hi)
             else:
                 a_lo = q_lo * d8_lo[:, None]  # the dequantized Q8_1 values, exact in fp32
                 a_hi = q_hi * d8_hi[:, None]

@@ -83,9 +83,12 @@ GEMV_UNPACK_OPS_PER_VALUE = 2.5
 # L2-cold): 1 token 0.021 ms (2.4-2.5x cuBLAS, 0.63 of the copy bandwidth: q4_gemv's memory
 # efficiency), 4 tokens 0.045-0.052 ms, 16 tokens 0.16-0.21 ms; the best tile of each is predicted
 # within 0.97-1.16x. (Fitted first to bench/results/q4_decode_h100.json's wider tiles: 2.0 ops.)
+# Session 10: each block's eight dp4a form one accumulating chain (no separate word sums), and
+# 4 tokens fell from 0.045-0.052 to 0.031-0.042 ms (bench/results/q4_h100_session10_chained_dp4a.json);
+# refit 1.3 -> 0.9, which predicts the 4-token rows within 0.95-1.19x.
 PREQUANT_SUM_OPS_PER_VALUE = 0.25  # Q8_1 blocks in: a block's sum(q) is one dp4a per 4 values, per program
 DP4A_UNPACK_OPS_PER_VALUE = 0.375
-DP4A_OPS_PER_VALUE_AND_ROW = 1.3
+DP4A_OPS_PER_VALUE_AND_ROW = 0.9
 # Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
 # own quantization with another CTA's loads. An assumption (the H200 data has no such tile chosen).
 FUSED_SINGLE_CTA_DERATE = 0.7
