@@ -340,17 +340,28 @@ def _attention_configs():
                 for w, s in ((8, 2), (8, 3), (8, 4), (4, 3))]
     configs += [triton.Config({"PREFETCH_INDEX": 1, "USE_TMA": t, "PAIR_BLOCKS": 1}, num_warps=8, num_stages=s)
                 for t in (1,) for s in (2, 3)]  # with pointer loads the pair spills (sm_90, 8 warps)
+    # one loop over the whole list in one warp group (252 registers at D=128 on sm_90, no spills)
+    configs += [triton.Config({"PREFETCH_INDEX": 1, "USE_TMA": 1, "PAIR_BLOCKS": 0, "SINGLE_LOOP": 1},
+                              num_warps=4, num_stages=s) for s in (2, 3)]
     return configs
 
 
 def _prune_attention_configs(configs, named_args, **kwargs):
     """A 128 x 128 fp32 accumulator in 4 warps is 128 registers per thread before anything else:
-    head dims >= 128 use 8 warps, head dims <= 32 use 4 (too little work for 8), 64 tries both."""
-    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 128))
+    head dims >= 128 use 8 warps (or the lean single loop in 4), head dims <= 32 use 4 (too little
+    work for 8), 64 tries both. The single loop needs tensor descriptors for all four tensors and no
+    PV skipping."""
+    def arg(name, default=None):
+        return kwargs.get(name, named_args.get(name, default))
+
+    head_dim = arg("HEAD_DIM", 128)
     if not tma_loads_supported(named_args["k_ptr"], named_args["v_ptr"]):
         configs = [c for c in configs if not c.kwargs.get("USE_TMA")]
+    if not single_loop_supported(named_args["q_ptr"], named_args["k_ptr"], named_args["v_ptr"], named_args["o_ptr"],
+                                 head_dim, bool(arg("PV_SKIP", False))):
+        configs = [c for c in configs if not c.kwargs.get("SINGLE_LOOP")]
     if head_dim >= 128:
-        kept = [c for c in configs if c.num_warps == 8]
+        kept = [c for c in configs if c.num_warps == 8 or c.kwargs.get("SINGLE_LOOP")]
     elif head_dim <= 32:
         kept = [c for c in configs if c.num_warps == 4]
     else:
@@ -358,16 +369,25 @@ def _prune_attention_configs(configs, named_args, **kwargs):
     return kept or configs
 
 
-def tma_loads_supported(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether K/V tiles can be read through device-side tensor descriptors (TMA): a Hopper or
-    newer GPU, a Triton with tl.make_tensor_descriptor, 16-byte aligned rows and base addresses."""
+def tma_loads_supported(*tensors: torch.Tensor) -> bool:
+    """Whether tiles of these (B, H, L, D) tensors can move through device-side tensor descriptors
+    (TMA): a Hopper or newer GPU, a Triton with tl.make_tensor_descriptor, 16-byte aligned rows and
+    base addresses."""
     if triton is None or not hasattr(tl, "make_tensor_descriptor"):
         return False
-    if not _interpreting() and not (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] >= 9):
+    if not _interpreting() and not (tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9):
         return False
     return all(t.stride(-1) == 1 and (t.stride(2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
                and (t.stride(0) * t.element_size()) % 16 == 0 and (t.stride(1) * t.element_size()) % 16 == 0
-               for t in (k, v))
+               for t in tensors)
+
+
+def single_loop_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, head_dim: int,
+                          pv_skip: bool) -> bool:
+    """The single-loop body reads Q, K, V and writes O through descriptors whose tile width is the
+    head dim (a power of two), and has no PV skipping."""
+    return (not pv_skip and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and tma_loads_supported(q, k, v, out))
 
 
 def _ensure_descriptor_allocator() -> None:
@@ -426,14 +446,16 @@ if triton is not None:
         kt = _load_kv_tile(kt_ptrs, k_desc, start_n, keys, offs_d, Lk, stride_kn, HEAD_DIM, PAD_D, MASKED, True, USE_TMA)
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) raw products, fp32
         if MASKED:
-            valid = keys[None, :] < Lk
+            # One compare and one select per element; the scale stays in the FMA below. Causal
+            # attention has Lq == Lk (checked on the host), so key <= row also keeps every key of a
+            # stored row below Lk (rows past Lq are computed from zero-filled keys, never stored).
             if IS_CAUSAL:
-                valid = valid & (keys[None, :] <= offs_m[:, None])
-            scores = tl.where(valid, qk * qk_scale, float("-inf"))
-            tile_max = tl.max(scores, 1)
-        else:
-            # Interior tile: max of the raw products (qk_scale > 0), then one FMA per element below.
-            tile_max = tl.max(qk, 1) * qk_scale
+                valid = keys[None, :] <= offs_m[:, None]
+            else:
+                valid = keys[None, :] < Lk
+            qk = tl.where(valid, qk, float("-inf"))
+        # max of the raw products, then scaled (qk_scale > 0, so this is the max of the scaled ones)
+        tile_max = tl.max(qk, 1) * qk_scale
         if PV_SKIP:
             # Skip only if every valid row's tile max is below its running max - pvthreshd.
             gap = tl.where(offs_m < Lq, tile_max - m_i, float("-inf"))
@@ -445,10 +467,9 @@ if triton is not None:
             if MASKED:
                 # A row may have seen only masked keys so far: shift by 0 instead of -inf (no NaN).
                 m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(scores - m_shift[:, None])
             else:
                 m_shift = m_new
-                p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
             alpha = tl.math.exp2(m_i - m_shift)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = _load_kv_tile(v_ptrs, v_desc, start_n, keys, offs_d, Lk, stride_vn, HEAD_DIM, PAD_D, MASKED, False,
@@ -520,6 +541,55 @@ if triton is not None:
         return acc, l_i, m_i
 
     @triton.jit
+    def _attend_single_loop(
+        q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PARTIAL_KEYS: tl.constexpr,
+    ):
+        """Every kept block of the row in one loop, in one warp group: less live state than the
+        default body's three loops, so a 128 x 128 fp32 accumulator fits 4 warps without spills
+        (the default body spills there). The price: under causality (or with a partial last key
+        block) every tile applies the token mask, not just the diagonal ones. Q, K, V and O all go
+        through tensor descriptors (HEAD_DIM is a power of two; the launcher checks alignment)."""
+        pid_m = tl.program_id(0)
+        if IS_CAUSAL:  # later query blocks keep more blocks: start them first
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        kv_h = h // KV_GROUP
+        q_desc = tl.make_tensor_descriptor(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+                                           shape=[Lq, HEAD_DIM], strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        k_desc = tl.make_tensor_descriptor(k_ptr + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh,
+                                           shape=[Lk, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_ptr + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh,
+                                           shape=[Lk, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        o_desc = tl.make_tensor_descriptor(o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh,
+                                           shape=[Lq, HEAD_DIM], strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        row = pid_bh * N_Q_BLOCKS + pid_m
+        lut_row = lut_ptr + row.to(tl.int64) * N_K_BLOCKS
+        count = tl.load(count_ptr + row)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        MASKED: tl.constexpr = IS_CAUSAL or PARTIAL_KEYS
+        q = q_desc.load([pid_m * BLOCK_M, 0])  # zero rows past Lq
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for it in range(0, count):
+            start_n = tl.load(lut_row + it, eviction_policy="evict_last") * BLOCK_N
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, offs_m, offs_n, offs_d, 0.0,
+                stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, MASKED, IS_CAUSAL, False,
+                DOT_PRECISION, True)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty row (count 0) gives 0
+        o_desc.store([pid_m * BLOCK_M, 0], out.to(o_desc.dtype))  # rows past Lq are clipped
+
+    @triton.jit
     def _sparse_attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, pv_thresh_ptr, pv_thresh,
         stride_qb, stride_qh, stride_qm,
@@ -530,13 +600,42 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PV_PER_HEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFETCH_INDEX: tl.constexpr, USE_TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+        SINGLE_LOOP: tl.constexpr = False, PARTIAL_KEYS: tl.constexpr = False,
     ):
         """Grid (nQ, B*H): one query block of one head; visits the kept key blocks of its LUT row.
         PAIR_BLOCKS (without PV skipping): unmasked blocks two per step (_attend_pairs).
         USE_TMA: K/V tiles through device-side tensor descriptors (Hopper TMA; the launcher
         checks alignment), else pointer loads.
+        SINGLE_LOOP: the whole list in one loop (_attend_single_loop);
+        PARTIAL_KEYS: Lk is not a multiple of BLOCK_N (the single loop then masks every tile).
         The last dimension of q, k, v, o is contiguous (the launcher guarantees it). SEQ_BUCKET is
         only an autotuning key (the sequence length's power-of-two bucket)."""
+        if SINGLE_LOOP:
+            _attend_single_loop(
+                q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, KV_GROUP, Lq, Lk,
+                N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, DOT_PRECISION, PARTIAL_KEYS)
+        else:
+            _attend_block_lists(
+                q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, pv_thresh_ptr, pv_thresh, stride_qb, stride_qh,
+                stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh,
+                stride_om, H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                BLOCK_N, IS_CAUSAL, PV_SKIP, PV_PER_HEAD, DOT_PRECISION, PREFETCH_INDEX, USE_TMA, PAIR_BLOCKS)
+
+    @triton.jit
+    def _attend_block_lists(
+        q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, pv_thresh_ptr, pv_thresh,
+        stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_om,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PV_PER_HEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PREFETCH_INDEX: tl.constexpr, USE_TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    ):
+        """The kernel's default body: pairs of unmasked blocks, then single unmasked blocks, then the
+        masked suffix (diagonal or partial blocks), each its own loop."""
         PAD_D: tl.constexpr = HEAD_DIM != BLOCK_D
         pid_m = tl.program_id(0)
         if IS_CAUSAL:  # later query blocks keep more blocks: start them first
@@ -610,7 +709,8 @@ if triton is not None:
             tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < Lq)
 
     _sparse_attention_kernel_tuned = triton.autotune(
-        configs=_attention_configs(), key=["HEAD_DIM", "IS_CAUSAL", "PV_SKIP", "DOT_PRECISION", "SEQ_BUCKET"],
+        configs=_attention_configs(),
+        key=["HEAD_DIM", "IS_CAUSAL", "PV_SKIP", "DOT_PRECISION", "SEQ_BUCKET", "PARTIAL_KEYS"],
         prune_configs_by={"early_config_prune": _prune_attention_configs},
     )(_sparse_attention_kernel)
 
@@ -1255,7 +1355,8 @@ def block_sparse_attention(
     `predict_block_lut`. Under `is_causal` every diagonal-crossing block must be in the list.
 
     config: None = autotuned on a GPU (the interpreter uses one fixed config); or an explicit
-    {"PREFETCH_INDEX": 0/1, "USE_TMA": 0/1, "PAIR_BLOCKS": 0/1, "num_warps": ..., "num_stages": ...}
+    {"PREFETCH_INDEX": 0/1, "USE_TMA": 0/1, "PAIR_BLOCKS": 0/1, "SINGLE_LOOP": 0/1, "num_warps": ...,
+    "num_stages": ...}
     (tests, ablations)."""
     _require_triton(q, k, v)
     group, Dv = _check_inputs(q, k, v, is_causal)
@@ -1287,21 +1388,25 @@ def block_sparse_attention(
             H, group, Lq, Lk, n_q, n_k, scale * LOG2E, min(max(triton.next_power_of_2(Lk), 1024), 32768))
     meta = dict(HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
                 IS_CAUSAL=is_causal, PV_SKIP=pv_skip, PV_PER_HEAD=pv_tensor is not None,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PARTIAL_KEYS=Lk % block_n != 0)
     grid = (n_q, B * H)
     if config is None and _interpreting():
         config = {"PREFETCH_INDEX": 1, "PAIR_BLOCKS": 1, "num_warps": 4, "num_stages": 1}
     use_tma = int(config.get("USE_TMA", 0)) if config is not None else None
+    single_loop = int(config.get("SINGLE_LOOP", 0)) if config is not None else 0
     if use_tma and not tma_loads_supported(k, v):
         raise ValueError("config USE_TMA=1 needs a Hopper+ GPU, tl.make_tensor_descriptor and 16-byte aligned K/V "
                          "rows; valid choice here: USE_TMA=0")
-    if (config is None or use_tma) and tma_loads_supported(k, v) and not _interpreting():
+    if single_loop and not single_loop_supported(q, k, v, out, D, pv_skip):
+        raise ValueError("config SINGLE_LOOP=1 needs tensor descriptors for q, k, v and the output (USE_TMA's "
+                         "conditions), a power-of-two head dim and no PV skipping; valid choice here: SINGLE_LOOP=0")
+    if (config is None or use_tma or single_loop) and tma_loads_supported(k, v) and not _interpreting():
         _ensure_descriptor_allocator()
     if config is None:
         _sparse_attention_kernel_tuned[grid](*args, **meta)
     else:
         _sparse_attention_kernel[grid](*args, **meta, PREFETCH_INDEX=int(config.get("PREFETCH_INDEX", 1)), USE_TMA=use_tma,
-                                       PAIR_BLOCKS=int(config.get("PAIR_BLOCKS", 0)),
+                                       PAIR_BLOCKS=int(config.get("PAIR_BLOCKS", 0)), SINGLE_LOOP=single_loop,
                                        num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 3))
     return out
 

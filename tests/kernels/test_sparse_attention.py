@@ -254,15 +254,18 @@ def test_triton_predictor_ties_at_the_cdf_boundary():
     assert mask.all()
 
 
-@pytest.mark.parametrize("prefetch_index,use_tma,pair_blocks", [(0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)])
+@pytest.mark.parametrize("prefetch_index,use_tma,pair_blocks,single_loop,length", [
+    (0, 0, 0, 0, 450), (1, 0, 0, 0, 450), (1, 1, 0, 0, 450), (1, 0, 1, 0, 450), (1, 1, 1, 0, 450),
+    (1, 1, 0, 1, 450), (1, 1, 0, 1, 448)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_triton_kernel_loop_variants(prefetch_index, use_tma, pair_blocks, is_causal):
+def test_triton_kernel_loop_variants(prefetch_index, use_tma, pair_blocks, single_loop, length, is_causal):
     # the loop variants the GPU autotuner chooses between (index prefetch; K/V through pointers or
-    # tensor descriptors; unmasked blocks one or two per step), on a sparse mask with a partial
-    # last block (TMA zero-fills past Lk) and rows with odd and even numbers of kept blocks
-    B, H, L, D = 1, 2, 450, 64
+    # tensor descriptors; unmasked blocks one or two per step; the whole list in one loop), on a
+    # sparse mask with a partial last block (TMA zero-fills past Lk) or without one, and rows with
+    # odd and even numbers of kept blocks
+    B, H, L, D = 1, 2, length, 64
     q, k, v = on_device(*(randn(B, H, L, D, seed=s) for s in (60, 61, 62)))
-    if use_tma and not sa.tma_loads_supported(k, v):
+    if use_tma and not sa.tma_loads_supported(q, k, v):
         pytest.skip("tensor descriptors need a Hopper+ GPU (or the interpreter) and a Triton that has them")
     n_q, n_k = sa.triton_cdiv(L, sa.BLOCK_M), sa.triton_cdiv(L, sa.BLOCK_N)
     mask = torch.rand(B, H, n_q, n_k, generator=torch.Generator().manual_seed(5)) < 0.6
@@ -274,8 +277,8 @@ def test_triton_kernel_loop_variants(prefetch_index, use_tma, pair_blocks, is_ca
     lut, counts = sa.block_mask_to_lut(mask)
     assert {c % 2 for c in counts.flatten().tolist()} == {0, 1}
     ref = sa.block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal)
-    config = {"PREFETCH_INDEX": prefetch_index, "USE_TMA": use_tma, "PAIR_BLOCKS": pair_blocks, "num_warps": 4,
-              "num_stages": 1 if DEVICE == "cpu" else 3}
+    config = {"PREFETCH_INDEX": prefetch_index, "USE_TMA": use_tma, "PAIR_BLOCKS": pair_blocks, "SINGLE_LOOP": single_loop,
+              "num_warps": 4, "num_stages": 1 if DEVICE == "cpu" else 3}
     out = sa.block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal, config=config)
     torch.testing.assert_close(out, ref, **FP32_TOL)
 
@@ -355,3 +358,15 @@ def test_input_errors_name_the_problem():
         sa.predictor_stages(qd, qd, v3_shape={"precision": "bf16"})
     with pytest.raises(ValueError, match="valid choices"):
         sa.predict_block_lut(qd, qd, variant="v4")
+
+
+def test_single_loop_config_rejects_pv_skipping():
+    # the single-loop body has no PV skipping: an explicit config asking for both is a clear error
+    q, k, v = on_device(*(randn(1, 1, 256, 32, seed=s) for s in (70, 71, 72)))
+    if not sa.tma_loads_supported(q, k, v):
+        pytest.skip("tensor descriptors need a Hopper+ GPU (or the interpreter) and a Triton that has them")
+    mask = torch.ones(1, 1, 2, 4, dtype=torch.bool, device=q.device)
+    lut, counts = sa.block_mask_to_lut(mask)
+    with pytest.raises(ValueError, match="SINGLE_LOOP=1 needs .* no PV skipping; valid choice here: SINGLE_LOOP=0"):
+        sa.block_sparse_attention(q, k, v, lut, counts, pvthreshd=8.0,
+                                  config={"USE_TMA": 1, "SINGLE_LOOP": 1, "num_warps": 4, "num_stages": 1})
