@@ -45,11 +45,14 @@ the tile's exp and P.V are skipped: its weights are all below 2^-pvthreshd of th
 This is lossy and changes results; the block mask alone (PV skipping off) is exact on the blocks
 it keeps.
 
-Kernel performance notes (Hopper): 128 x 64 tiles, 8 warps at D=128; interior tiles take the row
-max of the raw products and one FMA into exp2 (scale folded with log2 e); only diagonal / partial
-last tiles are masked; P.V accumulates into the rescaled accumulator inside the MMA; under
-causality the heaviest (last) query blocks start first. Autotuned: pipeline depth and whether the
-next block index is prefetched one iteration ahead (PREFETCH_INDEX) or left to Triton's pipeliner.
+Kernel performance notes (Hopper): 128 x 64 tiles; tiles take the row max of the raw products
+and one FMA into exp2 (scale folded with log2 e); a masked tile adds one compare and one select
+per element; P.V accumulates into the rescaled accumulator inside the MMA; under causality the
+heaviest (last) query blocks start first. Two kernel bodies, autotuned: the default one (8 warps
+at D=128; pairs of unmasked blocks, then single ones, then the masked suffix, so only diagonal /
+partial tiles are masked; whether the next block index is prefetched one iteration ahead) and
+the single loop (4 warps, Q/K/V/O through tensor descriptors, every tile masked when any must
+be; on the H100 it wins non-causal rows, the default body causal ones).
 
 Caveats: inference only (no autograd). The Triton path needs D <= 256 and q, k, v of one dtype
 (fp16, bf16 or fp32; fp32 uses IEEE dot products). `return_sparsity` synchronizes the device to
