@@ -261,10 +261,12 @@ def test_triton_predictor_ties_at_the_cdf_boundary():
 def test_triton_kernel_loop_variants(prefetch_index, use_tma, pair_blocks, single_loop, length, is_causal):
     # the loop variants the GPU autotuner chooses between (index prefetch; K/V through pointers or
     # tensor descriptors; unmasked blocks one or two per step; the whole list in one loop), on a
-    # sparse mask with a partial last block (TMA zero-fills past Lk) or without one, and rows with
-    # odd and even numbers of kept blocks
-    B, H, L, D = 1, 2, length, 64
-    q, k, v = on_device(*(randn(B, H, L, D, seed=s) for s in (60, 61, 62)))
+    # sparse mask with a partial last block (TMA zero-fills past Lk) or without one, rows with odd
+    # and even numbers of kept blocks, and grouped-query heads
+    B, H, L, D = 1, 4, length, 64
+    q = randn(B, H, L, D, seed=60)
+    k, v = (randn(B, 2, L, D, seed=s) for s in (61, 62))  # grouped-query: 2 query heads per kv head
+    q, k, v = on_device(q, k, v)
     if use_tma and not sa.tma_loads_supported(q, k, v):
         pytest.skip("tensor descriptors need a Hopper+ GPU (or the interpreter) and a Triton that has them")
     n_q, n_k = sa.triton_cdiv(L, sa.BLOCK_M), sa.triton_cdiv(L, sa.BLOCK_N)
