@@ -51,8 +51,8 @@ per element; P.V accumulates into the rescaled accumulator inside the MMA; under
 heaviest (last) query blocks start first. Two kernel bodies, autotuned: the default one (8 warps
 at D=128; pairs of unmasked blocks, then single ones, then the masked suffix, so only diagonal /
 partial tiles are masked; whether the next block index is prefetched one iteration ahead) and
-the single loop (4 warps, Q/K/V/O through tensor descriptors, every tile masked when any must
-be; on the H100 it wins non-causal rows, the default body causal ones).
+the single loop (4 warps, Q/K/V/O through tensor descriptors, the masked suffix peeled before
+one loop over the unmasked blocks).
 
 Caveats: inference only (no autograd). The Triton path needs D <= 256 and q, k, v of one dtype
 (fp16, bf16 or fp32; fp32 uses IEEE dot products). `return_sparsity` synchronizes the device to
@@ -552,11 +552,11 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, PARTIAL_KEYS: tl.constexpr,
     ):
-        """Every kept block of the row in one loop, in one warp group: less live state than the
-        default body's three loops, so a 128 x 128 fp32 accumulator fits 4 warps without spills
-        (the default body spills there). The price: under causality (or with a partial last key
-        block) every tile applies the token mask, not just the diagonal ones. Q, K, V and O all go
-        through tensor descriptors (HEAD_DIM is a power of two; the launcher checks alignment)."""
+        """The row's unmasked blocks in one loop, in one warp group, after its masked suffix
+        (diagonal or partial blocks, at most BLOCK_M // BLOCK_N + 1) peeled in straight-line code:
+        less live state than the default body's three loops, so a 128 x 128 fp32 accumulator fits
+        4 warps without spills (the default body spills there). Q, K, V and O all go through
+        tensor descriptors (HEAD_DIM is a power of two; the launcher checks alignment)."""
         pid_m = tl.program_id(0)
         if IS_CAUSAL:  # later query blocks keep more blocks: start them first
             pid_m = tl.num_programs(0) - 1 - pid_m
@@ -578,16 +578,29 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
-        MASKED: tl.constexpr = IS_CAUSAL or PARTIAL_KEYS
         q = q_desc.load([pid_m * BLOCK_M, 0])  # zero rows past Lq
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for it in range(0, count):
+        if IS_CAUSAL:
+            first_diagonal = (pid_m * BLOCK_M + 1) // BLOCK_N
+            n_masked = (tl.minimum((pid_m + 1) * BLOCK_M, Lq) - 1) // BLOCK_N - first_diagonal + 1
+        else:
+            n_masked = 1 if PARTIAL_KEYS else 0  # the last kept block (masking a full one is exact too)
+        n_plain = tl.maximum(count - n_masked, 0)
+        if IS_CAUSAL or PARTIAL_KEYS:  # the masked suffix first, outside the loop
+            for j in tl.static_range(BLOCK_M // BLOCK_N + 1):
+                if n_plain + j < count:
+                    start_m = tl.load(lut_row + n_plain + j) * BLOCK_N
+                    acc, l_i, m_i = _attend_tile(
+                        acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_m, offs_m, offs_n, offs_d, 0.0,
+                        stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, True, IS_CAUSAL, False,
+                        DOT_PRECISION, True)
+        for it in range(0, n_plain):
             start_n = tl.load(lut_row + it, eviction_policy="evict_last") * BLOCK_N
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, offs_m, offs_n, offs_d, 0.0,
-                stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, MASKED, IS_CAUSAL, False,
+                stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, False, IS_CAUSAL, False,
                 DOT_PRECISION, True)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty row (count 0) gives 0
         o_desc.store([pid_m * BLOCK_M, 0], out.to(o_desc.dtype))  # rows past Lq are clipped
@@ -609,8 +622,8 @@ if triton is not None:
         PAIR_BLOCKS (without PV skipping): unmasked blocks two per step (_attend_pairs).
         USE_TMA: K/V tiles through device-side tensor descriptors (Hopper TMA; the launcher
         checks alignment), else pointer loads.
-        SINGLE_LOOP: the whole list in one loop (_attend_single_loop);
-        PARTIAL_KEYS: Lk is not a multiple of BLOCK_N (the single loop then masks every tile).
+        SINGLE_LOOP: the masked suffix, then the unmasked blocks in one loop (_attend_single_loop);
+        PARTIAL_KEYS: Lk is not a multiple of BLOCK_N (the single loop's masked suffix).
         The last dimension of q, k, v, o is contiguous (the launcher guarantees it). SEQ_BUCKET is
         only an autotuning key (the sequence length's power-of-two bucket)."""
         if SINGLE_LOOP:
