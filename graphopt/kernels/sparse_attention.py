@@ -544,6 +544,32 @@ if triton is not None:
         return acc, l_i, m_i
 
     @triton.jit
+    def _program_row(H, KV_GROUP, IS_CAUSAL: tl.constexpr):
+        """(query block, batch * head, batch, head, kv head) of this program; under causality
+        later query blocks keep more blocks, so they start first."""
+        pid_m = tl.program_id(0)
+        if IS_CAUSAL:
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        return pid_m, pid_bh, b, h, h // KV_GROUP
+
+    @triton.jit
+    def _masked_suffix_length(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+        """Kept blocks are ascending, so the blocks needing a token mask are a suffix of the list:
+        under causality the blocks the diagonal crosses (always kept), else a partial last block."""
+        if IS_CAUSAL:
+            first_diagonal = (pid_m * BLOCK_M + 1) // BLOCK_N
+            last_allowed = (tl.minimum((pid_m + 1) * BLOCK_M, Lq) - 1) // BLOCK_N
+            n_masked = last_allowed - first_diagonal + 1
+        else:
+            last_block = tl.load(lut_row + tl.maximum(count - 1, 0))
+            n_masked = ((Lk % BLOCK_N != 0) & (last_block == N_K_BLOCKS - 1) & (count > 0)).to(tl.int32)
+        return n_masked
+
+    @triton.jit
     def _attend_single_loop(
         q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -557,13 +583,7 @@ if triton is not None:
         less live state than the default body's three loops, so a 128 x 128 fp32 accumulator fits
         4 warps without spills (the default body spills there). Q, K, V and O all go through
         tensor descriptors (HEAD_DIM is a power of two; the launcher checks alignment)."""
-        pid_m = tl.program_id(0)
-        if IS_CAUSAL:  # later query blocks keep more blocks: start them first
-            pid_m = tl.num_programs(0) - 1 - pid_m
-        pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        kv_h = h // KV_GROUP
+        pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, IS_CAUSAL)
         q_desc = tl.make_tensor_descriptor(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
                                            shape=[Lq, HEAD_DIM], strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
         k_desc = tl.make_tensor_descriptor(k_ptr + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh,
@@ -582,11 +602,7 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        if IS_CAUSAL:
-            first_diagonal = (pid_m * BLOCK_M + 1) // BLOCK_N
-            n_masked = (tl.minimum((pid_m + 1) * BLOCK_M, Lq) - 1) // BLOCK_N - first_diagonal + 1
-        else:
-            n_masked = 1 if PARTIAL_KEYS else 0  # the last kept block (masking a full one is exact too)
+        n_masked = _masked_suffix_length(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M, BLOCK_N, IS_CAUSAL)
         n_plain = tl.maximum(count - n_masked, 0)
         if IS_CAUSAL or PARTIAL_KEYS:  # the masked suffix first, outside the loop
             for j in tl.static_range(BLOCK_M // BLOCK_N + 1):
@@ -653,13 +669,7 @@ if triton is not None:
         """The kernel's default body: pairs of unmasked blocks, then single unmasked blocks, then the
         masked suffix (diagonal or partial blocks), each its own loop."""
         PAD_D: tl.constexpr = HEAD_DIM != BLOCK_D
-        pid_m = tl.program_id(0)
-        if IS_CAUSAL:  # later query blocks keep more blocks: start them first
-            pid_m = tl.num_programs(0) - 1 - pid_m
-        pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        kv_h = h // KV_GROUP
+        pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, IS_CAUSAL)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
@@ -687,15 +697,7 @@ if triton is not None:
                 neg_pv_thresh = -tl.load(pv_thresh_ptr + h)
             else:
                 neg_pv_thresh = -pv_thresh
-        # Kept blocks are ascending, so the blocks needing a token mask are a suffix of the list:
-        # under causality the blocks the diagonal crosses (always kept), else a partial last block.
-        if IS_CAUSAL:
-            first_diagonal = (pid_m * BLOCK_M + 1) // BLOCK_N
-            last_allowed = (tl.minimum((pid_m + 1) * BLOCK_M, Lq) - 1) // BLOCK_N
-            n_masked = last_allowed - first_diagonal + 1
-        else:
-            last_block = tl.load(lut_row + tl.maximum(count - 1, 0))
-            n_masked = ((Lk % BLOCK_N != 0) & (last_block == N_K_BLOCKS - 1) & (count > 0)).to(tl.int32)
+        n_masked = _masked_suffix_length(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M, BLOCK_N, IS_CAUSAL)
         n_plain = tl.maximum(count - n_masked, 0)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
