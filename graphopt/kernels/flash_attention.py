@@ -54,10 +54,15 @@ try:
 except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     HAS_TRITON = False
 
+from graphopt.kernels.tile_order import causal_head_group
+
+if HAS_TRITON:
+    from graphopt.kernels.tile_order import query_block_order
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 MAX_HEAD_DIM = 128
-MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension, which holds batch * heads
+MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension, which holds batch * heads in the backward
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_BIAS_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 
@@ -307,16 +312,17 @@ if HAS_TRITON:
         stride_vb, stride_vh, stride_vn,
         stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
         stride_ob, stride_oh, stride_om,
-        H, Lq, Lk, GQA_GROUP, qk_scale, SEQ_BUCKET,
+        H, Lq, Lk, GQA_GROUP, qk_scale, SEQ_BUCKET, HEAD_GROUP,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BIAS_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        """One program: BLOCK_M query rows of one (batch, head). out (B, H, Lq, D), lse (B, H, Lq)."""
+        """One program: BLOCK_M query rows of one (batch, head). out (B, H, Lq, D), lse (B, H, Lq).
+        1-D grid; under causality the heaviest query blocks of each group of HEAD_GROUP heads start
+        first (tile_order.query_block_order)."""
         PAD_D: tl.constexpr = HEAD_DIM != D_PAD
-        pid_m = tl.program_id(0)
-        if IS_CAUSAL:  # the last query blocks do the most work: start them first
-            pid_m = tl.num_programs(0) - 1 - pid_m
-        pid_bh = tl.program_id(1)
+        n_q_blocks = tl.cdiv(Lq, BLOCK_M)
+        pid_m, pid_bh = query_block_order(tl.program_id(0), n_q_blocks, tl.num_programs(0) // n_q_blocks,
+                                          HEAD_GROUP, IS_CAUSAL)
         off_b = pid_bh // H
         off_h = pid_bh % H
         off_kvh = off_h // GQA_GROUP
@@ -622,7 +628,7 @@ def flash_attention_forward(q, k, v, bias=None, *, scale, is_causal):
     bias_arg, bias_kind, bias_strides = _prepare_bias(bias, batch, heads, len_q, len_k, q)
 
     def grid(meta):
-        return (triton.cdiv(len_q, meta["BLOCK_M"]), batch * heads)
+        return (triton.cdiv(len_q, meta["BLOCK_M"]) * batch * heads,)
 
     _flash_attention_fwd_kernel[grid](
         q, k, v, bias_arg, out, lse,
@@ -632,6 +638,7 @@ def flash_attention_forward(q, k, v, bias=None, *, scale, is_causal):
         *bias_strides,
         out.stride(0), out.stride(1), out.stride(2),
         heads, len_q, len_k, heads // kv_heads, float(scale) * LOG2E, _seq_bucket(max(len_q, len_k)),
+        causal_head_group(batch * heads, heads // kv_heads, len_k, head_dim, k.element_size()) if is_causal else 1,
         HEAD_DIM=head_dim, D_PAD=_head_dim_pad(head_dim), BIAS_KIND=bias_kind, IS_CAUSAL=bool(is_causal),
     )
     return out, lse

@@ -48,7 +48,8 @@ it keeps.
 Kernel performance notes (Hopper): 128 x 64 tiles; tiles take the row max of the raw products
 and one FMA into exp2 (scale folded with log2 e); a masked tile adds one compare and one select
 per element; P.V accumulates into the rescaled accumulator inside the MMA; under causality the
-heaviest (last) query blocks start first. Two kernel bodies, autotuned: the default one (8 warps
+heaviest (last) query blocks of a group of heads whose K/V fit in L2 start first (tile_order.py).
+Two kernel bodies, autotuned: the default one (8 warps
 at D=128; pairs of unmasked blocks, then single ones, then the masked suffix, so only diagonal /
 partial tiles are masked; whether the next block index is prefetched one iteration ahead) and
 the single loop (4 warps, Q/K/V/O through tensor descriptors, the masked suffix peeled before
@@ -74,6 +75,11 @@ try:
 except ImportError:  # pragma: no cover - triton ships with torch on every supported platform
     triton = None
     tl = None
+
+from graphopt.kernels.tile_order import causal_head_group
+
+if triton is not None:
+    from graphopt.kernels.tile_order import query_block_order
 
 BLOCK_M = 128  # query tokens per block (kernel tile rows, predictor row granularity)
 BLOCK_N = 64  # key tokens per block (kernel tile columns, predictor column granularity)
@@ -544,13 +550,12 @@ if triton is not None:
         return acc, l_i, m_i
 
     @triton.jit
-    def _program_row(H, KV_GROUP, IS_CAUSAL: tl.constexpr):
-        """(query block, batch * head, batch, head, kv head) of this program; under causality
-        later query blocks keep more blocks, so they start first."""
-        pid_m = tl.program_id(0)
-        if IS_CAUSAL:
-            pid_m = tl.num_programs(0) - 1 - pid_m
-        pid_bh = tl.program_id(1)
+    def _program_row(H, KV_GROUP, N_Q_BLOCKS, HEAD_GROUP, IS_CAUSAL: tl.constexpr):
+        """(query block, batch * head, batch, head, kv head) of this program of the 1-D grid, in
+        tile_order's launch order (under causality the heaviest query blocks of a group of heads
+        first)."""
+        pid_m, pid_bh = query_block_order(tl.program_id(0), N_Q_BLOCKS, tl.num_programs(0) // N_Q_BLOCKS,
+                                          HEAD_GROUP, IS_CAUSAL)
         b = pid_bh // H
         h = pid_bh % H
         return pid_m, pid_bh, b, h, h // KV_GROUP
@@ -574,7 +579,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, PARTIAL_KEYS: tl.constexpr,
     ):
@@ -583,7 +588,7 @@ if triton is not None:
         less live state than the default body's three loops, so a 128 x 128 fp32 accumulator fits
         4 warps without spills (the default body spills there). Q, K, V and O all go through
         tensor descriptors (HEAD_DIM is a power of two; the launcher checks alignment)."""
-        pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, IS_CAUSAL)
+        pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, N_Q_BLOCKS, HEAD_GROUP, IS_CAUSAL)
         q_desc = tl.make_tensor_descriptor(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
                                            shape=[Lq, HEAD_DIM], strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
         k_desc = tl.make_tensor_descriptor(k_ptr + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh,
@@ -628,13 +633,14 @@ if triton is not None:
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_om,
-        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, SEQ_BUCKET,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, SEQ_BUCKET, HEAD_GROUP,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PV_PER_HEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFETCH_INDEX: tl.constexpr, USE_TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
         SINGLE_LOOP: tl.constexpr = False, PARTIAL_KEYS: tl.constexpr = False,
     ):
-        """Grid (nQ, B*H): one query block of one head; visits the kept key blocks of its LUT row.
+        """1-D grid of nQ * B*H programs (order: tile_order.query_block_order): one query block of one
+        head; visits the kept key blocks of its LUT row.
         PAIR_BLOCKS (without PV skipping): unmasked blocks two per step (_attend_pairs).
         USE_TMA: K/V tiles through device-side tensor descriptors (Hopper TMA; the launcher
         checks alignment), else pointer loads.
@@ -646,12 +652,13 @@ if triton is not None:
             _attend_single_loop(
                 q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                 stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, KV_GROUP, Lq, Lk,
-                N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, DOT_PRECISION, PARTIAL_KEYS)
+                N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, DOT_PRECISION,
+                PARTIAL_KEYS)
         else:
             _attend_block_lists(
                 q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, pv_thresh_ptr, pv_thresh, stride_qb, stride_qh,
                 stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh,
-                stride_om, H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                stride_om, H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP, HEAD_DIM, BLOCK_D, BLOCK_M,
                 BLOCK_N, IS_CAUSAL, PV_SKIP, PV_PER_HEAD, DOT_PRECISION, PREFETCH_INDEX, USE_TMA, PAIR_BLOCKS)
 
     @triton.jit
@@ -661,7 +668,7 @@ if triton is not None:
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_om,
-        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PV_PER_HEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFETCH_INDEX: tl.constexpr, USE_TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
@@ -669,7 +676,7 @@ if triton is not None:
         """The kernel's default body: pairs of unmasked blocks, then single unmasked blocks, then the
         masked suffix (diagonal or partial blocks), each its own loop."""
         PAD_D: tl.constexpr = HEAD_DIM != BLOCK_D
-        pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, IS_CAUSAL)
+        pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, N_Q_BLOCKS, HEAD_GROUP, IS_CAUSAL)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
@@ -1403,11 +1410,12 @@ def block_sparse_attention(
     args = (q, k, v, out, lut, counts, pv_tensor if pv_tensor is not None else counts, pv_value if pv_skip else 0.0,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            H, group, Lq, Lk, n_q, n_k, scale * LOG2E, min(max(triton.next_power_of_2(Lk), 1024), 32768))
+            H, group, Lq, Lk, n_q, n_k, scale * LOG2E, min(max(triton.next_power_of_2(Lk), 1024), 32768),
+            causal_head_group(B * H, group, Lk, D, k.element_size()) if is_causal else 1)
     meta = dict(HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
                 IS_CAUSAL=is_causal, PV_SKIP=pv_skip, PV_PER_HEAD=pv_tensor is not None,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PARTIAL_KEYS=Lk % block_n != 0)
-    grid = (n_q, B * H)
+    grid = (n_q * B * H,)
     if config is None and _interpreting():
         config = {"PREFETCH_INDEX": 1, "PAIR_BLOCKS": 1, "num_warps": 4, "num_stages": 1}
     use_tma = int(config.get("USE_TMA", 0)) if config is not None else None
