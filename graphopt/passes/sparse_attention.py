@@ -60,9 +60,9 @@ PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; to
 #    With these two constants every kernel timing is within 0.80-1.13x of the prediction. They
 #    also hold for the H100 kernels of session 11 (the single-loop body, bench/results/sparse_
 #    attention_h100_peeled.json: within 0.92-1.15x) and session 12 (causal rows launched
-#    heaviest first per head group, sparse_attention_h100_tile_order.json: 1.01-1.16x of the
-#    CUDA-graph timings), with the sparse-or-dense call right on 24 of 24 rows each time, so they
-#    were not refit.
+#    heaviest first per head group, the masked suffix in its own loop: sparse_attention_h100_
+#    mask_loop.json, 1.01-1.15x of the CUDA-graph timings), with the sparse-or-dense call right
+#    on 24 of 24 rows each time, so they were not refit.
 #  - The predictor (v3 kernels) is refit to an H100 run (bench/results/sparse_predictor_h100_v3_
 #    final.json: 0.041 / 0.074 / 0.158 ms at L = 8k / 16k / 32k, B=1, H=16, D=128, CUDA graph):
 #    PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.8: the pooling launch reads Q and K at 2.3-2.5 TB/s,
