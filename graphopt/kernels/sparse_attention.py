@@ -49,11 +49,11 @@ Kernel performance notes (Hopper): 128 x 64 tiles; tiles take the row max of the
 and one FMA into exp2 (scale folded with log2 e); a masked tile adds one compare and one select
 per element; P.V accumulates into the rescaled accumulator inside the MMA; under causality the
 heaviest (last) query blocks of a group of heads whose K/V fit in L2 start first (tile_order.py).
-Two kernel bodies, autotuned: the default one (8 warps
-at D=128; pairs of unmasked blocks, then single ones, then the masked suffix, so only diagonal /
-partial tiles are masked; whether the next block index is prefetched one iteration ahead) and
-the single loop (4 warps, Q/K/V/O through tensor descriptors, the masked suffix in a short loop
-before one branch-free loop over the unmasked blocks).
+Two kernel bodies, autotuned: the default one (8 warps at D=128; pairs of unmasked blocks, then
+single ones, then the masked suffix, so only diagonal / partial tiles are masked; whether the next
+block index is prefetched one iteration ahead) and the single loop (4 warps, Q/K/V/O through
+tensor descriptors, the masked suffix in a short loop before one branch-free loop over the
+unmasked blocks).
 
 Caveats: inference only (no autograd). The Triton path needs D <= 256 and q, k, v of one dtype
 (fp16, bf16 or fp32; fp32 uses IEEE dot products). `return_sparsity` synchronizes the device to
@@ -586,8 +586,9 @@ if triton is not None:
         """The row's unmasked blocks in one branch-free loop, in one warp group, after its masked
         suffix (diagonal or partial blocks, at most BLOCK_M // BLOCK_N + 1) in a short loop of its
         own: less live state than the default body's three loops, so a 128 x 128 fp32 accumulator
-        fits 4 warps (the default body spills there; this one spills 40 bytes at 2 stages). Q, K, V and O all go through
-        tensor descriptors (HEAD_DIM is a power of two; the launcher checks alignment)."""
+        fits 4 warps (the default body spills hundreds of bytes there; this one 40 at 2 stages, in
+        triton 3.9's sm_90 build). Q, K, V and O all go through tensor descriptors (HEAD_DIM is a
+        power of two; the launcher checks alignment)."""
         pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, N_Q_BLOCKS, HEAD_GROUP, IS_CAUSAL)
         q_desc = tl.make_tensor_descriptor(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
                                            shape=[Lq, HEAD_DIM], strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
