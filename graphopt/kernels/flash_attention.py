@@ -24,7 +24,9 @@ Supported
 
 Outputs of the forward: `out` (B, H, Lq, D) in the input dtype and `lse` (B, H, Lq) float32, the
 NATURAL-log log-sum-exp of each row's scaled, biased scores (SDPA's flash backend uses the same
-convention); the kernel works in base 2 internally (exp2) and converts on store.
+convention); the kernel works in base 2 internally (exp2) and converts on store. Its programs form
+a 1-D grid; under causality each group of heads whose K/V fit in L2 starts its heaviest (last)
+query blocks first (tile_order.py).
 
 Backward: `delta = rowsum(dO * O)` in a small kernel, then one kernel for dK/dV (one program per
 key block and KV head, looping over the query heads of its GQA group and over query blocks, so dK/dV
