@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import environment, interleaved_ms, print_table, write_json  # noqa: E402
+from bench.common import (environment, interleaved_ms, print_table, random_block_mask,  # noqa: E402
+                          split_key_blocks, write_json)
 from graphopt.kernels import sparse_attention as sa  # noqa: E402
 from graphopt.kernels import tile_order  # noqa: E402
 from graphopt.kernels.flash_attention import flash_attention  # noqa: E402
@@ -37,17 +38,9 @@ HEADS, HEAD_DIM = 16, 128
 
 
 def block_mask(length: int, density: float, causal: bool, seed: int) -> torch.Tensor:
-    """(1, H, nQ, nK) kernel blocks (128 x 64): `density` of each row's allowed 128x128 blocks, the
-    diagonal always kept (the scheme of bench_sparse_attention.random_block_mask)."""
-    n = -(-length // 128)
-    gen = torch.Generator().manual_seed(seed)
-    scores = torch.rand(1, HEADS, n, n, generator=gen)
-    idx = torch.arange(n)
-    allowed = (idx[None, :] <= idx[:, None]) if causal else torch.ones(n, n, dtype=torch.bool)
-    scores = scores.masked_fill(~allowed, -1.0).masked_fill(torch.eye(n, dtype=torch.bool), 2.0)
-    keep = torch.clamp((allowed.sum(-1).float() * density).round().long(), min=1)
-    mask128 = (scores.argsort(-1, descending=True).argsort(-1) < keep[:, None]) & allowed
-    return mask128.repeat_interleave(2, dim=-1)[..., : -(-length // sa.BLOCK_N)].contiguous()
+    """(1, H, nQ, nK) kernel blocks (128 x 64): bench_sparse_attention's random 128 x 128 masks."""
+    mask128 = random_block_mask(HEADS, length, density, causal, seed, block=sa.BLOCK_M)
+    return split_key_blocks(mask128, length, sa.BLOCK_M, sa.BLOCK_N)
 
 
 def with_order(budget: int, fn):

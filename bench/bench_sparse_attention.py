@@ -63,7 +63,8 @@ if ARGS.cpu_smoke:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import cuda_graph_ms, gbps, median_ms, out_dir, print_table, tflops, write_json  # noqa: E402
+from bench.common import (cuda_graph_ms, gbps, median_ms, out_dir, print_table, random_block_mask,  # noqa: E402
+                          split_key_blocks, tflops, write_json)
 from graphopt.kernels import sparse_attention as sa  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu_smoke else "cuda"
@@ -84,26 +85,10 @@ def time_ms(fn) -> float:
     return median_ms(fn)
 
 
-def random_block_mask(heads: int, length: int, density: float, causal: bool, seed: int) -> torch.Tensor:
-    """bool (1, H, nQ, nK) at 128x128 blocks: `density` of the candidate blocks, diagonal kept."""
-    n = -(-length // FLEX_BLOCK)
-    gen = torch.Generator().manual_seed(seed)
-    scores = torch.rand(1, heads, n, n, generator=gen)
-    idx = torch.arange(n)
-    allowed = (idx[None, :] <= idx[:, None]) if causal else torch.ones(n, n, dtype=torch.bool)
-    diagonal = torch.eye(n, dtype=torch.bool)
-    scores = scores.masked_fill(~allowed, -1.0).masked_fill(diagonal, 2.0)  # diagonal first, never disallowed
-    per_row = allowed.sum(-1)  # candidates per row
-    keep_count = torch.clamp((per_row.float() * density).round().long(), min=1)  # (nQ,)
-    ranks = scores.argsort(-1, descending=True).argsort(-1)
-    return (ranks < keep_count[:, None]) & allowed
-
-
 def to_kernel_mask(mask128: torch.Tensor, length: int) -> torch.Tensor:
-    """Split each 128-wide key block into two 64-wide ones (the kernel's BLOCK_N)."""
-    assert sa.BLOCK_M == FLEX_BLOCK and FLEX_BLOCK % sa.BLOCK_N == 0
-    mask = mask128.repeat_interleave(FLEX_BLOCK // sa.BLOCK_N, dim=-1)
-    return mask[..., : -(-length // sa.BLOCK_N)].contiguous()
+    """The FLEX_BLOCK-square mask at the kernel's blocks (BLOCK_M x BLOCK_N)."""
+    assert sa.BLOCK_M == FLEX_BLOCK
+    return split_key_blocks(mask128, length, FLEX_BLOCK, sa.BLOCK_N)
 
 
 _FLEX_MASK_MODS: dict = {}
@@ -275,10 +260,10 @@ def main() -> int:
                 print(f"FAIL cuDNN dense L={length} causal={causal}: {type(exc).__name__}: {exc}")
                 dense_out, dense_ms = None, float("nan")
             for density in DENSITIES:
-                mask128 = random_block_mask(HEADS, length, density, causal, seed=length + int(density * 100)).to(DEVICE)
+                mask128 = random_block_mask(HEADS, length, density, causal, seed=length + int(density * 100), block=FLEX_BLOCK).to(DEVICE)
                 mask = to_kernel_mask(mask128, length)
                 lut, counts = sa.block_mask_to_lut(mask)
-                real_density = mask128.sum().item() / (random_block_mask(HEADS, length, 1.0, causal, 0).sum().item())
+                real_density = mask128.sum().item() / (random_block_mask(HEADS, length, 1.0, causal, 0, block=FLEX_BLOCK).sum().item())
                 row = {"L": length, "causal": causal, "nominal": density, "density": round(real_density, 3), "cudnn_ms": dense_ms}
                 if density == 1.0:
                     try:

@@ -62,6 +62,29 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], *, rounds: int = 7, rep_ms
     return times
 
 
+def random_block_mask(heads: int, length: int, density: float, causal: bool, seed: int, *, block: int) -> torch.Tensor:
+    """bool (1, H, nQ, nK) at block x block granularity: `density` of each row's candidate blocks
+    (under causality those at or below the diagonal), chosen at random, the diagonal always kept."""
+    n = -(-length // block)
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(1, heads, n, n, generator=gen)
+    idx = torch.arange(n)
+    allowed = (idx[None, :] <= idx[:, None]) if causal else torch.ones(n, n, dtype=torch.bool)
+    diagonal = torch.eye(n, dtype=torch.bool)
+    scores = scores.masked_fill(~allowed, -1.0).masked_fill(diagonal, 2.0)  # diagonal first, never disallowed
+    per_row = allowed.sum(-1)  # candidates per row
+    keep_count = torch.clamp((per_row.float() * density).round().long(), min=1)  # (nQ,)
+    ranks = scores.argsort(-1, descending=True).argsort(-1)
+    return (ranks < keep_count[:, None]) & allowed
+
+
+def split_key_blocks(mask: torch.Tensor, length: int, block: int, block_n: int) -> torch.Tensor:
+    """A mask of block-wide key blocks with each split into block // block_n narrower ones (the
+    sparse kernel's BLOCK_N), trimmed to the key blocks of `length` tokens."""
+    assert block % block_n == 0
+    return mask.repeat_interleave(block // block_n, dim=-1)[..., : -(-length // block_n)].contiguous()
+
+
 def naive_attention(q, k, v, scale, mask=None):
     """softmax(q @ k^T * scale) @ v with an optional boolean mask (True = masked out): the
     unfused form graphopt rewrites, timed as the eager baseline."""

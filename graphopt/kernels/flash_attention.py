@@ -322,9 +322,7 @@ if HAS_TRITON:
         1-D grid; under causality the heaviest query blocks of each group of HEAD_GROUP heads start
         first (tile_order.query_block_order)."""
         PAD_D: tl.constexpr = HEAD_DIM != D_PAD
-        n_q_blocks = tl.cdiv(Lq, BLOCK_M)
-        pid_m, pid_bh = query_block_order(tl.program_id(0), n_q_blocks, tl.num_programs(0) // n_q_blocks,
-                                          HEAD_GROUP, IS_CAUSAL)
+        pid_m, pid_bh = query_block_order(tl.cdiv(Lq, BLOCK_M), HEAD_GROUP, IS_CAUSAL)
         off_b = pid_bh // H
         off_h = pid_bh % H
         off_kvh = off_h // GQA_GROUP

@@ -554,8 +554,7 @@ if triton is not None:
         """(query block, batch * head, batch, head, kv head) of this program of the 1-D grid, in
         tile_order's launch order (under causality the heaviest query blocks of a group of heads
         first)."""
-        pid_m, pid_bh = query_block_order(tl.program_id(0), N_Q_BLOCKS, tl.num_programs(0) // N_Q_BLOCKS,
-                                          HEAD_GROUP, IS_CAUSAL)
+        pid_m, pid_bh = query_block_order(N_Q_BLOCKS, HEAD_GROUP, IS_CAUSAL)
         b = pid_bh // H
         h = pid_bh % H
         return pid_m, pid_bh, b, h, h // KV_GROUP

@@ -37,8 +37,11 @@ def causal_head_group(batch_heads: int, kv_group: int, len_k: int, head_dim: int
 if triton is not None:
 
     @triton.jit
-    def query_block_order(pid, n_q_blocks, n_bh, head_group, IS_CAUSAL: tl.constexpr):
-        """(query block, batch * head) of 1-D program `pid` of n_q_blocks * n_bh programs."""
+    def query_block_order(n_q_blocks, head_group, IS_CAUSAL: tl.constexpr):
+        """(query block, batch * head) of this program of a 1-D grid of n_q_blocks * (batch * heads)
+        programs."""
+        pid = tl.program_id(0)
+        n_bh = tl.num_programs(0) // n_q_blocks
         if IS_CAUSAL:
             span = head_group * n_q_blocks  # programs of one full group
             group = pid // span

@@ -16,16 +16,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @triton.jit
-def _order_kernel(out_ptr, n_q_blocks, n_bh, head_group, IS_CAUSAL: tl.constexpr):
+def _order_kernel(out_ptr, n_q_blocks, head_group, IS_CAUSAL: tl.constexpr):
     pid = tl.program_id(0)
-    pid_m, pid_bh = query_block_order(pid, n_q_blocks, n_bh, head_group, IS_CAUSAL)
+    pid_m, pid_bh = query_block_order(n_q_blocks, head_group, IS_CAUSAL)
     tl.store(out_ptr + 2 * pid, pid_m)
     tl.store(out_ptr + 2 * pid + 1, pid_bh)
 
 
 def _launch_order(n_q_blocks, n_bh, head_group, is_causal):
     out = torch.full((n_q_blocks * n_bh, 2), -1, dtype=torch.int32, device=DEVICE)
-    _order_kernel[(n_q_blocks * n_bh,)](out, n_q_blocks, n_bh, head_group, IS_CAUSAL=is_causal)
+    _order_kernel[(n_q_blocks * n_bh,)](out, n_q_blocks, head_group, IS_CAUSAL=is_causal)
     return [tuple(row) for row in out.cpu().tolist()]
 
 
