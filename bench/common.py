@@ -50,15 +50,20 @@ def cuda_graph_ms(fn: Callable[[], Any], *, rep_ms: float = 100) -> float:
     return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
 
 
-def interleaved_ms(fns: dict[str, Callable[[], Any]], *, rounds: int = 7, rep_ms: float = 40) -> dict[str, list[float]]:
+def interleaved_ms(fns: dict[str, Callable[[], Any]], *, rounds: int = 7, rep_ms: float = 40,
+                   rotate: bool = False) -> dict[str, list[float]]:
     """Median times of several variants measured in `rounds` interleaved rounds (A, B, A, B, ...):
     a long bf16 GEMM runs the GPU at its power limit, so a variant timed alone right after a cool
-    idle period gets higher clocks than one timed after it. Returns each variant's per-round times;
-    report their median."""
+    idle period gets higher clocks than one timed after it. With `rotate`, round r starts at
+    variant r (mod the count), so no variant always follows the same one (the one timed right
+    after a power-hungry cuDNN run can lose several percent). Returns each variant's per-round
+    times; report their median."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(median_ms(fn, warmup_ms=5, rep_ms=rep_ms))
+    names = list(fns)
+    for r in range(rounds):
+        shift = r % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            times[name].append(median_ms(fns[name], warmup_ms=5, rep_ms=rep_ms))
     return times
 
 
