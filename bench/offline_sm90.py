@@ -1,0 +1,139 @@
+"""Compile graphopt's Triton kernels for sm_90 (H100/H200) on a machine without a GPU, and report
+registers, stack (spills), shared memory and the instructions of the hot loop.
+
+    python bench/offline_sm90.py sparse [--causal] [--partial-keys] [--stages 2] [--warps 4] [--sequence]
+    python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate}
+
+`sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
+TMA); --sequence prints the order of its TMA loads, barrier waits and MMAs in the TTGIR (how many
+load latencies run one after another). `q4gemm` builds the Q4_0 x Q8_1 tensor-core GEMM with the
+activations fused (bf16 in) or pre-quantized (Q8_1 blocks in), and prints the innermost loop's
+SASS instructions per thread and the warp-instructions per output element and K value
+(loop instructions x warps / (BLOCK_M x BLOCK_N x 64 x PAIRS)).
+
+Uses the installed triton's bundled cuobjdump / nvdisasm; the figures depend on the triton version
+(RESULTS.md names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+
+def compile_sm90(fn, types: dict, constexprs: dict, div16: list[str], num_warps: int, num_stages: int):
+    names = fn.arg_names
+    signature = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in names}
+    consts = {(names.index(n),): v for n, v in constexprs.items()}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16 if n in names and n not in constexprs}
+    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def sass_and_resources(kernel) -> tuple[str, str]:
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run([f"{bindir}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    sass = subprocess.run([f"{bindir}/nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    resources = " ".join(re.findall(r"(REG:\d+|STACK:\d+)", usage)) + f" shared:{kernel.metadata.shared}"
+    return sass, resources
+
+
+def loops(sass: str) -> list[tuple[str, int, list]]:
+    """(label, instructions, most common opcodes) of every backward branch's body."""
+    label_at, ins = {}, []
+    for line in sass.splitlines():
+        m = re.match(r"^(\.L_x_\d+):", line.strip())
+        if m:
+            label_at[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)", line)
+        if m:
+            ins.append((m.group(2), m.group(3)))
+    out = []
+    for i, (op, rest) in enumerate(ins):
+        target = re.search(r"(\.L_x_\d+)", rest) if op.startswith("BRA") else None
+        if target and label_at.get(target.group(1), 1 << 30) < i:
+            body = [o for o, _ in ins[label_at[target.group(1)]:i + 1]]
+            out.append((target.group(1), len(body), collections.Counter(body).most_common(8)))
+    return out
+
+
+def sparse(args) -> None:
+    from graphopt.kernels import sparse_attention as sa
+
+    consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, IS_CAUSAL=args.causal, PV_SKIP=False,
+                  PV_PER_HEAD=False, DOT_PRECISION="tf32", PREFETCH_INDEX=1, USE_TMA=1, PAIR_BLOCKS=0, SINGLE_LOOP=True,
+                  PARTIAL_KEYS=args.partial_keys)
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", lut_ptr="*i32", count_ptr="*i32",
+                 pv_thresh_ptr="*fp32", pv_thresh="fp32", qk_scale="fp32")
+    fn = sa._sparse_attention_kernel
+    div16 = [n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride_") and not n.endswith("b"))]
+    kernel = compile_sm90(fn, types, consts, div16, args.warps, args.stages)
+    _, resources = sass_and_resources(kernel)
+    print(f"sparse single loop causal={args.causal} partial_keys={args.partial_keys} warps={args.warps} "
+          f"stages={args.stages}: {resources}")
+    if args.sequence:
+        wanted = r"(ttng\.async_tma_copy_global_to_local|ttng\.wait_barrier|ttng\.warp_group_dot |scf\.for|scf\.if)"
+        for line in kernel.asm["ttgir"].splitlines():
+            m = re.search(wanted, line)
+            if m:
+                print(" " * (len(line) - len(line.lstrip())) + m.group(1))
+
+
+def q4gemm(args) -> None:
+    from graphopt.kernels import q4
+
+    fused = args.mode == "fused"
+    types = dict(a_ptr="*bf16" if fused else "*i8", ad_ptr="*fp16", w_ptr="*u8", ws_ptr="*fp16", bias_ptr="*bf16",
+                 out_ptr="*bf16")
+    consts = dict(ACT_MODE=q4.ACT_FUSED if fused else q4.ACT_PREQUANTIZED, QUOT_DTYPE=tl.float32, QMIN=-128, QMAX=127,
+                  HAS_BIAS=False, REDUCE=0, EXACT=False, BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAIRS=args.pairs)
+    div16 = ["M", "N", "K", "a_ptr", "w_ptr", "ws_ptr", "out_ptr", "stride_am", "stride_wn", "stride_wsb", "stride_om"]
+    kernel = compile_sm90(q4._q4_gemm_kernel, types, consts, div16, args.warps, args.stages)
+    sass, resources = sass_and_resources(kernel)
+    print(f"q4 gemm {args.mode} {args.block_m}x{args.block_n} pairs={args.pairs} warps={args.warps} "
+          f"stages={args.stages}: {resources}")
+    body = loops(sass)
+    if body:  # the innermost (K) loop is the first backward branch
+        label, count, top = body[0]
+        per_value = count * args.warps / (args.block_m * args.block_n * 64 * args.pairs)
+        print(f"  K loop {label}: {count} instructions per thread per step, {per_value:.4f} warp-instructions per "
+              f"output element and K value; top {top}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kernel", required=True)
+    p = sub.add_parser("sparse")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--partial-keys", action="store_true")
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--sequence", action="store_true")
+    p = sub.add_parser("q4gemm")
+    for name in ("block_m", "block_n", "pairs", "warps", "stages"):
+        p.add_argument(name, type=int)
+    p.add_argument("mode", choices=("fused", "separate"))
+    args = parser.parse_args()
+    sparse(args) if args.kernel == "sparse" else q4gemm(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
