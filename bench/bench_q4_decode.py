@@ -1,6 +1,9 @@
 """Q4_0 x Q8_1 decode kernels only (1-16 tokens, the issue's two shapes): the best config of each
-decode kernel ("gemv" fp32 FMAs, "dp4a" integer dots, "gemm" int8 tensor cores) vs cuBLAS bf16,
-all timed as CUDA-graph replays with weights cold in L2 (rotated copies, >= 120 MB per graph).
+decode kernel ("gemv" fp32 FMAs, "dp4a" integer dots, "gemm" int8 tensor cores with the tokens on
+the MMA's M side, "swap" with the weights there) vs cuBLAS bf16, all timed as CUDA-graph replays
+with weights cold in L2 (rotated copies, >= 120 MB per graph). The best fused config of each kernel
+that also reads Q8_1 blocks is timed once more on the separate path (Q8_1 quantize launch + GEMM,
+both in the graph), as "<kernel> separate".
 
     python bench/bench_q4_decode.py            # one H100/H200, ~2 minutes
     python bench/bench_q4_decode.py --cpu-smoke
@@ -19,6 +22,7 @@ ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--cpu-smoke", action="store_true")
 ARGS.add_argument("--wide", action="store_true", help="also narrow dp4a tiles: 8-32 rows, 1-4 warps, K steps to 1024")
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
+ARGS.add_argument("--swap-sweep", action="store_true", help="also more swap tiles: 64/128 rows, 1-4 pairs, 1 or 3 stages, split-K auto or 16")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -36,6 +40,9 @@ SHAPES = [(5120, 13824), (13824, 5120)] if GPU else [(128, 48)]
 TOKENS = [int(t) for t in OPTS.tokens.split(",")] if OPTS.tokens else ([1, 4, 16] if GPU else [1, 3])
 WIDE_DP4A = [q4.TileConfig("dp4a", 0, bn, p, w, 1, sk) for bn in (8, 16, 32) for p in (4, 8, 16) for w in (1, 2, 4)
              for sk in (0, 1, 2, 4)] if OPTS.wide and GPU else []
+SWAP_SWEEP = [(bn, p, w, s, "last", sk) for bn, w in ((64, 4), (128, 8), (128, 4)) for p in (1, 2, 4) for s in (1, 3)
+              for sk in (0, 16)] if OPTS.swap_sweep and GPU else []
+
 
 def main() -> None:
     rows = []
@@ -55,7 +62,8 @@ def main() -> None:
             rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": "cuBLAS bf16", "ms": cublas, "vs_cublas": 1.0,
                          "gbps": gbps(2 * n * k, cublas)})
             best: dict[str, tuple[float, str]] = {}
-            for cfg in q4.candidate_configs(m, fused=True) + WIDE_DP4A:
+            sweep = list(dict.fromkeys(q4.candidate_configs(m, fused=True) + WIDE_DP4A + q4.swap_configs(m, SWAP_SWEEP)))
+            for cfg in sweep:
                 try:
                     y = q4.q4_linear_triton(x, qweight, scales, None, "fused", config=cfg)
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -67,9 +75,23 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - a config that cannot run is skipped
                     print(f"[skip] {k}->{n} m={m} {cfg.name}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                     continue
+                if OPTS.swap_sweep:  # every config's time in the log, to read the sweep
+                    print(f"  {k}->{n} m={m} {cfg.name}: {ms * 1e3:.1f} us", flush=True)
                 if cfg.kernel not in best or ms < best[cfg.kernel][0]:
-                    best[cfg.kernel] = (ms, cfg.name)
-            for kernel, (ms, name) in sorted(best.items()):
+                    best[cfg.kernel] = (ms, cfg)
+            for kernel, (_, cfg) in list(best.items()):
+                if kernel == "gemv":  # quantizes its own input: no separate path
+                    continue
+                y = q4.q4_linear_triton(x, qweight, scales, None, "separate", config=cfg)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                if err > 2e-2:
+                    print(f"[FAIL] {k}->{n} m={m} {cfg.name} separate: rel err {err:.2e}", flush=True)
+                    continue
+                best[f"{kernel} separate"] = (cold_graph_ms([
+                    lambda qw=qw, sc=sc, cfg=cfg: q4.q4_linear_triton(x, qw, sc, None, "separate", config=cfg)
+                    for qw, sc in q_copies]), cfg)
+            for kernel, (ms, cfg) in sorted(best.items()):
+                name = cfg.name
                 rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": kernel, "config": name, "ms": ms,
                              "vs_cublas": cublas / ms, "gbps": gbps(q_bytes, ms)})
                 print(rows[-1], flush=True)

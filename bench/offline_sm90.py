@@ -2,14 +2,17 @@
 registers, stack (spills), shared memory and the instructions of the hot loop.
 
     python bench/offline_sm90.py sparse [--causal] [--partial-keys] [--stages 2] [--warps 4] [--sequence]
-    python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate}
+    python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
 
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
 TMA); --sequence prints the order of its TMA loads, barrier waits and MMAs in the TTGIR (how many
 load latencies run one after another). `q4gemm` builds the Q4_0 x Q8_1 tensor-core GEMM with the
 activations fused (bf16 in) or pre-quantized (Q8_1 blocks in), and prints the innermost loop's
 SASS instructions per thread and the warp-instructions per output element and K value
-(loop instructions x warps / (BLOCK_M x BLOCK_N x 64 x PAIRS)).
+(loop instructions x warps / (BLOCK_M x BLOCK_N x 64 x PAIRS)), and per weight value
+(loop instructions x warps / (BLOCK_N x 64 x PAIRS)), the figure that matters for decode, where
+BLOCK_M covers every token. --swap builds the operand-swapped decode variant (the "swap" configs)
+and prints how its dots are lowered (warpgroup MMA with A from registers, or not).
 
 Uses the installed triton's bundled cuobjdump / nvdisasm; the figures depend on the triton version
 (RESULTS.md names it).
@@ -103,18 +106,25 @@ def q4gemm(args) -> None:
     types = dict(a_ptr="*bf16" if fused else "*i8", ad_ptr="*fp16", w_ptr="*u8", ws_ptr="*fp16", bias_ptr="*bf16",
                  out_ptr="*bf16")
     consts = dict(ACT_MODE=q4.ACT_FUSED if fused else q4.ACT_PREQUANTIZED, QUOT_DTYPE=tl.float32, QMIN=-128, QMAX=127,
-                  HAS_BIAS=False, REDUCE=0, EXACT=False, BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAIRS=args.pairs)
+                  HAS_BIAS=False, REDUCE=0, EXACT=False, BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAIRS=args.pairs,
+                  SWAP_AB=args.swap, USE_ASM=True)
     div16 = ["M", "N", "K", "a_ptr", "w_ptr", "ws_ptr", "out_ptr", "stride_am", "stride_wn", "stride_wsb", "stride_om"]
     kernel = compile_sm90(q4._q4_gemm_kernel, types, consts, div16, args.warps, args.stages)
     sass, resources = sass_and_resources(kernel)
-    print(f"q4 gemm {args.mode} {args.block_m}x{args.block_n} pairs={args.pairs} warps={args.warps} "
-          f"stages={args.stages}: {resources}")
+    print(f"q4 {'swap' if args.swap else 'gemm'} {args.mode} {args.block_m}x{args.block_n} pairs={args.pairs} "
+          f"warps={args.warps} stages={args.stages}: {resources}")
+    for line in kernel.asm["ttgir"].splitlines():
+        m = re.search(r"(ttng\.warp_group_dot|tt\.dot) %\S+, %\S+, %\S+.*?: (tensor<[^>]*>>?|!ttg\.memdesc<[^>]*>)", line)
+        if m:
+            print(f"  dot: {m.group(1)} A {'registers' if m.group(2).startswith('tensor') else 'shared memory'}")
+            break
     body = loops(sass)
     if body:  # the innermost (K) loop is the first backward branch
         label, count, top = body[0]
         per_value = count * args.warps / (args.block_m * args.block_n * 64 * args.pairs)
+        per_weight = count * args.warps / (args.block_n * 64 * args.pairs)
         print(f"  K loop {label}: {count} instructions per thread per step, {per_value:.4f} warp-instructions per "
-              f"output element and K value; top {top}")
+              f"output element and K value, {per_weight:.4f} per weight value; top {top}")
 
 
 def main() -> int:
@@ -130,6 +140,7 @@ def main() -> int:
     for name in ("block_m", "block_n", "pairs", "warps", "stages"):
         p.add_argument(name, type=int)
     p.add_argument("mode", choices=("fused", "separate"))
+    p.add_argument("--swap", action="store_true")
     args = parser.parse_args()
     sparse(args) if args.kernel == "sparse" else q4gemm(args)
     return 0

@@ -332,6 +332,7 @@ def reference_q4_linear_static(x: torch.Tensor, act_scale: torch.Tensor, qweight
 # Tile configs
 # =============================================================================================
 REDUCE_MODES = ("workspace", "atomic", "last")  # TileConfig.reduce choices (split-K partial sums)
+TILE_KERNELS = ("gemm", "swap", "gemv", "dp4a")  # TileConfig.kernel choices
 
 
 @dataclass(frozen=True)
@@ -340,6 +341,9 @@ class TileConfig:
 
     kernel "gemm": tensor-core int8 tl.dot; a BLOCK_M x BLOCK_N output tile, PAIRS block pairs
       (64 K values, one 32-deep dot per block) per K step.
+    kernel "swap": the same kernel with the operands swapped for few tokens (SWAP_AB): BLOCK_N
+      weight rows on the MMA's M side (64 per warpgroup of num_warps), BLOCK_M (8 or 16) tokens on
+      its N side, the unpacked weights in registers as wgmma's A operand.
     kernel "dp4a": the decode kernel with integer dot products: the Q8_1 activations packed four
       int8 per word in registers and dp4a (4 MACs per instruction) against the nibbles of each
       weight word; same tiling fields as "gemv".
@@ -350,12 +354,12 @@ class TileConfig:
       partial sums are combined by `reduce`: "workspace" (split s writes slice s of an fp32
       [SPLIT_K, M, N] buffer; a small kernel sums the slices, adds the bias and casts) or "atomic"
       (tl.atomic_add into a zeroed fp32 [M, N] buffer, then the same small kernel with one slice), or
-      "last" (gemv/dp4a only: atomics into a persistent zeroed fp32 [M, N] buffer; the split that
-      finishes a tile last, by an arrival counter, writes the output with bias and re-zeroes its
-      part of the buffer and the counter: one launch per call).
+      "last" (atomics into a persistent zeroed fp32 [M, N] buffer; the split that finishes a tile
+      last, by an arrival counter, writes the output with bias and re-zeroes its part of the
+      buffer and the counter: one launch per call).
     """
 
-    kernel: str  # "gemm" | "gemv" | "dp4a"
+    kernel: str  # "gemm" | "swap" | "gemv" | "dp4a"
     block_m: int
     block_n: int
     pairs: int = 1
@@ -365,12 +369,12 @@ class TileConfig:
     reduce: str = "workspace"
 
     def __post_init__(self):
-        if self.kernel not in ("gemm", "gemv", "dp4a"):
-            raise ValueError(f"TileConfig.kernel {self.kernel!r} is not valid; valid choices: gemm, gemv, dp4a")
+        if self.kernel not in TILE_KERNELS:
+            raise ValueError(f"TileConfig.kernel {self.kernel!r} is not valid; valid choices: {', '.join(TILE_KERNELS)}")
         if self.reduce not in REDUCE_MODES:
             raise ValueError(f"TileConfig.reduce {self.reduce!r} is not valid; valid choices: {', '.join(REDUCE_MODES)}")
-        if self.reduce == "last" and self.kernel == "gemm":
-            raise ValueError("TileConfig.reduce 'last' is implemented by the gemv/dp4a decode kernels only")
+        if self.kernel in ("gemm", "swap") and self.pairs not in (1, 2, 4):
+            raise ValueError(f"gemm/swap configs take 1, 2 or 4 block pairs per K step, got {self.pairs}")
         if self.kernel in ("gemv", "dp4a") and (self.pairs & (self.pairs - 1) or self.block_m > GEMV_MAX_ROWS
                                       or self.block_m & (self.block_m - 1)):
             raise ValueError(f"gemv configs need power-of-two pairs and block_m (0..{GEMV_MAX_ROWS}), got {self}")
@@ -390,6 +394,8 @@ class TileConfig:
         if self.kernel in ("gemv", "dp4a"):
             return 0
         k_step = 64 * self.pairs
+        if self.kernel == "swap":  # the weights stay in registers
+            return self.num_stages * self.block_m * k_step * act_bytes + self.block_m * k_step
         staged = self.num_stages * (self.block_m * k_step * act_bytes + self.block_n * k_step // 2)
         operands = self.block_m * k_step + k_step * self.block_n
         return staged + operands
@@ -415,6 +421,22 @@ _GEMV_CONFIGS = [TileConfig("gemv", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, 
 _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
     (64, 2, 4, 3, 0, "workspace"), (128, 2, 4, 3, 0, "workspace"), (64, 4, 4, 3, 0, "atomic"),
     (32, 2, 4, 4, 0, "workspace"), (64, 2, 4, 3, 1, "workspace"))]
+# The operand-swapped decode tiles ("swap"), for token blocks of 8 or 16 (wgmma's N side); (block_n,
+# pairs, warps, stages, reduce[, split_k]). The H100 sweep (bench/results/q4_decode_h100_swap.*):
+# one warpgroup on 128 rows with 3 stages was best on all six rows (64-row tiles 1.3x slower, two
+# warpgroups 1.4x, 1 stage 1.3-1.9x); 256-row tiles need fewer instructions per weight offline
+# (0.20 against 0.29 warp-instructions at 16 tokens) at 189 registers.
+_SWAP_SHAPES = ((128, 1, 4, 3, "last", 16), (128, 1, 4, 3, "last"), (128, 2, 4, 3, "last", 16),
+                (128, 1, 4, 4, "last", 16), (256, 1, 4, 3, "last", 16), (256, 1, 4, 3, "last"))
+
+
+def swap_configs(m: int, shapes=_SWAP_SHAPES) -> list[TileConfig]:
+    """The "swap" decode configs for m tokens (one token block of 8 or 16 columns); shapes are
+    (block_n, pairs, warps, stages, reduce[, split_k]), split_k 0 (automatic) when left out."""
+    block_m = 8 if m <= 8 else 16
+    return [TileConfig("swap", block_m, *shape[:4], shape[5] if len(shape) > 5 else 0, shape[4]) for shape in shapes]
+
+
 # 64 x 256 tiles (8 warps): the fused kernel re-quantizes its activation tile once per N tile, so
 # wider N tiles halve that work. Offline sm_90 compile (triton 3.9), warp-instructions per output
 # element and K value: 0.0096 fused / 0.0070 separate, against 0.0135 / 0.0075 at 64 x 128.
@@ -435,7 +457,7 @@ def candidate_configs(m: int, fused: bool) -> list[TileConfig]:
             decode = [c for c in _GEMV_CONFIGS if m <= GEMV_MAX_TOKENS or c.kernel == "dp4a"]
         else:  # Q8_1 blocks in: the dp4a kernel reads them as they are (the fp32 gemv kernel cannot)
             decode = [c for c in _GEMV_CONFIGS if c.kernel == "dp4a"]
-        return decode + _DECODE_GEMM_CONFIGS
+        return decode + _DECODE_GEMM_CONFIGS + swap_configs(m)
     if m <= 64:
         return _MID_CONFIGS
     return _LARGE_CONFIGS
@@ -581,19 +603,59 @@ def _write_output(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k,
 
 
 @triton.jit
+def _nibble_planes(wb, USE_ASM: tl.constexpr):
+    """uint8 bytes -> (low nibbles, high nibbles) as int8 in [0, 15]. USE_ASM: one 32-bit op per
+    four bytes (the operation is bytewise, so any four elements may share a register; plain int8
+    arithmetic is scalarized into byte extracts and inserts)."""
+    if USE_ASM:
+        lo = tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [wb], dtype=tl.int8,
+                                       is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r",
+                                       [wb], dtype=tl.int8, is_pure=True, pack=4)
+        return lo, hi
+    else:
+        return (wb & 0xF).to(tl.int8), (wb >> 4).to(tl.int8)
+
+
+@triton.jit
+def _pair_scales(scales, I: tl.constexpr, PAIRS: tl.constexpr):
+    """(BN, 2 * PAIRS) scales of a K step -> the (BN,) scales of blocks 2I and 2I + 1 (PAIRS 1, 2
+    or 4; register splits, no memory traffic)."""
+    BN: tl.constexpr = scales.shape[0]
+    if PAIRS == 1:
+        pair = scales
+    else:
+        by_pair = tl.permute(tl.reshape(scales, (BN, PAIRS, 2)), (0, 2, 1))  # (BN, block of the pair, pair)
+        if PAIRS == 4:
+            even, odd = tl.split(tl.reshape(by_pair, (BN, 2, 2, 2)))  # pairs 0, 2 and pairs 1, 3
+            first, second = tl.split(odd if I % 2 == 1 else even)
+            pair = second if I // 2 == 1 else first
+        else:
+            first, second = tl.split(by_pair)
+            pair = second if I == 1 else first
+    return tl.split(pair)
+
+
+@triton.jit
 def _q4_gemm_kernel(
     a_ptr, ad_ptr,  # activations (see _load_act_block)
     w_ptr, ws_ptr,  # qweight (N, Kp/2) uint8, scales (Kp/32, N) fp16
     bias_ptr, out_ptr,  # bias (N,); out (M, N), or the fp32 buffers of REDUCE (see _write_output)
+    acc_ptr, counter_ptr,  # REDUCE_LAST: the persistent fp32 (M, N) sums and per-tile arrival counters
     M, N, K, pairs_per_split,
     stride_am, stride_adm, stride_wn, stride_wsb, stride_os, stride_om,
     ACT_MODE: tl.constexpr, QUOT_DTYPE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
     HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
+    SWAP_AB: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     """out[m, n] = sum_b d4[b, n] * (a_scale[m, b] * dot(q8, q4u)[m, n] - 8 * a_sum[m, b]), one int8
     tl.dot of depth 32 per block, int32 per block, fp32 across blocks. Program (i, j, s) owns the
-    output tile (i, j) and the block pairs [s * pairs_per_split, (s + 1) * pairs_per_split)."""
+    output tile (i, j) and the block pairs [s * pairs_per_split, (s + 1) * pairs_per_split).
+    SWAP_AB (the "swap" configs, few tokens): the transposed product dot(q4u, q8^T), so the weight
+    rows fill the MMA's M side (wgmma's 64 rows per warpgroup) and the few tokens its N side (8 or
+    16), and the unpacked nibbles stay in registers as wgmma's A operand (no shared-memory round
+    trip for the weights); the accumulator is (BLOCK_N, BLOCK_M) until the store."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -602,31 +664,62 @@ def _q4_gemm_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     offs_j = tl.arange(0, 32)
-    w_rows = w_ptr + offs_n[None, :] * stride_wn + offs_j[:, None]  # (32, BN): byte j of row n
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        w_rows = w_ptr + offs_n[:, None] * stride_wn + offs_j[None, :]  # (BN, 32): byte j of row n
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        w_rows = w_ptr + offs_n[None, :] * stride_wn + offs_j[:, None]  # (32, BN)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     num_pairs = tl.cdiv(K, 64)
     p_begin = pid_k * pairs_per_split
     p_end = tl.minimum(p_begin + pairs_per_split, num_pairs)
+    # The K step's 2 * PAIRS block scales per row, one (BN, 2 * PAIRS) load prefetched a step ahead
+    # in registers: Triton's pipeliner stages only loads that feed a dot, and synchronous scale
+    # loads exposed one memory latency per K step.
+    offs_c = tl.arange(0, 2 * PAIRS)
+    scale_tile = ws_ptr + offs_c[None, :] * stride_wsb + offs_n[:, None]  # (BN, 2 PAIRS): blocks 2 p0 + c
+    d4_step = tl.load(scale_tile + 2 * p_begin * stride_wsb,
+                      mask=n_mask[:, None] & (2 * p_begin + offs_c < 2 * p_end)[None, :], other=0.0)
     for p0 in range(p_begin, p_end, PAIRS):
+        nxt = p0 + PAIRS  # past the split's last pair: masked, no traffic
+        d4_next = tl.load(scale_tile + 2 * nxt * stride_wsb,
+                          mask=n_mask[:, None] & (2 * nxt + offs_c < 2 * p_end)[None, :], other=0.0)
+        d4_f32 = d4_step.to(tl.float32)
         for i in tl.static_range(PAIRS):
             p = p0 + i
             live = n_mask & (offs_n * 0 + p < p_end)  # (BN,): past the last pair, load nothing
-            wb = tl.load(w_rows + p * 32, mask=live[None, :], other=0)  # (32, BN) uint8
-            w_lo = (wb & 0xF).to(tl.int8)  # block 2p
-            w_hi = (wb >> 4).to(tl.int8)  # block 2p + 1
-            d4_lo = tl.load(ws_ptr + (2 * p) * stride_wsb + offs_n, mask=live, other=0.0).to(tl.float32)
-            d4_hi = tl.load(ws_ptr + (2 * p + 1) * stride_wsb + offs_n, mask=live, other=0.0).to(tl.float32)
+            if SWAP_AB:
+                wb = tl.load(w_rows + p * 32, mask=live[:, None], other=0)  # (BN, 32) uint8
+            else:
+                wb = tl.load(w_rows + p * 32, mask=live[None, :], other=0)  # (32, BN) uint8
+            w_lo, w_hi = _nibble_planes(wb, USE_ASM)  # blocks 2p and 2p + 1
+            d4_lo, d4_hi = _pair_scales(d4_f32, i, PAIRS)
             q_lo, sc_lo, sum_lo = _load_act_block(a_ptr, ad_ptr, offs_m, m_mask, 2 * p, K, stride_am, stride_adm,
                                                   ACT_MODE, QUOT_DTYPE, QMIN, QMAX, EXACT)
             q_hi, sc_hi, sum_hi = _load_act_block(a_ptr, ad_ptr, offs_m, m_mask, 2 * p + 1, K, stride_am, stride_adm,
                                                   ACT_MODE, QUOT_DTYPE, QMIN, QMAX, EXACT)
             # |dot| <= 32 * 15 * 128 < 2^22: the exact integer -> float trick applies
-            dot_lo = _int_to_float(tl.dot(q_lo.to(tl.int8), w_lo, out_dtype=tl.int32))  # (BM, BN)
-            dot_hi = _int_to_float(tl.dot(q_hi.to(tl.int8), w_hi, out_dtype=tl.int32))
-            acc += d4_lo[None, :] * (sc_lo[:, None] * dot_lo - 8.0 * sum_lo[:, None])
-            acc += d4_hi[None, :] * (sc_hi[:, None] * dot_hi - 8.0 * sum_hi[:, None])
-    _write_output(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_os, stride_om,
-                  HAS_BIAS, REDUCE)
+            if SWAP_AB:
+                dot_lo = _int_to_float(tl.dot(w_lo, tl.trans(q_lo.to(tl.int8)), out_dtype=tl.int32))  # (BN, BM)
+                dot_hi = _int_to_float(tl.dot(w_hi, tl.trans(q_hi.to(tl.int8)), out_dtype=tl.int32))
+                acc += d4_lo[:, None] * (sc_lo[None, :] * dot_lo - 8.0 * sum_lo[None, :])
+                acc += d4_hi[:, None] * (sc_hi[None, :] * dot_hi - 8.0 * sum_hi[None, :])
+            else:
+                dot_lo = _int_to_float(tl.dot(q_lo.to(tl.int8), w_lo, out_dtype=tl.int32))  # (BM, BN)
+                dot_hi = _int_to_float(tl.dot(q_hi.to(tl.int8), w_hi, out_dtype=tl.int32))
+                acc += d4_lo[None, :] * (sc_lo[:, None] * dot_lo - 8.0 * sum_lo[:, None])
+                acc += d4_hi[None, :] * (sc_hi[:, None] * dot_hi - 8.0 * sum_hi[:, None])
+        d4_step = d4_next
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    if REDUCE == 3:  # REDUCE_LAST
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        finish_split_tile(acc, acc_ptr + tile, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                          m_mask[:, None] & n_mask[None, :], bias_ptr + offs_n[None, :], n_mask[None, :],
+                          counter_ptr + pid_m * tl.num_programs(1) + pid_n, tl.num_programs(2), HAS_BIAS)
+    else:
+        _write_output(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_os, stride_om,
+                      HAS_BIAS, REDUCE)
 
 
 @triton.jit
@@ -940,10 +1033,11 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
             num_stages=config.num_stages)
     else:
         _q4_gemm_kernel[(tiles_m, tiles_n, split)](
-            a, ad, qweight, scales, bias_arg, dest, m, n, k, pairs_per_split,
+            a, ad, qweight, scales, bias_arg, dest, acc_buf, counters, m, n, k, pairs_per_split,
             stride_am, stride_adm, qweight.stride(0), scales.stride(0), stride_os, stride_om,
             ACT_MODE=act_mode, QUOT_DTYPE=quot_dtype, QMIN=qmin, QMAX=qmax, HAS_BIAS=has_bias, REDUCE=reduce,
             EXACT=_exact_mul(), BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAIRS=config.pairs,
+            SWAP_AB=config.kernel == "swap", USE_ASM=not _interpreting(),
             num_warps=config.num_warps, num_stages=config.num_stages)
     if dest is not out:
         splits = split if reduce == REDUCE_WORKSPACE else 1

@@ -178,9 +178,14 @@ def test_triton_q8_1_rounding_ties_match_hand_built_ggml_blocks():
 GEMM_CONFIGS = [q4.TileConfig("gemm", 16, 32, 2, 4, 3), q4.TileConfig("gemm", 32, 16, 1, 4, 2)]
 SPLIT_GEMM_CONFIGS = [q4.TileConfig("gemm", 16, 32, 1, 4, 2, split_k=3, reduce="workspace"),
                       q4.TileConfig("gemm", 16, 16, 2, 4, 2, split_k=0, reduce="atomic")]
+# the operand-swapped decode variant: weights on the MMA's M side; single-launch split-K too
+SWAP_CONFIGS = [q4.TileConfig("swap", 16, 32, 2, 4, 1),
+                q4.TileConfig("swap", 8, 16, 1, 4, 2, split_k=3, reduce="last"),
+                q4.TileConfig("swap", 16, 16, 2, 4, 1, split_k=0, reduce="workspace"),
+                q4.TileConfig("swap", 16, 16, 4, 4, 1, split_k=2, reduce="last")]  # 4 pairs a step: scale picks
 
 
-@pytest.mark.parametrize("config", GEMM_CONFIGS + SPLIT_GEMM_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("config", GEMM_CONFIGS + SPLIT_GEMM_CONFIGS + SWAP_CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("m,n,k", [(5, 40, 96), (17, 24, 224)])  # odd sizes: partial tiles, odd block count
 def test_fused_kernel_equals_dequantize_then_matmul(config, m, n, k):
     x, qweight, scales, bias = _problem(m, n, k, torch.float32, seed=m)
@@ -206,7 +211,8 @@ def test_decode_gemv_kernel_equals_dequantize_then_matmul(config, m, n, k):
     _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
 
 
-@pytest.mark.parametrize("config", [GEMV_CONFIGS[1], GEMV_CONFIGS[5], SPLIT_GEMM_CONFIGS[1]], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", [GEMV_CONFIGS[1], GEMV_CONFIGS[5], SPLIT_GEMM_CONFIGS[1], SWAP_CONFIGS[1]],
+                         ids=lambda c: c.name)
 def test_split_k_bf16_output_with_bias(config):
     x, qweight, scales, bias = _problem(2, 24, 128, torch.bfloat16, seed=6)
     y = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
@@ -229,7 +235,8 @@ def test_last_split_buffers_are_rearmed_between_calls():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
 @pytest.mark.parametrize("config", [q4.TileConfig("dp4a", 0, 16, 8, 1, 1, split_k=4, reduce="last"),
-                                    q4.TileConfig("dp4a", 2, 32, 4, 1, 1, split_k=0, reduce="last")], ids=lambda c: c.name)
+                                    q4.TileConfig("dp4a", 2, 32, 4, 1, 1, split_k=0, reduce="last"),
+                                    q4.TileConfig("swap", 8, 64, 1, 4, 1, split_k=0, reduce="last")], ids=lambda c: c.name)
 def test_last_split_counters_under_concurrency(config):
     """Many N tiles, several token tiles and K splits in flight at once (the interpreter runs
     programs one after another, so a shared or misindexed arrival counter only races here)."""
@@ -249,9 +256,7 @@ def test_split_k_program_count_and_pairs():
 def test_tile_config_rejects_invalid_choices():
     with pytest.raises(ValueError, match="valid choices: workspace, atomic, last"):
         q4.TileConfig("gemv", 0, 32, 4, reduce="tree")
-    with pytest.raises(ValueError, match="decode kernels only"):
-        q4.TileConfig("gemm", 16, 32, reduce="last")
-    with pytest.raises(ValueError, match="valid choices: gemm, gemv"):
+    with pytest.raises(ValueError, match="valid choices: gemm, swap, gemv, dp4a"):
         q4.TileConfig("mma", 16, 32)
     with pytest.raises(ValueError, match="power-of-two"):
         q4.TileConfig("gemv", 0, 32, 3)
@@ -260,7 +265,8 @@ def test_tile_config_rejects_invalid_choices():
         q4.q4_q8_gemm_triton(q4.quantize_q8_1(x), qweight, scales, None, torch.float32, config=GEMV_CONFIGS[0])
 
 
-@pytest.mark.parametrize("config", [GEMM_CONFIGS[0], SPLIT_GEMM_CONFIGS[0]] + GEMV_CONFIGS[3:6], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", [GEMM_CONFIGS[0], SPLIT_GEMM_CONFIGS[0], SWAP_CONFIGS[1]] + GEMV_CONFIGS[3:6],
+                         ids=lambda c: c.name)
 @pytest.mark.parametrize("m,k", [(6, 96), (16, 160)])  # odd block counts: the last pair has no second block
 def test_separate_integer_gemm_equals_dequantize_then_matmul(config, m, k):
     """Q8_1 blocks in: the tensor-core GEMM, and the dp4a decode kernel reading the blocks as words."""
@@ -279,13 +285,14 @@ def test_bf16_activations_through_the_fused_kernel():
     assert 10 * math.log10(dense.pow(2).sum() / noise) > 30  # Q8_1 activations cost little
 
 
+@pytest.mark.parametrize("config", [GEMM_CONFIGS[1], SWAP_CONFIGS[1]], ids=lambda c: c.name)
 @pytest.mark.parametrize("per_row", [False, True])
-def test_static_scale_kernel_matches_fake_quant_idiom(per_row):
+def test_static_scale_kernel_matches_fake_quant_idiom(per_row, config):
     x, qweight, scales, bias = _problem(5, 24, 64, torch.float32, seed=5)
     s = x.abs().amax(-1, keepdim=True) / 100 if per_row else torch.tensor(0.015, device=x.device)
     w = q4.dequantize_packed(qweight, scales, 64)
     idiom = (torch.round(x / s).clamp(-128, 127) * s) @ w.T + bias
-    y = q4.q4_linear_static_triton(x, s, qweight, scales, bias, -128, 127, config=GEMM_CONFIGS[1])
+    y = q4.q4_linear_static_triton(x, s, qweight, scales, bias, -128, 127, config=config)
     _assert_close_fp32_sum(y, idiom.double(), torch.float32)
     _assert_close_fp32_sum(q4.reference_q4_linear_static(x, s, qweight, scales, bias), idiom.double(), torch.float32)
 
