@@ -53,8 +53,7 @@ KERNELS = [k.strip() for k in OPTS.kernels.split(",") if k.strip()]
 def candidates(kernel: str, m: int) -> list[KernelConfig]:
     mma = kernel == "word-mma"
     if not GPU:
-        return [KernelConfig(16, 16 if mma else fp4._token_bucket(min(m, 4)), 128, split_k=2, num_stages=st)
-                for st in ((1, 2) if mma else (1,))]
+        return [KernelConfig(16, 16 if mma else fp4._token_bucket(min(m, 4)), 128, split_k=2, num_stages=1)]
     if kernel == "word":
         if m > 4:
             return []  # 4 tokens per program re-read W per 4 tokens: far slower than word-mma there
@@ -67,8 +66,8 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
         if OPTS.wide:
             return [KernelConfig(bn, 16, bk, sk, num_warps=w, num_stages=1)
                     for bn in (64, 128, 256) for bk in (64, 128, 256) for w in (4, 8) for sk in (4, 8, 16)]
-        return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=st)  # 2: register prefetch (PREFETCH)
-                for bn in (64, 128) for bk in (128, 256) for sk in (4, 8, 16) for st in (1, 2)]
+        return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
+                for bn in (64, 128) for bk in (128, 256) for sk in (4, 8, 16)]
     raise ValueError(f"unknown kernel {kernel!r}; valid choices: word, word-mma")
 
 

@@ -63,8 +63,9 @@ def _fp4_rows(source: str = "h200"):
 
 
 Q4_RUNS = {"h200": ("q4_h200_round2.json",),  # six shapes, 1-4096 tokens
-           # the issue's two shapes: decode (session 10: chained dp4a, separate path with it) and prefill
-           "h100": ("q4_h100_session10_chained_dp4a.json", "q4_h100_session9_prefill.json")}
+           # the issue's two shapes, decode and prefill (session 13: the operand-swapped decode GEMM at
+           # 4-16 tokens, scale tiles prefetched in the int8 GEMM)
+           "h100": ("q4_h100_session13_decode.json", "q4_h100_session13_prefill.json")}
 
 
 def _q4_rows(source: str = "h200"):
@@ -144,8 +145,13 @@ def test_fp4_decode_rewritten_where_measured_clearly_faster_on_h100():
 
 
 def test_q4_predicted_faster_or_slower_agrees_with_h200():
+    """Prefill rows only: the H200 round-2 decode rows (1-16 tokens) timed kernels replaced since
+    (session 10's chained dp4a, session 13's operand-swapped GEMM, which the model now predicts);
+    the H100 test below checks decode against the current kernels."""
     agree, total, disagreements = 0, 0, []
     for k, n, tokens, ms in _q4_rows():
+        if tokens < 64:
+            continue
         before, _, _, fused, separate = q4_linear.predict_linear(H200, tokens, k, n)
         for variant, est in (("fused", fused), ("separate", separate)):
             measured_faster, predicted_faster = ms[variant] < ms["cublas_bf16"], est.ms < before.ms
@@ -153,16 +159,17 @@ def test_q4_predicted_faster_or_slower_agrees_with_h200():
             total += 1
             if measured_faster != predicted_faster:
                 disagreements.append((k, n, tokens, variant))
-    assert total == 72 and agree >= 0.9 * total, f"{agree}/{total} agree; wrong: {disagreements}"
+    assert total == 36 and agree >= 0.9 * total, f"{agree}/{total} agree; wrong: {disagreements}"
 
 
 def test_q4_pass_declines_every_linear_measured_slower_than_cublas():
-    """H200 round 2. Its 4-token rows timed the dp4a kernel before session 10 chained its dp4a
-    (H100: 4 tokens 1.05-1.15x -> 1.61-1.62x); the model now predicts that kernel, so those rows
-    are left out here (the H100 test checks 4 tokens)."""
+    """H200 round 2. Its 4- and 16-token rows timed decode kernels replaced since (session 10's
+    chained dp4a, session 13's operand-swapped GEMM: H100 4 tokens 1.05-1.15x -> 1.65-1.74x, 16
+    tokens 0.90-1.02x -> 1.30-1.54x); the model now predicts those, so the rows are left out here
+    (the H100 test checks them)."""
     applied = []
     for k, n, tokens, ms in _q4_rows():
-        if tokens == 4:
+        if tokens in (4, 16):
             continue
         before, after, mode, _, _ = q4_linear.predict_linear(H200, tokens, k, n)
         if not after.ms < before.ms:  # Q4LinearPass.accept: rewrite when predicted faster
@@ -174,17 +181,19 @@ def test_q4_pass_declines_every_linear_measured_slower_than_cublas():
     assert sorted(applied) == sorted((k, n, 1) for k, n, t, _ in _q4_rows() if t == 1)
 
 
-def test_q4_h100_rewrites_the_measured_wins_and_declines_the_ties():
-    """H100, the issue's two shapes: the pass takes the 1- and 4-token layers (session 10: 2.50-2.55x
-    cuBLAS fused at 1 token, 1.61-1.62x separate at 4) and declines the 16-token ones, where both
-    modes only tie cuBLAS (0.90-1.02x), and every prefill row (0.10-0.49x)."""
+def test_q4_h100_rewrites_the_measured_wins_and_declines_the_losses():
+    """H100, the issue's two shapes (session 13): the pass takes every decode layer (1 token
+    2.33-2.55x cuBLAS, 4 tokens 1.65-1.74x, 16 tokens 1.30-1.54x with the operand-swapped GEMM) and
+    declines every prefill row (0.10-0.57x); each decode estimate is within 0.8-1.25x of the
+    measured time of the mode it picks."""
     rows = _q4_rows("h100")
     assert len(rows) == 12
     for k, n, tokens, ms in rows:
         before, after, mode, _, _ = q4_linear.predict_linear(H100, tokens, k, n)
-        assert (after.ms < before.ms) == (tokens <= 4), (k, n, tokens, after.ms, before.ms)
-        if tokens <= 4:
-            assert ms["cublas_bf16"] / ms[mode] >= 1.04
+        assert (after.ms < before.ms) == (tokens <= 16), (k, n, tokens, after.ms, before.ms)
+        if tokens <= 16:
+            assert ms["cublas_bf16"] / ms[mode] >= 1.25
+            assert 0.8 <= after.ms / ms[mode] <= 1.25, (k, n, tokens, after.ms, ms[mode])
 
 
 @pytest.mark.parametrize("source,hw", [("h200", H200), ("h100", H100)])

@@ -806,9 +806,7 @@ def _interpreting() -> bool:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile sizes of one launch. BLOCK_K is in elements (a multiple of the scale block).
-    num_stages of the tensor-core decode kernel (BLOCK_M 16): 1 loads each tile when it is used,
-    2 prefetches the next tile into registers (Triton itself always runs that kernel at 1)."""
+    """Tile sizes of one launch. BLOCK_K is in elements (a multiple of the scale block)."""
 
     block_n: int
     block_m: int
@@ -837,11 +835,9 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     + tuple(KernelConfig(8, bm, bk, sk, num_warps=w, num_stages=1)
             for bm in FMA_BLOCK_M for bk, w in ((1024, 4), (512, 2), (256, 1)) for sk in (1, 2, 4))
     + tuple(KernelConfig(16, bm, 64, 1, num_warps=4, num_stages=1) for bm in FMA_BLOCK_M)
-    + tuple(KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=st)
-            for bn, bk, sk, st in ((64, 128, 4, 1), (64, 128, 8, 1), (64, 128, 16, 1), (128, 256, 4, 1),
-                                   (128, 256, 8, 1), (128, 256, 16, 1),
-                                   # num_stages 2: register prefetch of the next tile (PREFETCH)
-                                   (64, 128, 8, 2), (64, 128, 16, 2), (128, 256, 8, 2), (128, 256, 16, 2)))
+    + tuple(KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
+            for bn, bk, sk in ((64, 128, 4), (64, 128, 8), (64, 128, 16), (128, 256, 4), (128, 256, 8),
+                               (128, 256, 16)))
 )
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
@@ -1164,7 +1160,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_sn, stride_om,
         IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
-        UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr, PREFETCH: tl.constexpr,
+        UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr,
     ):
         """Decode on tensor cores, up to BLOCK_M (16) tokens per program, on the word tile of
         _fp4_gemv_words_kernel. Per shift of the words, the two decoded codes of each word are one
@@ -1172,11 +1168,9 @@ if triton is not None:
         activations are loaded once per tile, contiguous, and split into the matching pieces in
         registers. DIRECT_BF16 (NVFP4, bf16 activations): codes times block scale in one bf16x2
         multiply (_bf16_scaled_pair), otherwise fp32 products rounded to the activation dtype.
-        The weights are decoded in the MMA's register layout; Triton's num_stages must stay 1, since
-        its pipeliner would stage the decoded tile through shared memory (H100: 0.92-0.96x
-        cuBLAS at 1-16 tokens against 1.18-1.40x). PREFETCH (a config's num_stages 2): the next
-        tile's activations, words and scale bytes are loaded into registers one iteration ahead,
-        so their latency overlaps this tile's decode and MMAs. Split-K as in _fp4_gemv_words_kernel."""
+        The weights are decoded in the MMA's register layout; num_stages must stay 1, since
+        Triton's pipeliner would stage the decoded tile through shared memory (H100: 0.92-0.96x
+        cuBLAS at 1-16 tokens against 1.18-1.40x). Split-K as in _fp4_gemv_words_kernel."""
         WPB: tl.constexpr = BLOCK_SIZE // 8
         W: tl.constexpr = WORDS_PER_ITER
         pid_n = tl.program_id(0)
@@ -1190,26 +1184,12 @@ if triton is not None:
         dtype: tl.constexpr = x_ptr.dtype.element_ty
 
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if PREFETCH:  # the first tile; each iteration then loads the next one before its MMAs
-            k_first = it_start * (8 * W)
-            x_next = tl.load(x_ptrs + k_first, mask=m_mask[:, None] & (offs_k[None, :] + k_first < K), other=0.0)
-            words_next = tl.load(word_ptrs + it_start * W)
-            scale_bytes_next = tl.load(scale_ptrs + it_start * (W // WPB))
         for it in range(it_start, it_end):
-            if PREFETCH:
-                x, words, scale_bytes = x_next, words_next, scale_bytes_next
-                nxt = tl.minimum(it + 1, it_end - 1)  # the last iteration re-reads its own tile
-                x_next = tl.load(x_ptrs + nxt * (8 * W), mask=m_mask[:, None] & (offs_k[None, :] + nxt * (8 * W) < K),
-                                 other=0.0)
-                words_next = tl.load(word_ptrs + nxt * W)
-                scale_bytes_next = tl.load(scale_ptrs + nxt * (W // WPB))
-            else:
-                k0 = it * (8 * W)
-                x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (offs_k[None, :] + k0 < K), other=0.0)
-                words = tl.load(word_ptrs + it * W)
-                scale_bytes = tl.load(scale_ptrs + it * (W // WPB))
+            k0 = it * (8 * W)
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (offs_k[None, :] + k0 < K), other=0.0)
             x0, x1, x2, x3, x4, x5, x6, x7 = _split_positions(x, BLOCK_SIZE)
-            block_scale = _block_scales(scale_bytes, IS_NVFP4)
+            words = tl.load(word_ptrs + it * W)
+            block_scale = _block_scales(tl.load(scale_ptrs + it * (W // WPB)), IS_NVFP4)
             if DIRECT_BF16:
                 scale_pair = _bf16_scale_pair(block_scale)
                 lo, hi = _bf16_scaled_pair(words, 0, scale_pair, USE_ASM)
@@ -1456,7 +1436,6 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         if cfg.block_m in FMA_BLOCK_M:
             _fp4_gemv_words_kernel[grid](*args, USE_ASM=not _interpreting(), **common)
         else:
-            common.update(num_stages=1, PREFETCH=cfg.num_stages > 1)  # see the kernel's docstring
             _fp4_gemv_words_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),
                                              DIRECT_BF16=format == "nvfp4" and x2.dtype == torch.bfloat16, **common)
         return out

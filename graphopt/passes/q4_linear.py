@@ -17,11 +17,12 @@ Three rewrites, run in this order over the graph:
    with the mode the cost model picks (option q4_mode: auto | fused | separate), or keep the
    dense layer where dense bf16 is predicted faster (large token counts).
 
-Where it wins (bench/results/q4_h200_round2.json, H200, LLaMA shapes, weights L2-cold): only at
-1 token, where the fused gemv kernel beats cuBLAS bf16 by 1.02-1.17x. From 4 tokens on the int8
-GEMM kernel (fused or separate) is slower: 0.6-0.8x at 4-16 tokens, 0.25-0.4x at 64, ~0.1x at
-256-4096. The default cost model (fitted to that run; tests/test_cost_model_measured.py) therefore
-rewrites decode (1-token) linears and declines everything else unless force=True.
+Where it wins (H100, the issue's two shapes, weights L2-cold; bench/results/q4_h100_session13_*.json):
+decode. 1 token 2.3-2.6x cuBLAS bf16 (the dp4a kernel), 4 tokens 1.65-1.74x and 16 tokens
+1.30-1.54x (the operand-swapped "swap" GEMM). From 64 tokens on the int8 GEMM is slower than
+cuBLAS (0.57x at 64, 0.10-0.20x at 256-4096). The cost model (tests/test_cost_model_measured.py)
+therefore rewrites decode linears and declines prefill unless force=True. (The H200 round-2 run,
+bench/results/q4_h200_round2.json, timed earlier decode kernels: 1.02-1.17x at 1 token only.)
 
 Cost model (estimate_* below, on graphopt.cost_model.roofline; family q4_gemv for the gemv kernel,
 q4_gemm for the int8 GEMM kernel at any token count):
@@ -125,6 +126,25 @@ def split_k(hw: HardwareSpec, config: q4k.TileConfig, tokens: int, in_features: 
     return math.ceil(pairs / per_split)
 
 
+def _gemm_family(config: q4k.TileConfig) -> str:
+    """Cost-model family of a tensor-core config: the operand-swapped decode kernel streams its
+    weights through a cp.async pipeline into registers and has its own fitted rates."""
+    return "q4_swap" if config.kernel == "swap" else "q4_gemm"
+
+
+def _gemm_launches(config: q4k.TileConfig, splits: int) -> int:
+    """Launches of a tensor-core config: + the split-K sum kernel, except with reduce="last"."""
+    return 1 if splits == 1 or config.reduce == "last" else 2
+
+
+def _partial_bytes(config: q4k.TileConfig, splits: int, m: int, n: int) -> float:
+    """fp32 split-K partials: atomics into one (M, N) buffer read back once ("last"), or written
+    per split and read back by the sum kernel."""
+    if splits == 1:
+        return 0.0
+    return 4 * (splits + 2) * m * n if config.reduce == "last" else 2 * 4 * splits * m * n
+
+
 def _kernel(hw: HardwareSpec, name: str, family: str, *, int8_ops: float, fp32_ops: float, moved: float,
             launches: int = 1, memory_derate: float = 1.0) -> Estimate:
     """One kernel doing tensor-core int8 work, CUDA-core fp32 work and memory traffic."""
@@ -173,12 +193,12 @@ def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_featu
         return _decode_estimate(hw, config, m, k, n, act_in_bytes=m * k * act_bytes, act_bytes=act_bytes, bias=bias,
                                 per_program_ops_per_value=QUANT_OPS_PER_VALUE, label="Q4 fused GEMV (decode")
     splits = split_k(hw, config, m, k, n)
-    launches = 1 if splits == 1 else 2  # + the split-K sum
+    launches = _gemm_launches(config, splits)
     # fewer programs than SMs leave SMs idle: the memory rate scales with the filled fraction
     fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
     moved = _weight_bytes(n, k) + m * k * act_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
-        + (2 * 4 * splits * m * n if splits > 1 else 0)  # fp32 partials written and read back
-    family = "q4_gemm"
+        + _partial_bytes(config, splits, m, n)
+    family = _gemm_family(config)
     m_pad = config.block_m * math.ceil(m / config.block_m)
     occupancy = ctas_per_sm(hw, config, act_bytes)
     if occupancy < 1:
@@ -205,15 +225,15 @@ def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_fe
                                 per_program_ops_per_value=PREQUANT_SUM_OPS_PER_VALUE, label="Q4xQ8_1 dp4a GEMV (decode")
         return cost_model.chain("Q4 separate (quantize + dp4a GEMV)", quant, gemv)
     m_pad = config.block_m * math.ceil(m / config.block_m)
-    family = "q4_gemm"
+    family = _gemm_family(config)
     splits = split_k(hw, config, m, k, n)
     moved = _weight_bytes(n, k) + q8_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
-        + (2 * 4 * splits * m * n if splits > 1 else 0)
+        + _partial_bytes(config, splits, m, n)
     fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + m_pad * k * math.ceil(n / config.block_n) \
         + GEMM_UNPACK_OPS_PER_WEIGHT * n * k * (m_pad // config.block_m)  # + row sums, + nibble unpack
     fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
     gemm = _kernel(hw, f"Q4xQ8_1 GEMM ({config.name})", family, int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved,
-                   launches=1 if splits == 1 else 2, memory_derate=fill)
+                   launches=_gemm_launches(config, splits), memory_derate=fill)
     return cost_model.chain("Q4 separate (quantize + GEMM)", quant, gemm)
 
 
