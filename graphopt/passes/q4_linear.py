@@ -20,7 +20,7 @@ Three rewrites, run in this order over the graph:
 Where it wins (H100, the issue's two shapes, weights L2-cold; bench/results/q4_h100_session13_*.json):
 decode. 1 token 2.3-2.6x cuBLAS bf16 (the dp4a kernel), 4 tokens 1.65-1.74x and 16 tokens
 1.30-1.54x (the operand-swapped "swap" GEMM). From 64 tokens on the int8 GEMM is slower than
-cuBLAS (0.57x at 64, 0.10-0.20x at 256-4096). The cost model (tests/test_cost_model_measured.py)
+cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/test_cost_model_measured.py)
 therefore rewrites decode linears and declines prefill unless force=True. (The H200 round-2 run,
 bench/results/q4_h200_round2.json, timed earlier decode kernels: 1.02-1.17x at 1 token only.)
 
