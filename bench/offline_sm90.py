@@ -104,7 +104,7 @@ def q4gemm(args) -> None:
 
     fused = args.mode == "fused"
     types = dict(a_ptr="*bf16" if fused else "*i8", ad_ptr="*fp16", w_ptr="*u8", ws_ptr="*fp16", bias_ptr="*bf16",
-                 out_ptr="*bf16")
+                 out_ptr="*bf16", acc_ptr="*fp32", counter_ptr="*i32")
     consts = dict(ACT_MODE=q4.ACT_FUSED if fused else q4.ACT_PREQUANTIZED, QUOT_DTYPE=tl.float32, QMIN=-128, QMAX=127,
                   HAS_BIAS=False, REDUCE=0, EXACT=False, BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAIRS=args.pairs,
                   SWAP_AB=args.swap, USE_ASM=True)
@@ -114,9 +114,12 @@ def q4gemm(args) -> None:
     print(f"q4 {'swap' if args.swap else 'gemm'} {args.mode} {args.block_m}x{args.block_n} pairs={args.pairs} "
           f"warps={args.warps} stages={args.stages}: {resources}")
     for line in kernel.asm["ttgir"].splitlines():
-        m = re.search(r"(ttng\.warp_group_dot|tt\.dot) %\S+, %\S+, %\S+.*?: (tensor<[^>]*>>?|!ttg\.memdesc<[^>]*>)", line)
+        m = re.search(r"ttng\.warp_group_dot %\S+, %\S+, %\S+.*?: (tensor<|!ttg\.memdesc<)", line)
         if m:
-            print(f"  dot: {m.group(1)} A {'registers' if m.group(2).startswith('tensor') else 'shared memory'}")
+            print(f"  dot: warpgroup MMA, A from {'registers' if m.group(1) == 'tensor<' else 'shared memory'}")
+            break
+        if re.search(r"\btt\.dot ", line):
+            print("  dot: tt.dot (mma.sync, not a warpgroup MMA)")
             break
     body = loops(sass)
     if body:  # the innermost (K) loop is the first backward branch

@@ -24,8 +24,8 @@ cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/t
 therefore rewrites decode linears and declines prefill unless force=True. (The H200 round-2 run,
 bench/results/q4_h200_round2.json, timed earlier decode kernels: 1.02-1.17x at 1 token only.)
 
-Cost model (estimate_* below, on graphopt.cost_model.roofline; family q4_gemv for the gemv kernel,
-q4_gemm for the int8 GEMM kernel at any token count):
+Cost model (estimate_* below, on graphopt.cost_model.roofline; family q4_gemv for the gemv/dp4a
+kernels, q4_swap for the operand-swapped decode GEMM, q4_gemm for the int8 GEMM otherwise):
 the fused kernel reads bf16 activations once per N tile and quantizes them again in every N tile
 (CUDA-core work that grows with M*K*N/BLOCK_N), and stages bf16 rather than int8 activation tiles
 in shared memory; when that leaves one resident CTA per SM, its memory rate is derated
@@ -132,9 +132,14 @@ def _gemm_family(config: q4k.TileConfig) -> str:
     return "q4_swap" if config.kernel == "swap" else "q4_gemm"
 
 
-def _gemm_launches(config: q4k.TileConfig, splits: int) -> int:
-    """Launches of a tensor-core config: + the split-K sum kernel, except with reduce="last"."""
+def _launches(config: q4k.TileConfig, splits: int) -> int:
+    """Launches of a config: + the split-K sum kernel, except with reduce="last"."""
     return 1 if splits == 1 or config.reduce == "last" else 2
+
+
+def _fill(hw: HardwareSpec, config: q4k.TileConfig, m: int, n: int, splits: int) -> float:
+    """Fewer programs than SMs leave SMs idle: the memory rate scales with the filled fraction."""
+    return min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
 
 
 def _partial_bytes(config: q4k.TileConfig, splits: int, m: int, n: int) -> float:
@@ -166,19 +171,14 @@ def _decode_estimate(hw: HardwareSpec, config: q4k.TileConfig, m: int, k: int, n
     one of the ceil(N / BLOCK_N) programs along N redoes per_program_ops_per_value ops per
     activation value: the Q8_1 quantization (fused), or the sum of each block (Q8_1 blocks in)."""
     splits = split_k(hw, config, m, k, n)
-    last = config.reduce == "last"  # one launch; each split adds its fp32 partial into one buffer
-    launches = 1 if splits == 1 or last else 2  # + the split-K sum
-    # fewer programs than SMs leave SMs idle: the memory rate scales with the filled fraction
-    fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
-    partial_bytes = 4 * (splits + 2) * m * n if last else 2 * 4 * splits * m * n
     moved = _weight_bytes(n, k) + act_in_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
-        + (partial_bytes if splits > 1 else 0)  # fp32 partials written and read back
+        + _partial_bytes(config, splits, m, n)
     per_value = GEMV_UNPACK_OPS_PER_VALUE + m if config.kernel == "gemv" \
         else DP4A_UNPACK_OPS_PER_VALUE + DP4A_OPS_PER_VALUE_AND_ROW * m
     fp32 = per_value * n * k + EPILOGUE_OPS_PER_BLOCK * m * n * (k / 32) \
         + per_program_ops_per_value * m * k * math.ceil(n / config.block_n)
     return _kernel(hw, f"{label}, {config.name})", "q4_gemv", int8_ops=0.0, fp32_ops=fp32, moved=moved,
-                   launches=launches, memory_derate=fill)
+                   launches=_launches(config, splits), memory_derate=_fill(hw, config, m, n, splits))
 
 
 def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *,
@@ -193,9 +193,8 @@ def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_featu
         return _decode_estimate(hw, config, m, k, n, act_in_bytes=m * k * act_bytes, act_bytes=act_bytes, bias=bias,
                                 per_program_ops_per_value=QUANT_OPS_PER_VALUE, label="Q4 fused GEMV (decode")
     splits = split_k(hw, config, m, k, n)
-    launches = _gemm_launches(config, splits)
-    # fewer programs than SMs leave SMs idle: the memory rate scales with the filled fraction
-    fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
+    launches = _launches(config, splits)
+    fill = _fill(hw, config, m, n, splits)
     moved = _weight_bytes(n, k) + m * k * act_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
         + _partial_bytes(config, splits, m, n)
     family = _gemm_family(config)
@@ -231,9 +230,8 @@ def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_fe
         + _partial_bytes(config, splits, m, n)
     fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + m_pad * k * math.ceil(n / config.block_n) \
         + GEMM_UNPACK_OPS_PER_WEIGHT * n * k * (m_pad // config.block_m)  # + row sums, + nibble unpack
-    fill = min(1.0, _output_tiles(config, m, n) * splits / hw.sm_count) if hw.is_gpu else 1.0
     gemm = _kernel(hw, f"Q4xQ8_1 GEMM ({config.name})", family, int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved,
-                   launches=_gemm_launches(config, splits), memory_derate=fill)
+                   launches=_launches(config, splits), memory_derate=_fill(hw, config, m, n, splits))
     return cost_model.chain("Q4 separate (quantize + GEMM)", quant, gemm)
 
 
