@@ -33,11 +33,6 @@ the predictor's block sizes are the kernel's):
   probability is >= the smallest fp32 t with F(t) = sum(p > t) < cdfthreshd, found by searching
   the bit patterns of t from the row max (3 pivots, 16 steps on short rows; bisection, 31 steps,
   on long ones).
-  The fused predictor (`fused_predictor_attention`, the default where the single-loop kernel
-  runs) is two launches: pool the key blocks, then the attention kernel, whose programs each pool
-  the Q tile they load anyway and select their own row before attending. It never reads Q twice.
-  Its rows span four warps, so up to 256 key blocks it evaluates F at every probability directly
-  (N^2 compare-adds, one reduction per 16 columns) instead of searching.
 
 Kernel: online-softmax flash attention over the row's list. Under `is_causal` the token-level
 causal mask is applied inside the diagonal blocks (SpargeAttn's fast path masks only at block
@@ -584,21 +579,15 @@ if triton is not None:
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
         H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP,
-        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, pool_scale, off_sim_q, off_pooled_k, off_sim_k,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, PARTIAL_KEYS: tl.constexpr,
-        PREDICT: tl.constexpr, N_K_POW2: tl.constexpr, D_CHUNK: tl.constexpr, PER_HEAD: tl.constexpr,
-        SELECT_CHUNK: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     ):
         """The row's unmasked blocks in one branch-free loop, in one warp group, after its masked
         suffix (diagonal or partial blocks, at most BLOCK_M // BLOCK_N + 1) in a short loop of its
         own: less live state than the default body's three loops, so a 128 x 128 fp32 accumulator
         fits 4 warps (the default body spills hundreds of bytes there; this one 40 at 2 stages, in
         triton 3.9's sm_90 build). Q, K, V and O all go through tensor descriptors (HEAD_DIM is a
-        power of two; the launcher checks alignment).
-        PREDICT: the program first predicts its own row of the block mask from the Q tile it has
-        loaded anyway (`_predict_own_row`; the work_ptr .. SEARCH_STEPS arguments), so the
-        predictor never reads Q from memory. Otherwise those arguments are unused."""
+        power of two; the launcher checks alignment)."""
         pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, N_Q_BLOCKS, HEAD_GROUP, IS_CAUSAL)
         q_desc = tl.make_tensor_descriptor(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
                                            shape=[Lq, HEAD_DIM], strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
@@ -610,17 +599,11 @@ if triton is not None:
                                            shape=[Lq, HEAD_DIM], strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_DIM])
         row = pid_bh * N_Q_BLOCKS + pid_m
         lut_row = lut_ptr + row.to(tl.int64) * N_K_BLOCKS
+        count = tl.load(count_ptr + row)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
         q = q_desc.load([pid_m * BLOCK_M, 0])  # zero rows past Lq
-        if PREDICT:
-            _predict_own_row(
-                q, pid_m, pid_bh, h, row, lut_ptr, count_ptr, work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh,
-                cdf_thresh, H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, pool_scale, off_sim_q, off_pooled_k, off_sim_k,
-                HEAD_DIM, BLOCK_M, BLOCK_N, N_K_POW2, D_CHUNK, IS_CAUSAL, PER_HEAD, SELECT_CHUNK, PIVOTS, SEARCH_STEPS)
-            tl.debug_barrier()  # the list and its count were written by other threads of this program
-        count = tl.load(count_ptr + row)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -672,10 +655,8 @@ if triton is not None:
             _attend_single_loop(
                 q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                 stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, KV_GROUP, Lq, Lk,
-                N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP,
-                lut_ptr, lut_ptr, lut_ptr, 0.0, 0.0, 0.0, 0, 0, 0,  # no prediction: unused
-                HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, DOT_PRECISION, PARTIAL_KEYS,
-                False, 16, 16, False, 0, 1, 1)
+                N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, DOT_PRECISION,
+                PARTIAL_KEYS)
         else:
             _attend_block_lists(
                 q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, pv_thresh_ptr, pv_thresh, stride_qb, stride_qh,
@@ -1019,12 +1000,9 @@ if triton is not None:
         Lq, Lk, N_K_BLOCKS, off_sim_q, off_sim_k,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-        SELECT_CHUNK: tl.constexpr = 0,
     ):
         """From scaled pooled scores (ROWS, N_K_POW2) of one head to lut[row, :count] and counts:
-        masked row softmax, top-cdf threshold search, forced blocks, compaction (v2, v3 and the
-        fused predictor). SELECT_CHUNK > 0 replaces the search by the direct rule (see
-        `_mass_above_each`), for programs with more than one warp per row."""
+        masked row softmax, top-cdf threshold search, forced blocks, compaction (v2 and v3)."""
         if PER_HEAD:
             sim_thresh = tl.load(sim_thresh_ptr + h)
             cdf_thresh = tl.load(cdf_thresh_ptr + h)
@@ -1043,23 +1021,6 @@ if triton is not None:
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
         weights = tl.where(candidates != 0, tl.exp(logits - row_max[:, None]), 0.0)
         probs = weights / tl.maximum(tl.sum(weights, 1), 1e-30)[:, None]
-        if SELECT_CHUNK > 0:
-            mass = _mass_above_each(probs, q_rows, row_ok, lut_ptr, N_K_BLOCKS, ROWS, N_K_POW2, SELECT_CHUNK)
-            top = ((mass < cdf_thresh[:, None]) & (cdf_thresh > 0.0)[:, None]).to(tl.int32)
-        else:
-            top = _top_cdf_search(probs, cdf_thresh, ROWS, PIVOTS, SEARCH_STEPS)
-        allowed = _allowed_blocks(rows, cols, col_ok, Lq, BLOCK_M, BLOCK_N, ROWS, N_K_POW2, IS_CAUSAL)
-        keep_whole_row = (q_similar == 0).to(tl.int32) | (cdf_thresh >= 1.0).to(tl.int32)  # (ROWS,)
-        keep = (top & k_similar[None, :]) | (k_similar == 0).to(tl.int32)[None, :] | keep_whole_row[:, None]
-        if IS_CAUSAL:  # the blocks the diagonal crosses
-            last_key = tl.minimum((cols + 1) * BLOCK_N, Lk) - 1  # (N_K_POW2,)
-            keep = keep | (last_key[None, :] > rows[:, None] * BLOCK_M).to(tl.int32)
-        keep = keep & allowed
-        _store_block_lists(keep, best, cols, q_rows, row_ok, lut_ptr, count_ptr, N_K_BLOCKS)
-
-    @triton.jit
-    def _top_cdf_search(probs, cdf_thresh, ROWS: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-        """int32 0/1 (ROWS, N_K_POW2): the top-cdf blocks of each row, by a search for the threshold."""
         # Top-cdf threshold t* = the smallest fp32 t >= 0 with F(t) = mass(probs > t) < cdf (see
         # `_predict_lut_kernel`; F as computed is monotone, so t* does not depend on how it is
         # searched), over bit patterns in (lo, hi] with F(lo) >= cdf (lo = -1: below 0) and
@@ -1084,31 +1045,15 @@ if triton is not None:
                 below = (mid > lo) & (_mass_above(probs, mid) < cdf_thresh)
                 hi = tl.where(below, mid, hi)
                 lo = tl.where(below, lo, mid)
-        return ((probs >= hi.to(tl.float32, bitcast=True)[:, None]) & (cdf_thresh > 0.0)[:, None]).to(tl.int32)
-
-    @triton.jit
-    def _mass_above_each(probs, q_rows, row_ok, lut_ptr, N_K_BLOCKS, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
-                         CHUNK: tl.constexpr):
-        """F(p_j) for every entry j of each row: the mass of the row's probabilities strictly above
-        p_j (ROWS, N_K_POW2). Block j is then kept iff F(p_j) < cdf: the search's rule (F is
-        monotone, and t* lies on a probability), evaluated directly. That is N^2 / threads
-        compare-adds and one reduction per CHUNK, against the search's 16-31 dependent row sums:
-        cheaper once a row spans several warps, where each row sum crosses shared memory. The row
-        is shared through its own list in global memory (written over by the list afterwards)."""
-        cols = tl.arange(0, N_K_POW2)
-        lut_rows = lut_ptr + q_rows[:, None] * N_K_BLOCKS  # (ROWS, 1)
-        tl.store(lut_rows + cols[None, :], probs.to(tl.int32, bitcast=True),
-                 mask=row_ok[:, None] & (cols < N_K_BLOCKS)[None, :])
-        tl.debug_barrier()
-        mass = tl.zeros([ROWS, N_K_POW2], dtype=tl.float32)
-        for c0 in range(0, N_K_BLOCKS, CHUNK):
-            others = c0 + tl.arange(0, CHUNK)
-            p_other = tl.load(lut_rows + others[None, :], mask=row_ok[:, None] & (others < N_K_BLOCKS)[None, :],
-                              other=0).to(tl.float32, bitcast=True)  # (ROWS, CHUNK); past the row: 0.0
-            above = p_other[:, None, :] > probs[:, :, None]  # (ROWS, N_K_POW2, CHUNK)
-            mass += tl.sum(tl.where(above, p_other[:, None, :], 0.0), 2)
-        tl.debug_barrier()  # every thread has read the row before the list is written over it
-        return mass
+        top = ((probs >= hi.to(tl.float32, bitcast=True)[:, None]) & (cdf_thresh > 0.0)[:, None]).to(tl.int32)
+        allowed = _allowed_blocks(rows, cols, col_ok, Lq, BLOCK_M, BLOCK_N, ROWS, N_K_POW2, IS_CAUSAL)
+        keep_whole_row = (q_similar == 0).to(tl.int32) | (cdf_thresh >= 1.0).to(tl.int32)  # (ROWS,)
+        keep = (top & k_similar[None, :]) | (k_similar == 0).to(tl.int32)[None, :] | keep_whole_row[:, None]
+        if IS_CAUSAL:  # the blocks the diagonal crosses
+            last_key = tl.minimum((cols + 1) * BLOCK_N, Lk) - 1  # (N_K_POW2,)
+            keep = keep | (last_key[None, :] > rows[:, None] * BLOCK_M).to(tl.int32)
+        keep = keep & allowed
+        _store_block_lists(keep, best, cols, q_rows, row_ok, lut_ptr, count_ptr, N_K_BLOCKS)
 
     @triton.jit
     def _predict_lut_kernel_v2(
@@ -1171,82 +1116,10 @@ if triton is not None:
                        BLOCK_M, BLOCK_N, ROWS, N_K_POW2, IS_CAUSAL, PER_HEAD, PIVOTS, SEARCH_STEPS)
 
 
-    # The fused predictor: a pooling launch for K alone, then the attention kernel, each of whose
-    # programs pools the Q tile it loads anyway and selects its own row before attending. Reading
-    # Q and K was most of v3's time (29 of ~40 us at 8k, Q half of it); this one reads K only.
-    @triton.jit
-    def _predict_own_row(
-        q, pid_m, pid_bh, h, row, lut_ptr, count_ptr, work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh,
-        cdf_thresh, H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, scale, off_sim_q, off_pooled_k, off_sim_k,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_K_POW2: tl.constexpr,
-        D_CHUNK: tl.constexpr, IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr, SELECT_CHUNK: tl.constexpr,
-        PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    ):
-        """One row of the block mask inside the attention program: the loaded Q tile (BLOCK_M,
-        HEAD_DIM; zero rows past Lq) -> pooled_q and sim_q (written to the workspace, as the pooling
-        launch would), the pooled scores against the head's pooled keys (fp32 FMA over D chunks;
-        under causality only the allowed blocks are read), then `_select_blocks` -> lut[row, :count]."""
-        x = q.to(tl.float32)
-        inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)  # zero rows stay zero
-        unit_sum = tl.sum(x * inv_norm[:, None], 0)
-        n_tokens = tl.minimum(Lq - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
-        offs_d = tl.arange(0, HEAD_DIM)
-        tl.store(work_ptr + row.to(tl.int64) * HEAD_DIM + offs_d, tl.sum(x, 0) / n_tokens)
-        tl.store(work_ptr + off_sim_q + row, tl.sum(unit_sum * unit_sum, 0) / (n_tokens * n_tokens))
-        tl.debug_barrier()  # pooled_q and sim_q are read back below in other layouts
-        _, rows, row_ok, cols, col_ok, q_rows, k_rows = _mask_tile(
-            pid_m, 0, pid_bh, H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, 1, N_K_POW2)
-        needed = col_ok
-        if IS_CAUSAL:
-            needed = needed & (cols * BLOCK_N <= tl.minimum((pid_m + 1) * BLOCK_M, Lq) - 1)
-        scores = tl.zeros([N_K_POW2], dtype=tl.float32)
-        for d0 in tl.static_range(0, HEAD_DIM, D_CHUNK):
-            offs = d0 + tl.arange(0, D_CHUNK)
-            pooled_q = tl.load(work_ptr + row.to(tl.int64) * HEAD_DIM + offs)  # (D_CHUNK,)
-            pooled_k = tl.load(work_ptr + off_pooled_k + k_rows[:, None] * HEAD_DIM + offs[None, :],
-                               mask=needed[:, None], other=0.0)  # (N_K_POW2, D_CHUNK)
-            scores += tl.sum(pooled_k * pooled_q[None, :], 1)
-        _select_blocks((scores * scale)[None, :], rows, row_ok, cols, col_ok, q_rows, k_rows, h,
-                       work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
-                       Lq, Lk, N_K_BLOCKS, off_sim_q, off_sim_k,
-                       BLOCK_M, BLOCK_N, 1, N_K_POW2, IS_CAUSAL, PER_HEAD, PIVOTS, SEARCH_STEPS, SELECT_CHUNK)
-
-    @triton.jit
-    def _fused_predictor_attention_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr,
-        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, SEQ_BUCKET, HEAD_GROUP,
-        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, scale, off_sim_q, off_pooled_k, off_sim_k,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PARTIAL_KEYS: tl.constexpr, N_K_POW2: tl.constexpr, D_CHUNK: tl.constexpr,
-        PER_HEAD: tl.constexpr, SELECT_CHUNK: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    ):
-        """The single-loop body with the row prediction in front (same grid and launch order as
-        `_sparse_attention_kernel`); lut and counts are outputs here. SEQ_BUCKET: autotuning key."""
-        _attend_single_loop(
-            q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-            stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, KV_GROUP, Lq, Lk,
-            N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP,
-            work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, scale, off_sim_q, off_pooled_k, off_sim_k,
-            HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, DOT_PRECISION, PARTIAL_KEYS,
-            True, N_K_POW2, D_CHUNK, PER_HEAD, SELECT_CHUNK, PIVOTS, SEARCH_STEPS)
-
-    _fused_predictor_attention_kernel_tuned = triton.autotune(
-        configs=[triton.Config({}, num_warps=4, num_stages=s) for s in (2, 3)],
-        key=["HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION", "SEQ_BUCKET", "PARTIAL_KEYS", "N_K_POW2", "PER_HEAD",
-             "SELECT_CHUNK"],
-    )(_fused_predictor_attention_kernel)
-
-
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
 PREDICTOR_VARIANTS = ("v3", "v2", "v1")  # v3: default; v2: one LUT launch; v1: the first predictor
-# Fused predictor: the direct top-cdf rule (16 probabilities per step) up to this many key blocks
-PREDICTORS = ("auto", "fused", *PREDICTOR_VARIANTS)  # sparse_attention(predictor=...)
-FUSED_SELECT_CHUNK = 16
-FUSED_DIRECT_MAX_BLOCKS = 256
 
 
 def _require_triton(*tensors: torch.Tensor) -> None:
@@ -1268,7 +1141,7 @@ def _threshold_args(value, n_heads: int, name: str, device) -> tuple[torch.Tenso
 
 
 def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int, variant: str = "v3") -> dict:
-    if variant not in PREDICTOR_VARIANTS and variant != "fused":
+    if variant not in PREDICTOR_VARIANTS:
         raise ValueError(f"predictor variant={variant!r} is not valid; valid choices: {', '.join(PREDICTOR_VARIANTS)}")
     if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
         raise ValueError(f"the predictor needs q (B, H, Lq, D) and k (B, Hkv, Lk, D) with H % Hkv == 0; "
@@ -1305,10 +1178,9 @@ POOL_WARPS = 1
 
 def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_n: int,
                  work: torch.Tensor | None = None, *, slice_elements: int = POOL_SLICE_ELEMENTS,
-                 num_warps: int = POOL_WARPS, queries: bool = True) -> torch.Tensor:
+                 num_warps: int = POOL_WARPS) -> torch.Tensor:
     """The pooling launch into the fp32 workspace (allocated when not given). v2 reads each block
-    in slices of `slice_elements` (tokens x head dim) per load. queries=False pools the key blocks
-    alone (the fused predictor pools Q inside the attention kernel)."""
+    in slices of `slice_elements` (tokens x head dim) per load."""
     if work is None:
         work = torch.empty(g["work_size"], device=q.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(g["D"])
@@ -1323,7 +1195,7 @@ def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_
         )
         return work
     # one program per block; a slice of SUB tokens is `slice_elements` elements
-    n_q_programs = g["B"] * g["H"] * g["n_q"] if queries else 0
+    n_q_programs = g["B"] * g["H"] * g["n_q"]
     sub = max(1, slice_elements // block_d)
     _pool_blocks_kernel[(n_q_programs + g["B"] * g["Hkv"] * g["n_k"],)](
         q, k, work, *q.stride(), *k.stride(),
@@ -1493,35 +1365,6 @@ def predictor_stages(
     return pool, lut_launch, (lut, counts)
 
 
-def _check_triton_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
-    _require_triton(q, k, v)
-    _, Dv = _check_inputs(q, k, v, is_causal)
-    D = q.shape[3]
-    if Dv != D:
-        raise ValueError(f"the Triton path needs v's head dim equal to q's (got {Dv} and {D})")
-    if D > 256:
-        raise ValueError(f"the Triton path supports head dims up to 256, got {D}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q, k, v must share one dtype among float16, bfloat16, float32; got {q.dtype}, {k.dtype}, {v.dtype}")
-
-
-def _attention_launch_args(q, k, v, out, lut, counts, scale: float, is_causal: bool, block_m: int, block_n: int):
-    """The attention kernels' common arguments: (pointers, strides and sizes after the PV-skip pair,
-    constexprs). Grid: one program per query block and (batch, head), nQ * B * H."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    group = H // k.shape[1]
-    head = (q, k, v, out, lut, counts)
-    tail = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            H, group, Lq, Lk, triton_cdiv(Lq, block_m), triton_cdiv(Lk, block_n), scale * LOG2E,
-            min(max(triton.next_power_of_2(Lk), 1024), 32768),
-            causal_head_group(B * H, group, Lk, D, k.element_size()) if is_causal else 1)
-    meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=is_causal,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PARTIAL_KEYS=Lk % block_n != 0)
-    return head, tail, meta
-
-
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1543,9 +1386,16 @@ def block_sparse_attention(
     {"PREFETCH_INDEX": 0/1, "USE_TMA": 0/1, "PAIR_BLOCKS": 0/1, "SINGLE_LOOP": 0/1, "num_warps": ...,
     "num_stages": ...}
     (tests, ablations)."""
-    _check_triton_attention_inputs(q, k, v, is_causal)
+    _require_triton(q, k, v)
+    group, Dv = _check_inputs(q, k, v, is_causal)
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
+    if Dv != D:
+        raise ValueError(f"the Triton path needs v's head dim equal to q's (got {Dv} and {D})")
+    if D > 256:
+        raise ValueError(f"the Triton path supports head dims up to 256, got {D}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q, k, v must share one dtype among float16, bfloat16, float32; got {q.dtype}, {k.dtype}, {v.dtype}")
     n_q, n_k = triton_cdiv(Lq, block_m), triton_cdiv(Lk, block_n)
     if lut.shape != (B, H, n_q, n_k) or counts.shape != (B, H, n_q):
         raise ValueError(f"lut {tuple(lut.shape)} / counts {tuple(counts.shape)} do not match blocks {block_m}x{block_n} "
@@ -1560,9 +1410,14 @@ def block_sparse_attention(
     pv_skip = pv_skipping_requested(pvthreshd)  # decided on the host, without a device sync
     pv_tensor, pv_value = _threshold_args(pvthreshd if pv_skip else None, H, "pvthreshd", q.device)
     out = torch.empty(B, H, Lq, D, device=q.device, dtype=q.dtype)  # (B, H, Lq, D)
-    head, tail, meta = _attention_launch_args(q, k, v, out, lut, counts, scale, is_causal, block_m, block_n)
-    args = (*head, pv_tensor if pv_tensor is not None else counts, pv_value if pv_skip else 0.0, *tail)
-    meta.update(BLOCK_D=max(16, triton.next_power_of_2(D)), PV_SKIP=pv_skip, PV_PER_HEAD=pv_tensor is not None)
+    args = (q, k, v, out, lut, counts, pv_tensor if pv_tensor is not None else counts, pv_value if pv_skip else 0.0,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            H, group, Lq, Lk, n_q, n_k, scale * LOG2E, min(max(triton.next_power_of_2(Lk), 1024), 32768),
+            causal_head_group(B * H, group, Lk, D, k.element_size()) if is_causal else 1)
+    meta = dict(HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
+                IS_CAUSAL=is_causal, PV_SKIP=pv_skip, PV_PER_HEAD=pv_tensor is not None,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PARTIAL_KEYS=Lk % block_n != 0)
     grid = (n_q * B * H,)
     if config is None and _interpreting():
         config = {"PREFETCH_INDEX": 1, "PAIR_BLOCKS": 1, "num_warps": 4, "num_stages": 1}
@@ -1585,71 +1440,6 @@ def block_sparse_attention(
     return out
 
 
-def fused_predictor_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pvthreshd=None) -> bool:
-    """Whether `fused_predictor_attention` can run these tensors: the single-loop kernel's
-    conditions (tensor descriptors, a power-of-two head dim, no PV skipping)."""
-    if triton is None or q.dim() != 4:
-        return False
-    D = q.shape[3]
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return single_loop_supported(q, k, v, q, D, pv_skipping_requested(pvthreshd))
-
-
-def fused_predictor_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    is_causal: bool = False,
-    scale: float | None = None,
-    simthreshd1=DEFAULT_SIMTHRESHD1,
-    cdfthreshd=DEFAULT_CDFTHRESHD,
-    num_stages: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Predicted block-sparse attention in two launches: the key blocks are pooled, then each
-    program of the attention kernel pools its own query block, predicts its row of the block mask
-    and attends over it. Same mask as `predict_block_lut` (up to fp32 summation order at the cdf
-    boundary), without reading Q a second time. Returns (out, lut, counts). Needs
-    `fused_predictor_supported` (no PV skipping). num_stages: None = autotuned on a GPU."""
-    _check_triton_attention_inputs(q, k, v, is_causal)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    B, H, Lq, D = q.shape
-    out = torch.empty(B, H, Lq, D, device=q.device, dtype=q.dtype)
-    if not single_loop_supported(q, k, v, out, D, False):
-        raise ValueError("the fused predictor runs in the single-loop kernel: it needs tensor descriptors for q, k, v "
-                         "and the output (a Hopper+ GPU, 16-byte aligned rows) and a power-of-two head dim; "
-                         "valid choice here: predictor='v3'")
-    g = _predictor_geometry(q, k, BLOCK_M, BLOCK_N, "fused")
-    n_q, n_k = g["n_q"], g["n_k"]
-    scale = D**-0.5 if scale is None else float(scale)
-    sim_tensor, sim_value = _threshold_args(simthreshd1, H, "simthreshd1", q.device)
-    cdf_tensor, cdf_value = _threshold_args(cdfthreshd, H, "cdfthreshd", q.device)
-    per_head_thresholds = sim_tensor is not None or cdf_tensor is not None
-    if per_head_thresholds:
-        sim_tensor = sim_tensor if sim_tensor is not None else per_head(sim_value, H, "simthreshd1", q.device)
-        cdf_tensor = cdf_tensor if cdf_tensor is not None else per_head(cdf_value, H, "cdfthreshd", q.device)
-    lut = torch.empty(B, H, n_q, n_k, device=q.device, dtype=torch.int32)
-    counts = torch.empty(B, H, n_q, device=q.device, dtype=torch.int32)
-    work = _launch_pool(q, k, g, BLOCK_M, BLOCK_N, queries=False)
-    n_k_pow2 = max(16, triton.next_power_of_2(n_k))
-    # the direct top-cdf rule up to 256 key blocks (16k); beyond, the 31-step search (N^2 grows)
-    select_chunk = FUSED_SELECT_CHUNK if n_k_pow2 <= FUSED_DIRECT_MAX_BLOCKS else 0
-    head, tail, meta = _attention_launch_args(q, k, v, out, lut, counts, scale, is_causal, BLOCK_M, BLOCK_N)
-    args = (*head, *tail, work, sim_tensor if per_head_thresholds else work, cdf_tensor if per_head_thresholds else work,
-            sim_value, cdf_value, scale, g["off_sim_q"], g["off_pooled_k"], g["off_sim_k"])
-    meta.update(N_K_POW2=n_k_pow2, D_CHUNK=min(D, max(8, 4096 // n_k_pow2)), PER_HEAD=per_head_thresholds,
-                SELECT_CHUNK=select_chunk, PIVOTS=1, SEARCH_STEPS=31)
-    grid = (n_q * B * H,)
-    if not _interpreting():
-        _ensure_descriptor_allocator()
-    if num_stages is None and not _interpreting():
-        _fused_predictor_attention_kernel_tuned[grid](*args, **meta)
-    else:
-        _fused_predictor_attention_kernel[grid](*args, **meta, num_warps=4,
-                                                 num_stages=1 if _interpreting() else num_stages)
-    return out, lut, counts
-
-
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1662,37 +1452,22 @@ def sparse_attention(
     pvthreshd=None,
     return_sparsity: bool = False,
     implementation: str = "auto",
-    predictor: str = "auto",
 ):
     """Predicted block-sparse attention on (B, H, L, D) tensors (see the module docstring).
 
     implementation: "auto" (Triton on CUDA, the torch reference elsewhere), "triton" (also on CPU
-    under TRITON_INTERPRET=1), or "reference".
-    predictor (Triton path): "fused" (`fused_predictor_attention`: pool K, then one attention
-    launch that predicts each row itself), "v3" (pool Q and K, scores, selection, then the
-    attention launch), or "auto": fused where `fused_predictor_supported`, else v3. No host
-    synchronization unless `return_sparsity` is asked for.
+    under TRITON_INTERPRET=1), or "reference". The Triton path is 3 launches (2 predictor + 1
+    attention) with no host synchronization unless `return_sparsity` is asked for.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not valid; valid choices: {', '.join(IMPLEMENTATIONS)}")
-    if predictor not in PREDICTORS:
-        raise ValueError(f"predictor={predictor!r} is not valid; valid choices: {', '.join(PREDICTORS)}")
     _check_inputs(q, k, v, is_causal)
     use_triton = implementation == "triton" or (implementation == "auto" and q.is_cuda and triton is not None)
     if not use_triton:
         return reference_sparse_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
                                           cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, return_sparsity=return_sparsity)
-    if predictor == "auto":
-        predictor = "fused" if fused_predictor_supported(q, k, v, pvthreshd) else "v3"
-    if predictor == "fused":
-        if pv_skipping_requested(pvthreshd):
-            raise ValueError("predictor='fused' runs without PV skipping; valid choices with pvthreshd: 'v3' or 'auto'")
-        out, lut, counts = fused_predictor_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                                     simthreshd1=simthreshd1, cdfthreshd=cdfthreshd)
-    else:
-        lut, counts = predict_block_lut(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
-                                        cdfthreshd=cdfthreshd, variant=predictor)
-        out = block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd)
+    lut, counts = predict_block_lut(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd)
+    out = block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd)
     if return_sparsity:
         B, H, Lq, _ = q.shape
         total = allowed_block_count(B, H, Lq, k.shape[2], is_causal, BLOCK_M, BLOCK_N)
@@ -1732,6 +1507,6 @@ def local_sink_qkv(
 
 __all__ = [
     "BLOCK_M", "BLOCK_N", "DEFAULT_SIMTHRESHD1", "DEFAULT_CDFTHRESHD", "sparse_attention", "reference_sparse_attention",
-    "predict_block_mask", "predict_block_lut", "fused_predictor_attention", "fused_predictor_supported", "pool_qk_triton", "block_mask_to_lut", "lut_to_block_mask", "block_sparse_attention",
+    "predict_block_mask", "predict_block_lut", "pool_qk_triton", "block_mask_to_lut", "lut_to_block_mask", "block_sparse_attention",
     "block_sparse_attention_reference", "pool_blocks", "causal_block_geometry", "per_head", "local_sink_qkv",
 ]
