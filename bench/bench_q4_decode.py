@@ -23,6 +23,7 @@ ARGS.add_argument("--cpu-smoke", action="store_true")
 ARGS.add_argument("--wide", action="store_true", help="also narrow dp4a tiles: 8-32 rows, 1-4 warps, K steps to 1024")
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
 ARGS.add_argument("--swap-sweep", action="store_true", help="also more swap tiles: 64/128 rows, 1-4 pairs, 1 or 3 stages, split-K auto or 16")
+ARGS.add_argument("--swap-stages", default="1,3", help="pipeline depths of the --swap-sweep tiles (default 1,3)")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -40,8 +41,8 @@ SHAPES = [(5120, 13824), (13824, 5120)] if GPU else [(128, 48)]
 TOKENS = [int(t) for t in OPTS.tokens.split(",")] if OPTS.tokens else ([1, 4, 16] if GPU else [1, 3])
 WIDE_DP4A = [q4.TileConfig("dp4a", 0, bn, p, w, 1, sk) for bn in (8, 16, 32) for p in (4, 8, 16) for w in (1, 2, 4)
              for sk in (0, 1, 2, 4)] if OPTS.wide and GPU else []
-SWAP_SWEEP = [(bn, p, w, s, "last", sk) for bn, w in ((64, 4), (128, 8), (128, 4)) for p in (1, 2, 4) for s in (1, 3)
-              for sk in (0, 16)] if OPTS.swap_sweep and GPU else []
+SWAP_SWEEP = [(bn, p, w, s, "last", sk) for bn, w in ((64, 4), (128, 8), (128, 4)) for p in (1, 2, 4)
+              for s in (int(x) for x in OPTS.swap_stages.split(",")) for sk in (0, 16)] if OPTS.swap_sweep and GPU else []
 
 
 def main() -> None:

@@ -425,7 +425,9 @@ _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w,
 # pairs, warps, stages, reduce[, split_k]). The H100 sweep (bench/results/q4_decode_h100_swap.*):
 # one warpgroup on 128 rows with 3 stages was best on all six rows (64-row tiles 1.3x slower, two
 # warpgroups 1.4x, 1 stage 1.3-1.9x); 256-row tiles need fewer instructions per weight offline
-# (0.20 against 0.29 warp-instructions at 16 tokens) at 189 registers.
+# (0.20 against 0.29 warp-instructions at 16 tokens) at 189 registers. Deeper pipelines did not
+# help (session 14, q4_decode_h100_swap_stages.*, 128-row tiles): 4 stages were 2-3% slower than 3
+# on three of four rows and 1% faster on the fourth; 6 stages were 3-9% slower on all four.
 _SWAP_SHAPES = ((128, 1, 4, 3, "last", 16), (128, 1, 4, 3, "last"), (128, 2, 4, 3, "last", 16),
                 (128, 1, 4, 4, "last", 16), (256, 1, 4, 3, "last", 16), (256, 1, 4, 3, "last"))
 
