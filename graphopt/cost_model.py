@@ -63,8 +63,8 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     # q4_swap: the operand-swapped decode GEMM ("swap" configs, 4-16 tokens), fitted in session 13
     # to its tuned H100 rows (bench/results/q4_h100_session13_decode.json): 4 tokens 0.031-0.033 ms,
     # at 0.50 of the memory ceiling (deeper cp.async pipelines, 4 and 6 K steps, measured no faster
-    # in session 14, so it is not the bytes in flight alone); 16 tokens 0.036-0.038 ms, bound by the per-32-block epilogue and the nibble
-    # unpack (CUDA-core ops) with the int8 MMAs, at 0.14.
+    # in session 14, so it is not the bytes in flight alone); 16 tokens 0.036-0.038 ms, bound by
+    # the per-32-block epilogue and the nibble unpack (CUDA-core ops) with the int8 MMAs, at 0.14.
     "q4_swap": (0.14, 0.5),
     "fft_chain": (0.5, 0.7),
     "cpu_kernel": (1.0, 1.0),
