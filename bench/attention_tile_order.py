@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import (environment, interleaved_ms, print_table, random_block_mask,  # noqa: E402
-                          split_key_blocks, write_json)
+from bench.common import interleaved_ms, print_table, random_block_mask, split_key_blocks, write_json  # noqa: E402
 from graphopt.kernels import sparse_attention as sa  # noqa: E402
 from graphopt.kernels import tile_order  # noqa: E402
 from graphopt.kernels.flash_attention import flash_attention  # noqa: E402
@@ -101,7 +100,7 @@ def main() -> int:
                          "grouped_vs_cudnn": round(ms["cudnn"] / ms["grouped"], 3),
                          "all_heads_vs_cudnn": round(ms["cudnn"] / ms["all-heads"], 3)})
             print(rows[-1], flush=True)
-    write_json("attention_tile_order", rows, environment=environment())
+    write_json("attention_tile_order", rows)
     print_table("causal launch order: per-head (old) / grouped (new default) / all heads; speedup vs cuDNN", rows,
                 ["kernel", "L", "causal", "density", "head_group", "cudnn_ms", "per-head_ms", "grouped_ms",
                  "all-heads_ms", "grouped_vs_per_head", "per_head_vs_cudnn", "grouped_vs_cudnn", "all_heads_vs_cudnn"])

@@ -22,7 +22,7 @@ ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--cpu-smoke", action="store_true")
 ARGS.add_argument("--wide", action="store_true", help="also narrow dp4a tiles: 8-32 rows, 1-4 warps, K steps to 1024")
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
-ARGS.add_argument("--swap-sweep", action="store_true", help="also more swap tiles: 64/128 rows, 1-4 pairs, 1 or 3 stages, split-K auto or 16")
+ARGS.add_argument("--swap-sweep", action="store_true", help="also more swap tiles: 64/128 rows, 1-4 pairs, the --swap-stages depths, split-K auto or 16")
 ARGS.add_argument("--swap-stages", default="1,3", help="pipeline depths of the --swap-sweep tiles (default 1,3)")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
@@ -62,7 +62,7 @@ def main() -> None:
             cublas = cold_graph_ms([lambda wc=wc: F.linear(x, wc) for wc in d_copies])
             rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": "cuBLAS bf16", "ms": cublas, "vs_cublas": 1.0,
                          "gbps": gbps(2 * n * k, cublas)})
-            best: dict[str, tuple[float, str]] = {}
+            best: dict[str, tuple[float, q4.TileConfig]] = {}
             sweep = list(dict.fromkeys(q4.candidate_configs(m, fused=True) + WIDE_DP4A + q4.swap_configs(m, SWAP_SWEEP)))
             for cfg in sweep:
                 try:
@@ -92,8 +92,7 @@ def main() -> None:
                     lambda qw=qw, sc=sc, cfg=cfg: q4.q4_linear_triton(x, qw, sc, None, "separate", config=cfg)
                     for qw, sc in q_copies]), cfg)
             for kernel, (ms, cfg) in sorted(best.items()):
-                name = cfg.name
-                rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": kernel, "config": name, "ms": ms,
+                rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": kernel, "config": cfg.name, "ms": ms,
                              "vs_cublas": cublas / ms, "gbps": gbps(q_bytes, ms)})
                 print(rows[-1], flush=True)
     path = write_json("bench_q4_decode", rows)

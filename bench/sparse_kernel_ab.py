@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import environment, interleaved_ms, print_table, random_block_mask, split_key_blocks, write_json  # noqa: E402
+from bench.common import interleaved_ms, print_table, random_block_mask, split_key_blocks, write_json  # noqa: E402
 from graphopt.kernels import sparse_attention as current  # noqa: E402
 
 FIXED_CONFIG = {"PREFETCH_INDEX": 1, "USE_TMA": 1, "PAIR_BLOCKS": 0, "SINGLE_LOOP": 1, "num_warps": 4, "num_stages": 2}
@@ -76,7 +76,7 @@ def main() -> int:
                              "current_vs_cudnn": round(ms["cudnn"] / ms["current"], 3),
                              "max_abs_diff": diff})
                 print(rows[-1], flush=True)
-    write_json("sparse_kernel_ab", rows, environment=environment(), baseline=args.baseline, fixed_config=config)
+    write_json("sparse_kernel_ab", rows, baseline=args.baseline, fixed_config=config)
     print_table("sparse kernel A/B, one process, interleaved (speedups: > 1 is current faster)", rows)
     return 0
 

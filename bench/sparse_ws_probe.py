@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench.common import environment, median_ms, print_table, tflops, write_json  # noqa: E402
+from bench.common import median_ms, print_table, tflops, write_json  # noqa: E402
 from graphopt.kernels import sparse_attention as sa  # noqa: E402
 
 ARGS = argparse.ArgumentParser(description=__doc__)
@@ -154,7 +154,7 @@ def main():
                         except Exception as exc:  # report, keep going
                             print(f"FAIL {name} L={length} causal={causal}: {type(exc).__name__}: {str(exc)[:300]}")
                             checks.append(False)
-    write_json("sparse_ws_probe", rows, environment=environment())
+    write_json("sparse_ws_probe", rows)
     print_table("warp-specialized sparse loop probe (median ms; vs_cudnn = cuDNN dense ms / ms)", rows,
                 ["L", "causal", "density", "variant", "ms", "vs_cudnn", "TFLOPs", "cudnn_ms"])
     print(f"checks: {sum(checks)}/{len(checks)} PASS")

@@ -615,9 +615,9 @@ if triton is not None:
             # overlaps this one. As straight-line code each load waited on its own, K then V, tile
             # after tile (1-4% slower on the H100's causal rows, session 12).
             for j in tl.range(n_plain, count, num_stages=2):
-                start_m = tl.load(lut_row + j) * BLOCK_N
+                start_n = tl.load(lut_row + j) * BLOCK_N
                 acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_m, offs_m, offs_n, offs_d, 0.0,
+                    acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, offs_m, offs_n, offs_d, 0.0,
                     stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, True, IS_CAUSAL, False,
                     DOT_PRECISION, True)
         for it in range(0, n_plain):

@@ -240,9 +240,10 @@ RESULTS_H100 = Path(__file__).resolve().parents[2] / "bench" / "results" / "spar
 @pytest.mark.skipif(not RESULTS_H100.exists(), reason="recorded H100 results not in this checkout")
 def test_cost_model_tracks_the_h100_timings():
     """The same constants against the last H100 run of session 12 (the single-loop body, causal
-    query blocks in head groups, heaviest first, the masked suffix in its own loop): kernel estimates within 0.75-1.2x of all 24 kernel
-    timings at 8k-32k (CUDA-graph replays: the eager time of the shortest rows is the host's launch
-    path), and the sparse-vs-cuDNN call (predictor + kernel) right on >= 90%."""
+    query blocks in head groups, heaviest first, the masked suffix in its own loop): kernel
+    estimates within 0.75-1.2x of all 24 kernel timings at 8k-32k (CUDA-graph replays: the eager
+    time of the shortest rows is the host's launch path), and the sparse-vs-cuDNN call (predictor
+    + kernel) right on >= 90%."""
     hw = SPECS["h100"]
     data = json.loads(RESULTS_H100.read_text())
     cfg = data["config"]
