@@ -1,7 +1,7 @@
 """Compile graphopt's Triton kernels for sm_90 (H100/H200) on a machine without a GPU, and report
 registers, stack (spills), shared memory and the instructions of the hot loop.
 
-    python bench/offline_sm90.py sparse [--causal] [--partial-keys] [--stages 2] [--warps 4] [--sequence]
+    python bench/offline_sm90.py sparse [--causal] [--partial-keys] [--host-descriptors] [--stages 2] [--warps 4] [--sequence]
     python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
 
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
@@ -82,15 +82,20 @@ def sparse(args) -> None:
 
     consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, IS_CAUSAL=args.causal, PV_SKIP=False,
                   PV_PER_HEAD=False, DOT_PRECISION="tf32", PREFETCH_INDEX=1, USE_TMA=1, PAIR_BLOCKS=0, SINGLE_LOOP=True,
-                  PARTIAL_KEYS=args.partial_keys)
+                  PARTIAL_KEYS=args.partial_keys, HOST_DESCRIPTORS=args.host_descriptors)
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", lut_ptr="*i32", count_ptr="*i32",
                  pv_thresh_ptr="*fp32", pv_thresh="fp32", qk_scale="fp32")
+    if args.host_descriptors:  # the launcher's descriptors over all heads' rows
+        types.update(q_hdesc="tensordesc<bf16[128,128]>", k_hdesc="tensordesc<bf16[64,128]>",
+                     v_hdesc="tensordesc<bf16[64,128]>", o_hdesc="tensordesc<bf16[128,128]>")
+    else:
+        consts.update(q_hdesc=None, k_hdesc=None, v_hdesc=None, o_hdesc=None)
     fn = sa._sparse_attention_kernel
     div16 = [n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride_") and not n.endswith("b"))]
     kernel = compile_sm90(fn, types, consts, div16, args.warps, args.stages)
     _, resources = sass_and_resources(kernel)
-    print(f"sparse single loop causal={args.causal} partial_keys={args.partial_keys} warps={args.warps} "
-          f"stages={args.stages}: {resources}")
+    print(f"sparse single loop causal={args.causal} partial_keys={args.partial_keys} "
+          f"host_descriptors={args.host_descriptors} warps={args.warps} stages={args.stages}: {resources}")
     if args.sequence:
         wanted = r"(ttng\.async_tma_copy_global_to_local|ttng\.wait_barrier|ttng\.warp_group_dot |scf\.for|scf\.if)"
         for line in kernel.asm["ttgir"].splitlines():
@@ -136,6 +141,7 @@ def main() -> int:
     p = sub.add_parser("sparse")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--partial-keys", action="store_true")
+    p.add_argument("--host-descriptors", action="store_true", help="the launcher's descriptors (HOST_DESCRIPTORS)")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--sequence", action="store_true")

@@ -39,8 +39,8 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "sdpa_efficient": (0.35, 0.9),
     "triton_flash": (0.70, 0.9),
     # Block-sparse Triton kernel: tile matmul rate fitted to bench/results/sparse_attention_h200_round2
-    # (32 timings, L=4k-32k, density 0.1-1) together with a per-query-block cost of 6 tiles
-    # (graphopt.passes.sparse_attention.SPARSE_ROW_COST_TILES).
+    # (32 timings, L=4k-32k, density 0.1-1) together with a per-query-block cost then of 6 tiles,
+    # 3.5 since session 15 (graphopt.passes.sparse_attention.SPARSE_ROW_COST_TILES).
     "triton_sparse": (0.68, 0.85),
     # FP4 / Q4 kernels, fitted to bench/results/{fp4,q4}_h200_round2.json (H200, triton 3.6); the
     # compute term is CUDA-core decode/epilogue work (see the op counts in kernels/fp4.py and

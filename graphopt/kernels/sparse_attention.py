@@ -53,7 +53,8 @@ Two kernel bodies, autotuned: the default one (8 warps at D=128; pairs of unmask
 single ones, then the masked suffix, so only diagonal / partial tiles are masked; whether the next
 block index is prefetched one iteration ahead) and the single loop (4 warps, Q/K/V/O through
 tensor descriptors, the masked suffix in a short loop before one branch-free loop over the
-unmasked blocks).
+unmasked blocks). The single loop's descriptors are built once on the host when whole blocks
+tile every head, else by each program on the device.
 
 Caveats: inference only (no autograd). The Triton path needs D <= 256 and q, k, v of one dtype
 (fp16, bf16 or fp32; fp32 uses IEEE dot products). `return_sparsity` synchronizes the device to
@@ -63,6 +64,7 @@ compute (under causality, the blocks at or below the diagonal).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -77,6 +79,11 @@ except ImportError:  # pragma: no cover - triton ships with torch on every suppo
     tl = None
 
 from graphopt.kernels.tile_order import causal_head_group
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover
+    _TensorDescriptor = None
 
 if triton is not None:
     from graphopt.kernels.tile_order import query_block_order
@@ -378,25 +385,63 @@ def _prune_attention_configs(configs, named_args, **kwargs):
     return kept or configs
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def tma_loads_supported(*tensors: torch.Tensor) -> bool:
-    """Whether tiles of these (B, H, L, D) tensors can move through device-side tensor descriptors
-    (TMA): a Hopper or newer GPU, a Triton with tl.make_tensor_descriptor, 16-byte aligned rows and
-    base addresses."""
+    """Whether tiles of these (B, H, L, D) tensors can move through tensor descriptors (TMA): a
+    Hopper or newer GPU, a Triton with tl.make_tensor_descriptor, 16-byte aligned rows and base
+    addresses. Called on every launch, so it stays cheap (the capability is cached)."""
     if triton is None or not hasattr(tl, "make_tensor_descriptor"):
         return False
-    if not _interpreting() and not (tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9):
+    first = tensors[0]
+    if not _interpreting() and not (first.is_cuda and _cuda_major(first.device.index) >= 9):
         return False
-    return all(t.stride(-1) == 1 and (t.stride(2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               and (t.stride(0) * t.element_size()) % 16 == 0 and (t.stride(1) * t.element_size()) % 16 == 0
-               for t in tensors)
+    for t in tensors:
+        b, h, m, d = t.stride()
+        size = t.element_size()
+        if d != 1 or t.data_ptr() % 16 or (b * size) % 16 or (h * size) % 16 or (m * size) % 16:
+            return False
+    return True
 
 
 def single_loop_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, head_dim: int,
-                          pv_skip: bool) -> bool:
+                          pv_skip: bool, tma_ok: bool | None = None) -> bool:
     """The single-loop body reads Q, K, V and writes O through descriptors whose tile width is the
-    head dim (a power of two), and has no PV skipping."""
-    return (not pv_skip and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-            and tma_loads_supported(q, k, v, out))
+    head dim (a power of two), and has no PV skipping. tma_ok: tma_loads_supported(q, k, v, out)
+    when the caller has it already."""
+    if pv_skip or head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    return tma_loads_supported(q, k, v, out) if tma_ok is None else tma_ok
+
+
+def host_descriptors_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                               block_m: int, block_n: int) -> bool:
+    """Whether the single loop can take descriptors built on the host over all heads' rows,
+    (B*H*L, D) views: each tensor's (B, H, L) dims collapse into one row dim, and whole blocks
+    tile every head (a partial block would read, and for O write, the next head's rows). Row
+    coordinates are int32 in the kernel and in TMA."""
+    if _TensorDescriptor is None or q.shape[2] % block_m or k.shape[2] % block_n:
+        return False
+    if max(t.shape[0] * t.shape[1] * t.shape[2] for t in (q, k)) >= 2**31:
+        return False
+    for t in (q, k, v, out):
+        stride_b, stride_h, stride_m, _ = t.stride()
+        _, heads, length, _ = t.shape
+        if stride_h != length * stride_m or stride_b != heads * stride_h:
+            return False
+    return True
+
+
+def _host_descriptors(q, k, v, out, block_m: int, block_n: int) -> tuple:
+    """Descriptors over each tensor's (B*H*L, D) rows; built directly from shapes and strides
+    (host_descriptors_supported checked that the rows collapse), one per launch."""
+    def rows(t, block_rows):
+        B, H, L, D = t.shape
+        return _TensorDescriptor(t, [B * H * L, D], [t.stride(2), 1], [block_rows, D])
+    return rows(q, block_m), rows(k, block_n), rows(v, block_n), rows(out, block_m)
 
 
 def _ensure_descriptor_allocator() -> None:
@@ -414,12 +459,13 @@ if triton is not None:
     # ------------------------------------------------------------------------ attention kernel
     @triton.jit
     def _load_kv_tile(ptrs, desc, start_n, keys, offs_d, Lk, stride_n, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
-                      MASKED: tl.constexpr, TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr):
+                      MASKED: tl.constexpr, TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr, desc_row0=0):
         """One K or V tile of BLOCK_N keys from `start_n`: (BLOCK_D, BLOCK_N) K^T when TRANSPOSED,
         else (BLOCK_N, BLOCK_D). USE_TMA: through the tensor descriptor (zero fill past Lk and
-        HEAD_DIM in hardware); else pointer loads, masked only where MASKED / PAD_D need it."""
+        HEAD_DIM in hardware), whose row of key 0 is desc_row0; else pointer loads, masked only
+        where MASKED / PAD_D need it."""
         if USE_TMA:
-            tile = desc.load([start_n, 0])  # (BLOCK_N, BLOCK_D)
+            tile = desc.load([desc_row0 + start_n, 0])  # (BLOCK_N, BLOCK_D)
             if TRANSPOSED:
                 tile = tl.trans(tile)
         else:
@@ -444,15 +490,18 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile(
-        acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, start_n, offs_m, offs_n, offs_d, neg_pv_thresh,
+        acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, start_n, desc_row0, offs_m, offs_n, offs_d, neg_pv_thresh,
         stride_kn, stride_vn, Lq, Lk, qk_scale,
         HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
         PV_SKIP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     ):
         """One (BLOCK_M x BLOCK_N) tile of online softmax (log2 domain): QK^T, token masks only when
-        MASKED (a diagonal or a partial last block), optional PV skip, then P.V into `acc`."""
+        MASKED (a diagonal or a partial last block), optional PV skip, then P.V into `acc`.
+        desc_row0: the head's first row in the K/V descriptors (0 for per-head descriptors built
+        on the device; head * Lk for the host's descriptors over all heads' rows)."""
         keys = start_n + offs_n  # (BLOCK_N,)
-        kt = _load_kv_tile(kt_ptrs, k_desc, start_n, keys, offs_d, Lk, stride_kn, HEAD_DIM, PAD_D, MASKED, True, USE_TMA)
+        kt = _load_kv_tile(kt_ptrs, k_desc, start_n, keys, offs_d, Lk, stride_kn, HEAD_DIM, PAD_D, MASKED, True, USE_TMA,
+                           desc_row0)
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) raw products, fp32
         if MASKED:
             # One compare and one select per element; the scale stays in the FMA below. Causal
@@ -482,7 +531,7 @@ if triton is not None:
             alpha = tl.math.exp2(m_i - m_shift)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = _load_kv_tile(v_ptrs, v_desc, start_n, keys, offs_d, Lk, stride_vn, HEAD_DIM, PAD_D, MASKED, False,
-                              USE_TMA)
+                              USE_TMA, desc_row0)
             # P.V accumulates into the rescaled accumulator inside the MMA (no separate add).
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
             m_i = m_new
@@ -505,7 +554,7 @@ if triton is not None:
             else:
                 block_index = tl.load(lut_row + it, eviction_policy="evict_last")
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, block_index * BLOCK_N, offs_m, offs_n, offs_d,
+                acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, block_index * BLOCK_N, 0, offs_m, offs_n, offs_d,
                 neg_pv_thresh, stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, PAD_D, MASKED, IS_CAUSAL, PV_SKIP,
                 DOT_PRECISION, USE_TMA)
         return acc, l_i, m_i, next_index
@@ -574,36 +623,52 @@ if triton is not None:
         return n_masked
 
     @triton.jit
+    def _head_descriptor(ptr, b, h, stride_b, stride_h, stride_row, rows, HEAD_DIM: tl.constexpr,
+                         BLOCK_ROWS: tl.constexpr):
+        """A device-side descriptor over one head's (rows, HEAD_DIM) matrix."""
+        return tl.make_tensor_descriptor(ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h,
+                                         shape=[rows, HEAD_DIM], strides=[stride_row, 1],
+                                         block_shape=[BLOCK_ROWS, HEAD_DIM])
+
+    @triton.jit
     def _attend_single_loop(
         q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP, q_hdesc, k_hdesc, v_hdesc, o_hdesc,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PARTIAL_KEYS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PARTIAL_KEYS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
     ):
         """The row's unmasked blocks in one branch-free loop, in one warp group, after its masked
         suffix (diagonal or partial blocks, at most BLOCK_M // BLOCK_N + 1) in a short loop of its
         own: less live state than the default body's three loops, so a 128 x 128 fp32 accumulator
         fits 4 warps (the default body spills hundreds of bytes there; this one 40 at 2 stages, in
         triton 3.9's sm_90 build). Q, K, V and O all go through tensor descriptors (HEAD_DIM is a
-        power of two; the launcher checks alignment)."""
+        power of two; the launcher checks alignment).
+
+        HOST_DESCRIPTORS: the launcher built the four descriptors (q_hdesc ...) over all heads'
+        rows, (B*H*L, D), when whole blocks tile every head; else each program builds its own on
+        the device, four global writes and a proxy fence before its first load. On the H100 at 8k
+        tokens that made up about 2.5 of a program's 10 us of fixed cost (bench/sparse_fixed_cost.py)."""
         pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, N_Q_BLOCKS, HEAD_GROUP, IS_CAUSAL)
-        q_desc = tl.make_tensor_descriptor(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
-                                           shape=[Lq, HEAD_DIM], strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
-        k_desc = tl.make_tensor_descriptor(k_ptr + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh,
-                                           shape=[Lk, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(v_ptr + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh,
-                                           shape=[Lk, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-        o_desc = tl.make_tensor_descriptor(o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh,
-                                           shape=[Lq, HEAD_DIM], strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        if HOST_DESCRIPTORS:
+            q_desc, k_desc, v_desc, o_desc = q_hdesc, k_hdesc, v_hdesc, o_hdesc
+            q_row0 = pid_bh * Lq  # this head's first row in the (B*H*Lq, D) views
+            kv_row0 = (b * (H // KV_GROUP) + kv_h) * Lk
+        else:
+            q_desc = _head_descriptor(q_ptr, b, h, stride_qb, stride_qh, stride_qm, Lq, HEAD_DIM, BLOCK_M)
+            k_desc = _head_descriptor(k_ptr, b, kv_h, stride_kb, stride_kh, stride_kn, Lk, HEAD_DIM, BLOCK_N)
+            v_desc = _head_descriptor(v_ptr, b, kv_h, stride_vb, stride_vh, stride_vn, Lk, HEAD_DIM, BLOCK_N)
+            o_desc = _head_descriptor(o_ptr, b, h, stride_ob, stride_oh, stride_om, Lq, HEAD_DIM, BLOCK_M)
+            q_row0 = 0
+            kv_row0 = 0
         row = pid_bh * N_Q_BLOCKS + pid_m
         lut_row = lut_ptr + row.to(tl.int64) * N_K_BLOCKS
         count = tl.load(count_ptr + row)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
-        q = q_desc.load([pid_m * BLOCK_M, 0])  # zero rows past Lq
+        q = q_desc.load([q_row0 + pid_m * BLOCK_M, 0])  # zero rows past Lq
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -617,17 +682,17 @@ if triton is not None:
             for j in tl.range(n_plain, count, num_stages=2):
                 start_n = tl.load(lut_row + j) * BLOCK_N
                 acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, offs_m, offs_n, offs_d, 0.0,
+                    acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, kv_row0, offs_m, offs_n, offs_d, 0.0,
                     stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, True, IS_CAUSAL, False,
                     DOT_PRECISION, True)
         for it in range(0, n_plain):
             start_n = tl.load(lut_row + it, eviction_policy="evict_last") * BLOCK_N
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, offs_m, offs_n, offs_d, 0.0,
+                acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, kv_row0, offs_m, offs_n, offs_d, 0.0,
                 stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, False, IS_CAUSAL, False,
                 DOT_PRECISION, True)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty row (count 0) gives 0
-        o_desc.store([pid_m * BLOCK_M, 0], out.to(o_desc.dtype))  # rows past Lq are clipped
+        o_desc.store([q_row0 + pid_m * BLOCK_M, 0], out.to(o_desc.dtype))  # rows past Lq are clipped
 
     @triton.jit
     def _sparse_attention_kernel(
@@ -637,10 +702,11 @@ if triton is not None:
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_om,
         H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, SEQ_BUCKET, HEAD_GROUP,
+        q_hdesc, k_hdesc, v_hdesc, o_hdesc,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PV_PER_HEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFETCH_INDEX: tl.constexpr, USE_TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-        SINGLE_LOOP: tl.constexpr = False, PARTIAL_KEYS: tl.constexpr = False,
+        SINGLE_LOOP: tl.constexpr = False, PARTIAL_KEYS: tl.constexpr = False, HOST_DESCRIPTORS: tl.constexpr = False,
     ):
         """1-D grid of nQ * B*H programs (order: tile_order.query_block_order): one query block of one
         head; visits the kept key blocks of its LUT row.
@@ -649,14 +715,16 @@ if triton is not None:
         checks alignment), else pointer loads.
         SINGLE_LOOP: the masked suffix, then the unmasked blocks in one loop (_attend_single_loop);
         PARTIAL_KEYS: Lk is not a multiple of BLOCK_N (the single loop's masked suffix).
+        HOST_DESCRIPTORS: q_hdesc ... o_hdesc are the launcher's descriptors for the single loop
+        (None otherwise; the default body never reads them).
         The last dimension of q, k, v, o is contiguous (the launcher guarantees it). SEQ_BUCKET is
         only an autotuning key (the sequence length's power-of-two bucket)."""
         if SINGLE_LOOP:
             _attend_single_loop(
                 q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                 stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, KV_GROUP, Lq, Lk,
-                N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, DOT_PRECISION,
-                PARTIAL_KEYS)
+                N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP, q_hdesc, k_hdesc, v_hdesc, o_hdesc, HEAD_DIM, BLOCK_M,
+                BLOCK_N, IS_CAUSAL, DOT_PRECISION, PARTIAL_KEYS, HOST_DESCRIPTORS)
         else:
             _attend_block_lists(
                 q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, pv_thresh_ptr, pv_thresh, stride_qb, stride_qh,
@@ -738,7 +806,7 @@ if triton is not None:
 
     _sparse_attention_kernel_tuned = triton.autotune(
         configs=_attention_configs(),
-        key=["HEAD_DIM", "IS_CAUSAL", "PV_SKIP", "DOT_PRECISION", "SEQ_BUCKET", "PARTIAL_KEYS"],
+        key=["HEAD_DIM", "IS_CAUSAL", "PV_SKIP", "DOT_PRECISION", "SEQ_BUCKET", "PARTIAL_KEYS", "HOST_DESCRIPTORS"],
         prune_configs_by={"early_config_prune": _prune_attention_configs},
     )(_sparse_attention_kernel)
 
@@ -1384,8 +1452,9 @@ def block_sparse_attention(
 
     config: None = autotuned on a GPU (the interpreter uses one fixed config); or an explicit
     {"PREFETCH_INDEX": 0/1, "USE_TMA": 0/1, "PAIR_BLOCKS": 0/1, "SINGLE_LOOP": 0/1, "num_warps": ...,
-    "num_stages": ...}
-    (tests, ablations)."""
+    "num_stages": ..., "HOST_DESCRIPTORS": 0/1}
+    (tests, ablations). HOST_DESCRIPTORS (single loop only) defaults to 1 wherever
+    `host_descriptors_supported` holds."""
     _require_triton(q, k, v)
     group, Dv = _check_inputs(q, k, v, is_causal)
     B, H, Lq, D = q.shape
@@ -1419,18 +1488,32 @@ def block_sparse_attention(
                 IS_CAUSAL=is_causal, PV_SKIP=pv_skip, PV_PER_HEAD=pv_tensor is not None,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PARTIAL_KEYS=Lk % block_n != 0)
     grid = (n_q * B * H,)
-    if config is None and _interpreting():
+    interpreting = _interpreting()
+    if config is None and interpreting:
         config = {"PREFETCH_INDEX": 1, "PAIR_BLOCKS": 1, "num_warps": 4, "num_stages": 1}
     use_tma = int(config.get("USE_TMA", 0)) if config is not None else None
     single_loop = int(config.get("SINGLE_LOOP", 0)) if config is not None else 0
-    if use_tma and not tma_loads_supported(k, v):
+    # the launcher's checks run on every call: each tensor is checked once
+    tma_kv = tma_loads_supported(k, v)
+    tma_all = tma_kv and tma_loads_supported(q, out)
+    if use_tma and not tma_kv:
         raise ValueError("config USE_TMA=1 needs a Hopper+ GPU, tl.make_tensor_descriptor and 16-byte aligned K/V "
                          "rows; valid choice here: USE_TMA=0")
-    if single_loop and not single_loop_supported(q, k, v, out, D, pv_skip):
+    single_ok = single_loop_supported(q, k, v, out, D, pv_skip, tma_ok=tma_all)
+    if single_loop and not single_ok:
         raise ValueError("config SINGLE_LOOP=1 needs tensor descriptors for q, k, v and the output (USE_TMA's "
                          "conditions), a power-of-two head dim and no PV skipping; valid choice here: SINGLE_LOOP=0")
-    if (config is None or use_tma or single_loop) and tma_loads_supported(k, v) and not _interpreting():
+    if (config is None or use_tma or single_loop) and tma_kv and not interpreting:
         _ensure_descriptor_allocator()
+    host_possible = (config is None or single_loop) and single_ok \
+        and host_descriptors_supported(q, k, v, out, block_m, block_n)
+    host_descriptors = bool(int(config.get("HOST_DESCRIPTORS", host_possible))) if config is not None else host_possible
+    if host_descriptors and not host_possible:
+        raise ValueError("config HOST_DESCRIPTORS=1 needs the single loop, (B, H, L) dims of q, k, v that collapse into "
+                         f"rows, and lengths that are multiples of the blocks ({block_m} queries, {block_n} keys); "
+                         "valid choice here: HOST_DESCRIPTORS=0")
+    args += _host_descriptors(q, k, v, out, block_m, block_n) if host_descriptors else (None,) * 4
+    meta["HOST_DESCRIPTORS"] = host_descriptors
     if config is None:
         _sparse_attention_kernel_tuned[grid](*args, **meta)
     else:

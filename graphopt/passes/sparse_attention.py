@@ -54,15 +54,14 @@ PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; to
 #  - KERNEL_EFFICIENCY["triton_sparse"] (graphopt/cost_model.py) = 0.68: the matmul rate of a kept
 #    128 x 64 tile (least squares over the 32 kernel timings with the row cost below; the dense
 #    kernel runs 408-472 TFLOP/s, 0.59-0.68 of the ceiling, including its row cost);
-#  - SPARSE_ROW_COST_TILES = 6: each query block (row) also costs about as much as 6 tiles (Q
-#    load, pipeline fill, epilogue, store) whatever its density: that is what makes the kernel's
-#    effective rate fall from 435 TFLOP/s at density 1 to 321 at 9.4% (L=8k) and 170 at L=4k.
-#    With these two constants every kernel timing is within 0.80-1.13x of the prediction. They
-#    also hold for the H100 kernels of session 11 (the single-loop body, bench/results/sparse_
-#    attention_h100_peeled.json: within 0.92-1.15x) and session 12 (causal rows launched
-#    heaviest first per head group, the masked suffix in its own loop: sparse_attention_h100_
-#    mask_loop.json, 1.01-1.15x of the CUDA-graph timings), with the sparse-or-dense call right
-#    on 24 of 24 rows each time, so they were not refit.
+#  - SPARSE_ROW_COST_TILES: each query block (row) also costs some tiles' worth of time (Q load,
+#    pipeline fill, epilogue, store) whatever its density. Fitted as 6 to the H200 run (every
+#    kernel timing within 0.80-1.13x); that held for the H100 kernels of sessions 11-12 (within
+#    0.92-1.15x). Session 15 built the single loop's tensor descriptors on the host, which cut the
+#    fixed cost per program from 9.8 to 7.3 us against 2.18 us per tile at 8k (bench/sparse_fixed_
+#    cost.py: 3.3 tiles). Now 3.5: the session-15 runs (sparse_attention_h100_host_desc_8k.json and
+#    _16k_32k.json) are within 1.00-1.12x of the CUDA-graph timings (6 gave up to 1.29x), the
+#    session-12 run within 0.90-1.06x; the sparse-or-dense call is right on 24 of 24 rows of each.
 #  - The predictor (v3 kernels) is refit to an H100 run (bench/results/sparse_predictor_h100_v3_
 #    final.json: 0.041 / 0.074 / 0.158 ms at L = 8k / 16k / 32k, B=1, H=16, D=128, CUDA graph):
 #    PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.8: the pooling launch reads Q and K at 2.3-2.5 TB/s,
@@ -70,7 +69,7 @@ PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; to
 #    10 ps per (query block, key block) pooled score for the scores GEMM and the selection beyond
 #    their launches: 3.1 + 4.6 us at 8k (131k scores), 19 + 20 us at 32k (2.1M). The v1 predictor
 #    the H200 round-2 timings come from read Q and K at ~0.9 TB/s and took 4x longer per score.
-SPARSE_ROW_COST_TILES = 6.0
+SPARSE_ROW_COST_TILES = 3.5
 PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.8
 PREDICTOR_S_PER_SCORE = 10e-12
 

@@ -372,3 +372,48 @@ def test_single_loop_config_rejects_pv_skipping():
     with pytest.raises(ValueError, match="SINGLE_LOOP=1 needs .* no PV skipping; valid choice here: SINGLE_LOOP=0"):
         sa.block_sparse_attention(q, k, v, lut, counts, pvthreshd=8.0,
                                   config={"USE_TMA": 1, "SINGLE_LOOP": 1, "num_warps": 4, "num_stages": 1})
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_single_loop_host_and_device_descriptors(is_causal):
+    # whole blocks and (B, H, L) dims that collapse: the single loop takes the launcher's
+    # descriptors over all heads' rows by default; each program's own descriptors (the fallback
+    # for other layouts) must give the same output. Two batches and grouped-query heads, so a
+    # wrong row offset reads another head's keys or writes another head's output.
+    B, H, Hkv, L, D = 2, 4, 2, 256, 64
+    q = randn(B, H, L, D, seed=80)
+    k, v = (randn(B, Hkv, L, D, seed=s) for s in (81, 82))
+    q, k, v = on_device(q, k, v)
+    if not sa.tma_loads_supported(q, k, v):
+        pytest.skip("tensor descriptors need a Hopper+ GPU (or the interpreter) and a Triton that has them")
+    assert sa.host_descriptors_supported(q, k, v, q, sa.BLOCK_M, sa.BLOCK_N)
+    n_q, n_k = L // sa.BLOCK_M, L // sa.BLOCK_N
+    mask = torch.rand(B, H, n_q, n_k, generator=torch.Generator().manual_seed(8)) < 0.6
+    if is_causal:
+        allowed, diagonal = sa.causal_block_geometry(n_q, n_k, L, L, sa.BLOCK_M, sa.BLOCK_N)
+        mask = (mask & allowed) | diagonal
+    mask = mask.to(DEVICE)
+    lut, counts = sa.block_mask_to_lut(mask)
+    ref = sa.block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal)
+    base = {"USE_TMA": 1, "SINGLE_LOOP": 1, "num_warps": 4, "num_stages": 1 if DEVICE == "cpu" else 2}
+    for host in (1, 0):
+        out = sa.block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal, config={**base, "HOST_DESCRIPTORS": host})
+        torch.testing.assert_close(out, ref, **FP32_TOL)
+    # a layout whose heads do not collapse into rows (HF's (B, L, H, D) transposed) falls back
+    q_t = on_device(randn(B, L, H, D, seed=83))[0].transpose(1, 2)
+    assert not sa.host_descriptors_supported(q_t, k, v, q, sa.BLOCK_M, sa.BLOCK_N)
+    out = sa.block_sparse_attention(q_t, k, v, lut, counts, is_causal=is_causal, config=base)
+    torch.testing.assert_close(out, sa.block_sparse_attention_reference(q_t, k, v, mask, is_causal=is_causal), **FP32_TOL)
+
+
+def test_host_descriptors_config_names_its_conditions():
+    # a length that is not a whole number of query blocks cannot use descriptors over all heads' rows
+    q, k, v = on_device(*(randn(1, 2, 200, 32, seed=s) for s in (84, 85, 86)))
+    if not sa.tma_loads_supported(q, k, v):
+        pytest.skip("tensor descriptors need a Hopper+ GPU (or the interpreter) and a Triton that has them")
+    assert not sa.host_descriptors_supported(q, k, v, q, sa.BLOCK_M, sa.BLOCK_N)
+    lut, counts = sa.block_mask_to_lut(torch.ones(1, 2, 2, 4, dtype=torch.bool, device=q.device))
+    with pytest.raises(ValueError, match="HOST_DESCRIPTORS=1 needs .* multiples of the blocks .* valid choice here: "
+                                         "HOST_DESCRIPTORS=0"):
+        sa.block_sparse_attention(q, k, v, lut, counts, config={"USE_TMA": 1, "SINGLE_LOOP": 1, "num_warps": 4,
+                                                                "num_stages": 1, "HOST_DESCRIPTORS": 1})
