@@ -9,8 +9,12 @@ density a row keeps 32 tiles, so that fixed part is about 13% of the kernel. Can
   ends with a drain and the O store, with nothing to overlap them but the SM's other program.
 
 Variants, all the single-loop body at 4 warps on the same block lists (non-causal, whole blocks):
-- `shipped`: the kernel in graphopt (device-side descriptors), config fixed, no autotuning;
+- `shipped`: the kernel in graphopt with device-side descriptors (HOST_DESCRIPTORS=0, its form
+  before session 15), config fixed, no autotuning; `shipped host`: the same with the launcher's
+  descriptors (HOST_DESCRIPTORS=1, the default since then);
 - `host_desc`: the same loop with host-side descriptors over (B*H*L, D) views;
+- `host_desc q_pointers`: that, with Q loaded through pointers (its wait moves to the first
+  use, so the first K/V loads are issued before Q arrives);
 - `host_desc lazy`: that, with the accumulator rescaled only when a row's max grew by more than
   2^8 (the FlashAttention-4 rule; exact, p may reach 256);
 - `persistent`: host descriptors, PROGRAMS_PER_SM x SMs programs, each taking rows in a strided
@@ -25,7 +29,9 @@ medians over rounds. B=1, H=16, D=128, bf16.
 Outcome on the H100 with triton 3.6 (bench/RESULTS.md, session 15): host descriptors cut the fixed
 cost from 9.8 to 7.3 us per program and were adopted (sparse_attention.py, HOST_DESCRIPTORS); the
 lazy rescale cost 4% more per tile (its CTA-wide max and branch run on every tile); the persistent
-loop, flattened or not, cost 47% more per tile. Neither was kept.
+loop, flattened or not, cost 47% more per tile; Q through pointers changed nothing. None of those
+was kept. (The first two runs predate `shipped host`: in the second, `shipped` already ran the
+module's default, host descriptors.)
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ from bench.common import cuda_graph_ms, print_table, random_block_mask, split_ke
 from graphopt.kernels import sparse_attention as sa  # noqa: E402
 
 HEADS, HEAD_DIM = 16, 128
+VARIANTS: list[str] = []  # --variants
 SHIPPED_CONFIG = {"PREFETCH_INDEX": 1, "USE_TMA": 1, "PAIR_BLOCKS": 0, "SINGLE_LOOP": 1, "num_warps": 4}
 
 
@@ -71,12 +78,18 @@ def _lazy_rescale_tile(acc, l_i, m_i, q, k_desc, v_desc, start_n, qk_scale, RESC
 
 @triton.jit
 def _attend_row(q_desc, k_desc, v_desc, o_desc, lut_row, count, pid_bh, pid_m, Lq, Lk, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LAZY_RESCALE: tl.constexpr):
-    """One query block over its kept blocks (whole, unmasked) with descriptors over all heads' rows."""
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                q_ptr=None, Q_POINTERS: tl.constexpr = False):
+    """One query block over its kept blocks (whole, unmasked) with descriptors over all heads' rows.
+    Q_POINTERS: Q through a pointer load (contiguous (B*H*L, D) rows), whose wait comes at its first
+    use, so the first K/V tiles' loads are issued before Q arrives (a TMA load of Q waits at once)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = q_desc.load([pid_bh * Lq + pid_m * BLOCK_M, 0])
+    if Q_POINTERS:
+        q = tl.load(q_ptr + (pid_bh * Lq).to(tl.int64) * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
+    else:
+        q = q_desc.load([pid_bh * Lq + pid_m * BLOCK_M, 0])
     kv_row0 = pid_bh * Lk
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -96,12 +109,13 @@ def _attend_row(q_desc, k_desc, v_desc, o_desc, lut_row, count, pid_bh, pid_m, L
 @triton.jit
 def _host_desc_kernel(q_desc, k_desc, v_desc, o_desc, lut_ptr, count_ptr, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      LAZY_RESCALE: tl.constexpr = False):
+                      LAZY_RESCALE: tl.constexpr = False, q_ptr=None, Q_POINTERS: tl.constexpr = False):
     """One program per (query block, head), query blocks fastest: the shipped single loop's unmasked
     path with descriptors built on the host."""
     row = tl.program_id(0)
     _attend_row(q_desc, k_desc, v_desc, o_desc, lut_ptr + row.to(tl.int64) * N_K_BLOCKS, tl.load(count_ptr + row),
-                row // N_Q_BLOCKS, row % N_Q_BLOCKS, Lq, Lk, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, LAZY_RESCALE)
+                row // N_Q_BLOCKS, row % N_Q_BLOCKS, Lq, Lk, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, LAZY_RESCALE,
+                q_ptr, Q_POINTERS)
 
 
 @triton.jit
@@ -133,15 +147,17 @@ def variants(q, k, v, lut, counts, stages: list[int], programs_per_sm: list[int]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     fns = {}
     for s in stages:
-        fns[f"shipped s{s}"] = lambda s=s: sa.block_sparse_attention(q, k, v, lut, counts,
-                                                                     config={**SHIPPED_CONFIG, "num_stages": s})
+        for host_flag, suffix in ((0, ""), (1, " host")):
+            fns[f"shipped{suffix} s{s}"] = lambda s=s, host_flag=host_flag: sa.block_sparse_attention(
+                q, k, v, lut, counts, config={**SHIPPED_CONFIG, "num_stages": s, "HOST_DESCRIPTORS": host_flag})
 
-        for lazy in (False, True):
-            def host(s=s, lazy=lazy):
+        for suffix, lazy, q_pointers in (("", False, False), (" lazy", True, False), (" q_pointers", False, True)):
+            def host(s=s, lazy=lazy, q_pointers=q_pointers):
                 _host_desc_kernel[(n_rows,)](*descs, lut, counts, L, L, n_q, n_k, scale, HEAD_DIM=D, BLOCK_M=sa.BLOCK_M,
-                                             BLOCK_N=sa.BLOCK_N, LAZY_RESCALE=lazy, num_warps=4, num_stages=s)
+                                             BLOCK_N=sa.BLOCK_N, LAZY_RESCALE=lazy, q_ptr=q if q_pointers else None,
+                                             Q_POINTERS=q_pointers, num_warps=4, num_stages=s)
                 return out
-            fns[f"host_desc{' lazy' if lazy else ''} s{s}"] = host
+            fns[f"host_desc{suffix} s{s}"] = host
         for per_sm in programs_per_sm:
             for flatten in (True, False):
                 def persistent(s=s, per_sm=per_sm, flatten=flatten):
@@ -151,7 +167,7 @@ def variants(q, k, v, lut, counts, stages: list[int], programs_per_sm: list[int]
                                              num_stages=s)
                     return out
                 fns[f"persistent{per_sm} {'flat' if flatten else 'nested'} s{s}"] = persistent
-    return fns
+    return {name: fn for name, fn in fns.items() if not VARIANTS or any(v in name for v in VARIANTS)}
 
 
 def uniform_lut(n_q: int, n_k: int, kept: int, seed: int):
@@ -169,7 +185,9 @@ def main() -> int:
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--programs-per-sm", default="2")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variants", default="", help="comma-separated name parts to keep (default: all)")
     args = parser.parse_args()
+    VARIANTS.extend(filter(None, args.variants.split(",")))
     length = args.length
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -186,7 +204,8 @@ def main() -> int:
     rows = []
     for case, lut, counts in cases:
         fns = variants(q, k, v, lut, counts, stages, per_sm)
-        reference = sa.block_sparse_attention(q, k, v, lut, counts, config={**SHIPPED_CONFIG, "num_stages": 2}).float()
+        reference = sa.block_sparse_attention(q, k, v, lut, counts,
+                                              config={**SHIPPED_CONFIG, "num_stages": 2, "HOST_DESCRIPTORS": 0}).float()
         usable = {}
         for name, fn in fns.items():
             try:
