@@ -15,6 +15,7 @@ an RTX 3060" from any machine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -154,6 +155,15 @@ def spec_for_device_name(device_name: str) -> HardwareSpec | None:
         if pattern in device_name:
             return SPECS[key]
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(device_index: int) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, cached: kernel launchers check it on every call, and torch's
+    own query costs microseconds each time."""
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)
 
 
 def detect(device: "str | None" = None) -> HardwareSpec:

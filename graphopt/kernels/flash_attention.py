@@ -56,6 +56,7 @@ try:
 except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     HAS_TRITON = False
 
+from graphopt.hardware import compute_capability
 from graphopt.kernels.tile_order import causal_head_group
 
 if HAS_TRITON:
@@ -131,7 +132,7 @@ def supports(q, k, v, bias=None) -> tuple[bool, str]:
         return False, f"all inputs must be on one device, got {', '.join(sorted(map(str, devices)))}"
     if q.device.type != "cuda" and not _INTERPRET:
         return False, f"the Triton kernel needs a CUDA device (inputs are on {q.device}); set TRITON_INTERPRET=1 to run it on CPU"
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 0):
+    if q.device.type == "cuda" and compute_capability(q.device.index) < (8, 0):
         return False, "the Triton kernel needs compute capability 8.0 (Ampere) or newer"
     if q.dtype not in SUPPORTED_DTYPES:
         return False, f"dtype {q.dtype} not supported; valid choices: float16, bfloat16, float32"

@@ -64,7 +64,6 @@ compute (under causality, the blocks at or below the diagonal).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -78,6 +77,7 @@ except ImportError:  # pragma: no cover - triton ships with torch on every suppo
     triton = None
     tl = None
 
+from graphopt.hardware import compute_capability
 from graphopt.kernels.tile_order import causal_head_group
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -385,11 +385,6 @@ def _prune_attention_configs(configs, named_args, **kwargs):
     return kept or configs
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
 def tma_loads_supported(*tensors: torch.Tensor) -> bool:
     """Whether tiles of these (B, H, L, D) tensors can move through tensor descriptors (TMA): a
     Hopper or newer GPU, a Triton with tl.make_tensor_descriptor, 16-byte aligned rows and base
@@ -397,7 +392,7 @@ def tma_loads_supported(*tensors: torch.Tensor) -> bool:
     if triton is None or not hasattr(tl, "make_tensor_descriptor"):
         return False
     first = tensors[0]
-    if not _interpreting() and not (first.is_cuda and _cuda_major(first.device.index) >= 9):
+    if not _interpreting() and not (first.is_cuda and compute_capability(first.device.index)[0] >= 9):
         return False
     for t in tensors:
         b, h, m, d = t.stride()
@@ -1347,7 +1342,7 @@ def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, blo
     shape = _v3_shape(v3_shape)
     score_rows, score_cols = shape["score_rows"], min(shape["score_cols"], n_k_pow2)
     pivots = shape["pivots"] or (3 if n_k_pow2 <= 128 else 1)
-    tf32_ok = not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 8
+    tf32_ok = not q.is_cuda or compute_capability(q.device.index)[0] >= 8
     precision = shape["precision"] if tf32_ok else "ieee"  # TF32 tensor cores need sm_80+
     select_args = args[:13]  # the LUT kernels' arguments up to (not including) the scale
 
