@@ -402,14 +402,17 @@ def tma_loads_supported(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _single_loop_body_supported(head_dim: int, pv_skip: bool) -> bool:
+    """The single loop's own limits: descriptor tiles as wide as the head dim (a power of two),
+    and no PV skipping."""
+    return not pv_skip and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def single_loop_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, head_dim: int,
-                          pv_skip: bool, tma_ok: bool | None = None) -> bool:
+                          pv_skip: bool) -> bool:
     """The single-loop body reads Q, K, V and writes O through descriptors whose tile width is the
-    head dim (a power of two), and has no PV skipping. tma_ok: tma_loads_supported(q, k, v, out)
-    when the caller has it already."""
-    if pv_skip or head_dim < 16 or head_dim & (head_dim - 1):
-        return False
-    return tma_loads_supported(q, k, v, out) if tma_ok is None else tma_ok
+    head dim (a power of two), and has no PV skipping."""
+    return _single_loop_body_supported(head_dim, pv_skip) and tma_loads_supported(q, k, v, out)
 
 
 def host_descriptors_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -1494,7 +1497,7 @@ def block_sparse_attention(
     if use_tma and not tma_kv:
         raise ValueError("config USE_TMA=1 needs a Hopper+ GPU, tl.make_tensor_descriptor and 16-byte aligned K/V "
                          "rows; valid choice here: USE_TMA=0")
-    single_ok = single_loop_supported(q, k, v, out, D, pv_skip, tma_ok=tma_all)
+    single_ok = tma_all and _single_loop_body_supported(D, pv_skip)
     if single_loop and not single_ok:
         raise ValueError("config SINGLE_LOOP=1 needs tensor descriptors for q, k, v and the output (USE_TMA's "
                          "conditions), a power-of-two head dim and no PV skipping; valid choice here: SINGLE_LOOP=0")
