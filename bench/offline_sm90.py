@@ -5,7 +5,7 @@ registers, stack (spills), shared memory and the instructions of the hot loop.
     python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
 
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
-TMA); --sequence prints the order of its TMA loads, barrier waits and MMAs in the TTGIR (how many
+TMA) and prints the SASS instructions per thread of its unmasked tile loop; --sequence prints the order of its TMA loads, barrier waits and MMAs in the TTGIR (how many
 load latencies run one after another). `q4gemm` builds the Q4_0 x Q8_1 tensor-core GEMM with the
 activations fused (bf16 in) or pre-quantized (Q8_1 blocks in), and prints the innermost loop's
 SASS instructions per thread and the warp-instructions per output element and K value
@@ -93,9 +93,15 @@ def sparse(args) -> None:
     fn = sa._sparse_attention_kernel
     div16 = [n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride_") and not n.endswith("b"))]
     kernel = compile_sm90(fn, types, consts, div16, args.warps, args.stages)
-    _, resources = sass_and_resources(kernel)
+    sass, resources = sass_and_resources(kernel)
     print(f"sparse single loop causal={args.causal} partial_keys={args.partial_keys} "
           f"host_descriptors={args.host_descriptors} warps={args.warps} stages={args.stages}: {resources}")
+    # the unmasked tile loop: the smallest loop with warpgroup MMAs (the others are the masked
+    # suffix's loop, barrier-wait spins, and branches spanning both loops)
+    tile_loops = [(count, label, top) for label, count, top in loops(sass) if any(op.startswith("HGMMA") for op, _ in top)]
+    if tile_loops:
+        count, label, top = min(tile_loops)
+        print(f"  unmasked tile loop {label}: {count} instructions per thread per tile; top {top}")
     if args.sequence:
         wanted = r"(ttng\.async_tma_copy_global_to_local|ttng\.wait_barrier|ttng\.warp_group_dot |scf\.for|scf\.if)"
         for line in kernel.asm["ttgir"].splitlines():
