@@ -24,6 +24,9 @@ ARGS.add_argument("--wide", action="store_true", help="also narrow dp4a tiles: 8
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
 ARGS.add_argument("--swap-sweep", action="store_true", help="also more swap tiles: 64/128 rows, 1-4 pairs, the --swap-stages depths, split-K auto or 16")
 ARGS.add_argument("--swap-stages", default="1,3", help="pipeline depths of the --swap-sweep tiles (default 1,3)")
+ARGS.add_argument("--print-all", action="store_true", help="print every config's time (always on with --swap-sweep)")
+ARGS.add_argument("--dp4a-splits", default="", help="also one-warp dp4a tiles (16/32 rows, 4/8 pairs, reduce 'last') "
+                  "with these comma-separated split-K counts")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -41,6 +44,8 @@ SHAPES = [(5120, 13824), (13824, 5120)] if GPU else [(128, 48)]
 TOKENS = [int(t) for t in OPTS.tokens.split(",")] if OPTS.tokens else ([1, 4, 16] if GPU else [1, 3])
 WIDE_DP4A = [q4.TileConfig("dp4a", 0, bn, p, w, 1, sk) for bn in (8, 16, 32) for p in (4, 8, 16) for w in (1, 2, 4)
              for sk in (0, 1, 2, 4)] if OPTS.wide and GPU else []
+SPLIT_DP4A = [q4.TileConfig("dp4a", 0, bn, p, 1, 1, int(sk), "last") for bn in (16, 32) for p in (4, 8)
+              for sk in OPTS.dp4a_splits.split(",") if sk] if GPU else []
 SWAP_SWEEP = [(bn, p, w, s, "last", sk) for bn, w in ((64, 4), (128, 8), (128, 4)) for p in (1, 2, 4)
               for s in (int(x) for x in OPTS.swap_stages.split(",")) for sk in (0, 16)] if OPTS.swap_sweep and GPU else []
 
@@ -63,7 +68,7 @@ def main() -> None:
             rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": "cuBLAS bf16", "ms": cublas, "vs_cublas": 1.0,
                          "gbps": gbps(2 * n * k, cublas)})
             best: dict[str, tuple[float, q4.TileConfig]] = {}
-            sweep = list(dict.fromkeys(q4.candidate_configs(m, fused=True) + WIDE_DP4A + q4.swap_configs(m, SWAP_SWEEP)))
+            sweep = list(dict.fromkeys(q4.candidate_configs(m, fused=True) + WIDE_DP4A + SPLIT_DP4A + q4.swap_configs(m, SWAP_SWEEP)))
             for cfg in sweep:
                 try:
                     y = q4.q4_linear_triton(x, qweight, scales, None, "fused", config=cfg)
@@ -76,7 +81,7 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - a config that cannot run is skipped
                     print(f"[skip] {k}->{n} m={m} {cfg.name}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                     continue
-                if OPTS.swap_sweep:  # every config's time in the log, to read the sweep
+                if OPTS.swap_sweep or OPTS.print_all:  # every config's time in the log, to read the sweep
                     print(f"  {k}->{n} m={m} {cfg.name}: {ms * 1e3:.1f} us", flush=True)
                 if cfg.kernel not in best or ms < best[cfg.kernel][0]:
                     best[cfg.kernel] = (ms, cfg)

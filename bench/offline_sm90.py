@@ -3,6 +3,7 @@ registers, stack (spills), shared memory and the instructions of the hot loop.
 
     python bench/offline_sm90.py sparse [--causal] [--partial-keys] [--host-descriptors] [--stages 2] [--warps 4] [--sequence]
     python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
+    python bench/offline_sm90.py q4gemv ROWS BLOCK_N PAIRS WARPS {fused,separate}
 
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
 TMA) and prints the SASS instructions per thread of its unmasked tile loop; --sequence prints the order of its TMA loads, barrier waits and MMAs in the TTGIR (how many
@@ -12,7 +13,9 @@ SASS instructions per thread and the warp-instructions per output element and K 
 (loop instructions x warps / (BLOCK_M x BLOCK_N x 64 x PAIRS)), and per weight value
 (loop instructions x warps / (BLOCK_N x 64 x PAIRS)), the figure that matters for decode, where
 BLOCK_M covers every token. --swap builds the operand-swapped decode variant (the "swap" configs)
-and prints how its dots are lowered (warpgroup MMA with A from registers, or not).
+and prints how its dots are lowered (warpgroup MMA with A from registers, or not). `q4gemv` builds
+the dp4a decode kernel (ROWS token rows per program) and prints its K loop's SASS instructions per
+thread and per 32-bit weight word.
 
 Uses the installed triton's bundled cuobjdump / nvdisasm; the figures depend on the triton version
 (RESULTS.md names it).
@@ -141,6 +144,27 @@ def q4gemm(args) -> None:
               f"output element and K value, {per_weight:.4f} per weight value; top {top}")
 
 
+def q4gemv(args) -> None:
+    from graphopt.kernels import q4
+
+    fused = args.mode == "fused"
+    types = dict(x_ptr="*bf16" if fused else "*i32", w_ptr="*i32", ws_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16",
+                 acc_ptr="*fp32", counter_ptr="*i32")
+    consts = dict(HAS_BIAS=False, REDUCE=3, EXACT=False, USE_DP4A=True, USE_ASM=True, PREQUANTIZED=not fused,
+                  ROWS=args.rows, BLOCK_N=args.block_n, CHUNK=args.pairs)
+    div16 = ["N", "K", "x_ptr", "w_ptr", "ws_ptr", "out_ptr", "stride_xm", "stride_wn", "stride_wsb", "stride_om"]
+    kernel = compile_sm90(q4._q4_gemv_kernel, types, consts, div16, args.warps, 1)
+    sass, resources = sass_and_resources(kernel)
+    print(f"q4 dp4a {args.mode} rows={args.rows} block_n={args.block_n} pairs={args.pairs} warps={args.warps} "
+          f": {resources}")
+    body = loops(sass)
+    if body:  # the K loop is the last backward branch (inner ones unroll)
+        label, count, top = body[-1]
+        words = args.block_n * args.pairs * 8 / (32 * args.warps)  # 32-bit weight words per thread per step
+        print(f"  K loop {label}: {count} instructions per thread per step, {count / words:.1f} per weight word; "
+              f"top {top}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kernel", required=True)
@@ -156,8 +180,12 @@ def main() -> int:
         p.add_argument(name, type=int)
     p.add_argument("mode", choices=("fused", "separate"))
     p.add_argument("--swap", action="store_true")
+    p = sub.add_parser("q4gemv")
+    for name in ("rows", "block_n", "pairs", "warps"):
+        p.add_argument(name, type=int)
+    p.add_argument("mode", choices=("fused", "separate"))
     args = parser.parse_args()
-    sparse(args) if args.kernel == "sparse" else q4gemm(args)
+    {"sparse": sparse, "q4gemm": q4gemm, "q4gemv": q4gemv}[args.kernel](args)
     return 0
 
 

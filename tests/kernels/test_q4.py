@@ -200,11 +200,14 @@ GEMV_CONFIGS = [q4.TileConfig("gemv", 0, 16, 2, 2, 1),
                 q4.TileConfig("dp4a", 0, 16, 2, 2, 1),
                 q4.TileConfig("dp4a", 2, 32, 4, 4, 1, split_k=0, reduce="atomic"),
                 q4.TileConfig("dp4a", 0, 8, 1, 1, 1, split_k=3, reduce="last"),  # one launch, last split writes
-                q4.TileConfig("gemv", 2, 16, 1, 1, 1, split_k=2, reduce="last")]
+                q4.TileConfig("gemv", 2, 16, 1, 1, 1, split_k=2, reduce="last"),
+                # several steps per split, splits that end inside a step
+                q4.TileConfig("dp4a", 0, 16, 2, 1, 1, split_k=3, reduce="last")]
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS, ids=lambda c: c.name)
-@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 24, 224), (16, 24, 160)])  # K not a multiple of the chunk
+# K not a multiple of the chunk; 608: 19 blocks, several steps per split
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 24, 224), (16, 24, 160), (1, 24, 608)])
 def test_decode_gemv_kernel_equals_dequantize_then_matmul(config, m, n, k):
     x, qweight, scales, bias = _problem(m, n, k, torch.float32, seed=m)
     y = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
@@ -265,7 +268,8 @@ def test_tile_config_rejects_invalid_choices():
         q4.q4_q8_gemm_triton(q4.quantize_q8_1(x), qweight, scales, None, torch.float32, config=GEMV_CONFIGS[0])
 
 
-@pytest.mark.parametrize("config", [GEMM_CONFIGS[0], SPLIT_GEMM_CONFIGS[0], SWAP_CONFIGS[1]] + GEMV_CONFIGS[3:6],
+@pytest.mark.parametrize("config", [GEMM_CONFIGS[0], SPLIT_GEMM_CONFIGS[0], SWAP_CONFIGS[1]] + GEMV_CONFIGS[3:6]
+                         + GEMV_CONFIGS[7:],
                          ids=lambda c: c.name)
 @pytest.mark.parametrize("m,k", [(6, 96), (16, 160)])  # odd block counts: the last pair has no second block
 def test_separate_integer_gemm_equals_dequantize_then_matmul(config, m, k):
