@@ -661,6 +661,11 @@ DECODE_TOKENS_PER_PASS = 16  # the tensor-core decode kernel re-reads the weight
 # fp32 ceiling): 1 token 0.30-0.34 ps per weight after the 4 us launch on all six shapes (0.32
 # predicted), where the memory term (0.65 of the copy bandwidth) is just below.
 FMA_GEMV_DECODE_OPS_PER_WEIGHT = 0.8
+# One token on _fp4_gemv_int_kernel: the same ops scale, from the offline sm_90 counts (29-34
+# instructions per word row against 45 for the FMA kernel at one token: 0.65 x (0.8 + 2)). On the
+# H100 it measured 20.6-20.7 us on the two 70.8 M weight layers (bench/results/
+# fp4_decode_h100_int_dots.*), where the memory term (0.65 of the copy bandwidth) is the bound.
+INT_GEMV_DECODE_OPS_PER_WEIGHT = 1.8
 # Tensor-core _fp4_gemv_words_mma_kernel: decode ops per weight per pass of 16 tokens; measured
 # 0.58-0.67 ps per weight at 4-16 tokens on the four 45-71 M weight layers (0.75-0.84 on the
 # smaller two) in the same run; predicted 0.57 + launch.
@@ -715,6 +720,10 @@ def _gemv_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes
             hw, f"FP4 GEMV (Triton, CUDA cores, {fma_rows} row(s))", "fp4_gemv",
             decode_ops=weights * (FMA_GEMV_DECODE_OPS_PER_WEIGHT + 2.0 * fma_rows),
             bytes_moved=w_bytes + act_bytes))
+    if tokens == 1:  # CUDA cores with integer dot products
+        candidates.append(_fp4_kernel_estimate(
+            hw, "FP4 GEMV (Triton, CUDA cores, integer dots, 1 row)", "fp4_gemv",
+            decode_ops=weights * INT_GEMV_DECODE_OPS_PER_WEIGHT, bytes_moved=w_bytes + act_bytes))
     passes = -(-tokens // DECODE_TOKENS_PER_PASS)
     candidates.append(_fp4_kernel_estimate(
         hw, f"FP4 GEMV (Triton, tensor cores, {passes} pass(es) of 16 tokens)", "fp4_gemv",
@@ -815,6 +824,7 @@ class KernelConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    int_dots: bool = False  # decode, BLOCK_M 1: _fp4_gemv_int_kernel (int16 activations, dp2a)
 
 
 FMA_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # decode BLOCK_M values of the CUDA-core kernel
@@ -838,6 +848,13 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     + tuple(KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
             for bn, bk, sk in ((64, 128, 4), (64, 128, 8), (64, 128, 16), (128, 256, 4), (128, 256, 8),
                                (128, 256, 16)))
+    # one token, integer dot products (_fp4_gemv_int_kernel): the best tiles of the H100 sweep
+    # (bench/results/fp4_decode_h100_int_dots.*): 16 x 512 elements with 4 warps (20.7 us on
+    # 5120->13824) and 16 x 256 with 1 warp and a split of 8 (20.6 us on 13824->5120), against
+    # 25.4-27.2 us for the FMA kernel's tuned tiles (session 8)
+    + tuple(KernelConfig(bn, 1, bk, sk, num_warps=w, num_stages=1, int_dots=True)
+            for bn, bk, w, sk in ((16, 512, 4, 1), (16, 1024, 4, 1), (16, 512, 4, 2), (16, 256, 1, 2),
+                                  (16, 256, 1, 8), (32, 256, 1, 8), (32, 128, 1, 4)))
 )
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
@@ -1097,6 +1114,151 @@ if triton is not None:
                 if BLOCK_M > 2:
                     _drain_row(token0 + 2, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
                     _drain_row(token0 + 3, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
+                tl.atomic_xchg(counter, 0)
+
+    # --- integer dot products for one token (the "int_dots" configs) -----------------------
+    # Twice an e2m1 value is an integer, {0, 1, 2, 3, 4, 6, 8, 12} and negatives, so a code word
+    # becomes signed int8 lanes and one token's activations, rounded to int16 per K tile, meet
+    # them in dp2a (two 16 x 8-bit products per instruction, int32 sums): no fp16/fp32
+    # conversion and no FMA per code.
+
+    @triton.jit
+    def _doubled_e2m1(nibble):
+        """Codes (int32, 0-15) -> twice their e2m1 value as int32 (the interpreter's decode)."""
+        mag = nibble & 7
+        e = mag >> 1
+        v = tl.where(e == 0, mag, (2 + (mag & 1)) << tl.maximum(e - 1, 0))
+        return tl.where(nibble >= 8, -v, v)
+
+    @triton.jit
+    def _e2m1_int8_lanes(words, USE_ASM: tl.constexpr):
+        """int32 code words -> (lo, hi): lane i (byte i) of lo holds twice the e2m1 value of nibble
+        i, of hi that of nibble 4 + i, as signed int8. USE_ASM: 12 instructions per word. PRMT
+        looks up each magnitude in a positive and a negative byte table (twice the e2m1 values
+        0, 1, 2, 3, 4, 6, 8, 12 and their negatives, indexed by the magnitude bits; passed as
+        registers, so the constants are not rebuilt per word); a third PRMT per half
+        replicates each code's sign bit over its lane (bit 7 of a byte of the word is an odd
+        nibble's sign, bit 7 of a byte of word << 4 an even one's); LOP3 picks per lane."""
+        if USE_ASM:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 sel_lo, sel_hi, w_hi, w4, pos_lo, pos_hi, neg_lo, neg_hi, m_lo, m_hi;
+                and.b32 sel_lo, $2, 0x7777;
+                shr.u32 w_hi, $2, 16;
+                and.b32 sel_hi, w_hi, 0x7777;
+                prmt.b32 pos_lo, $3, $4, sel_lo;
+                prmt.b32 pos_hi, $3, $4, sel_hi;
+                prmt.b32 neg_lo, $5, $6, sel_lo;
+                prmt.b32 neg_hi, $5, $6, sel_hi;
+                shl.b32 w4, $2, 4;
+                prmt.b32 m_lo, $2, w4, 0x9D8C;
+                prmt.b32 m_hi, $2, w4, 0xBFAE;
+                lop3.b32 $0, pos_lo, neg_lo, m_lo, 0xD8;
+                lop3.b32 $1, pos_hi, neg_hi, m_hi, 0xD8;
+                }""",
+                "=r,=r,r,r,r,r,r", [words, tl.full(words.shape, 0x03020100, tl.int32),
+                                    tl.full(words.shape, 0x0C080604, tl.int32),
+                                    tl.full(words.shape, -33620224, tl.int32),  # 0xFDFEFF00
+                                    tl.full(words.shape, -185009412, tl.int32)],  # 0xF4F8FAFC
+                dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            lo = tl.zeros_like(words)
+            hi = tl.zeros_like(words)
+            for t in tl.static_range(4):
+                lo |= (_doubled_e2m1((words >> (4 * t)) & 15) & 255) << (8 * t)
+                hi |= (_doubled_e2m1((words >> (16 + 4 * t)) & 15) & 255) << (8 * t)
+            return lo, hi
+
+    @triton.jit
+    def _dp2a(a, b, c, HI: tl.constexpr, USE_ASM: tl.constexpr):
+        """c + a.h0 * b.byte(i) + a.h1 * b.byte(i + 1), signed, i = 2 if HI else 0 (PTX dp2a)."""
+        if USE_ASM:
+            if HI:
+                return tl.inline_asm_elementwise("dp2a.hi.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                return tl.inline_asm_elementwise("dp2a.lo.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            SHIFT: tl.constexpr = 16 if HI else 0
+            b0 = (b << (24 - SHIFT)) >> 24
+            b1 = (b << (16 - SHIFT)) >> 24
+            return c + ((a << 16) >> 16) * b0 + (a >> 16) * b1
+
+    @triton.jit
+    def _rint(v):
+        """Round to nearest even, for |v| < 2^22 (adding and removing 1.5 * 2^23)."""
+        return (v + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _fp4_gemv_int_kernel(
+        x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
+        M, N, K, K_PADDED,
+        stride_xm, stride_wn, stride_sn, stride_om,
+        IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
+    ):
+        """Decode on CUDA cores with integer dot products, one token per program (grid as
+        _fp4_gemv_words_kernel's with BLOCK_M 1). Per iteration the token's 8 WORDS_PER_ITER
+        activations are rounded to int16 with one step, (tile max) / 32766: an error of at most
+        half a step, 2^-16 of the tile's largest activation. Each word's eight codes
+        (_e2m1_int8_lanes) meet them in four chained dp2a. The int32 sums of a scale block are exact
+        (|sum| <= 32 * 12 * 32767 < 2^24) and scaled in fp32 once per block. Split-K and the
+        output as in _fp4_gemv_words_kernel."""
+        WPB: tl.constexpr = BLOCK_SIZE // 8
+        HALF: tl.constexpr = BLOCK_SIZE // 2
+        NB: tl.constexpr = WORDS_PER_ITER // WPB  # scale blocks per tile row
+        pid_n = tl.program_id(0)
+        token = tl.program_id(2)
+        offs_n, n_mask, rows, word_ptrs, _, k_lo, it_start, it_end = _word_tile(
+            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
+        scale_ptrs = scales_ptr + rows[:, None] * stride_sn + tl.arange(0, NB)[None, :]  # (BN, NB)
+        x_row = x_ptr + token * stride_xm
+        offs4 = tl.arange(0, 4)
+        acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+
+        words = tl.load(word_ptrs + it_start * WORDS_PER_ITER)
+        scale_bytes = tl.load(scale_ptrs + it_start * NB)
+        for it in range(it_start, it_end):
+            nxt = tl.minimum(it + 1, it_end - 1)  # prefetch; the last iteration re-reads its own tile
+            next_words = tl.load(word_ptrs + nxt * WORDS_PER_ITER)
+            next_scale_bytes = tl.load(scale_ptrs + nxt * NB)
+
+            # the word's codes are elements k_lo + 0..3 (low nibbles) and k_lo + HALF + 0..3 (high)
+            k_a = (k_lo + it * (WORDS_PER_ITER * 8))[:, None] + offs4[None, :]  # (W, 4)
+            x_a = tl.load(x_row + k_a, mask=k_a < K, other=0.0).to(tl.float32)
+            x_b = tl.load(x_row + k_a + HALF, mask=k_a + HALF < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.max(tl.abs(x_a), axis=1), axis=0), tl.max(tl.max(tl.abs(x_b), axis=1), axis=0))
+            step = tl.where(amax > 0, amax * (1.0 / 32766.0), 1.0)
+            inv = tl.where(amax > 0, 32766.0 / amax, 0.0)
+            q_a = _rint(x_a * inv).to(tl.int32)
+            q_b = _rint(x_b * inv).to(tl.int32)
+            # int16 pairs in lane order: nibble 2i of a word is element 4q + i, nibble 2i + 1 is 4q + i + HALF
+            a0, a1, a2, a3 = _split4((q_a & 0xFFFF) | (q_b << 16))  # (W,) each
+            lo, hi = _e2m1_int8_lanes(words, USE_ASM)  # (BN, W)
+            dots = _dp2a(tl.broadcast_to(a0[None, :], lo.shape), lo, tl.zeros_like(lo), False, USE_ASM)
+            dots = _dp2a(tl.broadcast_to(a1[None, :], lo.shape), lo, dots, True, USE_ASM)
+            dots = _dp2a(tl.broadcast_to(a2[None, :], lo.shape), hi, dots, False, USE_ASM)
+            dots = _dp2a(tl.broadcast_to(a3[None, :], lo.shape), hi, dots, True, USE_ASM)
+            block_dots = tl.sum(tl.reshape(dots, (BLOCK_N, NB, WPB)), axis=2)  # exact int32
+            acc += _block_scales(scale_bytes, IS_NVFP4) * (block_dots.to(tl.float32) * step)
+            words = next_words
+            scale_bytes = next_scale_bytes
+
+        # the 2 of the doubled codes, and (NVFP4) the 2^-8 of the e4m3 decode
+        multiplier = tl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows).to(tl.float32)
+        else:
+            bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        _finish_row(tl.sum(acc, axis=1) * multiplier, token, offs_n, n_mask, M, N, bias, out_ptr, stride_om,
+                    ws_ptr, HAS_BIAS, SPLIT_K)
+        if SPLIT_K > 1:
+            tl.debug_barrier()  # every thread's workspace atomics precede the counter's release
+            counter = counter_ptr + token * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # the last split of this tile: copy out, re-arm
+                _drain_row(token, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
                 tl.atomic_xchg(counter, 0)
 
     @triton.jit
@@ -1359,6 +1521,8 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
             # 16 words per row (the MMAs' K is 32; with 8 words, K 16, the H100 results were wrong
             # although the interpreter's were right), and N >= 16
             return False
+        if cfg.int_dots and cfg.block_m != 1:
+            return False  # one token per program
         return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + (16,)
     return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
 
@@ -1433,7 +1597,10 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, WORDS_PER_ITER=cfg.block_k // 8, SPLIT_K=split_k,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if cfg.block_m in FMA_BLOCK_M:
+        if cfg.int_dots:
+            del common["BLOCK_M"]
+            _fp4_gemv_int_kernel[grid](*args, USE_ASM=not _interpreting(), **common)
+        elif cfg.block_m in FMA_BLOCK_M:
             _fp4_gemv_words_kernel[grid](*args, USE_ASM=not _interpreting(), **common)
         else:
             _fp4_gemv_words_mma_kernel[grid](*args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),

@@ -160,6 +160,9 @@ def _assert_close(y, ref, dtype):
         (5, 37, 600, "gemv", KernelConfig(32, 16, 128, split_k=4), torch.bfloat16, False),  # MMA, uneven split
         (16, 24, 128, "gemv", KernelConfig(16, 16, 128, split_k=1), torch.float16, True),  # MMA path, direct store
         (20, 40, 380, "gemv", KernelConfig(16, 16, 128, split_k=3), torch.bfloat16, True),  # MMA, 2 token tiles, split
+        (1, 40, 100, "gemv", KernelConfig(16, 1, 64, split_k=1, int_dots=True), torch.bfloat16, True),  # int dots
+        (1, 37, 600, "gemv", KernelConfig(8, 1, 128, split_k=4, num_warps=1, int_dots=True), torch.float16,
+         False),  # int dots, uneven split, odd N
         (70, 24, 200, "gemm", KernelConfig(16, 16, 64), torch.bfloat16, True),  # prefill, odd M/N/K
         (70, 24, 200, "dequant", None, torch.bfloat16, True),  # prefill: Triton dequantize + matmul
     ],
@@ -323,6 +326,21 @@ if fp4.triton is not None:
         tl.store(out_ptr + 2 * offs + 1, hi.to(tl.float32))
 
 
+    @triton.jit
+    def _int8_lanes_kernel(words_ptr, out_ptr, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        lo, hi = fp4._e2m1_int8_lanes(tl.load(words_ptr + offs), USE_ASM)
+        tl.store(out_ptr + 2 * offs, lo)
+        tl.store(out_ptr + 2 * offs + 1, hi)
+
+    @triton.jit
+    def _dp2a_kernel(a_ptr, b_ptr, c_ptr, out_ptr, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        a, b, c = tl.load(a_ptr + offs), tl.load(b_ptr + offs), tl.load(c_ptr + offs)
+        tl.store(out_ptr + 2 * offs, fp4._dp2a(a, b, c, False, USE_ASM))
+        tl.store(out_ptr + 2 * offs + 1, fp4._dp2a(a, b, c, True, USE_ASM))
+
+
 def _words_with_code_pairs(shift: int, repeats: int = 1):
     """int32 words whose nibbles at bits shift and shift + 16 run through all 16 x 16 code pairs
     (`repeats` times), random codes elsewhere; and the (low, high) codes."""
@@ -354,6 +372,46 @@ def test_bf16_scaled_pairs_are_exact_for_every_code_pair_and_e4m3_scale(shift, u
     out = out.cpu().double()
     assert torch.equal(out, expected)
     assert torch.equal(torch.signbit(out), torch.signbit(expected))
+
+
+@pytest.mark.parametrize("use_asm", [False] + ([True] if torch.cuda.is_available() else []))
+def test_int8_lanes_are_twice_every_code_at_every_nibble(use_asm):
+    """The integer decode: lane i of lo (hi) is twice the e2m1 value of nibble i (4 + i), as a
+    signed byte, for all 16 x 16 code pairs at every pair of nibbles (-0 gives 0). use_asm: the
+    PTX table lookups the GPU kernel runs (GPU only)."""
+    words = torch.cat([_words_with_code_pairs(shift)[0] for shift in (0, 4, 8, 12)])  # 1024 words
+    out = torch.empty(2 * words.numel(), dtype=torch.int32, device=DEVICE)
+    _int8_lanes_kernel[(1,)](words.to(DEVICE), out, BLOCK=words.numel(), USE_ASM=use_asm)
+    lanes = out.cpu().reshape(-1, 2).to(torch.int64) & 0xFFFFFFFF  # (words, lo / hi)
+    got = ((lanes[:, :, None] >> (8 * torch.arange(4))) & 0xFF).reshape(-1, 8)  # bytes: nibbles 0-7
+    got = torch.where(got >= 128, got - 256, got)
+    nibbles = ((words.to(torch.int64) & 0xFFFFFFFF)[:, None] >> (4 * torch.arange(8))) & 15
+    expected = (2 * torch.tensor(E2M1_VALUES, dtype=torch.float64)[nibbles]).to(torch.int64)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("use_asm", [False] + ([True] if torch.cuda.is_available() else []))
+def test_dp2a_matches_integer_reference(use_asm):
+    """c + a.h0 * b.byte(i) + a.h1 * b.byte(i + 1), signed, for the low (i = 0) and high (i = 2)
+    halves of b, on random words (extreme values included)."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-2**31, 2**31 - 1, (512,), generator=g, dtype=torch.int64)
+    b = torch.randint(-2**31, 2**31 - 1, (512,), generator=g, dtype=torch.int64)
+    c = torch.randint(-2**20, 2**20, (512,), generator=g, dtype=torch.int64)
+    a[:4] = torch.tensor([0x7FFF7FFF, -0x7FFF8000 - 1, 0x80007FFF - 2**32, -1])  # +-32767/-32768 halves
+    b[:4] = torch.tensor([0x7F807F80, -0x7F7F7F80 - 1, -1, 0x01FF01FF])
+    out = torch.empty(1024, dtype=torch.int32, device=DEVICE)
+    _dp2a_kernel[(1,)](a.to(torch.int32).to(DEVICE), b.to(torch.int32).to(DEVICE), c.to(torch.int32).to(DEVICE), out,
+                       BLOCK=512, USE_ASM=use_asm)
+
+    def signed(v, bits):
+        v = v & ((1 << bits) - 1)
+        return torch.where(v >= 1 << (bits - 1), v - (1 << bits), v)
+    halves = [signed(a >> (16 * i), 16) for i in range(2)]
+    bytes_ = [signed(b >> (8 * i), 8) for i in range(4)]
+    lo = c + halves[0] * bytes_[0] + halves[1] * bytes_[1]
+    hi = c + halves[0] * bytes_[2] + halves[1] * bytes_[3]
+    assert torch.equal(out.cpu().reshape(-1, 2).to(torch.int64), torch.stack((lo, hi), 1))
 
 
 @pytest.mark.parametrize("use_asm", [False] + ([True] if torch.cuda.is_available() else []))
@@ -393,8 +451,10 @@ def test_decode_word_positions_match_kernel_layout():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
 @pytest.mark.parametrize("cfg", [KernelConfig(8, 1, 256, split_k=4, num_stages=1),
+                                 KernelConfig(16, 1, 256, split_k=4, num_warps=1, num_stages=1, int_dots=True),
                                  KernelConfig(16, 4, 256, split_k=4, num_stages=1),
-                                 KernelConfig(64, 16, 128, split_k=8, num_stages=1)], ids=lambda c: f"{c.block_n}x{c.block_m}")
+                                 KernelConfig(64, 16, 128, split_k=8, num_stages=1)],
+                         ids=lambda c: f"{c.block_n}x{c.block_m}{'-int' if c.int_dots else ''}")
 def test_split_k_counters_under_concurrency(cfg):
     """Many N tiles, several token tiles and K splits in flight at once (the interpreter runs
     programs one after another, so a shared or misindexed arrival counter only races here)."""
