@@ -31,6 +31,9 @@ ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (
 ARGS.add_argument("--kernels", default="word,word-mma")
 ARGS.add_argument("--wide", action="store_true", help="narrow row tiles, 1-2 warps, K tiles to 1024, MMA stages")
 ARGS.add_argument("--profile-best", default=None, help="JSON from a previous run: run each best config once")
+ARGS.add_argument("--shapes", default=None, help="comma-separated KxN shapes (default 5120x13824,13824x5120)")
+ARGS.add_argument("--int-wide", action="store_true",
+                  help="word-int: every tile of 16-64 rows x 256-2048 elements at 16 or 32 code words per thread")
 OPTS = ARGS.parse_args()
 if OPTS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -46,7 +49,8 @@ from graphopt.kernels.fp4 import KernelConfig  # noqa: E402
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
 DEVICE = "cuda" if GPU else "cpu"
 FORMAT = "nvfp4"
-SHAPES = [(5120, 13824), (13824, 5120)] if GPU else [(256, 48)]
+SHAPES = ([tuple(int(v) for v in shape.split("x")) for shape in OPTS.shapes.split(",")] if OPTS.shapes
+          else [(5120, 13824), (13824, 5120)]) if GPU else [(256, 48)]
 TOKENS = [int(t) for t in OPTS.tokens.split(",")] if OPTS.tokens else ([1, 4, 16] if GPU else [1, 3])
 KERNELS = [k.strip() for k in OPTS.kernels.split(",") if k.strip()]
 
@@ -58,6 +62,10 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
             return []
         if not GPU:
             return [KernelConfig(16, 1, 128, split_k=2, num_warps=1, num_stages=1, int_dots=True)]
+        if OPTS.int_wide:
+            return [KernelConfig(bn, 1, bk, sk, num_warps=bn * bk // 8 // (32 * per_thread), num_stages=1, int_dots=True)
+                    for bn in (16, 32, 64) for bk in (256, 512, 1024, 2048) for per_thread in (16, 32)
+                    if bn * bk // 8 // (32 * per_thread) in (1, 2, 4, 8) for sk in (1, 2, 4, 8)]
         return [KernelConfig(bn, 1, bk, sk, num_warps=w, num_stages=1, int_dots=True)
                 for bn, bk, w, splits in ((16, 256, 1, (2, 4, 8)), (32, 256, 1, (2, 4, 8)), (32, 128, 1, (4, 8)),
                                           (64, 256, 4, (2, 4, 8)), (128, 256, 4, (2, 4)), (16, 512, 4, (1, 2, 4)),

@@ -848,13 +848,17 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     + tuple(KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
             for bn, bk, sk in ((64, 128, 4), (64, 128, 8), (64, 128, 16), (128, 256, 4), (128, 256, 8),
                                (128, 256, 16)))
-    # one token, integer dot products (_fp4_gemv_int_kernel): the best tiles of the H100 sweep
+    # one token, integer dot products (_fp4_gemv_int_kernel): the best tiles of the H100 sweeps
     # (bench/results/fp4_decode_h100_int_dots.*): 16 x 512 elements with 4 warps (20.7 us on
     # 5120->13824) and 16 x 256 with 1 warp and a split of 8 (20.6 us on 13824->5120), against
-    # 25.4-27.2 us for the FMA kernel's tuned tiles (session 8)
+    # 25.4-27.2 us for the FMA kernel's tuned tiles (session 8); on LLaMA-7B's step shapes
+    # (fp4_decode_h100_int_wide_llama7b.*): 32 x 512, 4 warps (4096->12288, 14.9 us), 16 x 2048,
+    # 4 warps (4096->4096, 7.6 us), 32 x 256, 1 warp, split 2 (4096->22016, 26.1 us); and 16 x 256,
+    # 1 warp (4096->32000, 34.4 us; fp4_decode_h100_int_wide_lmhead.*)
     + tuple(KernelConfig(bn, 1, bk, sk, num_warps=w, num_stages=1, int_dots=True)
             for bn, bk, w, sk in ((16, 512, 4, 1), (16, 1024, 4, 1), (16, 512, 4, 2), (16, 256, 1, 2),
-                                  (16, 256, 1, 8), (32, 256, 1, 8), (32, 128, 1, 4)))
+                                  (16, 256, 1, 8), (32, 256, 1, 8), (32, 128, 1, 4), (32, 512, 4, 1),
+                                  (16, 2048, 4, 1), (32, 256, 1, 2), (16, 256, 1, 1)))
 )
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
