@@ -1139,8 +1139,8 @@ if triton is not None:
         """int32 code words -> (lo, hi): lane i (byte i) of lo holds twice the e2m1 value of nibble
         i, of hi that of nibble 4 + i, as signed int8. USE_ASM: 12 instructions per word. PRMT
         looks up each magnitude in a positive and a negative byte table (twice the e2m1 values
-        0, 1, 2, 3, 4, 6, 8, 12 and their negatives, indexed by the magnitude bits; passed as
-        registers, so the constants are not rebuilt per word); a third PRMT per half
+        0, 1, 2, 3, 4, 6, 8, 12 and their negatives, indexed by the magnitude bits; ptxas moves
+        one table word in from a uniform register at each use); a third PRMT per half
         replicates each code's sign bit over its lane (bit 7 of a byte of the word is an odd
         nibble's sign, bit 7 of a byte of word << 4 an even one's); LOP3 picks per lane."""
         if USE_ASM:
