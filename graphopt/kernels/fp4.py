@@ -1250,20 +1250,15 @@ if triton is not None:
             scale_bytes = next_scale_bytes
 
         # the 2 of the doubled codes, and (NVFP4) the 2^-8 of the e4m3 decode
-        multiplier = tl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + rows).to(tl.float32)
+        total = tl.sum(acc, axis=1) * (tl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5))
+        out_ptrs = out_ptr + token * stride_om + offs_n
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rows).to(tl.float32)
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=n_mask)
         else:
-            bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        _finish_row(tl.sum(acc, axis=1) * multiplier, token, offs_n, n_mask, M, N, bias, out_ptr, stride_om,
-                    ws_ptr, HAS_BIAS, SPLIT_K)
-        if SPLIT_K > 1:
-            tl.debug_barrier()  # every thread's workspace atomics precede the counter's release
-            counter = counter_ptr + token * tl.num_programs(0) + pid_n
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:  # the last split of this tile: copy out, re-arm
-                _drain_row(token, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
-                tl.atomic_xchg(counter, 0)
+            finish_split_tile(total, ws_ptr + token * N + offs_n, out_ptrs, n_mask, bias_ptr + rows, n_mask,
+                              counter_ptr + token * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
 
     @triton.jit
     def _bf16_scale_pair(block_scale):

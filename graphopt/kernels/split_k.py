@@ -4,8 +4,8 @@ Every K split of an output tile adds its fp32 partial sums into a persistent zer
 with atomics, then takes a ticket from the tile's arrival counter; the split that arrives last
 reads the sums back (atomics, so from L2 where they landed), re-zeroes them and the counter, and
 stores sum + bias in the output dtype. One launch per call: no memset and no separate sum kernel.
-`finish_split_tile` does this for one 2-D tile (fp4's tensor-core decode, q4's "last" reduction);
-fp4's CUDA-core decode keeps up to four 1-D token rows and runs the same steps row by row
+`finish_split_tile` does this for one tile (fp4's tensor-core and integer-dot decodes, q4's "last"
+reduction); fp4's FMA decode keeps up to four 1-D token rows and runs the same steps row by row
 (`_finish_row` / `_drain_row`) on the same buffers.
 """
 
