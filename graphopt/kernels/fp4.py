@@ -1733,8 +1733,8 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"fp4_linear: config {cfg} is not valid for path {path} with M={m}, K_padded={k_padded}, "
                          f"block {bs} (BLOCK_N and BLOCK_K powers of two; BLOCK_K must divide K_padded, be a multiple "
                          f"of the block and give MMA K >= 16; 1 <= SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, "
-                         f"4 or 16 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 128, for BLOCK_M 16); prefill tiles >= 16 "
-                         f"without split)")
+                         f"4 or 16 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 128, for BLOCK_M 16), and 1 for "
+                         f"int_dots configs; prefill tiles >= 16 without split)")
     out = _launch(path, cfg, *args)
     return out.reshape(*x.shape[:-1], out_features)
 
