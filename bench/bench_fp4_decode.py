@@ -7,8 +7,8 @@ copies, >= 120 MB per graph), the way a model's layers read them.
     python bench/bench_fp4_decode.py --profile-best bench_fp4_decode.json   # run each best config once (for ncu)
 
 Kernels: "word" is the CUDA-core decode kernel (1-4 tokens per program), "word-mma" the
-tensor-core one (16 tokens per program), "word-int" the one-token kernel with integer dot products
-(int16 activations x int8 codes, dp2a). Both tile the weight as (rows x int32 code words); the
+tensor-core one (16 tokens per program), "word-int" the kernel with integer dot products
+(int16 activations x int8 codes, dp2a; 1, 2 or 4 tokens per program). Both tile the weight as (rows x int32 code words); the
 CUDA-core one reads each word's eight activations as two vector loads shared by the tile's rows,
 the tensor-core one loads the tile's activations once and runs one MMA per shift of the words. The scale-block kernels they replaced are in the first sweep's JSON
 (bench/results/fp4_decode_h100_round1.json, "block" / "block-mma"). bench_fp4.py times the path
@@ -57,15 +57,20 @@ KERNELS = [k.strip() for k in OPTS.kernels.split(",") if k.strip()]
 
 def candidates(kernel: str, m: int) -> list[KernelConfig]:
     mma = kernel == "word-mma"
-    if kernel == "word-int":  # one token per program: _fp4_gemv_int_kernel
-        if m > 1:
-            return []
+    if kernel == "word-int":  # _fp4_gemv_int_kernel, 1, 2 or 4 tokens per program
+        if m > 4:
+            return []  # more tokens per program than it takes: W re-read per 4 tokens
+        bm = fp4._token_bucket(m)
         if not GPU:
-            return [KernelConfig(16, 1, 128, split_k=2, num_warps=1, num_stages=1, int_dots=True)]
+            return [KernelConfig(16, bm, 128, split_k=2, num_warps=1, num_stages=1, int_dots=True)]
         if OPTS.int_wide:
-            return [KernelConfig(bn, 1, bk, sk, num_warps=bn * bk // 8 // (32 * per_thread), num_stages=1, int_dots=True)
+            return [KernelConfig(bn, bm, bk, sk, num_warps=bn * bk // 8 // (32 * per_thread), num_stages=1, int_dots=True)
                     for bn in (16, 32, 64) for bk in (256, 512, 1024, 2048) for per_thread in (16, 32)
                     if bn * bk // 8 // (32 * per_thread) in (1, 2, 4, 8) for sk in (1, 2, 4, 8)]
+        if bm > 1:  # fewer code words per thread than one token's tiles: every token adds registers
+            return [KernelConfig(bn, bm, bk, sk, num_warps=bn * bk // 8 // (32 * per_thread), num_stages=1, int_dots=True)
+                    for bn in (8, 16, 32) for bk in (128, 256, 512) for per_thread in (8, 16)
+                    if bn * bk // 8 // (32 * per_thread) in (1, 2, 4) for sk in (1, 2, 4)]
         return [KernelConfig(bn, 1, bk, sk, num_warps=w, num_stages=1, int_dots=True)
                 for bn, bk, w, splits in ((16, 256, 1, (2, 4, 8)), (32, 256, 1, (2, 4, 8)), (32, 128, 1, (4, 8)),
                                           (64, 256, 4, (2, 4, 8)), (128, 256, 4, (2, 4)), (16, 512, 4, (1, 2, 4)),

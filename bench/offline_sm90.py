@@ -4,6 +4,7 @@ registers, stack (spills), shared memory and the instructions of the hot loop.
     python bench/offline_sm90.py sparse [--causal] [--partial-keys] [--host-descriptors] [--stages 2] [--warps 4] [--sequence]
     python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
     python bench/offline_sm90.py q4gemv ROWS BLOCK_N PAIRS WARPS {fused,separate}
+    python bench/offline_sm90.py fp4gemv {fma,mma,int} BLOCK_M BLOCK_N BLOCK_K WARPS [--mxfp4]
 
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
 TMA) and prints the SASS instructions per thread of its unmasked tile loop; --sequence prints the order of its TMA loads, barrier waits and MMAs in the TTGIR (how many
@@ -15,7 +16,8 @@ SASS instructions per thread and the warp-instructions per output element and K 
 BLOCK_M covers every token. --swap builds the operand-swapped decode variant (the "swap" configs)
 and prints how its dots are lowered (warpgroup MMA with A from registers, or not). `q4gemv` builds
 the dp4a decode kernel (ROWS token rows per program) and prints its K loop's SASS instructions per
-thread and per 32-bit weight word.
+thread and per 32-bit weight word. `fp4gemv` builds an FP4 decode kernel (CUDA-core FMA, tensor-core
+or integer-dot, BLOCK_M tokens per program, bf16 activations) and prints the same per-word figure.
 
 Uses the installed triton's bundled cuobjdump / nvdisasm; the figures depend on the triton version
 (RESULTS.md names it).
@@ -76,7 +78,7 @@ def loops(sass: str) -> list[tuple[str, int, list]]:
         target = re.search(r"(\.L_x_\d+)", rest) if op.startswith("BRA") else None
         if target and label_at.get(target.group(1), 1 << 30) < i:
             body = [o for o, _ in ins[label_at[target.group(1)]:i + 1]]
-            out.append((target.group(1), len(body), collections.Counter(body).most_common(8)))
+            out.append((target.group(1), len(body), collections.Counter(body).most_common(int(os.environ.get("TOP_OPS", "8")))))
     return out
 
 
@@ -165,6 +167,32 @@ def q4gemv(args) -> None:
               f"top {top}")
 
 
+def fp4gemv(args) -> None:
+    from graphopt.kernels import fp4
+
+    fn = {"fma": fp4._fp4_gemv_words_kernel, "mma": fp4._fp4_gemv_words_mma_kernel, "int": fp4._fp4_gemv_int_kernel}[
+        args.variant]
+    types = dict(x_ptr="*bf16", words_ptr="*i32", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
+                 out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
+    nvfp4 = not args.mxfp4
+    consts = dict(IS_NVFP4=nvfp4, HAS_BIAS=False, BLOCK_SIZE=16 if nvfp4 else 32, BLOCK_M=args.block_m,
+                  BLOCK_N=args.block_n, WORDS_PER_ITER=args.block_k // 8, SPLIT_K=2, USE_ASM=True,
+                  UPCAST_DOT=False, DIRECT_BF16=nvfp4)
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    div16 = ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "ws_ptr", "K_PADDED", "stride_xm", "stride_wn",
+             "stride_sn", "stride_om"]
+    kernel = compile_sm90(fn, types, consts, div16, args.warps, 1)
+    sass, resources = sass_and_resources(kernel)
+    print(f"fp4 {args.variant} {'nvfp4' if nvfp4 else 'mxfp4'} block_m={args.block_m} block_n={args.block_n} "
+          f"block_k={args.block_k} warps={args.warps}: {resources}")
+    body = loops(sass)
+    if body:  # the K loop is the last backward branch (inner ones unroll)
+        label, count, top = body[-1]
+        words = args.block_n * args.block_k / 8 / (32 * args.warps)  # 32-bit code words per thread per step
+        print(f"  K loop {label}: {count} instructions per thread per step, {count / words:.1f} per code word; "
+              f"top {top}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kernel", required=True)
@@ -184,8 +212,13 @@ def main() -> int:
     for name in ("rows", "block_n", "pairs", "warps"):
         p.add_argument(name, type=int)
     p.add_argument("mode", choices=("fused", "separate"))
+    p = sub.add_parser("fp4gemv")
+    p.add_argument("variant", choices=("fma", "mma", "int"))
+    for name in ("block_m", "block_n", "block_k", "warps"):
+        p.add_argument(name, type=int)
+    p.add_argument("--mxfp4", action="store_true")
     args = parser.parse_args()
-    {"sparse": sparse, "q4gemm": q4gemm, "q4gemv": q4gemv}[args.kernel](args)
+    {"sparse": sparse, "q4gemm": q4gemm, "q4gemv": q4gemv, "fp4gemv": fp4gemv}[args.kernel](args)
     return 0
 
 

@@ -824,10 +824,11 @@ class KernelConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    int_dots: bool = False  # decode, BLOCK_M 1: _fp4_gemv_int_kernel (int16 activations, dp2a)
+    int_dots: bool = False  # decode, BLOCK_M 1-4: _fp4_gemv_int_kernel (int16 activations, dp2a)
 
 
 FMA_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # decode BLOCK_M values of the CUDA-core kernel
+INT_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # and of the integer-dot one
 MIN_DECODE_BLOCK_N = 8  # narrowest decode tile; sizes the split-K counters (one per tile)
 # Candidates the launcher times once per (path, token bucket, N, K, format, dtype, bias, device) on a GPU. Kept
 # short: every distinct tile compiles once (~1 s). Decode: BLOCK_M 1, 2 or 4 is the CUDA-core
@@ -1195,31 +1196,59 @@ if triton is not None:
         return (v + 12582912.0) - 12582912.0
 
     @triton.jit
+    def _int_token_block_sums(x_row, k_a, K, lo, hi, block_scale, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                              WPB: tl.constexpr, HALF: tl.constexpr, USE_ASM: tl.constexpr):
+        """One token's part of a word tile, (BLOCK_N, NB) fp32 per scale block. The token's 8 W
+        activations (elements k_a + 0..3 and k_a + HALF + 0..3 of word column w) are rounded to
+        int16 with one step, (tile max) / 32766: an error of at most half a step, 2^-16 of the
+        tile's largest activation. They meet the words' int8 lanes (lo, hi) in four chained dp2a;
+        each block's int32 sum is exact (|sum| <= 32 * 12 * 32767 < 2^24) and scaled once."""
+        x_a = tl.load(x_row + k_a, mask=k_a < K, other=0.0).to(tl.float32)
+        x_b = tl.load(x_row + k_a + HALF, mask=k_a + HALF < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x_a), axis=1), axis=0), tl.max(tl.max(tl.abs(x_b), axis=1), axis=0))
+        step = tl.where(amax > 0, amax * (1.0 / 32766.0), 1.0)
+        inv = tl.where(amax > 0, 32766.0 / amax, 0.0)
+        q_a = _rint(x_a * inv).to(tl.int32)
+        q_b = _rint(x_b * inv).to(tl.int32)
+        # int16 pairs in lane order: nibble 2i of a word is element 4q + i, nibble 2i + 1 is 4q + i + HALF
+        a0, a1, a2, a3 = _split4((q_a & 0xFFFF) | (q_b << 16))  # (W,) each
+        dots = _dp2a(tl.broadcast_to(a0[None, :], lo.shape), lo, tl.zeros_like(lo), False, USE_ASM)
+        dots = _dp2a(tl.broadcast_to(a1[None, :], lo.shape), lo, dots, True, USE_ASM)
+        dots = _dp2a(tl.broadcast_to(a2[None, :], lo.shape), hi, dots, False, USE_ASM)
+        dots = _dp2a(tl.broadcast_to(a3[None, :], lo.shape), hi, dots, True, USE_ASM)
+        block_dots = tl.sum(tl.reshape(dots, (BLOCK_N, NB, WPB)), axis=2)  # exact int32
+        return block_scale * (block_dots.to(tl.float32) * step)
+
+    @triton.jit
     def _fp4_gemv_int_kernel(
         x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
         M, N, K, K_PADDED,
         stride_xm, stride_wn, stride_sn, stride_om,
-        IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
     ):
-        """Decode on CUDA cores with integer dot products, one token per program (grid as
-        _fp4_gemv_words_kernel's with BLOCK_M 1). Per iteration the token's 8 WORDS_PER_ITER
-        activations are rounded to int16 with one step, (tile max) / 32766: an error of at most
-        half a step, 2^-16 of the tile's largest activation. Each word's eight codes
-        (_e2m1_int8_lanes) meet them in four chained dp2a. The int32 sums of a scale block are exact
-        (|sum| <= 32 * 12 * 32767 < 2^24) and scaled in fp32 once per block. Split-K and the
-        output as in _fp4_gemv_words_kernel."""
+        """Decode on CUDA cores with integer dot products, BLOCK_M (1, 2 or 4) tokens per program
+        (grid as _fp4_gemv_words_kernel's). Each word's eight codes become int8 lanes once
+        (_e2m1_int8_lanes) and meet every token's int16 activations in four dp2a per token
+        (_int_token_block_sums). Split-K and the output as in _fp4_gemv_words_mma_kernel."""
         WPB: tl.constexpr = BLOCK_SIZE // 8
         HALF: tl.constexpr = BLOCK_SIZE // 2
         NB: tl.constexpr = WORDS_PER_ITER // WPB  # scale blocks per tile row
         pid_n = tl.program_id(0)
-        token = tl.program_id(2)
+        pid_m = tl.program_id(2)
         offs_n, n_mask, rows, word_ptrs, _, k_lo, it_start, it_end = _word_tile(
             words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
         scale_ptrs = scales_ptr + rows[:, None] * stride_sn + tl.arange(0, NB)[None, :]  # (BN, NB)
-        x_row = x_ptr + token * stride_xm
+        token0 = pid_m * BLOCK_M
+        x_row0 = x_ptr + tl.minimum(token0, M - 1) * stride_xm  # tokens >= M repeat the last one, not stored
+        x_row1 = x_ptr + tl.minimum(token0 + 1, M - 1) * stride_xm
+        x_row2 = x_ptr + tl.minimum(token0 + 2, M - 1) * stride_xm
+        x_row3 = x_ptr + tl.minimum(token0 + 3, M - 1) * stride_xm
         offs4 = tl.arange(0, 4)
-        acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        acc0 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
 
         words = tl.load(word_ptrs + it_start * WORDS_PER_ITER)
         scale_bytes = tl.load(scale_ptrs + it_start * NB)
@@ -1230,35 +1259,36 @@ if triton is not None:
 
             # the word's codes are elements k_lo + 0..3 (low nibbles) and k_lo + HALF + 0..3 (high)
             k_a = (k_lo + it * (WORDS_PER_ITER * 8))[:, None] + offs4[None, :]  # (W, 4)
-            x_a = tl.load(x_row + k_a, mask=k_a < K, other=0.0).to(tl.float32)
-            x_b = tl.load(x_row + k_a + HALF, mask=k_a + HALF < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.max(tl.abs(x_a), axis=1), axis=0), tl.max(tl.max(tl.abs(x_b), axis=1), axis=0))
-            step = tl.where(amax > 0, amax * (1.0 / 32766.0), 1.0)
-            inv = tl.where(amax > 0, 32766.0 / amax, 0.0)
-            q_a = _rint(x_a * inv).to(tl.int32)
-            q_b = _rint(x_b * inv).to(tl.int32)
-            # int16 pairs in lane order: nibble 2i of a word is element 4q + i, nibble 2i + 1 is 4q + i + HALF
-            a0, a1, a2, a3 = _split4((q_a & 0xFFFF) | (q_b << 16))  # (W,) each
-            lo, hi = _e2m1_int8_lanes(words, USE_ASM)  # (BN, W)
-            dots = _dp2a(tl.broadcast_to(a0[None, :], lo.shape), lo, tl.zeros_like(lo), False, USE_ASM)
-            dots = _dp2a(tl.broadcast_to(a1[None, :], lo.shape), lo, dots, True, USE_ASM)
-            dots = _dp2a(tl.broadcast_to(a2[None, :], lo.shape), hi, dots, False, USE_ASM)
-            dots = _dp2a(tl.broadcast_to(a3[None, :], lo.shape), hi, dots, True, USE_ASM)
-            block_dots = tl.sum(tl.reshape(dots, (BLOCK_N, NB, WPB)), axis=2)  # exact int32
-            acc += _block_scales(scale_bytes, IS_NVFP4) * (block_dots.to(tl.float32) * step)
+            lo, hi = _e2m1_int8_lanes(words, USE_ASM)  # (BN, W), shared by the tokens
+            block_scale = _block_scales(scale_bytes, IS_NVFP4)
+            acc0 += _int_token_block_sums(x_row0, k_a, K, lo, hi, block_scale, BLOCK_N, NB, WPB, HALF, USE_ASM)
+            if BLOCK_M > 1:
+                acc1 += _int_token_block_sums(x_row1, k_a, K, lo, hi, block_scale, BLOCK_N, NB, WPB, HALF, USE_ASM)
+            if BLOCK_M > 2:
+                acc2 += _int_token_block_sums(x_row2, k_a, K, lo, hi, block_scale, BLOCK_N, NB, WPB, HALF, USE_ASM)
+                acc3 += _int_token_block_sums(x_row3, k_a, K, lo, hi, block_scale, BLOCK_N, NB, WPB, HALF, USE_ASM)
             words = next_words
             scale_bytes = next_scale_bytes
 
         # the 2 of the doubled codes, and (NVFP4) the 2^-8 of the e4m3 decode
-        total = tl.sum(acc, axis=1) * (tl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5))
-        out_ptrs = out_ptr + token * stride_om + offs_n
+        multiplier = tl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)
+        total = tl.sum(acc0, axis=1)[:, None] * multiplier  # (BN, BLOCK_M), tokens in order
+        if BLOCK_M == 2:
+            total = tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)) * multiplier
+        if BLOCK_M == 4:
+            total = tl.reshape(tl.join(tl.join(tl.sum(acc0, axis=1), tl.sum(acc2, axis=1)),
+                                       tl.join(tl.sum(acc1, axis=1), tl.sum(acc3, axis=1))), (BLOCK_N, 4)) * multiplier
+        offs_m = token0 + tl.arange(0, BLOCK_M)
+        out_mask = n_mask[:, None] & (offs_m < M)[None, :]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
         if SPLIT_K == 1:
             if HAS_BIAS:
-                total += tl.load(bias_ptr + rows).to(tl.float32)
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+                total += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
-            finish_split_tile(total, ws_ptr + token * N + offs_n, out_ptrs, n_mask, bias_ptr + rows, n_mask,
-                              counter_ptr + token * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
+            finish_split_tile(total, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, out_mask,
+                              bias_ptr + rows[:, None], n_mask[:, None],
+                              counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
 
     @triton.jit
     def _bf16_scale_pair(block_scale):
@@ -1520,8 +1550,8 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
             # 16 words per row (the MMAs' K is 32; with 8 words, K 16, the H100 results were wrong
             # although the interpreter's were right), and N >= 16
             return False
-        if cfg.int_dots and cfg.block_m != 1:
-            return False  # one token per program
+        if cfg.int_dots and cfg.block_m not in INT_BLOCK_M:
+            return False
         return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + (16,)
     return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
 
@@ -1597,7 +1627,6 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
                       BLOCK_N=cfg.block_n, WORDS_PER_ITER=cfg.block_k // 8, SPLIT_K=split_k,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.int_dots:
-            del common["BLOCK_M"]
             _fp4_gemv_int_kernel[grid](*args, USE_ASM=not _interpreting(), **common)
         elif cfg.block_m in FMA_BLOCK_M:
             _fp4_gemv_words_kernel[grid](*args, USE_ASM=not _interpreting(), **common)
@@ -1733,7 +1762,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"fp4_linear: config {cfg} is not valid for path {path} with M={m}, K_padded={k_padded}, "
                          f"block {bs} (BLOCK_N and BLOCK_K powers of two; BLOCK_K must divide K_padded, be a multiple "
                          f"of the block and give MMA K >= 16; 1 <= SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, "
-                         f"4 or 16 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 128, for BLOCK_M 16), and 1 for "
+                         f"4 or 16 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 128, for BLOCK_M 16), and 1, 2 or 4 for "
                          f"int_dots configs; prefill tiles >= 16 without split)")
     out = _launch(path, cfg, *args)
     return out.reshape(*x.shape[:-1], out_features)

@@ -163,6 +163,10 @@ def _assert_close(y, ref, dtype):
         (1, 40, 100, "gemv", KernelConfig(16, 1, 64, split_k=1, int_dots=True), torch.bfloat16, True),  # int dots
         (1, 37, 600, "gemv", KernelConfig(8, 1, 128, split_k=4, num_warps=1, int_dots=True), torch.float16,
          False),  # int dots, uneven split, odd N
+        (2, 40, 300, "gemv", KernelConfig(16, 2, 64, split_k=2, int_dots=True), torch.bfloat16, True),  # 2 tokens
+        (3, 37, 600, "gemv", KernelConfig(8, 4, 128, split_k=3, num_warps=1, int_dots=True), torch.bfloat16,
+         True),  # 4-token tile with 3 rows, uneven split, odd N
+        (6, 24, 128, "gemv", KernelConfig(16, 4, 128, split_k=1, int_dots=True), torch.float16, False),  # 2 groups
         (70, 24, 200, "gemm", KernelConfig(16, 16, 64), torch.bfloat16, True),  # prefill, odd M/N/K
         (70, 24, 200, "dequant", None, torch.bfloat16, True),  # prefill: Triton dequantize + matmul
     ],
@@ -263,8 +267,8 @@ def test_launcher_rejects_bad_arguments():
     for bad in (KernelConfig(24, 1, 64), KernelConfig(16, 1, 64, split_k=0), KernelConfig(8, 16, 128)):
         with pytest.raises(ValueError, match="powers of two"):  # non-power-of-two tile, no split, narrow MMA tile
             fp4.fp4_linear_triton(x, *args, path="gemv", config=bad)
-    with pytest.raises(ValueError, match="1 for int_dots configs"):  # integer dots: one token per program
-        fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 4, 64, int_dots=True))
+    with pytest.raises(ValueError, match="1, 2 or 4 for int_dots configs"):  # integer dots: up to 4 tokens
+        fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 128, int_dots=True))
     with pytest.raises(ValueError, match="activations must be"):
         fp4.fp4_linear_triton(x.to(torch.int32), *args)
 
@@ -455,6 +459,7 @@ def test_decode_word_positions_match_kernel_layout():
 @pytest.mark.parametrize("cfg", [KernelConfig(8, 1, 256, split_k=4, num_stages=1),
                                  KernelConfig(16, 1, 256, split_k=4, num_warps=1, num_stages=1, int_dots=True),
                                  KernelConfig(16, 4, 256, split_k=4, num_stages=1),
+                                 KernelConfig(16, 4, 256, split_k=4, num_warps=1, num_stages=1, int_dots=True),
                                  KernelConfig(64, 16, 128, split_k=8, num_stages=1)],
                          ids=lambda c: f"{c.block_n}x{c.block_m}{'-int' if c.int_dots else ''}")
 def test_split_k_counters_under_concurrency(cfg):
