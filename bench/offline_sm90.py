@@ -179,7 +179,7 @@ def fp4gemv(args) -> None:
                   BLOCK_N=args.block_n, WORDS_PER_ITER=args.block_k // 8, SPLIT_K=2, USE_ASM=True,
                   UPCAST_DOT=False, DIRECT_BF16=nvfp4)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-    div16 = ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "ws_ptr", "K_PADDED", "stride_xm", "stride_wn",
+    div16 = ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "ws_ptr", "K", "K_PADDED", "N", "stride_xm", "stride_wn",
              "stride_sn", "stride_om"]
     kernel = compile_sm90(fn, types, consts, div16, args.warps, 1)
     sass, resources = sass_and_resources(kernel)

@@ -666,6 +666,11 @@ FMA_GEMV_DECODE_OPS_PER_WEIGHT = 0.8
 # H100 it measured 20.6-20.7 us on the two 70.8 M weight layers (bench/results/
 # fp4_decode_h100_int_dots.*), where the memory term (0.65 of the copy bandwidth) is the bound.
 INT_GEMV_DECODE_OPS_PER_WEIGHT = 1.8
+# Two tokens per program (the codes decoded once, four more dp2a per word): 43 instructions per
+# word offline against 30 at one token, and 28.6-29.8 us on the same two layers
+# (bench/results/fp4_decode_h100_int_two_tokens.*): 1.3 more ops per weight for the second row.
+INT_GEMV_OPS_PER_EXTRA_ROW = 1.3
+INT_GEMV_MAX_ROWS = 2  # the integer-dot tiles in DECODE_CONFIGS take 1 or 2 tokens per program
 # Tensor-core _fp4_gemv_words_mma_kernel: decode ops per weight per pass of 16 tokens; measured
 # 0.58-0.67 ps per weight at 4-16 tokens on the four 45-71 M weight layers (0.75-0.84 on the
 # smaller two) in the same run; predicted 0.57 + launch.
@@ -720,10 +725,11 @@ def _gemv_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes
             hw, f"FP4 GEMV (Triton, CUDA cores, {fma_rows} row(s))", "fp4_gemv",
             decode_ops=weights * (FMA_GEMV_DECODE_OPS_PER_WEIGHT + 2.0 * fma_rows),
             bytes_moved=w_bytes + act_bytes))
-    if tokens == 1:  # CUDA cores with integer dot products
+    if tokens <= INT_GEMV_MAX_ROWS:  # CUDA cores with integer dot products
         candidates.append(_fp4_kernel_estimate(
-            hw, "FP4 GEMV (Triton, CUDA cores, integer dots, 1 row)", "fp4_gemv",
-            decode_ops=weights * INT_GEMV_DECODE_OPS_PER_WEIGHT, bytes_moved=w_bytes + act_bytes))
+            hw, f"FP4 GEMV (Triton, CUDA cores, integer dots, {tokens} row(s))", "fp4_gemv",
+            decode_ops=weights * (INT_GEMV_DECODE_OPS_PER_WEIGHT + INT_GEMV_OPS_PER_EXTRA_ROW * (tokens - 1)),
+            bytes_moved=w_bytes + act_bytes))
     passes = -(-tokens // DECODE_TOKENS_PER_PASS)
     candidates.append(_fp4_kernel_estimate(
         hw, f"FP4 GEMV (Triton, tensor cores, {passes} pass(es) of 16 tokens)", "fp4_gemv",
@@ -860,6 +866,12 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
             for bn, bk, w, sk in ((16, 512, 4, 1), (16, 1024, 4, 1), (16, 512, 4, 2), (16, 256, 1, 2),
                                   (16, 256, 1, 8), (32, 256, 1, 8), (32, 128, 1, 4), (32, 512, 4, 1),
                                   (16, 2048, 4, 1), (32, 256, 1, 2), (16, 256, 1, 1)))
+    # two tokens per program, integer dot products: the best tiles of the H100 sweep
+    # (bench/results/fp4_decode_h100_int_two_tokens.*): 16 x 256, 1 warp, split 4 (28.6 us on
+    # 5120->13824, 29.8 us on 13824->5120), against 40-43 us for the tensor-core kernel. Four tokens
+    # per program measured 50-52 us there, slower than the tensor-core kernel's 41-43 us: not listed.
+    + tuple(KernelConfig(bn, 2, bk, sk, num_warps=1, num_stages=1, int_dots=True)
+            for bn, bk, sk in ((16, 256, 4), (16, 256, 8), (16, 256, 2), (32, 128, 4), (8, 512, 1), (8, 512, 2)))
 )
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
