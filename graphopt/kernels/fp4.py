@@ -1208,13 +1208,12 @@ if triton is not None:
         return (v + 12582912.0) - 12582912.0
 
     @triton.jit
-    def _int_token_block_sums(x_row, k_a, K, lo, hi, block_scale, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-                              WPB: tl.constexpr, HALF: tl.constexpr, USE_ASM: tl.constexpr):
-        """One token's part of a word tile, (BLOCK_N, NB) fp32 per scale block. The token's 8 W
-        activations (elements k_a + 0..3 and k_a + HALF + 0..3 of word column w) are rounded to
-        int16 with one step, (tile max) / 32766: an error of at most half a step, 2^-16 of the
-        tile's largest activation. They meet the words' int8 lanes (lo, hi) in four chained dp2a;
-        each block's int32 sum is exact (|sum| <= 32 * 12 * 32767 < 2^24) and scaled once."""
+    def _int16_activation_pairs(x_row, k_a, K, HALF: tl.constexpr):
+        """One token's 8 W activations of a word tile (elements k_a + 0..3 and k_a + HALF + 0..3 of
+        word column w) rounded to int16 with one step, (tile max) / 32766: an error of at most half a
+        step, 2^-16 of the tile's largest activation. Returns the four (W,) int16 pairs in the lane
+        order of _e2m1_int8_lanes (nibble 2i of a word is element 4q + i, nibble 2i + 1 is
+        4q + i + HALF) and the step."""
         x_a = tl.load(x_row + k_a, mask=k_a < K, other=0.0).to(tl.float32)
         x_b = tl.load(x_row + k_a + HALF, mask=k_a + HALF < K, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(x_a), axis=1), axis=0), tl.max(tl.max(tl.abs(x_b), axis=1), axis=0))
@@ -1222,14 +1221,21 @@ if triton is not None:
         inv = tl.where(amax > 0, 32766.0 / amax, 0.0)
         q_a = _rint(x_a * inv).to(tl.int32)
         q_b = _rint(x_b * inv).to(tl.int32)
-        # int16 pairs in lane order: nibble 2i of a word is element 4q + i, nibble 2i + 1 is 4q + i + HALF
         a0, a1, a2, a3 = _split4((q_a & 0xFFFF) | (q_b << 16))  # (W,) each
+        return a0, a1, a2, a3, step
+
+    @triton.jit
+    def _int_block_sums(a0, a1, a2, a3, step, lo, hi, scale_bytes, IS_NVFP4: tl.constexpr, BLOCK_N: tl.constexpr,
+                        NB: tl.constexpr, WPB: tl.constexpr, USE_ASM: tl.constexpr):
+        """One token's part of a word tile, (BLOCK_N, NB) fp32 per scale block: its int16 pairs meet
+        the words' int8 lanes (lo, hi) in four chained dp2a; each block's int32 sum is exact
+        (|sum| <= 32 * 12 * 32767 < 2^24) and scaled once."""
         dots = _dp2a(tl.broadcast_to(a0[None, :], lo.shape), lo, tl.zeros_like(lo), False, USE_ASM)
         dots = _dp2a(tl.broadcast_to(a1[None, :], lo.shape), lo, dots, True, USE_ASM)
         dots = _dp2a(tl.broadcast_to(a2[None, :], lo.shape), hi, dots, False, USE_ASM)
         dots = _dp2a(tl.broadcast_to(a3[None, :], lo.shape), hi, dots, True, USE_ASM)
         block_dots = tl.sum(tl.reshape(dots, (BLOCK_N, NB, WPB)), axis=2)  # exact int32
-        return block_scale * (block_dots.to(tl.float32) * step)
+        return _block_scales(scale_bytes, IS_NVFP4) * (block_dots.to(tl.float32) * step)
 
     @triton.jit
     def _fp4_gemv_int_kernel(
@@ -1242,7 +1248,7 @@ if triton is not None:
         """Decode on CUDA cores with integer dot products, BLOCK_M (1, 2 or 4) tokens per program
         (grid as _fp4_gemv_words_kernel's). Each word's eight codes become int8 lanes once
         (_e2m1_int8_lanes) and meet every token's int16 activations in four dp2a per token
-        (_int_token_block_sums). Split-K and the output as in _fp4_gemv_words_mma_kernel."""
+        (_int16_activation_pairs, _int_block_sums). Split-K and the output as in _fp4_gemv_words_mma_kernel."""
         WPB: tl.constexpr = BLOCK_SIZE // 8
         HALF: tl.constexpr = BLOCK_SIZE // 2
         NB: tl.constexpr = WORDS_PER_ITER // WPB  # scale blocks per tile row
@@ -1252,10 +1258,12 @@ if triton is not None:
             words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
         scale_ptrs = scales_ptr + rows[:, None] * stride_sn + tl.arange(0, NB)[None, :]  # (BN, NB)
         token0 = pid_m * BLOCK_M
-        x_row0 = x_ptr + tl.minimum(token0, M - 1) * stride_xm  # tokens >= M repeat the last one, not stored
-        x_row1 = x_ptr + tl.minimum(token0 + 1, M - 1) * stride_xm
-        x_row2 = x_ptr + tl.minimum(token0 + 2, M - 1) * stride_xm
-        x_row3 = x_ptr + tl.minimum(token0 + 3, M - 1) * stride_xm
+        # rows >= M (not stored) read row token0 again; token0 < M. A clamp with tl.minimum costs the
+        # one-token kernel 24 registers at 16 x 256 (offline sm_90: 96 -> 120)
+        x_row0 = x_ptr + token0 * stride_xm
+        x_row1 = x_ptr + (token0 + (token0 + 1 < M).to(tl.int32)) * stride_xm
+        x_row2 = x_ptr + (token0 + 2 * (token0 + 2 < M).to(tl.int32)) * stride_xm
+        x_row3 = x_ptr + (token0 + 3 * (token0 + 3 < M).to(tl.int32)) * stride_xm
         offs4 = tl.arange(0, 4)
         acc0 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
         acc1 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
@@ -1271,14 +1279,21 @@ if triton is not None:
 
             # the word's codes are elements k_lo + 0..3 (low nibbles) and k_lo + HALF + 0..3 (high)
             k_a = (k_lo + it * (WORDS_PER_ITER * 8))[:, None] + offs4[None, :]  # (W, 4)
-            lo, hi = _e2m1_int8_lanes(words, USE_ASM)  # (BN, W), shared by the tokens
-            block_scale = _block_scales(scale_bytes, IS_NVFP4)
-            acc0 += _int_token_block_sums(x_row0, k_a, K, lo, hi, block_scale, BLOCK_N, NB, WPB, HALF, USE_ASM)
+            # activations first, then the lanes: they are consumed right after they are decoded
+            # (the other order keeps them live through the rounding: 96 -> 122 registers at 16 x 256)
+            p0, p1, p2, p3, step0 = _int16_activation_pairs(x_row0, k_a, K, HALF)
             if BLOCK_M > 1:
-                acc1 += _int_token_block_sums(x_row1, k_a, K, lo, hi, block_scale, BLOCK_N, NB, WPB, HALF, USE_ASM)
+                r0, r1, r2, r3, step1 = _int16_activation_pairs(x_row1, k_a, K, HALF)
             if BLOCK_M > 2:
-                acc2 += _int_token_block_sums(x_row2, k_a, K, lo, hi, block_scale, BLOCK_N, NB, WPB, HALF, USE_ASM)
-                acc3 += _int_token_block_sums(x_row3, k_a, K, lo, hi, block_scale, BLOCK_N, NB, WPB, HALF, USE_ASM)
+                s0, s1, s2, s3, step2 = _int16_activation_pairs(x_row2, k_a, K, HALF)
+                t0, t1, t2, t3, step3 = _int16_activation_pairs(x_row3, k_a, K, HALF)
+            lo, hi = _e2m1_int8_lanes(words, USE_ASM)  # (BN, W), shared by the tokens
+            acc0 += _int_block_sums(p0, p1, p2, p3, step0, lo, hi, scale_bytes, IS_NVFP4, BLOCK_N, NB, WPB, USE_ASM)
+            if BLOCK_M > 1:
+                acc1 += _int_block_sums(r0, r1, r2, r3, step1, lo, hi, scale_bytes, IS_NVFP4, BLOCK_N, NB, WPB, USE_ASM)
+            if BLOCK_M > 2:
+                acc2 += _int_block_sums(s0, s1, s2, s3, step2, lo, hi, scale_bytes, IS_NVFP4, BLOCK_N, NB, WPB, USE_ASM)
+                acc3 += _int_block_sums(t0, t1, t2, t3, step3, lo, hi, scale_bytes, IS_NVFP4, BLOCK_N, NB, WPB, USE_ASM)
             words = next_words
             scale_bytes = next_scale_bytes
 
@@ -1569,9 +1584,9 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
 
 
 def _worth_timing(cfg: KernelConfig, path: str, m: int, k_padded: int) -> bool:
-    """Tuning filter. 1-4 tokens: the CUDA-core kernel with BLOCK_M = the token bucket, or the
-    tensor-core kernel; 5-16 tokens: CUDA-core with 4 tokens per program or the tensor-core
-    kernel. A K split keeps at least two K tiles per program."""
+    """Tuning filter. 1-4 tokens: the CUDA-core kernels (FMA or integer dots) with BLOCK_M = the
+    token bucket, or the tensor-core kernel; 5-16 tokens: CUDA-core with 4 tokens per program or
+    the tensor-core kernel. A K split keeps at least two K tiles per program."""
     if path != "gemv":
         return True
     if cfg.block_m not in ((_token_bucket(m), 16) if m <= 4 else (4, 16)):
