@@ -666,10 +666,11 @@ FMA_GEMV_DECODE_OPS_PER_WEIGHT = 0.8
 # H100 it measured 20.6-20.7 us on the two 70.8 M weight layers (bench/results/
 # fp4_decode_h100_int_dots.*), where the memory term (0.65 of the copy bandwidth) is the bound.
 INT_GEMV_DECODE_OPS_PER_WEIGHT = 1.8
-# Two tokens per program (the codes decoded once, four more dp2a per word): 43 instructions per
-# word offline against 30 at one token, and 28.6-29.8 us on the same two layers
-# (bench/results/fp4_decode_h100_int_two_tokens.*): 1.3 more ops per weight for the second row.
-INT_GEMV_OPS_PER_EXTRA_ROW = 1.3
+# Two tokens per program (the codes decoded once, four more dp2a per word): 39-47 instructions per
+# word offline against 29-34 at one token. Fitted to the six two-token rows of
+# bench/results/fp4_h100_session17_register_fix.* (18.1-25.9 us on the 45-71 M weight layers):
+# predicted / measured 0.98-1.05 (the one-token rows of that run: 1.10-1.20, not refit).
+INT_GEMV_OPS_PER_EXTRA_ROW = 0.9
 INT_GEMV_MAX_ROWS = 2  # the integer-dot tiles in DECODE_CONFIGS take 1 or 2 tokens per program
 # Tensor-core _fp4_gemv_words_mma_kernel: decode ops per weight per pass of 16 tokens; measured
 # 0.58-0.67 ps per weight at 4-16 tokens on the four 45-71 M weight layers (0.75-0.84 on the
