@@ -869,7 +869,8 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
                                   (16, 2048, 4, 1), (32, 256, 1, 2), (16, 256, 1, 1)))
     # two tokens per program, integer dot products: the best tiles of the H100 sweep
     # (bench/results/fp4_decode_h100_int_two_tokens.*): 16 x 256, 1 warp, split 4 (28.6 us on
-    # 5120->13824, 29.8 us on 13824->5120), against 40-43 us for the tensor-core kernel. Four tokens
+    # 5120->13824, 29.8 us on 13824->5120; 25.8 / 29.0 us after the register fix,
+    # fp4_decode_h100_int_register_fix.*), against 40-43 us for the tensor-core kernel. Four tokens
     # per program measured 50-52 us there, slower than the tensor-core kernel's 41-43 us: not listed.
     + tuple(KernelConfig(bn, 2, bk, sk, num_warps=1, num_stages=1, int_dots=True)
             for bn, bk, sk in ((16, 256, 4), (16, 256, 8), (16, 256, 2), (32, 128, 4), (8, 512, 1), (8, 512, 2)))
