@@ -82,6 +82,16 @@ def loops(sass: str) -> list[tuple[str, int, list]]:
     return out
 
 
+def print_word_loop(sass: str, words_per_thread: float) -> None:
+    """A decode kernel's K loop (the last backward branch; inner loops unroll): instructions per
+    thread per step and per 32-bit weight word (words_per_thread of them per step)."""
+    body = loops(sass)
+    if body:
+        label, count, top = body[-1]
+        print(f"  K loop {label}: {count} instructions per thread per step, {count / words_per_thread:.1f} per "
+              f"weight word; top {top}")
+
+
 def sparse(args) -> None:
     from graphopt.kernels import sparse_attention as sa
 
@@ -159,12 +169,7 @@ def q4gemv(args) -> None:
     sass, resources = sass_and_resources(kernel)
     print(f"q4 dp4a {args.mode} rows={args.rows} block_n={args.block_n} pairs={args.pairs} warps={args.warps} "
           f": {resources}")
-    body = loops(sass)
-    if body:  # the K loop is the last backward branch (inner ones unroll)
-        label, count, top = body[-1]
-        words = args.block_n * args.pairs * 8 / (32 * args.warps)  # 32-bit weight words per thread per step
-        print(f"  K loop {label}: {count} instructions per thread per step, {count / words:.1f} per weight word; "
-              f"top {top}")
+    print_word_loop(sass, args.block_n * args.pairs * 8 / (32 * args.warps))
 
 
 def fp4gemv(args) -> None:
@@ -185,12 +190,7 @@ def fp4gemv(args) -> None:
     sass, resources = sass_and_resources(kernel)
     print(f"fp4 {args.variant} {'nvfp4' if nvfp4 else 'mxfp4'} block_m={args.block_m} block_n={args.block_n} "
           f"block_k={args.block_k} warps={args.warps}: {resources}")
-    body = loops(sass)
-    if body:  # the K loop is the last backward branch (inner ones unroll)
-        label, count, top = body[-1]
-        words = args.block_n * args.block_k / 8 / (32 * args.warps)  # 32-bit code words per thread per step
-        print(f"  K loop {label}: {count} instructions per thread per step, {count / words:.1f} per code word; "
-              f"top {top}")
+    print_word_loop(sass, args.block_n * args.block_k / 8 / (32 * args.warps))
 
 
 def main() -> int:

@@ -996,6 +996,24 @@ if triton is not None:
         tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
     @triton.jit
+    def _store_token_tile(acc, offs_n, n_mask, rows, offs_m, m_mask, pid_m, pid_n, N, stride_om, out_ptr, ws_ptr,
+                          bias_ptr, counter_ptr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The output of a decode program that owns several token rows (the tensor-core and
+        integer-dot kernels): acc (BLOCK_N, BLOCK_M) fp32 for columns offs_n and tokens offs_m.
+        One K split: + bias, stored in out's dtype. Otherwise split_k.finish_split_tile, on the
+        (M, N) sums buffer and the counter of tile (pid_m, pid_n)."""
+        out_mask = n_mask[:, None] & m_mask[None, :]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            finish_split_tile(acc, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, out_mask,
+                              bias_ptr + rows[:, None], n_mask[:, None],
+                              counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
+
+    @triton.jit
     def _split4(x):
         """(R, 4) -> its four columns, each (R,)."""
         even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # (x0, x2), (x1, x3)
@@ -1300,24 +1318,17 @@ if triton is not None:
             scale_bytes = next_scale_bytes
 
         # the 2 of the doubled codes, and (NVFP4) the 2^-8 of the e4m3 decode
-        multiplier = tl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)
-        total = tl.sum(acc0, axis=1)[:, None] * multiplier  # (BN, BLOCK_M), tokens in order
-        if BLOCK_M == 2:
-            total = tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)) * multiplier
-        if BLOCK_M == 4:
-            total = tl.reshape(tl.join(tl.join(tl.sum(acc0, axis=1), tl.sum(acc2, axis=1)),
-                                       tl.join(tl.sum(acc1, axis=1), tl.sum(acc3, axis=1))), (BLOCK_N, 4)) * multiplier
-        offs_m = token0 + tl.arange(0, BLOCK_M)
-        out_mask = n_mask[:, None] & (offs_m < M)[None, :]
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if BLOCK_M == 1:  # (BN, BLOCK_M) row sums, tokens in order
+            sums = tl.sum(acc0, axis=1)[:, None]
+        elif BLOCK_M == 2:
+            sums = tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1))
         else:
-            finish_split_tile(total, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, out_mask,
-                              bias_ptr + rows[:, None], n_mask[:, None],
-                              counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
+            sums = tl.reshape(tl.join(tl.join(tl.sum(acc0, axis=1), tl.sum(acc2, axis=1)),
+                                      tl.join(tl.sum(acc1, axis=1), tl.sum(acc3, axis=1))), (BLOCK_N, 4))
+        offs_m = token0 + tl.arange(0, BLOCK_M)
+        _store_token_tile(sums * (tl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)), offs_n, n_mask, rows,
+                          offs_m, offs_m < M, pid_m, pid_n, N, stride_om, out_ptr, ws_ptr, bias_ptr, counter_ptr,
+                          SPLIT_K, HAS_BIAS)
 
     @triton.jit
     def _bf16_scale_pair(block_scale):
@@ -1434,16 +1445,8 @@ if triton is not None:
                 acc = _pair_dot((lo * scale).to(dtype), (hi * scale).to(dtype), x6, x7, acc, UPCAST_DOT)
         acc = acc * (tl.load(global_scale_ptr) * (128.0 if DIRECT_BF16 else 1.0))  # DIRECT_BF16: undo 2^-7
 
-        out_mask = n_mask[:, None] & m_mask[None, :]
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # (BN, BM)
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            finish_split_tile(acc, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, out_mask,
-                              bias_ptr + rows[:, None], n_mask[:, None],
-                              counter_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
+        _store_token_tile(acc, offs_n, n_mask, rows, offs_m, m_mask, pid_m, pid_n, N, stride_om, out_ptr, ws_ptr,
+                          bias_ptr, counter_ptr, SPLIT_K, HAS_BIAS)
 
     @triton.jit
     def _fp4_dequantize_kernel(
