@@ -50,6 +50,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import cold_graph_ms, copies_for, cuda_graph_ms, gbps, interleaved_ms, median_ms, print_table, tflops, write_json  # noqa: E402
+from graphopt.hardware import device_spec  # noqa: E402
 from graphopt.kernels import fp4  # noqa: E402
 
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
@@ -106,7 +107,7 @@ def kernel_rows(copy_bw: float) -> list[dict]:
                 row = {"format": fmt, "shape": f"{k}->{n}", "tokens": m, "weight_sqnr_db": w_sqnr}
                 try:
                     x = torch.randn(m, k, generator=gen).to(DEVICE, DTYPE)
-                    path = fp4.choose_fp4_path(fp4._hardware_for(0), m, k, n, fmt) if GPU else (
+                    path = fp4.choose_fp4_path(device_spec(0), m, k, n, fmt) if GPU else (
                         "gemv" if m <= DECODE_TOKENS else "gemm")
                     run = lambda: fp4.fp4_linear_triton(x, kw.codes, kw.scales, kw.global_scale, None, n, k, fmt, path=path)  # noqa: E731
                     y = run()

@@ -102,12 +102,14 @@ def _downstream(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig
     if config.downstream == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        patches = None
+        patches = {}
         if mode and mode != "default":
             from torch._inductor import list_mode_options
 
-            patches = list_mode_options(mode)
-        return compile_fx(gm, example_inputs, config_patches=patches)
+            patches = dict(list_mode_options(mode))
+        if config.cuda_graphs:
+            patches["triton.cudagraphs"] = True
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
     if config.downstream == "tensorrt":
         require_tensorrt()
         from torch_tensorrt.dynamo.backend import torch_tensorrt_backend  # type: ignore[import-not-found]

@@ -79,6 +79,10 @@ class GraphOptConfig:
     fp4_format: str = "nvfp4"
     q4_mode: str = "auto"
     fuse_sibling_linears: bool = True  # fp4_linear / q4_linear: one quantized GEMM for linears sharing an input
+    # Replay the compiled graph from CUDA graphs (Inductor's CUDA-graph trees, as mode="reduce-overhead"
+    # gives; torch.compile refuses mode= together with options=). Removes the host's launch path,
+    # which dominates small-batch decode.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.passes, Mapping):
@@ -107,9 +111,12 @@ class GraphOptConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("fp4_format", self.fp4_format, FP4_FORMATS)
         _check_choice("q4_mode", self.q4_mode, Q4_MODES)
-        for flag in ("force", "fuse_sibling_linears"):
+        for flag in ("force", "fuse_sibling_linears", "cuda_graphs"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"graphopt option {flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.cuda_graphs and self.downstream != "inductor":
+            raise ValueError(f"graphopt option cuda_graphs=True needs downstream='inductor' (its CUDA-graph trees "
+                             f"record the compiled graph), got downstream={self.downstream!r}")
         if self.plan is not None and not isinstance(self.plan, (str, os.PathLike)):
             raise ValueError(f"graphopt option plan must be a path to a JSON plan, got {self.plan!r}")
 

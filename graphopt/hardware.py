@@ -135,6 +135,7 @@ def save_calibration(device_name: str, measurement: dict) -> Path:
             table = {}
     table[device_name] = measurement
     path.write_text(json.dumps(table, indent=2, sort_keys=True))
+    device_spec.cache_clear()  # the next launch sees the new ceilings
     return path
 
 
@@ -181,6 +182,14 @@ def detect(device: "str | None" = None) -> HardwareSpec:
             )
         return _with_calibration(spec, props.name)
     return SPECS["cpu"]
+
+
+@functools.lru_cache(maxsize=None)
+def device_spec(device_index: int) -> HardwareSpec:
+    """detect() for one CUDA device, cached: kernel launchers consult the cost model on every call,
+    and detect() reads the device properties and the calibration file each time (tens of us).
+    save_calibration clears it."""
+    return detect(f"cuda:{device_index}")
 
 
 def get_spec(target: str = "auto") -> HardwareSpec:

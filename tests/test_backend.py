@@ -169,3 +169,31 @@ def test_graphopt_log_turns_on_decision_logging(monkeypatch, caplog):
     monkeypatch.setenv("GRAPHOPT_LOG", "")
     logging_setup.configure_logging()
     assert logging.getLogger("graphopt").level == logging.WARNING
+
+
+def test_cuda_graphs_option_asks_inductor_for_cuda_graph_trees(monkeypatch):
+    """options={"cuda_graphs": True} is mode="reduce-overhead" for graphopt (torch.compile takes
+    one of mode= and options=): the downstream Inductor compile gets triton.cudagraphs. On a CPU
+    graph Inductor skips the recording, and the results are unchanged."""
+    from torch._inductor import compile_fx as inductor_compile_fx
+
+    seen = []
+    real = inductor_compile_fx.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(config_patches)
+        return real(gm, example_inputs, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(inductor_compile_fx, "compile_fx", spy)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(3, 16)
+    with torch.no_grad():
+        out = torch.compile(model, backend="graphopt", options={"cuda_graphs": True})(x)
+        torch.testing.assert_close(out, model(x))
+    assert seen and seen[0] == {"triton.cudagraphs": True}
+    torch._dynamo.reset()
+    seen.clear()
+    with torch.no_grad():
+        torch.compile(model, backend="graphopt")(x)
+    assert seen == [None]

@@ -34,10 +34,12 @@ def test_misspelt_pass_name_lists_valid_passes():
         ({"error_budget": {"attention": 0.1}}, "unknown pass 'attention' in error_budget"),
         ({"force": 1}, "force must be True or False"),
         ({"fuse_sibling_linears": "yes"}, "fuse_sibling_linears must be True or False"),
+        ({"cuda_graphs": "on"}, "cuda_graphs must be True or False"),
+        ({"cuda_graphs": True, "downstream": "eager"}, "needs downstream='inductor'"),
     ],
 )
 def test_bad_values_are_rejected_with_the_valid_choices(options, fragment):
-    with pytest.raises(ValueError, match="valid choices|must be|non-negative") as info:
+    with pytest.raises(ValueError, match="valid choices|must be|non-negative|needs") as info:
         GraphOptConfig.from_options(options, environ={})
     assert fragment in str(info.value)
 

@@ -40,3 +40,27 @@ def test_calibration_round_trip_sets_measured_ceilings(tmp_path, monkeypatch):
     assert spec.calibrated and spec.matrix_ceiling == 700e12 and spec.memory_ceiling == 2.9e12
     assert spec.launch_overhead == 5e-6
     assert not hardware._with_calibration(SPECS["h100"], "NVIDIA H200").calibrated
+
+
+def test_device_spec_is_cached_until_a_calibration_is_saved(tmp_path, monkeypatch):
+    """The kernel launchers ask for the device's spec on every call: device_spec detects once per
+    device, and saving a calibration makes the next call detect again (with the new ceilings)."""
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_detect(device=None):
+        calls.append(device)
+        return hardware._with_calibration(SPECS["h100"], "NVIDIA H100 80GB HBM3")
+
+    monkeypatch.setattr(hardware, "detect", fake_detect)
+    hardware.device_spec.cache_clear()
+    try:
+        first = hardware.device_spec(0)
+        assert hardware.device_spec(0) is first and calls == ["cuda:0"]
+        assert not first.calibrated
+        hardware.save_calibration("NVIDIA H100 80GB HBM3", {"bf16_flops": 700e12, "memory_bandwidth": 2.9e12,
+                                                             "launch_overhead_s": 5e-6})
+        again = hardware.device_spec(0)
+        assert calls == ["cuda:0", "cuda:0"] and again.calibrated and again.memory_ceiling == 2.9e12
+    finally:
+        hardware.device_spec.cache_clear()

@@ -273,6 +273,27 @@ def test_launcher_rejects_bad_arguments():
         fp4.fp4_linear_triton(x.to(torch.int32), *args)
 
 
+def test_launcher_path_choice_is_the_cost_models_and_cached(monkeypatch):
+    """The launcher's per-call path choice (_device_path) is choose_fp4_path on the device's spec,
+    computed once per shape and token count (the estimate is ~40 us of Python per call)."""
+    from graphopt import hardware
+
+    monkeypatch.setattr(hardware, "device_spec", lambda index: SPECS["h100"])
+    fp4._device_path.cache_clear()
+    calls = []
+    real = fp4.choose_fp4_path
+    monkeypatch.setattr(fp4, "choose_fp4_path", lambda *a: calls.append(a) or real(*a))
+    try:
+        for tokens in (1, 1, 4096, 4096, 1):
+            assert fp4._device_path(0, tokens, 5120, 13824, "nvfp4") == real(SPECS["h100"], tokens, 5120, 13824, "nvfp4")
+        assert [c[1] for c in calls] == [1, 4096]
+        monkeypatch.setattr(hardware, "device_spec", lambda index: SPECS["cpu"])  # no GPU: by token count
+        assert fp4._device_path(1, 1, 64, 64, "nvfp4") == "gemv"
+        assert fp4._device_path(1, 4096, 64, 64, "nvfp4") == "gemm"
+    finally:
+        fp4._device_path.cache_clear()
+
+
 def test_cost_model_picks_decode_for_few_tokens_and_prefill_for_many():
     hw = SPECS["h100"]
     for n, k in ((13824, 5120), (5120, 13824), (4096, 4096)):
