@@ -99,6 +99,7 @@ def step_rows() -> list[dict]:
     model.requires_grad_(False)
     rows = []
     with torch.no_grad():
+        reference = model(*inputs).logits.float().flatten()
         for label, kwargs in VARIANTS.items():
             torch._dynamo.reset()
             compiled = torch.compile(model, **kwargs)
@@ -110,9 +111,11 @@ def step_rows() -> list[dict]:
                 return compiled(*inputs)
             try:
                 for _ in range(3):
-                    step()
+                    logits = step().logits.float().flatten()
                 torch.cuda.synchronize()
-                row = {"variant": label, "step_ms": median_ms(step, rep_ms=300),
+                cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=0).item()
+                row = {"variant": label, "check": "PASS" if cosine > 0.95 else "FAIL", "logits_cosine": cosine,
+                       "step_ms": median_ms(step, rep_ms=300),
                        "host_us": host_us(step, OPTS.calls // 4),
                        # a CUDA-graph tree cannot be captured again inside our own graph
                        "graph_ms": None if recorded else cuda_graph_ms(step)}
@@ -178,7 +181,7 @@ def main() -> None:
     write_json("step_host_overhead", steps, fp4_calls=calls)
     print_table("One FP4 linear call (4096 -> 4096, one token): host time per call", calls, ["call", "config", "host_us"])
     print_table("One-token step, LLaMA-7B shapes, 2 layers: called directly vs replayed from a CUDA graph", steps,
-                ["variant", "step_ms", "host_us", "graph_ms", "step_speedup", "graph_speedup", "vs_reduce_overhead",
+                ["variant", "check", "logits_cosine", "step_ms", "host_us", "graph_ms", "step_speedup", "graph_speedup", "vs_reduce_overhead",
                  "error"])
 
 

@@ -197,3 +197,25 @@ def test_cuda_graphs_option_asks_inductor_for_cuda_graph_trees(monkeypatch):
     with torch.no_grad():
         torch.compile(model, backend="graphopt")(x)
     assert seen == [None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph trees record only on a GPU")
+def test_cuda_graphs_replays_graphopt_kernels_with_fresh_inputs():
+    """On a GPU the step is recorded once and replayed: the FP4 kernels (tuned on the warm-up call)
+    run inside the recording, and each new input gives the same result as without CUDA graphs."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.GELU(), nn.Linear(2048, 1024)).cuda().to(torch.bfloat16).eval()
+    options = {"passes": {"fp4_linear": True}, "force": True}
+    with torch.no_grad():
+        plain = torch.compile(model, backend="graphopt", options=options)
+        inputs = [torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        expected = [plain(x).clone() for x in inputs]
+        torch._dynamo.reset()
+        graphed = torch.compile(model, backend="graphopt", options={**options, "cuda_graphs": True})
+        for x, want in zip(inputs, expected):
+            torch.compiler.cudagraph_mark_step_begin()
+            # bf16 tolerance: a split-K tile may sum its fp32 partials in another order
+            torch.testing.assert_close(graphed(x).clone(), want)
+        assert not torch.allclose(expected[0], expected[1])  # the inputs differ, so must the outputs
+    torch._dynamo.reset()
