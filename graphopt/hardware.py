@@ -186,9 +186,8 @@ def detect(device: "str | None" = None) -> HardwareSpec:
 
 @functools.lru_cache(maxsize=None)
 def device_spec(device_index: int) -> HardwareSpec:
-    """detect() for one CUDA device, cached: kernel launchers consult the cost model on every call,
-    and detect() reads the device properties and the calibration file each time (tens of us).
-    save_calibration clears it."""
+    """detect() for one CUDA device, cached for the kernel launchers (detect() reads the device
+    properties and the calibration file each time). save_calibration clears it."""
     return detect(f"cuda:{device_index}")
 
 

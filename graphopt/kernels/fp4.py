@@ -1552,7 +1552,6 @@ PATHS: tuple[str, ...] = ("gemv", "gemm", "dequant")
 _TUNED: dict[tuple, KernelConfig] = {}
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=4096)
 def _device_path(device_index: int, tokens: int, in_features: int, out_features: int, fmt: str) -> str:
     """choose_fp4_path for a CUDA device, cached: the estimate costs ~40 us of Python, and the
