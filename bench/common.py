@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,6 +50,30 @@ def cuda_graph_ms(fn: Callable[[], Any], *, rep_ms: float = 100) -> float:
     from triton.testing import do_bench_cudagraph
 
     return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
+def host_us(fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
+    """Median over repeats of the wall time per call of `calls` calls issued back to back without a
+    sync: when the GPU work per call is shorter than the host's, this is the host's launch path."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+# torch.compile arguments of the one-token decode step's variants (profile_decode_step.py,
+# step_host_overhead.py): Inductor bf16 and graphopt's two quantized-linear passes.
+DECODE_STEP_VARIANTS: dict[str, dict] = {
+    "inductor bf16": dict(backend="inductor"),
+    "graphopt fp4_linear": dict(backend="graphopt", options={"passes": {"fp4_linear": True}}),
+    "graphopt q4_linear": dict(backend="graphopt", options={"passes": {"q4_linear": True}}),
+}
 
 
 def interleaved_ms(fns: dict[str, Callable[[], Any]], *, rounds: int = 7, rep_ms: float = 40,

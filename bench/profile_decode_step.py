@@ -21,15 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import DECODE_STEP_VARIANTS, print_table, write_json  # noqa: E402
 from graphopt.models import build  # noqa: E402
 from graphopt.timing import capture_cuda_graph  # noqa: E402
 
-VARIANTS = {
-    "inductor bf16": dict(backend="inductor"),
-    "graphopt fp4_linear": dict(backend="graphopt", options={"passes": {"fp4_linear": True}}),
-    "graphopt q4_linear": dict(backend="graphopt", options={"passes": {"q4_linear": True}}),
-}
 
 
 def kernel_times(fn, steps: int) -> dict[str, float]:
@@ -56,7 +51,7 @@ def main() -> None:
     model.requires_grad_(False)
     rows = []
     with torch.no_grad():
-        for label, kwargs in VARIANTS.items():
+        for label, kwargs in DECODE_STEP_VARIANTS.items():
             torch._dynamo.reset()
             compiled = torch.compile(model, **kwargs)
             times = kernel_times(lambda: compiled(*inputs), OPTS.steps)

@@ -13,32 +13,16 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import host_us, print_table, write_json  # noqa: E402
 from graphopt.kernels import sparse_attention as sa  # noqa: E402
 
 CALLS = 400
-
-
-def host_us(fn, calls: int = CALLS, repeats: int = 5) -> float:
-    """Median over repeats of the wall time per call of `calls` back-to-back calls (no sync inside)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -64,7 +48,7 @@ def main() -> int:
             "torch.empty_like (one torch op)": lambda: torch.empty_like(q),
         }
         for name, fn in fns.items():
-            rows.append({"causal": causal, "variant": name, "host_us_per_call": round(host_us(fn), 1)})
+            rows.append({"causal": causal, "variant": name, "host_us_per_call": round(host_us(fn, CALLS), 1)})
             print(rows[-1], flush=True)
         profile = cProfile.Profile()
         fn = fns["autotuned (launcher default)"]

@@ -27,9 +27,7 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import sys
-import time
 
 ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--no-profile", action="store_true", help="skip the cProfile listings")
@@ -39,14 +37,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import cuda_graph_ms, median_ms, print_table, write_json  # noqa: E402
+from bench.common import DECODE_STEP_VARIANTS, cuda_graph_ms, host_us, median_ms, print_table, write_json  # noqa: E402
 from graphopt.hardware import detect  # noqa: E402
 from graphopt.models import build  # noqa: E402
 
 VARIANTS = {
-    "inductor bf16": dict(backend="inductor"),
-    "graphopt fp4_linear": dict(backend="graphopt", options={"passes": {"fp4_linear": True}}),
-    "graphopt q4_linear": dict(backend="graphopt", options={"passes": {"q4_linear": True}}),
+    **DECODE_STEP_VARIANTS,
     # the same three with Inductor's CUDA-graph trees (graphopt: options cuda_graphs)
     "inductor bf16, reduce-overhead": dict(backend="inductor", mode="reduce-overhead"),
     "graphopt fp4_linear, cuda_graphs": dict(backend="graphopt", options={"passes": {"fp4_linear": True},
@@ -54,21 +50,6 @@ VARIANTS = {
     "graphopt q4_linear, cuda_graphs": dict(backend="graphopt", options={"passes": {"q4_linear": True},
                                                                         "cuda_graphs": True}),
 }
-
-
-def host_us(fn, calls: int, repeats: int = 5) -> float:
-    """Median over repeats of the wall time per call of `calls` calls issued without a sync. When
-    the GPU work per call is shorter than the host's, this is the host path."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def profile_top(fn, calls: int, top: int = 18) -> str:
