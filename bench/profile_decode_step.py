@@ -26,7 +26,6 @@ from graphopt.models import build  # noqa: E402
 from graphopt.timing import capture_cuda_graph  # noqa: E402
 
 
-
 def kernel_times(fn, steps: int) -> dict[str, float]:
     """Per-step GPU time (us) of each kernel name over `steps` replays of a CUDA graph of fn."""
     graph = capture_cuda_graph([fn], warmups=3)

@@ -78,6 +78,8 @@ import weakref
 import torch
 import torch.nn as nn
 
+from graphopt.hardware import device_spec
+
 try:  # Triton is optional on CPU-only installs; the torch paths do not need it.
     import triton
     import triton.language as tl
@@ -1240,13 +1242,6 @@ _LAUNCHERS = {"torch": fft_chain_torch, "triton": fft_chain_triton, "dft": fft_c
               "dft2": fft_chain_dft2, "dft2_pregather": fft_chain_dft2_pregather}
 
 
-@functools.lru_cache(maxsize=1)
-def _device_spec():
-    from graphopt.hardware import get_spec
-
-    return get_spec("auto")
-
-
 def fft_chain_linear(x, coeff_real, coeff_imag, perms, bias, block_size: int, out_features: int, impl: str = "auto"):
     """Run the layer with one implementation ("auto": the cost model's choice for this shape).
     x (..., in) -> (..., out_features). On CPU every implementation name runs the torch path."""
@@ -1259,7 +1254,7 @@ def fft_chain_linear(x, coeff_real, coeff_imag, perms, bias, block_size: int, ou
         impl = "torch"
         if x.is_cuda:
             k = perms.shape[0] + 1
-            impl, _ = choose_implementation(_device_spec(), x2d.shape[0], in_features, out_features, block_size, k,
-                                            device_type="cuda", dtype_bytes=x.element_size(), bias=bias is not None)
+            impl, _ = choose_implementation(device_spec(x.device.index), x2d.shape[0], in_features, out_features,
+                                            block_size, k, device_type="cuda", dtype_bytes=x.element_size(), bias=bias is not None)
     y = _LAUNCHERS[impl](x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features)
     return y.reshape(*lead, out_features)

@@ -1553,13 +1553,14 @@ _TUNED: dict[tuple, KernelConfig] = {}
 
 
 @functools.lru_cache(maxsize=4096)
-def _device_path(device_index: int, tokens: int, in_features: int, out_features: int, fmt: str) -> str:
-    """choose_fp4_path for a CUDA device, cached: the estimate costs ~40 us of Python, and the
-    launcher asks on every call."""
+def _device_path(device_index: int | None, tokens: int, in_features: int, out_features: int, fmt: str) -> str:
+    """The launcher's path: choose_fp4_path for CUDA device `device_index`, cached (the estimate
+    costs ~40 us of Python, and the launcher asks on every call); without a GPU (None: the
+    interpreter) decode up to DECODE_TOKENS_PER_PASS tokens, else the tiled GEMM."""
     from graphopt.hardware import device_spec
 
-    hw = device_spec(device_index)
-    if not hw.is_gpu:
+    hw = None if device_index is None else device_spec(device_index)
+    if hw is None or not hw.is_gpu:
         return "gemv" if tokens <= DECODE_TOKENS_PER_PASS else "gemm"
     return choose_fp4_path(hw, tokens, in_features, out_features, fmt)
 
@@ -1790,8 +1791,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     if m == 0:
         return x.new_empty((*x.shape[:-1], out_features))
     if path is None:
-        path = _device_path(x.device.index or 0, m, in_features, out_features, format) if x.is_cuda else (
-            "gemv" if m <= DECODE_TOKENS_PER_PASS else "gemm")
+        path = _device_path(x.device.index if x.is_cuda else None, m, in_features, out_features, format)
     args = (x2, codes, scales.view(torch.uint8), global_scale, bias, out_features, in_features, format, out_dtype)
     cfg = config or _pick_config(path, args)
     if not _valid_config(cfg, path, m, out_features, k_padded, bs):

@@ -290,6 +290,8 @@ def test_launcher_path_choice_is_the_cost_models_and_cached(monkeypatch):
         monkeypatch.setattr(hardware, "device_spec", lambda index: SPECS["cpu"])  # no GPU: by token count
         assert fp4._device_path(1, 1, 64, 64, "nvfp4") == "gemv"
         assert fp4._device_path(1, 4096, 64, 64, "nvfp4") == "gemm"
+        assert fp4._device_path(None, 16, 64, 64, "nvfp4") == "gemv"  # the interpreter, no device
+        assert fp4._device_path(None, 17, 64, 64, "nvfp4") == "gemm"
     finally:
         fp4._device_path.cache_clear()
 
