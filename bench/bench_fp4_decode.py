@@ -55,6 +55,19 @@ TOKENS = [int(t) for t in OPTS.tokens.split(",")] if OPTS.tokens else ([1, 4, 16
 KERNELS = [k.strip() for k in OPTS.kernels.split(",") if k.strip()]
 
 
+def _int_tiles(bm: int, block_ns, block_ks, words_per_thread, warp_counts, splits) -> list[KernelConfig]:
+    """Integer-dot tiles of bm tokens: each (rows, elements) tile with the warps that give every
+    thread `words_per_thread` code words, where that count of warps is allowed."""
+    tiles = []
+    for bn in block_ns:
+        for bk in block_ks:
+            for per_thread in words_per_thread:
+                warps = bn * bk // 8 // (32 * per_thread)
+                if warps in warp_counts:
+                    tiles += [KernelConfig(bn, bm, bk, sk, num_warps=warps, num_stages=1, int_dots=True) for sk in splits]
+    return tiles
+
+
 def candidates(kernel: str, m: int) -> list[KernelConfig]:
     mma = kernel == "word-mma"
     if kernel == "word-int":  # _fp4_gemv_int_kernel, 1, 2 or 4 tokens per program
@@ -64,13 +77,9 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
         if not GPU:
             return [KernelConfig(16, bm, 128, split_k=2, num_warps=1, num_stages=1, int_dots=True)]
         if OPTS.int_wide:
-            return [KernelConfig(bn, bm, bk, sk, num_warps=bn * bk // 8 // (32 * per_thread), num_stages=1, int_dots=True)
-                    for bn in (16, 32, 64) for bk in (256, 512, 1024, 2048) for per_thread in (16, 32)
-                    if bn * bk // 8 // (32 * per_thread) in (1, 2, 4, 8) for sk in (1, 2, 4, 8)]
+            return _int_tiles(bm, (16, 32, 64), (256, 512, 1024, 2048), (16, 32), (1, 2, 4, 8), (1, 2, 4, 8))
         if bm > 1:  # fewer code words per thread than one token's tiles: every token adds registers
-            return [KernelConfig(bn, bm, bk, sk, num_warps=bn * bk // 8 // (32 * per_thread), num_stages=1, int_dots=True)
-                    for bn in (8, 16, 32) for bk in (128, 256, 512) for per_thread in (8, 16)
-                    if bn * bk // 8 // (32 * per_thread) in (1, 2, 4) for sk in (1, 2, 4)]
+            return _int_tiles(bm, (8, 16, 32), (128, 256, 512), (8, 16), (1, 2, 4), (1, 2, 4))
         return [KernelConfig(bn, 1, bk, sk, num_warps=w, num_stages=1, int_dots=True)
                 for bn, bk, w, splits in ((16, 256, 1, (2, 4, 8)), (32, 256, 1, (2, 4, 8)), (32, 128, 1, (4, 8)),
                                           (64, 256, 4, (2, 4, 8)), (128, 256, 4, (2, 4)), (16, 512, 4, (1, 2, 4)),
