@@ -5,10 +5,11 @@
     torch.compile(model, backend="graphopt", options={"passes": {"sparse_attention": True}, "plan": "plan.json"})
 
 1. Capture. The model is compiled once per input with a capture backend: graphopt's `attention`
-   pass turns every hand-written attention into a `graphopt::attention` node, and each node is
-   swapped for a recorder that keeps its q, k, v (attentions with a bias or padding mask other
-   than causal are counted and skipped: the sparse kernel does not take a bias). Layers are keyed
-   by the attention's module path (e.g. `model.layers.3.self_attn`), as the pass looks them up.
+   pass turns every hand-written attention and SDPA call into a `graphopt::attention` node, and
+   each node is swapped for a recorder that keeps its q, k, v (attentions with a bias or padding
+   mask other than causal are counted and skipped: the sparse kernel does not take a bias).
+   Layers are keyed by the attention's module path (e.g. `model.layers.3.self_attn`), as the pass
+   looks them up.
 2. Per layer, all heads at once (thresholds are per-head tensors, each head searched on its own):
    - for each `simthreshd1` of a grid, binary-search the smallest `cdfthreshd` (largest sparsity;
      the kept set grows with cdfthreshd) whose relative L1 error sum|O - O'| / sum|O| against
@@ -93,8 +94,10 @@ def capture_attention(model: torch.nn.Module, inputs: Sequence[tuple]) -> dict[s
     from graphopt.passes import run_passes
 
     store: dict[str, LayerCapture] = {}
+    # force: every matched attention becomes a graphopt::attention node to record, including SDPA
+    # calls the attention pass would leave to PyTorch's own dispatch.
     config = GraphOptConfig.from_options({"passes": {name: name == "attention" for name in GraphOptConfig().passes},
-                                          "downstream": "eager"}, environ={})
+                                          "downstream": "eager", "force": True}, environ={})
     hardware = get_spec("auto")
 
     def backend(gm, example_inputs, **_):

@@ -4,6 +4,7 @@ sparse_attention pass reads, and the `graphopt tune` CLI hook."""
 import argparse
 import json
 
+import pytest
 import torch
 
 import graphopt
@@ -55,14 +56,22 @@ class QKVAttention(torch.nn.Module):
         return s.softmax(-1) @ v
 
 
+class SdpaAttention(torch.nn.Module):
+    """The same attention as HF's default "sdpa" form writes it."""
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def make_model():
     """module:function entry for the CLI test: (model, inputs)."""
     return QKVAttention(), structured_with_random_head(6)
 
 
-def test_tune_model_end_to_end_writes_a_plan_the_pass_uses(tmp_path):
+@pytest.mark.parametrize("model_class", [QKVAttention, SdpaAttention])
+def test_tune_model_end_to_end_writes_a_plan_the_pass_uses(tmp_path, model_class):
     plan_path = tmp_path / "plan.json"
-    model = QKVAttention()
+    model = model_class()
     section = T.tune(model, [structured_with_random_head(7)], heldout_inputs=[structured_with_random_head(8)],
                      plan_path=plan_path, sim_grid=(-1.0,), show=False)
     (key,) = section["layers"]
@@ -87,8 +96,6 @@ def test_cli_hook_runs_on_a_module_function(tmp_path):
 
 
 def test_model_without_attention_is_an_error():
-    import pytest
-
     with pytest.raises(ValueError, match="no attention"):
         T.tune(torch.nn.Linear(4, 4), [(torch.randn(2, 4),)], show=False)
 

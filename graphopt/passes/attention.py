@@ -13,6 +13,12 @@ Lossless and on by default. It anchors on every softmax node and walks
 - DOWN the probabilities through casts and inactive dropout (`training=False` or `p=0`) to the PV
   matmul.
 
+It also takes `F.scaled_dot_product_attention` calls (HF's default "sdpa" attention): their
+`attn_mask` becomes a mask term (bool = attend, float = additive), `is_causal`, `scale` (default
+1/sqrt(D)) and `enable_gqa` carry over, and `dropout_p` must be 0. Such a call is rewritten only
+when the cost model prefers another implementation than the one PyTorch's SDPA dispatcher would
+pick by itself (its priority order among the enabled backends): that default is the "before".
+
 Masks. A bool mask with fill -inf stays a bool mask (True = attend). A finite fill (HF's
 finfo.min, -1e9, -1e4) becomes the additive bias `where(mask, fill, 0)`, which keeps the exact
 behaviour of rows whose keys are all masked (uniform average, as the original). A mask term whose
@@ -110,6 +116,7 @@ class AttentionMatch:
     dropped: list[fx.Node] = field(default_factory=list)  # mask terms proven causal / zero (dead after rewrite)
     reason: str | None = None
     notes: list[str] = field(default_factory=list)
+    from_sdpa: bool = False  # an F.scaled_dot_product_attention call (softmax and output are that node)
 
     @property
     def location(self) -> str:
@@ -493,14 +500,75 @@ def _match_qk(ctx: PassContext, match: AttentionMatch, qk: fx.Node) -> None:
             match.nodes.extend(k_nodes + v_nodes)
         elif gk > 1 or gv > 1:
             match.notes.append("k and v repeated differently; kept the repeated tensors")
-    # dtype and output checks
+    _check_dtypes(match)
+
+
+def _check_dtypes(match: AttentionMatch) -> None:
     dq, dk_, dv = dtype(match.q), dtype(match.k), dtype(match.v)
     if dq is None or dq != dk_ or dq != dv or not dq.is_floating_point:
         match.reason = f"q, k, v dtypes differ or are not floating point ({dq}, {dk_}, {dv})"
         return
     if dtype(match.output) != dq:
         match.reason = f"attention output dtype {dtype(match.output)} differs from q/k/v dtype {dq}"
-        return
+
+
+def _match_sdpa(ctx: PassContext, node: fx.Node) -> AttentionMatch:
+    """F.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+    is_causal=False, scale=None, enable_gqa=False) as an AttentionMatch."""
+    match = AttentionMatch(softmax=node, output=node, from_sdpa=True)
+    q, k, v = arg(node, 0, "query"), arg(node, 1, "key"), arg(node, 2, "value")
+    mask, dropout_p = arg(node, 3, "attn_mask"), arg(node, 4, "dropout_p", 0.0)
+    is_causal, scale, enable_gqa = arg(node, 5, "is_causal", False), arg(node, 6, "scale"), arg(node, 7, "enable_gqa", False)
+    if not all(isinstance(t, fx.Node) for t in (q, k, v)):
+        match.reason = "SDPA on non-tensor query/key/value"
+        return match
+    if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        match.reason = f"SDPA with dropout_p={dropout_p!r}: the fused kernels cannot reproduce its random mask"
+        return match
+    if not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
+        match.reason = "SDPA with a non-constant is_causal or enable_gqa"
+        return match
+    if is_causal and mask is not None:
+        match.reason = "SDPA with both attn_mask and is_causal (PyTorch rejects this call)"
+        return match
+    nq, nk, nv = _ndim(q), _ndim(k), _ndim(v)
+    if nq not in (3, 4) or nq != nk or nq != nv:
+        match.reason = f"SDPA on q, k, v of {nq}, {nk}, {nv} dims; the kernel takes (B, H, L, D) or (B*H, L, D)"
+        return match
+    qs, ks = _sizes(q), _sizes(k)
+    if qs is None or ks is None:
+        match.reason = "SDPA with symbolic shapes (no size hints)"
+        return match
+    match.batched_3d = nq == 3
+    match.q, match.k, match.v, match.is_causal = q, k, v, is_causal
+    match.scores_shape = (*qs[:-1], ks[-2])
+    if scale is None:
+        match.scale = qs[-1] ** -0.5
+    else:
+        value = _scalar(ctx, scale)
+        if value is None or value <= 0:
+            match.reason = f"SDPA with scale {scale!r}: not a positive constant"
+            return match
+        match.scale = value
+    if nq == 4 and qs[1] != ks[1]:
+        if not enable_gqa or ks[1] == 0 or qs[1] % ks[1]:
+            match.reason = f"SDPA with {qs[1]} query heads and {ks[1]} key heads (enable_gqa={enable_gqa})"
+            return match
+        match.num_kv_groups = qs[1] // ks[1]
+    elif nq == 4:  # k and v repeated by hand before the call (older repeat_kv)
+        k_src, gk, k_nodes = _unrepeat_kv(k)
+        v_src, gv, v_nodes = _unrepeat_kv(v)
+        if gk > 1 and gk == gv:
+            match.k, match.v, match.num_kv_groups = k_src, v_src, gk
+            match.nodes.extend(k_nodes + v_nodes)
+    if isinstance(mask, fx.Node):
+        bool_mask = dtype(mask) == torch.bool
+        match.terms.append(MaskTerm("keep" if bool_mask else "add", mask))  # bool: True = attend
+    elif mask is not None:
+        match.reason = f"SDPA attn_mask {mask!r} is not a tensor"
+        return match
+    _check_dtypes(match)
+    return match
 
 
 def _norm_dims(dims, ndim: int | None) -> list[int]:
@@ -569,11 +637,20 @@ def _unrepeat_kv(node: fx.Node) -> tuple[fx.Node, int, list[fx.Node]]:
 
 
 def find_attention(ctx: PassContext) -> list[AttentionMatch]:
-    """Every softmax that is the middle of a hand-written attention, rewritable or not (see
-    AttentionMatch.reason). A softmax unrelated to any matmul (a classifier head) is not listed."""
+    """Every softmax that is the middle of a hand-written attention, and every SDPA call, rewritable
+    or not (see AttentionMatch.reason). A softmax unrelated to any matmul (a classifier head) is
+    not listed."""
     matches = []
     constant_cache: dict = {}
     for node in list(ctx.gm.graph.nodes):
+        if canonical(node) == "sdpa":
+            match = _match_sdpa(ctx, node)
+            if match.reason is None:
+                _check_terms(ctx, match)
+            if match.reason is None:
+                _prove_causal(ctx, match, constant_cache)
+            matches.append(match)
+            continue
         if canonical(node) != "softmax":
             continue
         match = AttentionMatch(softmax=node, output=None)
@@ -603,7 +680,7 @@ def _check_terms(ctx: PassContext, match: AttentionMatch) -> None:
     scores = match.scores_shape
     if scores is None:
         return  # symbolic: the op's own checks run at run time
-    if _sizes(match.softmax) != scores:
+    if not match.from_sdpa and _sizes(match.softmax) != scores:
         match.reason = (f"the mask/bias broadcasts the scores {tuple(scores)} up to {_sizes(match.softmax)}: "
                         "not broadcastable as the kernel needs (B, H, Lq, Lk)")
         return
@@ -633,7 +710,7 @@ def _check_terms(ctx: PassContext, match: AttentionMatch) -> None:
 def _prove_causal(ctx: PassContext, match: AttentionMatch, cache: dict | None = None) -> None:
     """Drop constant mask terms that are exactly the top-left causal mask (-> is_causal), and
     constant all-zero biases. Terms that depend on inputs stay."""
-    scores = _sizes(match.softmax)
+    scores = match.scores_shape
     if scores is None:
         return
     lq, lk = scores[-2], scores[-1]
@@ -876,15 +953,24 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
     b, h, hkv, lq, lk, d, dv = dims
     nbytes = _dtype_bytes(dt)
     has_mask = bool(match.terms)
-    before = cost_model.naive_attention(
-        hw, b, h, lq, lk, d, dtype_bytes=nbytes, has_mask=has_mask, softmax_fp32=match.softmax_fp32,
-        fused_pointwise=ctx.config.downstream == "inductor", kv_heads=h,
-    )
+    default = _sdpa_default(ctx, match)
+    if default is not None:  # the SDPA call as PyTorch would run it
+        kv = hkv if default in ("flash", "math", "sdpa_cpu") else h
+        before = cost_model.sdpa(hw, b, h, lq, lk, d, backend="math" if default == "sdpa_cpu" else default,
+                                 causal=match.is_causal, dtype_bytes=nbytes, has_mask=has_mask, kv_heads=kv)
+        before = Estimate(f"SDPA as dispatched ({default})", before.ms, before.flops, before.bytes, before.launches, before.bound)
+    else:
+        before = cost_model.naive_attention(
+            hw, b, h, lq, lk, d, dtype_bytes=nbytes, has_mask=has_mask, softmax_fp32=match.softmax_fp32,
+            fused_pointwise=ctx.config.downstream == "inductor", kv_heads=h,
+        )
     candidates: dict[str, Estimate] = {}
     rejected: dict[str, str] = {}
     if not hw.is_gpu:
         candidates["sdpa_cpu"] = cost_model.sdpa(hw, b, h, lq, lk, d, causal=match.is_causal, dtype_bytes=nbytes,
                                                  has_mask=has_mask, kv_heads=hkv)
+        if default is not None:  # the same kernel the call runs now
+            before = Estimate(before.name, candidates["sdpa_cpu"].ms, before.flops, before.bytes, before.launches, before.bound)
         return before, candidates, rejected, None
     ok, why = _triton_applicable(match)
     if ok:
@@ -909,9 +995,41 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
             e = candidates.pop(name)
             if name in measured:
                 candidates[name] = Estimate(f"{e.name} (measured)", measured[name], e.flops, e.bytes, e.launches, "measured")
-        if "naive" in measured:
-            before = Estimate("naive attention (measured)", measured["naive"], before.flops, before.bytes, before.launches, "measured")
+        measured_before = default if default is not None else "naive"
+        if measured_before in measured:
+            before = Estimate(f"{before.name} (measured)", measured[measured_before], before.flops, before.bytes,
+                              before.launches, "measured")
     return before, candidates, rejected, note
+
+
+def _sdpa_default(ctx: PassContext, match: AttentionMatch) -> str | None:
+    """For an SDPA call with static shapes: the backend it runs as it stands; else None."""
+    dims = match.dims()
+    if not match.from_sdpa or dims is None:
+        return None
+    return default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], bool(match.terms))
+
+
+# PyTorch's SDPA dispatch order on CUDA when torch cannot tell us (torch 2.5-2.13 default).
+_DEFAULT_SDPA_ORDER = ("flash", "efficient", "math", "cudnn")
+_SDPA_BACKEND_IDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
+
+
+def default_sdpa_backend(hw, dt: torch.dtype | None, d: int, dv: int, has_mask: bool) -> str:
+    """The backend PyTorch's SDPA dispatcher would run for such a call: "sdpa_cpu" on a CPU target,
+    else the first enabled backend of its priority order that sdpa_applicable admits."""
+    if not hw.is_gpu:
+        return "sdpa_cpu"
+    try:
+        order = tuple(_SDPA_BACKEND_IDS[i] for i in torch._C._get_sdp_priority_order() if i in _SDPA_BACKEND_IDS)
+    except Exception:  # older or trimmed builds
+        order = _DEFAULT_SDPA_ORDER
+    enabled = {"flash": torch.backends.cuda.flash_sdp_enabled(), "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+               "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()}
+    for backend in order:
+        if enabled.get(backend) and dt is not None and sdpa_applicable(backend, dt, d, dv, has_mask)[0]:
+            return backend
+    return "math"
 
 
 class AttentionPass(GraphPass):
@@ -938,6 +1056,11 @@ class AttentionPass(GraphPass):
             else:
                 choice = "sdpa_cpu" if on_cpu else "efficient"
             after = candidates.get(choice)
+            default = _sdpa_default(ctx, match)
+            if default is not None and default == choice and not ctx.config.force:
+                ctx.record(self.name, False, f"SDPA call left as it is: the backend PyTorch dispatches it to ({default}) "
+                           "is already the fastest candidate", node=node, before=before, after=after)
+                continue
             if before is not None and after is not None:
                 ok, why = self.accept(ctx, before, after)
             else:
@@ -949,7 +1072,8 @@ class AttentionPass(GraphPass):
                 why = f"attention_backend={forced!r} forced; {why}"
             if note:
                 why = f"{why}; {note}"
-            details = dict(is_causal=match.is_causal, num_kv_groups=match.num_kv_groups, scale=match.scale,
+            details = dict(source="sdpa" if match.from_sdpa else "hand-written",
+                           is_causal=match.is_causal, num_kv_groups=match.num_kv_groups, scale=match.scale,
                            bias=_bias_kind(match), candidates={k: round(v.ms, 6) for k, v in candidates.items()},
                            rejected=rejected, notes=list(match.notes))
             decision = ctx.record(self.name, True, why, node=node, before=before, after=after,
@@ -1058,4 +1182,5 @@ import graphopt.ops  # noqa: E402,F401  (registers graphopt::attention before th
 _register_onnx()
 
 __all__ = ["AttentionMatch", "MaskTerm", "find_attention", "rewrite_attention", "AttentionPass", "PASS",
-           "calibrate_attention_table", "choose_implementation", "evaluate_constant", "sdpa_applicable"]
+           "calibrate_attention_table", "choose_implementation", "default_sdpa_backend", "evaluate_constant",
+           "sdpa_applicable"]

@@ -134,7 +134,7 @@ def replace_with_call(
 
 def erase_unused(nodes: list[fx.Node], graph: fx.Graph) -> None:
     """Erase nodes (among `nodes`) that have no users, repeating until nothing changes."""
-    pending = [n for n in nodes if n.graph is graph]
+    pending = list(dict.fromkeys(n for n in nodes if n.graph is graph))  # each once
     changed = True
     while changed:
         changed = False

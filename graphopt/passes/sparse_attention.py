@@ -36,8 +36,11 @@ not expressible in `Attention` and is dropped (the exported model is then the ma
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.fx as fx
 
 from graphopt import cost_model
 from graphopt.cost_model import Estimate
@@ -176,19 +179,61 @@ class _Decline(Exception):
 # ---------------------------------------------------------------------------------------------
 # The pass
 # ---------------------------------------------------------------------------------------------
-def _attention_nodes(ctx: PassContext, pass_name: str) -> list:
-    nodes = [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.graphopt.attention.default]
-    if nodes or ctx.config.enabled("attention"):
-        return nodes
+@dataclass
+class _Site:
+    """One attention the pass may re-lower: a `graphopt::attention` node, or an SDPA call that the
+    attention pass left as it is (`match`; it becomes a graphopt::attention node only once the
+    sparse rewrite is accepted, so a decline leaves the call untouched)."""
+
+    node: fx.Node
+    match: Any = None
+
+    def describe(self, ctx: PassContext) -> tuple:
+        """(q, k, v shapes as (B, H, L, D) tuples or None, has bias, scale, is_causal, dense backend, dtype, device)."""
+        if self.match is None:
+            q, k, v, bias, scale, is_causal, _, backend = self.node.args
+            value = fake(q)
+            device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+            return (shape(q), shape(k), shape(v)), bias is not None, scale, is_causal, backend, dtype(q), device
+        from graphopt.passes.attention import _sdpa_default
+
+        match, dims = self.match, self.match.dims()
+        shapes = (None, None, None)
+        if dims is not None:
+            b, h, hkv, lq, lk, d, dv = dims
+            shapes = ((b, h, lq, d), (b, hkv, lk, d), (b, hkv, lk, dv))
+        value = fake(match.q)
+        device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+        return shapes, bool(match.terms), match.scale, match.is_causal, _sdpa_default(ctx, match), dtype(match.q), device
+
+    def attention_node(self, ctx: PassContext) -> fx.Node:
+        """The graphopt::attention node to replace (rewriting the SDPA call into one first)."""
+        if self.match is None:
+            return self.node
+        from graphopt.passes.attention import _sdpa_default, rewrite_attention
+
+        return rewrite_attention(ctx, self.match, backend=_sdpa_default(ctx, self.match))
+
+
+def _attention_sites(ctx: PassContext, pass_name: str) -> list[_Site]:
+    """graphopt::attention nodes and untouched SDPA calls, in graph order. When the attention pass
+    is disabled, hand-written attentions are matched (and rewritten) here."""
     from graphopt.passes.attention import find_attention, rewrite_attention
 
+    attention_on = ctx.config.enabled("attention")
+    sites = [_Site(n) for n in ctx.gm.graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.graphopt.attention.default]
     for match in find_attention(ctx):
+        if attention_on and not match.from_sdpa:
+            continue  # that pass already rewrote or declined it
         if match.reason is not None:
-            ctx.record(pass_name, False, f"attention not matched: {match.reason}",
-                       node=match.output if match.output is not None else match.softmax)
+            if not attention_on:
+                ctx.record(pass_name, False, f"attention not matched: {match.reason}",
+                           node=match.output if match.output is not None else match.softmax)
             continue
-        nodes.append(rewrite_attention(ctx, match))
-    return nodes
+        sites.append(_Site(match.output, match) if match.from_sdpa else _Site(rewrite_attention(ctx, match)))
+    position = {node: i for i, node in enumerate(ctx.gm.graph.nodes)}
+    return sorted(sites, key=lambda site: position[site.node])
 
 
 def _dtype_bytes(dt) -> int:
@@ -205,18 +250,17 @@ class SparseAttentionPass(GraphPass):
 
         section = plan_section(ctx, self.name)
         budget = ctx.config.error_budget.get(self.name, 0.06)
-        for index, node in enumerate(_attention_nodes(ctx, self.name)):
+        for index, site in enumerate(_attention_sites(ctx, self.name)):
             try:
-                self._rewrite(ctx, node, attention_key(node, index), section, budget)
+                self._rewrite(ctx, site, attention_key(site.node, index), section, budget)
             except _Decline as why:
-                ctx.record(self.name, False, str(why), node=node, before=why.before, after=why.after)
+                ctx.record(self.name, False, str(why), node=site.node, before=why.before, after=why.after)
 
-    def _rewrite(self, ctx: PassContext, node, key: str, section, budget: float) -> None:
-        q, k, v, bias, scale, is_causal, num_kv_groups, backend = node.args
-        if bias is not None:
+    def _rewrite(self, ctx: PassContext, site: _Site, key: str, section, budget: float) -> None:
+        (qs, ks, vs), has_bias, scale, is_causal, backend, dt, device = site.describe(ctx)
+        if has_bias:
             raise _Decline("attention has a bias or mask other than causal (padding mask, position bias); "
                            "the block-sparse kernel applies only the causal mask")
-        qs, ks, vs = shape(q), shape(k), shape(v)
         if qs is None or ks is None or vs is None:
             raise _Decline("symbolic shapes: the cost model needs static sequence lengths")
         b, h, lq, d = qs
@@ -225,7 +269,6 @@ class SparseAttentionPass(GraphPass):
             raise _Decline(f"head dims q {d} / v {dv}: the kernel needs equal head dims up to 256")
         if is_causal and lq != lk:
             raise _Decline(f"causal attention with Lq {lq} != Lk {lk} (cached decoding): not supported")
-        dt = dtype(q)
         if dt not in (torch.float16, torch.bfloat16, torch.float32):
             raise _Decline(f"dtype {dt}: the kernel takes float16, bfloat16 or float32")
         if not ctx.hardware.is_gpu and not ctx.config.force:
@@ -249,7 +292,7 @@ class SparseAttentionPass(GraphPass):
         at = f"{sparsity:.0%} sparsity ({'assumed, no measurement' if assumed else 'measured by the tuner'})"
         if not ok:
             raise _Decline(f"{why} at {at}, L={lq}", before, after)
-        device = fake(q).device if isinstance(fake(q), torch.Tensor) else torch.device("cpu")
+        node = site.attention_node(ctx)
         consts = [ctx.add_constant(torch.tensor(x, dtype=torch.float32, device=device), name)
                   for x, name in ((sim, "sparse_sim1"), (cdf, "sparse_cdf"))]
         pv_tensor = torch.tensor(pv, dtype=torch.float32, device=device) if pv is not None else torch.empty(0, device=device)
@@ -259,6 +302,7 @@ class SparseAttentionPass(GraphPass):
                    simthreshd1=sim, cdfthreshd=cdf, pvthreshd=pv, dense_backend=backend,
                    l1=None if layer is None else layer.get("l1"), heldout_l1=None if layer is None else layer.get("heldout_l1"),
                    location_key=module_path(node))
+        q, k, v = node.args[:3]
         replace_with_call(ctx, node, torch.ops.graphopt.sparse_attention.default,
                           (q, k, v, float(scale), bool(is_causal), *consts))
 

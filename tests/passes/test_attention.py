@@ -380,6 +380,122 @@ def test_measured_table_overrides_the_model(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# F.scaled_dot_product_attention calls (HF's default "sdpa" attention)
+# ---------------------------------------------------------------------------------------------
+class SdpaCall(nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.kwargs = kwargs
+
+    def forward(self, q, k, v, mask=None):
+        kwargs = dict(self.kwargs)
+        if mask is not None:
+            kwargs["attn_mask"] = mask
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def _float_mask(lq=L, lk=L):
+    bias = torch.randn(B, 1, lq, lk, generator=torch.Generator().manual_seed(3))
+    bias[0, :, :, -2:] = torch.finfo(torch.float32).min  # padding of the first sequence
+    return bias
+
+
+SDPA_CASES = {
+    # name: (module kwargs, q/k/v kwargs, mask, expected details)
+    "plain": (dict(), dict(), None, dict(is_causal=False, bias="none", num_kv_groups=1, scale=D ** -0.5)),
+    "causal, scale given": (dict(is_causal=True, scale=0.3), dict(), None, dict(is_causal=True, scale=0.3)),
+    "causal, Lq < Lk": (dict(is_causal=True), dict(lq=5), None, dict(is_causal=True)),
+    "bool mask": (dict(), dict(), "bool", dict(bias="bool", is_causal=False)),
+    "float mask": (dict(), dict(), "float", dict(bias="float")),
+    "gqa": (dict(is_causal=True, enable_gqa=True), dict(hkv=2), None, dict(num_kv_groups=2, is_causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(SDPA_CASES))
+def test_sdpa_call_is_matched_and_rewritten_exactly(case):
+    module_kwargs, qkv_kwargs, mask_kind, expected = SDPA_CASES[case]
+    q, k, v = qkv(**qkv_kwargs)
+    lq, lk = q.shape[-2], k.shape[-2]
+    inputs = [q, k, v]
+    if mask_kind == "bool":
+        inputs.append(~random_mask(lq, lk))  # SDPA: True = attend
+    elif mask_kind == "float":
+        inputs.append(_float_mask(lq, lk))
+    # force: on CPU the op would run the same SDPA kernel, so the cost model alone leaves it alone
+    (d,) = compile_and_compare(SdpaCall(**module_kwargs), *inputs, force=True)
+    assert d.details["source"] == "sdpa"
+    for key, value in expected.items():
+        assert d.details[key] == pytest.approx(value) if isinstance(value, float) else d.details[key] == value, key
+
+
+def test_sdpa_on_3d_inputs():
+    q, k, v = (t.reshape(B * H, L, D) for t in qkv())
+    compile_and_compare(SdpaCall(is_causal=True), q, k, v, force=True)
+
+
+def test_sdpa_constant_causal_mask_is_proven_causal():
+    class SdpaBufferMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("keep", torch.ones(L, L, dtype=torch.bool).tril())
+
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.keep)
+
+    (d,) = compile_and_compare(SdpaBufferMask(), *qkv(), force=True)
+    assert d.details["is_causal"] and d.details["bias"] == "none"
+
+
+def test_sdpa_left_alone_when_pytorch_already_dispatches_the_fastest():
+    d = declined(SdpaCall(is_causal=True), *qkv())
+    assert "already the fastest" in d.reason and "sdpa_cpu" in d.reason
+
+
+@pytest.mark.parametrize("module, expected", [
+    (SdpaCall(dropout_p=0.1), "dropout_p=0.1"),
+    (SdpaCall(scale=-0.5), "not a positive constant"),
+])
+def test_sdpa_calls_that_cannot_be_rewritten(module, expected):
+    q, k, v = qkv()
+    report = graphopt.explain(module, q, k, v, downstream="eager", force=True)
+    (d,) = report.declined("attention")
+    assert expected in d.reason and report.counts.get("attention", 0) == 0
+
+
+def _llama_sdpa(layers=2, hidden=128, heads=4, kv_heads=2, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, num_hidden_layers=layers, vocab_size=256,
+                      max_position_embeddings=4096, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def test_transformers_llama_sdpa_attention_gqa_causal():
+    model = _llama_sdpa()
+    ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(0))
+    report = graphopt.explain(model, ids, downstream="eager", force=True)
+    applied = [d for d in report.decisions if d.pass_name == "attention" and d.applied]
+    assert len(applied) == 2
+    assert all(d.details["source"] == "sdpa" and d.details["num_kv_groups"] == 2 and d.details["is_causal"] for d in applied)
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.testing.assert_close(report.output.logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_prefill_on_h100_target_picks_cudnn_over_the_dispatched_flash():
+    model = _llama_sdpa(layers=1, hidden=256, heads=2, kv_heads=2, dtype=torch.bfloat16)  # head dim 128
+    ids = torch.randint(0, 256, (1, 2048), generator=torch.Generator().manual_seed(0))
+    report = graphopt.explain(model, ids, downstream="eager", target="h100")
+    (d,) = [d for d in report.decisions if d.pass_name == "attention"]
+    assert d.applied and d.implementation == "cudnn"
+    # "before" is the call as PyTorch dispatches it: flash for bf16 without a mask
+    assert d.predicted_ms_before == pytest.approx(d.details["candidates"]["flash"], rel=1e-3)
+    assert d.details["candidates"]["cudnn"] < d.details["candidates"]["flash"]
+
+
+# ---------------------------------------------------------------------------------------------
 # The op
 # ---------------------------------------------------------------------------------------------
 OP_CASES = {

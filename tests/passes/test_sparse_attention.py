@@ -204,6 +204,59 @@ def test_all_dense_plan_and_over_budget_plan_are_declined(tmp_path):
     assert "over this config's error_budget" in sparse_decisions(report)[0].reason
 
 
+class SdpaAttention(torch.nn.Module):
+    """HF's default "sdpa" attention: one F.scaled_dot_product_attention call."""
+
+    def __init__(self, causal: bool = True):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+def _graph_targets(model, inputs, **options):
+    from graphopt.passes import run_passes
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        config = graphopt.GraphOptConfig.from_options({"downstream": "eager", **options}, environ={})
+        run_passes(gm, example_inputs, config, get_spec(options.get("target", "cpu")))
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(*inputs)
+    return [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("attention_pass", [False, True])
+def test_sdpa_call_is_relowered_to_sparse_attention(attention_pass):
+    q, k, v = sa.local_sink_qkv(1, 2, 512, 32, seed=7)
+    report = explain(SdpaAttention(), q, k, v, force=True,
+                     passes={"attention": attention_pass, "sparse_attention": True})
+    assert report.counts["sparse_attention"] == 1, str(report)
+    expected = sa.reference_sparse_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(report.output, expected, atol=1e-6, rtol=1e-5)
+    targets = _graph_targets(SdpaAttention(), (q, k, v), force=True,
+                             passes={"attention": attention_pass, "sparse_attention": True})
+    assert torch.ops.graphopt.sparse_attention.default in targets
+    assert torch.nn.functional.scaled_dot_product_attention not in targets
+
+
+def test_declined_sdpa_call_is_left_untouched():
+    """A decline (short sequence on an H100 target) must leave the SDPA call itself, not a
+    graphopt::attention node on the same backend."""
+    q, k, v = sa.local_sink_qkv(1, 2, 128, 64, seed=8)
+    report = explain(SdpaAttention(), q, k, v, target="h100")
+    (decision,) = sparse_decisions(report)
+    assert not decision.applied and "predicts no win" in decision.reason
+    targets = _graph_targets(SdpaAttention(), (q, k, v), target="h100", passes={"sparse_attention": True})
+    assert torch.nn.functional.scaled_dot_product_attention in targets
+    assert torch.ops.graphopt.attention.default not in targets and torch.ops.graphopt.sparse_attention.default not in targets
+
+
 def test_cpu_target_declines_without_force():
     q, k, v = sa.local_sink_qkv(1, 1, 256, 32, seed=6)
     report = explain(HandWrittenAttention(256, 32), q, k, v, target="cpu")
