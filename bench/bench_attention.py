@@ -18,7 +18,11 @@ SDPA's, at L in {1k, 4k}.
 End-to-end rows: transformers LlamaForCausalLM with LLaMA-7B shapes (hidden 4096, 32 heads,
 intermediate 11008, vocab 32000), 2 layers, random weights, bf16, batch 1, prefill of 2048 and
 4096 tokens under torch.no_grad(): attn_implementation="eager" under eager / Inductor / graphopt,
-and attn_implementation="sdpa" under Inductor (the baseline). Logits are checked against eager.
+and attn_implementation="sdpa" under Inductor (the baseline) and under graphopt (whose attention pass
+also takes SDPA calls). Logits are checked against eager.
+
+Decode rows (--decode): one query token against Lk cached keys, B=1, each SDPA backend and the
+graphopt op on our Triton kernel, timed as CUDA-graph replays.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import median_ms, print_table, tflops, write_json  # noqa: E402
+from bench.common import cuda_graph_ms, median_ms, print_table, tflops, write_json  # noqa: E402
 
 CHECK_TOL = 2e-2  # bf16: max |out - ref| / max |ref|
 E2E_TOL = 3e-2  # bf16 through two layers: ||logits - eager|| / ||eager||
@@ -223,6 +227,56 @@ def bench_kernels(args, device, dtype) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# decode rows: one query token against a cache of Lk keys
+# ---------------------------------------------------------------------------------------------
+def bench_decode(args, device, dtype) -> list[dict]:
+    """Lq = 1 (a decode step), B=1: each SDPA backend, the graphopt op on our Triton kernel, CUDA-graph
+    replays (the kernels are a few microseconds, shorter than a launch from Python)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"SDPA dispatched": None, "SDPA flash": SDPBackend.FLASH_ATTENTION,
+                "SDPA efficient": SDPBackend.EFFICIENT_ATTENTION, "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
+    rows = []
+    heads, head_dim = args.heads, args.head_dim
+    for length in args.decode_lengths:
+        gen = torch.Generator(device=device).manual_seed(length + 1)
+        q = torch.randn(1, heads, 1, head_dim, device=device, dtype=dtype, generator=gen)
+        k, v = (torch.randn(1, heads, length, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(2))
+        ref = torch.softmax(q.double() @ k.double().transpose(-2, -1) * head_dim ** -0.5, dim=-1) @ v.double()
+        variants = {}
+        for name, backend in backends.items():
+            def run(backend=backend):
+                if backend is None:
+                    return F.scaled_dot_product_attention(q, k, v)
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v)
+            variants[name] = run
+        variants["graphopt op, Triton"] = lambda: torch.ops.graphopt.attention(q, k, v, None, head_dim ** -0.5, False, 1, "triton")
+        shape_rows = []
+        for name, fn in variants.items():
+            row = {"B": 1, "H": heads, "Lq": 1, "Lk": length, "D": head_dim, "variant": name, "check": "",
+                   "us (CUDA graph)": None, "GB/s": None, "note": ""}
+            shape_rows.append(row)
+            try:
+                out = fn()
+                _sync()
+                err = float((out.double() - ref).abs().max() / ref.abs().max())
+                row["check"] = f"{'PASS' if err <= CHECK_TOL else 'FAIL'} {err:.1e}"
+                ms = cuda_graph_ms(fn, rep_ms=args.rep_ms) if device == "cuda" else median_ms(fn, warmup_ms=1, rep_ms=5)
+                row["us (CUDA graph)"] = ms * 1e3
+                row["GB/s"] = 2.0 * k.numel() * k.element_size() / (ms * 1e-3) / 1e9
+            except Exception as exc:  # e.g. a backend that rejects Lq = 1
+                row["check"] = "FAIL"
+                row["note"] = _short(exc)
+                if args.verbose:
+                    traceback.print_exc()
+            print(f"  decode Lk={length:>6} {name:20} {row['check']:14} {row['us (CUDA graph)'] or 0:8.2f} us  {row['note']}",
+                  flush=True)
+        rows += shape_rows
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # backward rows
 # ---------------------------------------------------------------------------------------------
 def bench_backward(args, device, dtype) -> list[dict]:
@@ -306,6 +360,7 @@ def bench_e2e(args, device, dtype) -> list[dict]:
             ("eager-attn + Inductor", lambda: _compile(eager_model, "inductor")),
             ("eager-attn + graphopt", lambda: _compile(eager_model, "graphopt")),
             ("sdpa-attn + Inductor", lambda: _compile(sdpa_model, "inductor")),
+            ("sdpa-attn + graphopt", lambda: _compile(sdpa_model, "graphopt")),
         ]
         shape_rows = []
         for name, build in variants:
@@ -315,7 +370,7 @@ def bench_e2e(args, device, dtype) -> list[dict]:
             try:
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    if name == "eager-attn + graphopt":
+                    if name.endswith("+ graphopt"):
                         with _Decisions() as decisions:
                             model = build()
                             logits = model(input_ids=ids, use_cache=False).logits
@@ -356,6 +411,8 @@ def parse_args(argv=None):
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None)
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-backward", action="store_true")
+    parser.add_argument("--skip-kernels", action="store_true", help="no forward kernel rows")
+    parser.add_argument("--decode", action="store_true", help="add one-query-token rows (CUDA-graph replays)")
     parser.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
@@ -363,12 +420,14 @@ def parse_args(argv=None):
         args.lengths = args.lengths or [48]
         args.bwd_lengths = [40]
         args.e2e_lengths = [24]
+        args.decode_lengths = [1, 40]
         args.warmup_ms, args.rep_ms = 1, 5
     else:
         args.heads, args.head_dim, args.tokens = 32, 128, 16384
         args.lengths = args.lengths or [1024, 4096, 8192, 16384]
         args.bwd_lengths = [1024, 4096]
         args.e2e_lengths = [2048, 4096]
+        args.decode_lengths = [1, 256, 2048, 8192]
         args.warmup_ms, args.rep_ms = 25, 100
     return args
 
@@ -383,17 +442,21 @@ def main(argv=None):
         sys.exit("bench_attention needs a CUDA GPU (or --cpu-smoke)")
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     start = time.perf_counter()
-    kernel_rows = bench_kernels(args, device, dtype)
+    kernel_rows = [] if args.skip_kernels else bench_kernels(args, device, dtype)
+    decode_rows = bench_decode(args, device, dtype) if args.decode else []
     backward_rows = [] if args.skip_backward else bench_backward(args, device, dtype)
     e2e_rows = [] if args.skip_e2e else bench_e2e(args, device, dtype)
-    path = write_json("bench_attention", kernel_rows + backward_rows, e2e=e2e_rows,
+    path = write_json("bench_attention", kernel_rows + backward_rows, e2e=e2e_rows, decode=decode_rows,
                       dtype=str(dtype), elapsed_s=time.perf_counter() - start)
     print(f"\nwrote {path}; total {time.perf_counter() - start:.0f}s\n")
     if backward_rows:
         print_table("Attention fwd+bwd (TFLOP/s counts 3.5x forward FLOPs)", backward_rows)
     if e2e_rows:
         print_table("End-to-end prefill (logits vs eager)", e2e_rows)
-    print_table(f"Attention forward, {str(dtype).replace('torch.', '')}, FLOPs 4*B*H*L*L*D (/2 causal)", kernel_rows)
+    if decode_rows:
+        print_table("Decode: one query token, B=1", decode_rows)
+    if kernel_rows:
+            print_table(f"Attention forward, {str(dtype).replace('torch.', '')}, FLOPs 4*B*H*L*L*D (/2 causal)", kernel_rows)
 
 
 if __name__ == "__main__":
