@@ -234,6 +234,18 @@ SDPA_BACKENDS: tuple[str, ...] = ("cudnn", "flash", "efficient", "math")
 CAUSAL_DIAGONAL_TILE = 128  # key-block width of the fused kernels' diagonal tiles
 
 
+# The least GPU time of one call: B=1, H=32, D=128, one query token, Lk=1 (cuDNN: Lk=256, it
+# rejects Lk=1), CUDA-graph replays on an H100 (bench_attention.py --decode, session 19). A decode
+# step pays it per attention whatever the cache length; prefill never gets near it.
+ATTENTION_FLOOR_S: dict[str, float] = {"triton_flash": 2.4e-6, "sdpa_flash": 5.3e-6, "sdpa_efficient": 5.8e-6,
+                                       "sdpa_cudnn": 5.9e-6}
+# Our Triton kernel runs one program per (batch, head, query block) and does not split the keys:
+# with one query token (32 programs) it streamed K and V at 1.38-1.55 TB/s for Lk = 2k-8k on the
+# H100 (same run), about 45 GB/s per program, where cuDNN reached 2.6-3.1 TB/s.
+TRITON_ATTENTION_BYTES_PER_S_PER_PROGRAM = 45e9
+TRITON_ATTENTION_QUERY_BLOCK = 64
+
+
 def fused_attention(
     hw: HardwareSpec,
     b: int,
@@ -260,7 +272,20 @@ def fused_attention(
         # column per row of tiles. On our H200 causal cuDNN ran at 0.75x (L=1k) to 0.93x (L=16k)
         # of its non-causal TFLOP/s, which this term reproduces within ~5%.
         flops *= 1 + 2 * CAUSAL_DIAGONAL_TILE / max(lk, 1)
-    return roofline(hw, name or family, flops=flops, bytes_moved=moved, family=family)
+    est = roofline(hw, name or family, flops=flops, bytes_moved=moved, family=family)
+    if not hw.is_gpu:
+        return est
+    launch_s = est.launches * hw.launch_overhead
+    body_s, bound = est.ms * 1e-3 - launch_s, est.bound
+    if family == "triton_flash":
+        programs = b * h * -(-lq // TRITON_ATTENTION_QUERY_BLOCK)
+        streamed_s = moved / (programs * TRITON_ATTENTION_BYTES_PER_S_PER_PROGRAM)
+        if streamed_s > body_s:
+            body_s, bound = streamed_s, "memory"
+    floor_s = ATTENTION_FLOOR_S.get(family, 0.0)
+    if floor_s > body_s:
+        body_s = floor_s
+    return Estimate(est.name, (body_s + launch_s) * 1e3, est.flops, est.bytes, est.launches, bound)
 
 
 def sdpa(

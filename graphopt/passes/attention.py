@@ -873,8 +873,9 @@ def _bias_kind(match: AttentionMatch) -> str:
     return "float"
 
 
-def sdpa_applicable(backend: str, dt: torch.dtype, d: int, dv: int, has_bias: bool) -> tuple[bool, str]:
-    """Conservative summary of PyTorch's sdp_utils checks (torch 2.5 .. 2.13) for one backend."""
+def sdpa_applicable(backend: str, dt: torch.dtype, d: int, dv: int, has_bias: bool, lk: int | None = None) -> tuple[bool, str]:
+    """Conservative summary of PyTorch's sdp_utils checks (torch 2.5 .. 2.13) for one backend
+    (`lk`: the key length, where known)."""
     half = dt in (torch.float16, torch.bfloat16)
     if backend == "flash":
         if not half:
@@ -889,6 +890,8 @@ def sdpa_applicable(backend: str, dt: torch.dtype, d: int, dv: int, has_bias: bo
             return False, "SDPA cuDNN needs fp16/bf16"
         if d != dv or d > 128 or d % 8:
             return False, f"SDPA cuDNN needs equal q/v head dims, a multiple of 8, <= 128 (got {d}, {dv})"
+        if lk == 1:  # torch 2.11, H100: "No available kernel" with cuDNN forced; the dispatcher skips it
+            return False, "SDPA cuDNN takes no single-key attention"
         return True, ""
     if backend == "efficient":
         align = 8 if half else 4
@@ -979,7 +982,7 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
     else:
         rejected["triton"] = why
     for backend in (*_SDPA_CANDIDATES, "math"):  # math: only when forced (never the fastest)
-        ok, why = sdpa_applicable(backend, dt, d, dv, has_mask)
+        ok, why = sdpa_applicable(backend, dt, d, dv, has_mask, lk)
         if not ok:
             rejected[backend] = why
             continue
@@ -1007,7 +1010,7 @@ def _sdpa_default(ctx: PassContext, match: AttentionMatch) -> str | None:
     dims = match.dims()
     if not match.from_sdpa or dims is None:
         return None
-    return default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], bool(match.terms))
+    return default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], bool(match.terms), dims[4])
 
 
 # PyTorch's SDPA dispatch order on CUDA when torch cannot tell us (torch 2.5-2.13 default).
@@ -1015,7 +1018,7 @@ _DEFAULT_SDPA_ORDER = ("flash", "efficient", "math", "cudnn")
 _SDPA_BACKEND_IDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
 
 
-def default_sdpa_backend(hw, dt: torch.dtype | None, d: int, dv: int, has_mask: bool) -> str:
+def default_sdpa_backend(hw, dt: torch.dtype | None, d: int, dv: int, has_mask: bool, lk: int | None = None) -> str:
     """The backend PyTorch's SDPA dispatcher would run for such a call: "sdpa_cpu" on a CPU target,
     else the first enabled backend of its priority order that sdpa_applicable admits."""
     if not hw.is_gpu:
@@ -1027,7 +1030,7 @@ def default_sdpa_backend(hw, dt: torch.dtype | None, d: int, dv: int, has_mask: 
     enabled = {"flash": torch.backends.cuda.flash_sdp_enabled(), "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
                "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()}
     for backend in order:
-        if enabled.get(backend) and dt is not None and sdpa_applicable(backend, dt, d, dv, has_mask)[0]:
+        if enabled.get(backend) and dt is not None and sdpa_applicable(backend, dt, d, dv, has_mask, lk)[0]:
             return backend
     return "math"
 
