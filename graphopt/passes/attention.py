@@ -117,6 +117,8 @@ class AttentionMatch:
     reason: str | None = None
     notes: list[str] = field(default_factory=list)
     from_sdpa: bool = False  # an F.scaled_dot_product_attention call (softmax and output are that node)
+    call_has_mask: bool = False  # that call as written (before a constant mask is proven causal)
+    call_is_causal: bool = False
 
     @property
     def location(self) -> str:
@@ -541,6 +543,7 @@ def _match_sdpa(ctx: PassContext, node: fx.Node) -> AttentionMatch:
         return match
     match.batched_3d = nq == 3
     match.q, match.k, match.v, match.is_causal = q, k, v, is_causal
+    match.call_has_mask, match.call_is_causal = mask is not None, is_causal
     match.scores_shape = (*qs[:-1], ks[-2])
     if scale is None:
         match.scale = qs[-1] ** -0.5
@@ -957,10 +960,11 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
     nbytes = _dtype_bytes(dt)
     has_mask = bool(match.terms)
     default = _sdpa_default(ctx, match)
-    if default is not None:  # the SDPA call as PyTorch would run it
+    if default is not None:  # the SDPA call as written, as PyTorch would run it (an explicit causal
+        # mask is read, and its upper triangle computed)
         kv = hkv if default in ("flash", "math", "sdpa_cpu") else h
         before = cost_model.sdpa(hw, b, h, lq, lk, d, backend="math" if default == "sdpa_cpu" else default,
-                                 causal=match.is_causal, dtype_bytes=nbytes, has_mask=has_mask, kv_heads=kv)
+                                 causal=match.call_is_causal, dtype_bytes=nbytes, has_mask=match.call_has_mask, kv_heads=kv)
         before = Estimate(f"SDPA as dispatched ({default})", before.ms, before.flops, before.bytes, before.launches, before.bound)
     else:
         before = cost_model.naive_attention(
@@ -973,7 +977,9 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
         candidates["sdpa_cpu"] = cost_model.sdpa(hw, b, h, lq, lk, d, causal=match.is_causal, dtype_bytes=nbytes,
                                                  has_mask=has_mask, kv_heads=hkv)
         if default is not None:  # the same kernel the call runs now
-            before = Estimate(before.name, candidates["sdpa_cpu"].ms, before.flops, before.bytes, before.launches, before.bound)
+            now = cost_model.sdpa(hw, b, h, lq, lk, d, causal=match.call_is_causal, dtype_bytes=nbytes,
+                                  has_mask=match.call_has_mask, kv_heads=hkv)
+            before = Estimate(before.name, now.ms, before.flops, before.bytes, before.launches, before.bound)
         return before, candidates, rejected, None
     ok, why = _triton_applicable(match)
     if ok:
@@ -1010,7 +1016,7 @@ def _sdpa_default(ctx: PassContext, match: AttentionMatch) -> str | None:
     dims = match.dims()
     if not match.from_sdpa or dims is None:
         return None
-    return default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], bool(match.terms), dims[4])
+    return default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], match.call_has_mask, dims[4])
 
 
 # PyTorch's SDPA dispatch order on CUDA when torch cannot tell us (torch 2.5-2.13 default).
@@ -1060,7 +1066,10 @@ class AttentionPass(GraphPass):
                 choice = "sdpa_cpu" if on_cpu else "efficient"
             after = candidates.get(choice)
             default = _sdpa_default(ctx, match)
-            if default is not None and default == choice and not ctx.config.force:
+            # The same backend on the same call (no mask proven causal) would change nothing.
+            unchanged = (default == choice and match.call_has_mask == bool(match.terms)
+                         and match.call_is_causal == match.is_causal)
+            if default is not None and unchanged and not ctx.config.force:
                 ctx.record(self.name, False, f"SDPA call left as it is: the backend PyTorch dispatches it to ({default}) "
                            "is already the fastest candidate", node=node, before=before, after=after)
                 continue

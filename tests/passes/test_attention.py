@@ -484,22 +484,39 @@ def test_transformers_llama_sdpa_attention_gqa_causal():
     torch.testing.assert_close(report.output.logits, expected, atol=1e-5, rtol=1e-5)
 
 
+class _Logits(nn.Module):
+    def __init__(self, model, use_cache):
+        super().__init__()
+        self.model, self.use_cache = model, use_cache
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=self.use_cache).logits
+
+
 @pytest.mark.parametrize("priority", ["flash first", "cudnn first"])
-def test_sdpa_prefill_on_h100_target(priority, monkeypatch):
-    """PyTorch's own choice is the "before": with flash dispatched, cuDNN is predicted faster and
-    taken; where the dispatcher already picks cuDNN (torch 2.11 on an H100), the call stays."""
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_sdpa_prefill_on_h100_target(priority, use_cache, monkeypatch):
+    """PyTorch's own dispatch of the call as written is the "before". transformers passes
+    is_causal=True with a cache, and an explicit bool mask without one (use_cache=False); that mask
+    is constant and proven causal, which turns a masked full-square call into a causal one."""
     order = [1, 2, 0, 3] if priority == "flash first" else [3, 1, 2, 0]  # SDPBackend ids
     monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: order)
     model = _llama_sdpa(layers=1, hidden=1024, heads=8, kv_heads=8, dtype=torch.bfloat16)  # head dim 128
     ids = torch.randint(0, 256, (1, 2048), generator=torch.Generator().manual_seed(0))
-    report = graphopt.explain(model, ids, downstream="eager", target="h100")
+    report = graphopt.explain(_Logits(model, use_cache), ids, downstream="eager", target="h100")
     (d,) = [d for d in report.decisions if d.pass_name == "attention"]
-    if priority == "flash first":
-        assert d.applied and d.implementation == "cudnn"
-        assert d.predicted_ms_before == pytest.approx(d.details["candidates"]["flash"], rel=1e-3)
-        assert d.details["candidates"]["cudnn"] < d.details["candidates"]["flash"]
-    else:
+    if priority == "cudnn first" and use_cache:
         assert not d.applied and "(cudnn) is already the fastest" in d.reason
+        return
+    assert d.applied and d.implementation == "cudnn" and d.details["is_causal"] and d.details["bias"] == "none"
+    if use_cache:  # flash dispatched: cuDNN predicted faster
+        assert d.predicted_ms_before == pytest.approx(d.details["candidates"]["flash"], rel=1e-3)
+    else:  # the masked call computes the whole square: about twice the causal time
+        assert d.predicted_ms_before > 1.8 * d.details["candidates"]["cudnn"]
+        assert "proven top-left causal" in " ".join(d.details["notes"])
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=use_cache).logits
+    torch.testing.assert_close(report.output, expected, atol=2e-2, rtol=2e-2)
 
 
 def test_one_token_sdpa_on_h100_target_goes_to_the_triton_kernel(monkeypatch):
