@@ -102,6 +102,14 @@ def _short(exc: BaseException) -> str:
     return text[:90]
 
 
+def _failed(row: dict, exc: BaseException, args) -> None:
+    """Mark a variant's row failed (one failing variant never stops the run)."""
+    row["check"] = "FAIL"
+    row["note"] = _short(exc)
+    if args.verbose:
+        traceback.print_exc()
+
+
 class _Decisions:
     """Collects graphopt's Decisions while compiling (the sink graphopt.explain uses)."""
 
@@ -207,10 +215,7 @@ def bench_kernels(args, device, dtype) -> list[dict]:
                             row["note"] = (f"BM{best.kwargs['BLOCK_M']} BN{best.kwargs['BLOCK_N']} "
                                            f"w{best.num_warps} s{best.num_stages}")
                 except Exception as exc:  # one failing variant never stops the run
-                    row["check"] = "FAIL"
-                    row["note"] = _short(exc)
-                    if args.verbose:
-                        traceback.print_exc()
+                    _failed(row, exc, args)
                 finally:
                     fn = None
                     _free_gpu_memory()
@@ -266,10 +271,7 @@ def bench_decode(args, device, dtype) -> list[dict]:
                 row["us (CUDA graph)"] = ms * 1e3
                 row["GB/s"] = 2.0 * k.numel() * k.element_size() / (ms * 1e-3) / 1e9
             except Exception as exc:  # e.g. a backend that rejects Lq = 1
-                row["check"] = "FAIL"
-                row["note"] = _short(exc)
-                if args.verbose:
-                    traceback.print_exc()
+                _failed(row, exc, args)
             print(f"  decode Lk={length:>6} {name:20} {row['check']:14} {row['us (CUDA graph)'] or 0:8.2f} us  {row['note']}",
                   flush=True)
         rows += shape_rows
@@ -318,10 +320,7 @@ def bench_backward(args, device, dtype) -> list[dict]:
                     row["ms"] = median_ms(lambda: fwd_bwd(attn), warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
                     row["TFLOP/s"] = tflops(flops, row["ms"])
                 except Exception as exc:
-                    row["check"] = "FAIL"
-                    row["note"] = _short(exc)
-                    if args.verbose:
-                        traceback.print_exc()
+                    _failed(row, exc, args)
                 print(f"  bwd L={length:>6} causal={causal!s:5} {name:22} {row['check']:14} {_ms(row['ms'])} ms  {row['note']}",
                       flush=True)
             sdpa_ms = [r["ms"] for r in shape_rows if r["variant"].startswith("SDPA") and r["ms"]]
@@ -387,10 +386,7 @@ def bench_e2e(args, device, dtype) -> list[dict]:
                     row["ms"] = median_ms(lambda: model(input_ids=ids, use_cache=False), warmup_ms=args.warmup_ms,
                                           rep_ms=args.rep_ms)
             except Exception as exc:
-                row["check"] = "FAIL"
-                row["note"] = _short(exc)
-                if args.verbose:
-                    traceback.print_exc()
+                _failed(row, exc, args)
             finally:
                 model = None
                 _free_gpu_memory()
