@@ -959,7 +959,7 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
     b, h, hkv, lq, lk, d, dv = dims
     nbytes = _dtype_bytes(dt)
     has_mask = bool(match.terms)
-    default = _sdpa_default(ctx, match)
+    default = dispatched_sdpa_backend(ctx, match)
     if default is not None:  # the SDPA call as written, as PyTorch would run it (an explicit causal
         # mask is read, and its upper triangle computed)
         kv = hkv if default in ("flash", "math", "sdpa_cpu") else h
@@ -1011,7 +1011,7 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
     return before, candidates, rejected, note
 
 
-def _sdpa_default(ctx: PassContext, match: AttentionMatch) -> str | None:
+def dispatched_sdpa_backend(ctx: PassContext, match: AttentionMatch) -> str | None:
     """For an SDPA call with static shapes: the backend it runs as it stands; else None."""
     dims = match.dims()
     if not match.from_sdpa or dims is None:
@@ -1065,7 +1065,7 @@ class AttentionPass(GraphPass):
             else:
                 choice = "sdpa_cpu" if on_cpu else "efficient"
             after = candidates.get(choice)
-            default = _sdpa_default(ctx, match)
+            default = dispatched_sdpa_backend(ctx, match)
             # The same backend on the same call (no mask proven causal) would change nothing.
             unchanged = (default == choice and match.call_has_mask == bool(match.terms)
                          and match.call_is_causal == match.is_causal)
@@ -1194,5 +1194,5 @@ import graphopt.ops  # noqa: E402,F401  (registers graphopt::attention before th
 _register_onnx()
 
 __all__ = ["AttentionMatch", "MaskTerm", "find_attention", "rewrite_attention", "AttentionPass", "PASS",
-           "calibrate_attention_table", "choose_implementation", "default_sdpa_backend", "evaluate_constant",
-           "sdpa_applicable"]
+           "calibrate_attention_table", "choose_implementation", "default_sdpa_backend", "dispatched_sdpa_backend",
+           "evaluate_constant", "sdpa_applicable"]

@@ -195,7 +195,7 @@ class _Site:
             value = fake(q)
             device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
             return (shape(q), shape(k), shape(v)), bias is not None, scale, is_causal, backend, dtype(q), device
-        from graphopt.passes.attention import _sdpa_default
+        from graphopt.passes.attention import dispatched_sdpa_backend
 
         match, dims = self.match, self.match.dims()
         shapes = (None, None, None)
@@ -204,15 +204,16 @@ class _Site:
             shapes = ((b, h, lq, d), (b, hkv, lk, d), (b, hkv, lk, dv))
         value = fake(match.q)
         device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
-        return shapes, bool(match.terms), match.scale, match.is_causal, _sdpa_default(ctx, match), dtype(match.q), device
+        backend = dispatched_sdpa_backend(ctx, match)
+        return shapes, bool(match.terms), match.scale, match.is_causal, backend, dtype(match.q), device
 
     def attention_node(self, ctx: PassContext) -> fx.Node:
         """The graphopt::attention node to replace (rewriting the SDPA call into one first)."""
         if self.match is None:
             return self.node
-        from graphopt.passes.attention import _sdpa_default, rewrite_attention
+        from graphopt.passes.attention import dispatched_sdpa_backend, rewrite_attention
 
-        return rewrite_attention(ctx, self.match, backend=_sdpa_default(ctx, self.match))
+        return rewrite_attention(ctx, self.match, backend=dispatched_sdpa_backend(ctx, self.match))
 
 
 def _attention_sites(ctx: PassContext, pass_name: str) -> list[_Site]:
