@@ -53,7 +53,7 @@ from graphopt import cost_model
 from graphopt.cost_model import Estimate
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, module_path
-from graphopt.passes.fx_utils import arg, canonical, dtype, erase_unused, fake
+from graphopt.passes.fx_utils import arg, canonical, device, dtype, erase_unused, fake
 
 log = logging.getLogger("graphopt")
 
@@ -783,7 +783,7 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
     graph = ctx.gm.graph
     root = match.output
     if backend is None:
-        dev = fake(match.q).device if isinstance(fake(match.q), torch.Tensor) else torch.device("cpu")
+        dev = device(match.q) or torch.device("cpu")
         backend = "sdpa_cpu" if dev.type == "cpu" else "efficient"
     with graph.inserting_before(root):
         q, k, v = match.q, match.k, match.v
@@ -961,11 +961,12 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
     has_mask = bool(match.terms)
     default = dispatched_sdpa_backend(ctx, match)
     if default is not None:  # the SDPA call as written, as PyTorch would run it (an explicit causal
-        # mask is read, and its upper triangle computed)
+        # mask is read, and its upper triangle computed). "sdpa_cpu": priced like the CPU candidate below.
         kv = hkv if default in ("flash", "math", "sdpa_cpu") else h
-        before = cost_model.sdpa(hw, b, h, lq, lk, d, backend="math" if default == "sdpa_cpu" else default,
-                                 causal=match.call_is_causal, dtype_bytes=nbytes, has_mask=match.call_has_mask, kv_heads=kv)
-        before = Estimate(f"SDPA as dispatched ({default})", before.ms, before.flops, before.bytes, before.launches, before.bound)
+        backend = {} if default == "sdpa_cpu" else {"backend": default}
+        now = cost_model.sdpa(hw, b, h, lq, lk, d, **backend, causal=match.call_is_causal, dtype_bytes=nbytes,
+                              has_mask=match.call_has_mask, kv_heads=kv)
+        before = Estimate(f"SDPA as dispatched ({default})", now.ms, now.flops, now.bytes, now.launches, now.bound)
     else:
         before = cost_model.naive_attention(
             hw, b, h, lq, lk, d, dtype_bytes=nbytes, has_mask=has_mask, softmax_fp32=match.softmax_fp32,
@@ -976,10 +977,6 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
     if not hw.is_gpu:
         candidates["sdpa_cpu"] = cost_model.sdpa(hw, b, h, lq, lk, d, causal=match.is_causal, dtype_bytes=nbytes,
                                                  has_mask=has_mask, kv_heads=hkv)
-        if default is not None:  # the same kernel the call runs now
-            now = cost_model.sdpa(hw, b, h, lq, lk, d, causal=match.call_is_causal, dtype_bytes=nbytes,
-                                  has_mask=match.call_has_mask, kv_heads=hkv)
-            before = Estimate(before.name, now.ms, before.flops, before.bytes, before.launches, before.bound)
         return before, candidates, rejected, None
     ok, why = _triton_applicable(match)
     if ok:

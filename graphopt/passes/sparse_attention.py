@@ -47,7 +47,7 @@ from graphopt.cost_model import Estimate
 from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N, DEFAULT_CDFTHRESHD, DEFAULT_SIMTHRESHD1
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, module_path
-from graphopt.passes.fx_utils import dtype, fake, replace_with_call, shape
+from graphopt.passes.fx_utils import device, dtype, replace_with_call, shape
 
 ASSUMED_SPARSITY_WITHOUT_PLAN = 0.5  # fraction of QK blocks skipped, for the cost model only
 PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; top-cdf + compact lists
@@ -192,9 +192,8 @@ class _Site:
         """(q, k, v shapes as (B, H, L, D) tuples or None, has bias, scale, is_causal, dense backend, dtype, device)."""
         if self.match is None:
             q, k, v, bias, scale, is_causal, _, backend = self.node.args
-            value = fake(q)
-            device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
-            return (shape(q), shape(k), shape(v)), bias is not None, scale, is_causal, backend, dtype(q), device
+            return ((shape(q), shape(k), shape(v)), bias is not None, scale, is_causal, backend, dtype(q),
+                    device(q) or torch.device("cpu"))
         from graphopt.passes.attention import dispatched_sdpa_backend
 
         match, dims = self.match, self.match.dims()
@@ -202,10 +201,9 @@ class _Site:
         if dims is not None:
             b, h, hkv, lq, lk, d, dv = dims
             shapes = ((b, h, lq, d), (b, hkv, lk, d), (b, hkv, lk, dv))
-        value = fake(match.q)
-        device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
         backend = dispatched_sdpa_backend(ctx, match)
-        return shapes, bool(match.terms), match.scale, match.is_causal, backend, dtype(match.q), device
+        return (shapes, bool(match.terms), match.scale, match.is_causal, backend, dtype(match.q),
+                device(match.q) or torch.device("cpu"))
 
     def attention_node(self, ctx: PassContext) -> fx.Node:
         """The graphopt::attention node to replace (rewriting the SDPA call into one first)."""
@@ -258,7 +256,7 @@ class SparseAttentionPass(GraphPass):
                 ctx.record(self.name, False, str(why), node=site.node, before=why.before, after=why.after)
 
     def _rewrite(self, ctx: PassContext, site: _Site, key: str, section, budget: float) -> None:
-        (qs, ks, vs), has_bias, scale, is_causal, backend, dt, device = site.describe(ctx)
+        (qs, ks, vs), has_bias, scale, is_causal, backend, dt, dev = site.describe(ctx)
         if has_bias:
             raise _Decline("attention has a bias or mask other than causal (padding mask, position bias); "
                            "the block-sparse kernel applies only the causal mask")
@@ -294,9 +292,9 @@ class SparseAttentionPass(GraphPass):
         if not ok:
             raise _Decline(f"{why} at {at}, L={lq}", before, after)
         node = site.attention_node(ctx)
-        consts = [ctx.add_constant(torch.tensor(x, dtype=torch.float32, device=device), name)
+        consts = [ctx.add_constant(torch.tensor(x, dtype=torch.float32, device=dev), name)
                   for x, name in ((sim, "sparse_sim1"), (cdf, "sparse_cdf"))]
-        pv_tensor = torch.tensor(pv, dtype=torch.float32, device=device) if pv is not None else torch.empty(0, device=device)
+        pv_tensor = torch.tensor(pv, dtype=torch.float32, device=dev) if pv is not None else torch.empty(0, device=dev)
         consts.append(ctx.add_constant(pv_tensor, "sparse_pv"))
         ctx.record(self.name, True, f"{why} at {at}; thresholds: {source}", node=node, before=before, after=after,
                    implementation="triton_sparse", layer=key, sparsity=sparsity, sparsity_assumed=assumed,
