@@ -19,14 +19,12 @@ or cannot compile is skipped.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
-import sys
 
-ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ARGS.add_argument("--cpu-smoke", action="store_true")
+from script_args import bench_arguments, parse_bench_arguments  # a sibling: bench/ is sys.path[0]
+
+ARGS = bench_arguments(__doc__)
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
 ARGS.add_argument("--kernels", default="word,word-mma")
 ARGS.add_argument("--wide", action="store_true", help="narrow row tiles, 1-2 warps, K tiles to 1024, MMA stages")
@@ -34,10 +32,7 @@ ARGS.add_argument("--profile-best", default=None, help="JSON from a previous run
 ARGS.add_argument("--shapes", default=None, help="comma-separated KxN shapes (default 5120x13824,13824x5120)")
 ARGS.add_argument("--int-wide", action="store_true",
                   help="word-int: every tile of 16-64 rows x 256-2048 elements at 16 or 32 code words per thread")
-OPTS = ARGS.parse_args()
-if OPTS.cpu_smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

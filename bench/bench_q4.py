@@ -23,22 +23,16 @@ last row runs a LLaMA-7B-shaped 2-layer model on one token, Inductor bf16 vs gra
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 import traceback
 
-ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ARGS.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU through the Triton interpreter")
+from script_args import bench_arguments, parse_bench_arguments  # a sibling: bench/ is sys.path[0]
+
+ARGS = bench_arguments(__doc__)
 ARGS.add_argument("--no-e2e", action="store_true", help="skip the end-to-end LLaMA row")
 ARGS.add_argument("--shapes", default=None, help="comma-separated KxN shapes (default: six LLaMA shapes)")
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16,64,256,4096)")
-OPTS = ARGS.parse_args()
-if OPTS.cpu_smoke:
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -14,12 +14,9 @@ round used to judge kernel changes. Each config is checked against dequantize-th
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+from script_args import bench_arguments, parse_bench_arguments  # a sibling: bench/ is sys.path[0]
 
-ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ARGS.add_argument("--cpu-smoke", action="store_true")
+ARGS = bench_arguments(__doc__)
 ARGS.add_argument("--wide", action="store_true", help="also narrow dp4a tiles: 8-32 rows, 1-4 warps, K steps to 1024")
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
 ARGS.add_argument("--swap-sweep", action="store_true", help="also more swap tiles: 64/128 rows, 1-4 pairs, the --swap-stages depths, split-K auto or 16")
@@ -27,10 +24,7 @@ ARGS.add_argument("--swap-stages", default="1,3", help="pipeline depths of the -
 ARGS.add_argument("--print-all", action="store_true", help="print every config's time (always on with --swap-sweep)")
 ARGS.add_argument("--dp4a-splits", default="", help="also one-warp dp4a tiles (16/32 rows, 4/8 pairs, reduce 'last') "
                   "with these comma-separated split-K counts")
-OPTS = ARGS.parse_args()
-if OPTS.cpu_smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -16,16 +16,10 @@ A torch.sum over the same bytes (as fp32) is timed too, for scale.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+from script_args import bench_arguments, parse_bench_arguments  # a sibling: bench/ is sys.path[0]
 
-ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ARGS.add_argument("--cpu-smoke", action="store_true")
-OPTS = ARGS.parse_args()
-if OPTS.cpu_smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARGS = bench_arguments(__doc__)
+OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -11,20 +11,15 @@ density (diagonal blocks kept under causality), the same for every config.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import traceback
 
-ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ARGS.add_argument("--cpu-smoke", action="store_true")
+from script_args import bench_arguments, parse_bench_arguments  # a sibling: bench/ is sys.path[0]
+
+ARGS = bench_arguments(__doc__)
 ARGS.add_argument("--lengths", default="8192,16384")
 ARGS.add_argument("--densities", default="1.0,0.5,0.25")
 ARGS.add_argument("--only", default="", help="time only configs whose settings include these, e.g. USE_TMA=1")
-OPTS = ARGS.parse_args()
-if OPTS.cpu_smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

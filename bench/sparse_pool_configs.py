@@ -9,17 +9,11 @@ the share of the copy bandwidth, with each config checked against the torch refe
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+from script_args import bench_arguments, parse_bench_arguments  # a sibling: bench/ is sys.path[0]
 
-ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ARGS.add_argument("--cpu-smoke", action="store_true")
+ARGS = bench_arguments(__doc__)
 ARGS.add_argument("--lengths", default="8192,16384")
-OPTS = ARGS.parse_args()
-if OPTS.cpu_smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import torch  # noqa: E402
 
