@@ -3,13 +3,18 @@
 `run_ablation(model_name, passes)` measures three kinds of variant: all listed passes together,
 each pass alone, and all but one (duplicates, e.g. "all" and "alone" with one pass, run once).
 For each it reports median latency, speedup vs eager and vs Inductor, max and relative output
-error vs eager, peak memory, compile time and the rewrites applied. Output: a rich table, a JSON
-file and a PNG bar chart.
+error vs eager, peak memory, compile time and the rewrites applied. On a GPU it also times the same
+call replayed from a CUDA graph: the GPU work alone, without the host's launch path (a call can be
+bound by its host time: each graphopt custom op adds a Python launch, and on the lent H100 machine
+the demo's model under Inductor spends about as long launching as computing). Output: a rich
+table, a JSON file and a PNG bar chart.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,7 +26,9 @@ import torch
 from graphopt import backend as backend_module
 from graphopt.config import PASS_NAMES
 from graphopt.passes.base import Decision, count_applied
-from graphopt.timing import first_tensor, median_ms
+from graphopt.timing import cold_graph_ms, first_tensor, median_ms
+
+_log = logging.getLogger("graphopt")
 
 
 @dataclass
@@ -36,6 +43,8 @@ class VariantResult:
     speedup_vs_eager: float = 0.0
     speedup_vs_inductor: float = 0.0
     rewrites: dict[str, int] = field(default_factory=dict)
+    graph_ms: float = float("nan")  # CUDA-graph replay of the same call (GPU only; NaN if capture failed)
+    graph_speedup_vs_inductor: float = float("nan")
 
 
 def variant_sets(passes: list[str]) -> list[tuple[str, list[str]]]:
@@ -88,6 +97,7 @@ def measure(model, inputs, *, backend: str | None, options: dict | None, device:
                 return fn(*inputs)
 
             ms = median_ms(call, rep_ms=rep_ms, device=device)
+            graph_ms = _graph_ms(call, name) if device.startswith("cuda") else float("nan")
     finally:
         backend_module._DECISION_SINKS.remove(sink)
     peak = _peak_memory_mb(device)
@@ -97,7 +107,24 @@ def measure(model, inputs, *, backend: str | None, options: dict | None, device:
         diff = (output - reference).abs()
         max_abs = float(diff.max())
         rel = float(diff.norm() / reference.norm().clamp(min=1e-30))
-    return VariantResult(name, passes, ms, compile_s, max_abs, rel, peak, rewrites=count_applied(sink)), output, sink
+    return VariantResult(name, passes, ms, compile_s, max_abs, rel, peak, rewrites=count_applied(sink),
+                         graph_ms=graph_ms), output, sink
+
+
+def _graph_ms(call, name: str) -> float:
+    """Median ms of `call` replayed from a CUDA graph; NaN (and a log line) when it cannot be captured."""
+    try:
+        return cold_graph_ms([call])
+    except Exception as exc:  # noqa: BLE001 - a variant that cannot be captured keeps its plain timing
+        _log.warning("%s: CUDA-graph timing skipped (%s: %s)", name, type(exc).__name__, exc)
+        return float("nan")
+
+
+def _set_speedups(results: list[VariantResult], eager: VariantResult, inductor: VariantResult) -> None:
+    for r in results:
+        r.speedup_vs_eager = eager.median_ms / r.median_ms
+        r.speedup_vs_inductor = inductor.median_ms / r.median_ms
+        r.graph_speedup_vs_inductor = inductor.graph_ms / r.graph_ms
 
 
 def run_ablation(
@@ -130,9 +157,7 @@ def run_ablation(
         result, _, _ = measure(model, inputs, backend="graphopt", options=options, device=device,
                                reference=reference, rep_ms=rep_ms, name=f"graphopt: {label}", passes=subset)
         results.append(result)
-    for r in results:
-        r.speedup_vs_eager = eager.median_ms / r.median_ms
-        r.speedup_vs_inductor = inductor.median_ms / r.median_ms
+    _set_speedups(results, eager, inductor)
     write_outputs(results, Path(out_dir), title=f"ablation: {model_name} on {_device_name(device)}")
     return results
 
@@ -145,13 +170,22 @@ def results_table(results: list[VariantResult], title: str):
     from rich.table import Table
 
     table = Table(title=title)
-    for column in ("variant", "median ms", "vs eager", "vs inductor", "max abs err", "rel err", "peak MB",
-                   "compile s", "rewrites"):
+    graphs = any(not math.isnan(r.graph_ms) for r in results)  # CUDA-graph timings (GPU runs)
+    columns = ["variant", "median ms", "vs eager", "vs inductor"]
+    columns += ["CUDA graph ms", "graph vs inductor"] if graphs else []
+    columns += ["max abs err", "rel err", "peak MB", "compile s", "rewrites"]
+    for column in columns:
         table.add_column(column, justify="right" if column != "variant" else "left")
     for r in results:
         rewrites = ", ".join(f"{k}={v}" for k, v in r.rewrites.items()) or "-"
-        table.add_row(r.name, f"{r.median_ms:.3f}", f"{r.speedup_vs_eager:.2f}x", f"{r.speedup_vs_inductor:.2f}x",
-                      f"{r.max_abs_err:.2e}", f"{r.rel_err:.2e}", f"{r.peak_memory_mb:.0f}", f"{r.compile_s:.1f}", rewrites)
+        row = [r.name, f"{r.median_ms:.3f}", f"{r.speedup_vs_eager:.2f}x", f"{r.speedup_vs_inductor:.2f}x"]
+        row += [f"{r.graph_ms:.3f}", f"{r.graph_speedup_vs_inductor:.2f}x"] if graphs else []
+        row += [f"{r.max_abs_err:.2e}", f"{r.rel_err:.2e}", f"{r.peak_memory_mb:.0f}", f"{r.compile_s:.1f}", rewrites]
+        table.add_row(*row)
+    if graphs:
+        table.caption = ("median ms: the call as a user makes it (host launch path included); CUDA graph ms: the same "
+                         "call replayed from a CUDA graph, the GPU work alone (what options={'cuda_graphs': True} or a "
+                         "serving engine's graph capture gets)")
     return table
 
 
@@ -163,10 +197,15 @@ def write_outputs(results: list[VariantResult], out_dir: Path, *, title: str) ->
     Console(width=180).print(results_table(results, title))
     json_path = out_dir / "ablation.json"
     json_path.write_text(json.dumps({"title": title, "environment": _environment(),
-                                     "variants": [asdict(r) for r in results]}, indent=2))
+                                     "variants": [_json_ready(asdict(r)) for r in results]}, indent=2))
     png_path = out_dir / "ablation.png"
     plot(results, png_path, title)
     return {"json": json_path, "png": png_path}
+
+
+def _json_ready(fields: dict) -> dict:
+    """NaN (no CUDA-graph timing) as null: strict JSON has no NaN."""
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in fields.items()}
 
 
 def plot(results: list[VariantResult], path: Path, title: str) -> None:
@@ -223,8 +262,6 @@ def run_demo(*, device: str | None = None, out_dir: str | Path = "demo_out", rep
     graphopt, _, _ = measure(model, inputs, backend="graphopt", options=None, device=device, reference=reference,
                              rep_ms=rep_ms, name="graphopt", passes=[n for n, c in report.counts.items() if c])
     results = [eager, inductor, graphopt]
-    for r in results:
-        r.speedup_vs_eager = eager.median_ms / r.median_ms
-        r.speedup_vs_inductor = inductor.median_ms / r.median_ms
+    _set_speedups(results, eager, inductor)
     write_outputs(results, Path(out_dir), title=f"demo: {name}, {seq_len} tokens on {_device_name(device)}")
     return results

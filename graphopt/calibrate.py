@@ -52,10 +52,14 @@ def measure_launch_overhead(launches: int = 2000) -> float:
     return best
 
 
+class NoDeviceError(RuntimeError):
+    """The command measures a GPU and none is present (the CLI prints it without a traceback)."""
+
+
 def calibrate(*, attention: bool = True) -> dict:
     """Measure the present GPU and store the result; returns the stored dict."""
     if not torch.cuda.is_available():
-        raise RuntimeError("graphopt calibrate measures a CUDA GPU and none is present; "
+        raise NoDeviceError("graphopt calibrate measures a CUDA GPU and none is present; "
                            "on CPU the cost model uses the generic 'cpu' spec (target='cpu')")
     name = torch.cuda.get_device_name()
     result = {

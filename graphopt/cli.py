@@ -31,9 +31,29 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str 
 
     parser.add_argument("--model", default=default_model,
                         help=f"built-in model ({', '.join(BUILTIN_MODELS)}) or module:function returning (model, inputs)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: per model)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (default: per model)")
+    parser.add_argument("--batch", type=_positive_int, default=1)
+    parser.add_argument("--device", type=_device, default=None, help="cuda or cpu (default: cuda when present)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _device(text: str) -> str:
+    import torch
+
+    if text.startswith("cuda") and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is present; valid choices here: cpu")
+    if not (text == "cpu" or text.startswith("cuda")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; valid choices: cuda, cuda:N, cpu")
+    return text
 
 
 def _add_option_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +122,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from graphopt.onnx_export import export_onnx
 
     options = _options(args)
+    for item in args.onnx_form:
+        if "=" not in item:
+            raise ValueError(f"--onnx-form {item!r}: expected OP=FORM, e.g. graphopt::fp4_linear=runnable")
     forms = dict(item.split("=", 1) for item in args.onnx_form)
     model, inputs = build(args.model, seq_len=args.seq_len, batch=args.batch, device=args.device or "cpu")
     path = export_onnx(model, inputs, args.out, onnx_forms=forms or None, **options)
@@ -177,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ValueError as exc:  # bad options and inputs: a clear message, not a traceback
         print(f"graphopt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        from graphopt.calibrate import NoDeviceError
+
+        if not isinstance(exc, NoDeviceError):  # a bug: keep its traceback
+            raise
+        print(f"graphopt {args.command}: error: {exc}", file=sys.stderr)  # e.g. calibrate without a GPU
         return 2
 
 

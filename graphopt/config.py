@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -52,6 +53,21 @@ def _suggest(bad: str, valid: tuple[str, ...] | list[str]) -> str:
     close = difflib.get_close_matches(bad, list(valid), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"{hint}; valid choices: {', '.join(valid)}"
+
+
+def _check_plan(path) -> None:
+    """Load the plan once when the options are read: a missing or malformed plan is an error
+    here, not a pass that fails at compile time and is skipped with a warning."""
+    from graphopt.plan import load_plan
+
+    try:
+        plan = load_plan(path)
+    except OSError as exc:  # a directory, no permission
+        raise ValueError(f"graphopt plan {str(path)!r} cannot be read: {exc}") from exc
+    for name in PASS_NAMES:
+        if name in plan and not isinstance(plan[name], Mapping):
+            raise ValueError(f"graphopt plan {str(path)!r}: section {name!r} must be a JSON object, "
+                             f"got {type(plan[name]).__name__}")
 
 
 def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -98,8 +114,9 @@ class GraphOptConfig:
         for name, value in self.error_budget.items():
             if name not in budget_keys:
                 raise ValueError(f"unknown pass {name!r} in error_budget{_suggest(str(name), budget_keys)}")
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"error_budget[{name!r}] must be a non-negative number, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+                # NaN fails every comparison, so it would switch the pass's budget check off
+                raise ValueError(f"error_budget[{name!r}] must be a finite non-negative number, got {value!r}")
         self.error_budget = {**DEFAULT_ERROR_BUDGET, **{k: float(v) for k, v in self.error_budget.items()}}
         _check_choice("target", self.target, TARGETS)
         _check_choice("downstream", self.downstream, DOWNSTREAMS)
@@ -117,8 +134,10 @@ class GraphOptConfig:
         if self.cuda_graphs and self.downstream != "inductor":
             raise ValueError(f"graphopt option cuda_graphs=True needs downstream='inductor' (its CUDA-graph trees "
                              f"record the compiled graph), got downstream={self.downstream!r}")
-        if self.plan is not None and not isinstance(self.plan, (str, os.PathLike)):
-            raise ValueError(f"graphopt option plan must be a path to a JSON plan, got {self.plan!r}")
+        if self.plan is not None:
+            if not isinstance(self.plan, (str, os.PathLike)):
+                raise ValueError(f"graphopt option plan must be a path to a JSON plan, got {self.plan!r}")
+            _check_plan(self.plan)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None) -> "GraphOptConfig":

@@ -23,8 +23,24 @@ def test_calibrate_without_gpu_says_so(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    with pytest.raises(RuntimeError, match="needs|measures a CUDA GPU"):
-        main(["calibrate"])
+    assert main(["calibrate"]) == 2  # a message, not a traceback
+    assert "measures a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["explain", "--seq-len", "-3"], "not a positive integer"),
+    (["explain", "--batch", "0"], "not a positive integer"),
+    (["explain", "--device", "tpu"], "valid choices: cuda, cuda:N, cpu"),
+])
+def test_bad_model_arguments_are_usage_errors(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_export_onnx_form_needs_op_equals_form(tmp_path, capsys):
+    assert main(["export", "--onnx-form", "nonsense", "--out", str(tmp_path / "m.onnx")]) == 2
+    assert "expected OP=FORM" in capsys.readouterr().err
 
 
 def test_ablate_writes_table_json_and_plot(tmp_path, capsys):

@@ -31,6 +31,8 @@ def test_misspelt_pass_name_lists_valid_passes():
         ({"fp4_format": "nf4"}, "fp4_format='nf4'"),
         ({"passes": {"attention": "yes"}}, "must be True or False"),
         ({"error_budget": {"fp4_linear": -1}}, "non-negative"),
+        ({"error_budget": {"fp4_linear": float("nan")}}, "finite non-negative"),  # NaN would pass every check
+        ({"error_budget": {"sparse_attention": float("inf")}}, "finite non-negative"),
         ({"error_budget": {"attention": 0.1}}, "unknown pass 'attention' in error_budget"),
         ({"force": 1}, "force must be True or False"),
         ({"fuse_sibling_linears": "yes"}, "fuse_sibling_linears must be True or False"),
@@ -41,6 +43,27 @@ def test_misspelt_pass_name_lists_valid_passes():
 def test_bad_values_are_rejected_with_the_valid_choices(options, fragment):
     with pytest.raises(ValueError, match="valid choices|must be|non-negative|needs") as info:
         GraphOptConfig.from_options(options, environ={})
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (None, "does not exist"),
+    ("{not json", "is not valid JSON"),
+    ('{"sparse_attention": {}}', 'lacks "graphopt_plan"'),
+    ('[1, 2]', 'lacks "graphopt_plan"'),
+    ('{"graphopt_plan": 1, "fft_linear": 5}', "section 'fft_linear' must be a JSON object"),
+    ("directory", "cannot be read"),
+])
+def test_bad_plan_is_an_error_when_the_options_are_read(tmp_path, content, fragment):
+    """Not a pass that fails at compile time and is skipped with a warning (the run would go on
+    without the plan)."""
+    path = tmp_path / "plan.json"
+    if content == "directory":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match="graphopt plan") as info:
+        GraphOptConfig.from_options({"plan": str(path)}, environ={})
     assert fragment in str(info.value)
 
 

@@ -40,6 +40,7 @@ the roofline cost model or, where `graphopt calibrate` measured the shape, by th
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -48,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from graphopt import cost_model
 from graphopt.cost_model import Estimate
@@ -231,7 +233,9 @@ def _get_attr(gm: fx.GraphModule, target: str) -> Any:
 
 
 def _scalar(ctx: PassContext, node: Any) -> float | None:
-    """A Python number, or a constant one-element tensor, as a float; else None."""
+    """A Python number, or a constant one-element tensor, as a float; else None. A value read
+    from a parameter or buffer (a learned temperature, a scale buffer) is guarded: the graph is
+    recompiled if it changes in place, as for a frozen mask."""
     if isinstance(node, bool):
         return None
     if isinstance(node, (int, float)):
@@ -240,10 +244,12 @@ def _scalar(ctx: PassContext, node: Any) -> float | None:
         value = fake(node)
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             return None
+        used_state: list[fx.Node] = []
         try:
-            real = evaluate_constant(ctx, node)
+            real = evaluate_constant(ctx, node, used_state)
         except Exception:
             return None
+        _guard_state(ctx, used_state)
         if isinstance(real, torch.Tensor) and real.numel() == 1:
             return float(real.item())
         if isinstance(real, (int, float)) and not isinstance(real, bool):
@@ -773,11 +779,14 @@ def _guard_state(ctx: PassContext, nodes: list[fx.Node]) -> None:
 # ---------------------------------------------------------------------------------------------
 # Rewrite
 # ---------------------------------------------------------------------------------------------
-def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | None = None) -> fx.Node:
+def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | None = None, *,
+                      native: bool = False) -> fx.Node:
     """Replace the matched subgraph by one graphopt::attention node and return it.
 
     `backend` is the op's backend argument ("triton", "flash", "cudnn", "efficient", "math",
-    "sdpa_cpu"); None picks "sdpa_cpu" for CPU tensors and "efficient" otherwise."""
+    "sdpa_cpu"); None picks "sdpa_cpu" for CPU tensors and "efficient" otherwise. `native`: emit a
+    plain F.scaled_dot_product_attention call instead (see native_sdpa_runs); the match must then
+    carry no mask term and no K/V head grouping."""
     if match.reason is not None or match.output is None:
         raise ValueError(f"cannot rewrite this attention: {match.reason}")
     graph = ctx.gm.graph
@@ -795,10 +804,16 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
         if bias is not None:  # left-pad the bias's shape with ones to 4-D (views)
             for _ in range(4 - max(_ndim(t.node) or 4 for t in match.terms)):
                 bias = graph.call_method("unsqueeze", (bias, 0))
-        new = graph.call_function(
-            torch.ops.graphopt.attention.default,
-            (q, k, v, bias, float(match.scale), bool(match.is_causal), int(match.num_kv_groups), backend),
-        )
+        if native:
+            if bias is not None or match.num_kv_groups != 1:
+                raise ValueError("a native SDPA rewrite takes no mask and no K/V head grouping")
+            new = graph.call_function(F.scaled_dot_product_attention, (q, k, v),
+                                      {"is_causal": bool(match.is_causal), "scale": float(match.scale)})
+        else:
+            new = graph.call_function(
+                torch.ops.graphopt.attention.default,
+                (q, k, v, bias, float(match.scale), bool(match.is_causal), int(match.num_kv_groups), backend),
+            )
         out = graph.call_method("squeeze", (new, 0)) if match.batched_3d else new
     for key in ("example_value", "val"):
         if key in root.meta:
@@ -1013,7 +1028,8 @@ def dispatched_sdpa_backend(ctx: PassContext, match: AttentionMatch) -> str | No
     dims = match.dims()
     if not match.from_sdpa or dims is None:
         return None
-    return default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], match.call_has_mask, dims[4])
+    return default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], match.call_has_mask, dims[4],
+                                lq=dims[3], is_causal=match.call_is_causal)
 
 
 # PyTorch's SDPA dispatch order on CUDA when torch cannot tell us (torch 2.5-2.13 default).
@@ -1021,11 +1037,44 @@ _DEFAULT_SDPA_ORDER = ("flash", "efficient", "math", "cudnn")
 _SDPA_BACKEND_IDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
 
 
-def default_sdpa_backend(hw, dt: torch.dtype | None, d: int, dv: int, has_mask: bool, lk: int | None = None) -> str:
-    """The backend PyTorch's SDPA dispatcher would run for such a call: "sdpa_cpu" on a CPU target,
-    else the first enabled backend of its priority order that sdpa_applicable admits."""
+@functools.lru_cache(maxsize=256)
+def _dispatcher_choice(hw_name: str, dt: torch.dtype, d: int, dv: int, has_mask: bool, lq: int | None,
+                       lk: int | None, is_causal: bool) -> str | None:
+    """PyTorch's own pick for such a call (torch._fused_sdp_choice, on small CUDA tensors of the
+    call's dtype and head dims) when the target is the GPU present; None elsewhere. It applies
+    rules the priority order does not show: torch 2.11 on an H100 lists flash first
+    (torch._C._get_sdp_priority_order() == [1, 2, 0, 3, 4]) and runs cuDNN, for causal and
+    non-causal prefill and for one-token decode alike (session 20)."""
+    if not torch.cuda.is_available() or dt not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    try:
+        from graphopt.hardware import device_spec
+
+        if device_spec(torch.cuda.current_device()).name != hw_name:
+            return None
+        rows = 1 if lq == 1 else 64  # one-token decode has its own rules (cuDNN takes no single key)
+        keys = 1 if lk == 1 else 64
+        q = torch.zeros(1, 1, rows, d, device="cuda", dtype=dt)
+        k = torch.zeros(1, 1, keys, d, device="cuda", dtype=dt)
+        v = torch.zeros(1, 1, keys, dv, device="cuda", dtype=dt)
+        mask = torch.ones(1, 1, rows, keys, device="cuda", dtype=torch.bool) if has_mask else None
+        choice = int(torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal and not has_mask))
+    except Exception:  # an older torch, or no usable device: the priority order below decides
+        return None
+    return _SDPA_BACKEND_IDS.get(choice)
+
+
+def default_sdpa_backend(hw, dt: torch.dtype | None, d: int, dv: int, has_mask: bool, lk: int | None = None, *,
+                         lq: int | None = None, is_causal: bool = False) -> str:
+    """The backend PyTorch's SDPA dispatcher would run for such a call: "sdpa_cpu" on a CPU target;
+    on the GPU present, the dispatcher's own pick (_dispatcher_choice); else the first enabled
+    backend of its priority order that sdpa_applicable admits."""
     if not hw.is_gpu:
         return "sdpa_cpu"
+    if dt is not None:
+        choice = _dispatcher_choice(hw.name, dt, d, dv, has_mask, lq, lk, is_causal)
+        if choice is not None:
+            return choice
     try:
         order = tuple(_SDPA_BACKEND_IDS[i] for i in torch._C._get_sdp_priority_order() if i in _SDPA_BACKEND_IDS)
     except Exception:  # older or trimmed builds
@@ -1036,6 +1085,22 @@ def default_sdpa_backend(hw, dt: torch.dtype | None, d: int, dv: int, has_mask: 
         if enabled.get(backend) and dt is not None and sdpa_applicable(backend, dt, d, dv, has_mask, lk)[0]:
             return backend
     return "math"
+
+
+def native_sdpa_runs(ctx: PassContext, match: AttentionMatch, choice: str) -> bool:
+    """Whether a plain F.scaled_dot_product_attention call of the rewritten form (no mask, no K/V
+    head grouping) is dispatched by PyTorch to `choice`. It is then emitted as that call: Inductor
+    launches it from its own wrapper, without graphopt::attention's Python path, which cost 250 us
+    of host time per call on the H100 machine (torch.profiler, bench/tools/probe_demo.py: the
+    custom op's dispatch, the sdpa_kernel context and the check, on top of SDPA's own 90 us). Not
+    for a forced backend or `force` (the tuner records graphopt::attention nodes), nor on CPU."""
+    if not ctx.hardware.is_gpu or choice not in ("flash", "cudnn", "efficient") or ctx.config.force:
+        return False
+    dims = match.dims()
+    if ctx.config.attention_backend != "auto" or match.terms or match.num_kv_groups != 1 or dims is None:
+        return False
+    return default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], False, dims[4], lq=dims[3],
+                                is_causal=match.is_causal) == choice
 
 
 class AttentionPass(GraphPass):
@@ -1081,14 +1146,16 @@ class AttentionPass(GraphPass):
                 why = f"attention_backend={forced!r} forced; {why}"
             if note:
                 why = f"{why}; {note}"
+            native = native_sdpa_runs(ctx, match, choice)
             details = dict(source="sdpa" if match.from_sdpa else "hand-written",
+                           emitted="F.scaled_dot_product_attention" if native else "graphopt::attention",
                            is_causal=match.is_causal, num_kv_groups=match.num_kv_groups, scale=match.scale,
                            bias=_bias_kind(match), candidates={k: round(v.ms, 6) for k, v in candidates.items()},
                            rejected=rejected, notes=list(match.notes))
             decision = ctx.record(self.name, True, why, node=node, before=before, after=after,
                                   implementation=choice, **details)
             try:
-                rewrite_attention(ctx, match, backend=choice)
+                rewrite_attention(ctx, match, backend=choice, native=native)
             except Exception:
                 ctx.decisions.remove(decision)
                 raise

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
+from graphopt.passes import attention as attention_module
 from graphopt import cost_model
 from graphopt.passes.attention import attention_key
 
@@ -189,6 +190,27 @@ def test_causal_buffer_changed_in_place_recompiles():
         torch.testing.assert_close(compiled(x), module(x))
         module.bias.fill_(True)  # no longer causal: the compiled is_causal=True must not be reused
         torch.testing.assert_close(compiled(x), module(x), atol=2e-5, rtol=1e-4)
+
+
+class LearnedTemperature(nn.Module):
+    """Scores times a parameter (a learned temperature): under no_grad its value becomes the op's scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, q, k, v):
+        return ((q @ k.transpose(-1, -2)) * self.temperature).softmax(-1) @ v
+
+
+def test_scale_from_a_parameter_changed_in_place_recompiles():
+    module = LearnedTemperature()
+    compiled = torch.compile(module, backend="graphopt", options={"downstream": "eager"})
+    q, k, v = qkv()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, k, v), module(q, k, v))
+        module.temperature.fill_(3.0)  # as load_state_dict or an optimizer step would
+        torch.testing.assert_close(compiled(q, k, v), module(q, k, v), atol=2e-5, rtol=1e-4)
 
 
 def repeat_kv(x, n):
@@ -506,6 +528,7 @@ def test_sdpa_prefill_on_h100_target(priority, use_cache, monkeypatch):
     is constant and proven causal, which turns a masked full-square call into a causal one."""
     order = [1, 2, 0, 3] if priority == "flash first" else [3, 1, 2, 0]  # SDPBackend ids
     monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: order)
+    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
     model = _llama_sdpa(layers=1, hidden=1024, heads=8, kv_heads=8, dtype=torch.bfloat16)  # head dim 128
     ids = torch.randint(0, 256, (1, 2048), generator=torch.Generator().manual_seed(0))
     report = graphopt.explain(_Logits(model, use_cache), ids, downstream="eager", target="h100")
@@ -526,12 +549,50 @@ def test_sdpa_prefill_on_h100_target(priority, use_cache, monkeypatch):
     torch.testing.assert_close(report.output, expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("priority,force,emitted", [
+    ("cudnn first", False, "F.scaled_dot_product_attention"),  # PyTorch runs cuDNN on the causal call itself
+    ("flash first", False, "graphopt::attention"),  # it would run flash: cuDNN is pinned by the op
+    ("cudnn first", True, "graphopt::attention"),  # force (the tuner's capture) keeps the op
+])
+def test_rewrite_emits_a_plain_sdpa_call_when_pytorch_runs_the_chosen_backend(priority, force, emitted, monkeypatch):
+    """A hand-written causal attention rewritten for the H100: where PyTorch's dispatcher would run
+    the chosen backend on the rewritten call anyway, the pass emits F.scaled_dot_product_attention
+    (Inductor launches it without the custom op's Python path); otherwise graphopt::attention."""
+    from graphopt.passes import attention as attention_pass
+    from graphopt.passes import run_passes
+
+    order = [1, 2, 0, 3] if priority == "flash first" else [3, 1, 2, 0]
+    monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: order)
+    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
+    monkeypatch.setattr(attention_pass, "_triton_applicable", lambda match: (False, "not in this test"))
+    graphs, decisions = [], []
+
+    def capture(gm, example_inputs):
+        config = graphopt.GraphOptConfig(downstream="eager", force=force)
+        decisions.extend(run_passes(gm, example_inputs, config, graphopt.hardware.get_spec("h100")).decisions)
+        graphs.append(gm)
+        return gm.forward
+
+    module = LlamaStyleAttention(groups=1, build_causal_mask=True)
+    q, k, v = qkv(b=1, h=8, lq=1024, lk=1024, d=128, dtype=torch.bfloat16)
+    out = torch.compile(module, backend=capture)(q, k, v)
+    (gm,) = graphs
+    (d,) = [d for d in decisions if d.pass_name == "attention"]
+    assert d.applied and d.implementation == "cudnn" and d.details["emitted"] == emitted
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    op_count = targets.count(torch.ops.graphopt.attention.default)
+    assert (op_count, targets.count(F.scaled_dot_product_attention)) == ((0, 1) if emitted.startswith("F.") else (1, 0))
+    with torch.no_grad():
+        torch.testing.assert_close(out, module(q, k, v), atol=2e-2, rtol=2e-2)
+
+
 def test_one_token_sdpa_on_h100_target_goes_to_the_triton_kernel(monkeypatch):
     """Decode: cuDNN takes no single key, the dispatcher runs flash (5.3 us on the H100 against
     2.4 us for our kernel); with the Triton kernel available the call is rewritten to it."""
     from graphopt.passes import attention as attention_pass
 
     monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: [3, 1, 2, 0])
+    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
     monkeypatch.setattr(attention_pass, "_triton_applicable", lambda match: (True, ""))
     q, k, v = qkv(b=1, h=32, lq=1, lk=1, d=128, dtype=torch.bfloat16)
     (d,) = compile_and_compare(SdpaCall(), q, k, v, target="h100", atol=1e-2)
