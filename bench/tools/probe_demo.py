@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import graphopt  # noqa: E402,F401
 from graphopt.models import build  # noqa: E402
-from graphopt.timing import median_ms  # noqa: E402
+from graphopt.timing import cold_graph_ms, median_ms  # noqa: E402
 
 length = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
 variants = sys.argv[2].split(",") if len(sys.argv) > 2 else ["inductor", "graphopt"]
@@ -43,25 +43,7 @@ for backend in variants:
         host_ms = (time.perf_counter() - t0) * 1e3 / 20
         torch.cuda.synchronize()
         try:
-            graph = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            with torch.cuda.graph(graph):
-                step()
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(30):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            graph_ms = sorted(times)[len(times) // 2]
+            graph_ms = cold_graph_ms([step])
         except Exception as exc:  # noqa: BLE001
             print(f"[{backend}] CUDA graph capture failed: {type(exc).__name__}: {exc}")
             graph_ms = float("nan")

@@ -44,6 +44,24 @@ def compile_and_compare(module, *inputs, atol=2e-5, count=1, **options):
     return decisions
 
 
+def rewritten_graph(module, inputs, target, **options):
+    """Run the passes for `target` (eager downstream) on the graph Dynamo captures of
+    module(*inputs): (the rewritten GraphModule, its decisions, the output)."""
+    from graphopt.passes import run_passes
+
+    graphs, decisions = [], []
+
+    def capture(gm, example_inputs):
+        config = graphopt.GraphOptConfig(downstream="eager", **options)
+        decisions.extend(run_passes(gm, example_inputs, config, graphopt.hardware.get_spec(target)).decisions)
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(module, backend=capture)(*inputs)
+    (gm,) = graphs
+    return gm, decisions, out
+
+
 def reference_attention64(q, k, v, bias=None, *, scale, is_causal, groups=1):
     q, k, v = q.double(), k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
     s = scale * q @ k.transpose(-2, -1)
@@ -558,25 +576,13 @@ def test_rewrite_emits_a_plain_sdpa_call_when_pytorch_runs_the_chosen_backend(pr
     """A hand-written causal attention rewritten for the H100: where PyTorch's dispatcher would run
     the chosen backend on the rewritten call anyway, the pass emits F.scaled_dot_product_attention
     (Inductor launches it without the custom op's Python path); otherwise graphopt::attention."""
-    from graphopt.passes import attention as attention_pass
-    from graphopt.passes import run_passes
-
     order = [1, 2, 0, 3] if priority == "flash first" else [3, 1, 2, 0]
     monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: order)
     monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
-    monkeypatch.setattr(attention_pass, "_triton_applicable", lambda match: (False, "not in this test"))
-    graphs, decisions = [], []
-
-    def capture(gm, example_inputs):
-        config = graphopt.GraphOptConfig(downstream="eager", force=force)
-        decisions.extend(run_passes(gm, example_inputs, config, graphopt.hardware.get_spec("h100")).decisions)
-        graphs.append(gm)
-        return gm.forward
-
+    monkeypatch.setattr(attention_module, "_triton_applicable", lambda match: (False, "not in this test"))
     module = LlamaStyleAttention(groups=1, build_causal_mask=True)
     q, k, v = qkv(b=1, h=8, lq=1024, lk=1024, d=128, dtype=torch.bfloat16)
-    out = torch.compile(module, backend=capture)(q, k, v)
-    (gm,) = graphs
+    gm, decisions, out = rewritten_graph(module, (q, k, v), "h100", force=force)
     (d,) = [d for d in decisions if d.pass_name == "attention"]
     assert d.applied and d.implementation == "cudnn" and d.details["emitted"] == emitted
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
@@ -695,19 +701,7 @@ def test_onnx_attention_gqa_causal(tmp_path):
 
 def test_rewritten_graph_has_no_softmax_and_no_dead_mask():
     """The rewritten graph holds one graphopt::attention and nothing of the proven-causal mask."""
-    from graphopt.passes import run_passes
-
-    graphs = []
-
-    def capture(gm, example_inputs):
-        config = graphopt.GraphOptConfig(downstream="eager")
-        run_passes(gm, example_inputs, config, graphopt.hardware.get_spec("cpu"))
-        graphs.append(gm)
-        return gm.forward
-
-    module = LlamaStyleAttention(groups=2, build_causal_mask=True)
-    torch.compile(module, backend=capture)(*qkv(hkv=2))
-    (gm,) = graphs
+    gm, _, _ = rewritten_graph(LlamaStyleAttention(groups=2, build_causal_mask=True), qkv(hkv=2), "cpu")
     targets = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     assert targets.count(torch.ops.graphopt.attention.default) == 1
     assert not any(t in (F.softmax, torch.where, torch.arange, "expand", "reshape") for t in targets), targets
