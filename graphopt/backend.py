@@ -45,7 +45,7 @@ def graphopt_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict 
     Dynamo registers entry points itself, and its registry rejects duplicate names."""
     configure_logging()
     config = GraphOptConfig.from_options(options)
-    hardware = get_spec(config.target)
+    hardware = get_spec(config.target, example_inputs)
     return compile_graph(gm, example_inputs, config, hardware, mode=mode)
 
 

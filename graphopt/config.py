@@ -99,6 +99,16 @@ class GraphOptConfig:
     # gives; torch.compile refuses mode= together with options=). Removes the host's launch path,
     # which dominates small-batch decode.
     cuda_graphs: bool = False
+    # The caller replays the compiled step from a CUDA graph of its own (a serving engine's capture,
+    # a benchmark's do_bench_cudagraph), so the host's launch path is not paid per call: decisions
+    # price GPU time only. cuda_graphs=True implies it. Off, a graphopt op whose host path (Python
+    # dispatch) outlasts its GPU work is priced at its host time.
+    graph_replay: bool = False
+
+    @property
+    def prices_host_path(self) -> bool:
+        """Whether a call's host launch path counts in the cost model's choice."""
+        return not (self.cuda_graphs or self.graph_replay)
 
     def __post_init__(self) -> None:
         if not isinstance(self.passes, Mapping):
@@ -128,7 +138,7 @@ class GraphOptConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("fp4_format", self.fp4_format, FP4_FORMATS)
         _check_choice("q4_mode", self.q4_mode, Q4_MODES)
-        for flag in ("force", "fuse_sibling_linears", "cuda_graphs"):
+        for flag in ("force", "fuse_sibling_linears", "cuda_graphs", "graph_replay"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"graphopt option {flag} must be True or False, got {getattr(self, flag)!r}")
         if self.cuda_graphs and self.downstream != "inductor":

@@ -139,6 +139,27 @@ def chain(name: str, *parts: Estimate) -> Estimate:
 
 
 # ---------------------------------------------------------------------------------------------
+# Host path of a graphopt custom op
+# ---------------------------------------------------------------------------------------------
+# A graphopt::* op reaches its kernel through torch.library's Python dispatch, where a plain aten
+# call from Inductor's wrapper does not. Called back to back on negligible GPU work (H100 machine,
+# torch 2.11, bench/tools/probe_attention_host.py, session 21), in units of the same run's
+# one-kernel torch op (11.8 us): a plain F.scaled_dot_product_attention call 1.5-1.7,
+# graphopt::attention on an SDPA backend 7.4-9.2 under no_grad (7.7-19 with grad mode on), on the
+# Triton kernel 10.9 (14.4). Where a call's GPU work is shorter than its host path, the host path
+# sets the pace of a stream of such calls (unless they replay from a CUDA graph).
+ATTENTION_OP_HOST_LAUNCHES = {"sdpa": 7.5, "triton": 11.0}
+
+
+def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) -> Estimate:
+    """est, or the op's host time where that is longer: max(GPU estimate, host_launches launches)."""
+    host_ms = host_launches * hw.launch_overhead * 1e3
+    if host_ms <= est.ms:
+        return est
+    return Estimate(f"{est.name} ({why})", host_ms, est.flops, est.bytes, est.launches, "host")
+
+
+# ---------------------------------------------------------------------------------------------
 # Dense GEMM
 # ---------------------------------------------------------------------------------------------
 # Near the ridge point a GEMM does not hide all of its memory time under its tensor-core time (or

@@ -191,9 +191,19 @@ def device_spec(device_index: int) -> HardwareSpec:
     return detect(f"cuda:{device_index}")
 
 
-def get_spec(target: str = "auto") -> HardwareSpec:
-    """Spec for a config `target`: "auto" detects, anything else names a table entry."""
+def get_spec(target: str = "auto", inputs=None) -> HardwareSpec:
+    """Spec for a config `target`: "auto" detects, anything else names a table entry. With the
+    graph's example `inputs`, "auto" is the device they live on: the generic CPU for a model run
+    on the CPU of a GPU host, the right GPU of several."""
     if target == "auto":
+        import torch
+
+        devices = {t.device for t in inputs or () if isinstance(t, torch.Tensor)}
+        cuda = sorted((d for d in devices if d.type == "cuda"), key=lambda d: d.index or 0)
+        if cuda:
+            return detect(f"cuda:{cuda[0].index or 0}")
+        if devices and all(d.type == "cpu" for d in devices):
+            return SPECS["cpu"]
         return detect()
     if target not in SPECS:
         raise ValueError(f"unknown target {target!r}; valid choices: auto, {', '.join(SPECS)}")

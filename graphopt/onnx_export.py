@@ -97,7 +97,7 @@ class _RewrittenModule(torch.nn.Module):
 def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, **options) -> tuple[_RewrittenModule, list]:
     """Capture `model` as one graph, run graphopt's passes, and return it as a plain module."""
     config = GraphOptConfig.from_options(options)
-    hardware = get_spec(config.target)
+    hardware = get_spec(config.target, example_inputs)
     captured: dict[str, Any] = {}
 
     def capture(gm: fx.GraphModule, inputs: list, **_):
@@ -130,6 +130,9 @@ def export_onnx(
 
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    # The exported graph runs in an ONNX runtime, not through graphopt's ops: their Python launch
+    # path is not paid, so the cost model prices GPU time only (unless the caller says otherwise).
+    options.setdefault("graph_replay", True)
     rewritten, _ = capture_rewritten(model, tuple(example_inputs), **options)
     table = translation_table(onnx_forms)
     path = Path(path)

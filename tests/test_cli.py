@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from graphopt.cli import build_parser, main
 
@@ -50,8 +51,11 @@ def test_ablate_writes_table_json_and_plot(tmp_path, capsys):
     data = json.loads((tmp_path / "ablation.json").read_text())
     names = [v["name"] for v in data["variants"]]
     assert names[:2] == ["eager", "inductor"] and any(n.startswith("graphopt") for n in names)
+    # The model runs in float32 on CPU and bfloat16 on a GPU (8-bit mantissa: Inductor's own fusions
+    # measured 5e-3 relative error on the H100).
+    tolerance = 2e-2 if torch.cuda.is_available() else 1e-3
     for v in data["variants"]:
-        assert v["median_ms"] > 0 and v["rel_err"] < 1e-3
+        assert v["median_ms"] > 0 and v["rel_err"] < tolerance
     assert (tmp_path / "ablation.png").stat().st_size > 1000
     assert "ablation: tiny-llama" in capsys.readouterr().out
 

@@ -80,3 +80,24 @@ def test_measured_table_round_trip(tmp_path, monkeypatch):
     assert cm.lookup_measured("attention", "GPU", key) is None
     cm.record_measured("attention", "GPU", key, {"cudnn": 1.0, "flash": 1.5})
     assert cm.lookup_measured("attention", "GPU", key) == {"cudnn": 1.0, "flash": 1.5}
+
+
+def test_host_paced_estimate_takes_the_longer_of_gpu_and_host_time():
+    hw = SPECS["h100"]
+    host_ms = 7.5 * hw.launch_overhead * 1e3
+    short = cm.Estimate("kernel", host_ms / 3, 1e6, 1e6, 1, "launch")
+    paced = cm.host_paced(hw, short, 7.5, "op host path")
+    assert paced.bound == "host" and paced.ms == pytest.approx(host_ms) and "op host path" in paced.name
+    assert (paced.flops, paced.bytes, paced.launches) == (short.flops, short.bytes, short.launches)
+    long = cm.Estimate("kernel", host_ms * 3, 1e12, 1e9, 1, "compute")
+    assert cm.host_paced(hw, long, 7.5, "op host path") is long
+
+
+def test_graph_replay_option_switches_host_pricing_off():
+    from graphopt.config import GraphOptConfig
+
+    assert GraphOptConfig().prices_host_path
+    assert not GraphOptConfig(graph_replay=True).prices_host_path
+    assert not GraphOptConfig(cuda_graphs=True).prices_host_path
+    with pytest.raises(ValueError, match="graph_replay must be True or False"):
+        GraphOptConfig(graph_replay="yes")

@@ -64,3 +64,16 @@ def test_device_spec_is_cached_until_a_calibration_is_saved(tmp_path, monkeypatc
         assert calls == ["cuda:0", "cuda:0"] and again.calibrated and again.memory_ceiling == 2.9e12
     finally:
         hardware.device_spec.cache_clear()
+
+
+def test_auto_target_follows_the_device_of_the_graph_inputs():
+    """A model run on the CPU of a GPU host is priced as a CPU model, not as the GPU beside it."""
+    import torch
+
+    from graphopt.hardware import detect
+
+    assert get_spec("auto", [torch.ones(2), 3]) is SPECS["cpu"]
+    assert get_spec("auto", []).name == detect().name  # nothing to go by: the present device
+    assert get_spec("h100", [torch.ones(2)]).name == SPECS["h100"].name  # a named target stays named
+    if torch.cuda.is_available():
+        assert get_spec("auto", [torch.ones(2, device="cuda")]).name == detect().name

@@ -31,8 +31,18 @@ for backend in variants:
     with torch.no_grad():
         def step():
             return compiled(ids)
-        for _ in range(3):
-            step()
+        from graphopt import backend as graphopt_backend
+
+        decisions: list = []
+        graphopt_backend._DECISION_SINKS.append(decisions)  # the sink graphopt.explain uses
+        try:
+            for _ in range(3):
+                step()
+        finally:
+            graphopt_backend._DECISION_SINKS.remove(decisions)
+        for d in decisions:
+            print(f"[{backend} {options or ''}] {d.pass_name} {'applied' if d.applied else 'declined'} "
+                  f"{d.implementation or ''} {d.details.get('emitted', '')}: {d.reason}")
         torch.cuda.synchronize()
         bench_ms = median_ms(step, rep_ms=300, device="cuda")
         # host time to enqueue one step (GPU work queued behind; 20 steps, no sync inside)

@@ -1020,6 +1020,12 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
         if measured_before in measured:
             before = Estimate(f"{before.name} (measured)", measured[measured_before], before.flops, before.bytes,
                               before.launches, "measured")
+    if ctx.config.prices_host_path:
+        for name, e in candidates.items():
+            if not native_sdpa_runs(ctx, match, name):  # emitted as graphopt::attention: its host path
+                path = "triton" if name == "triton" else "sdpa"
+                candidates[name] = cost_model.host_paced(hw, e, cost_model.ATTENTION_OP_HOST_LAUNCHES[path],
+                                                         "graphopt::attention host path")
     return before, candidates, rejected, note
 
 
@@ -1037,9 +1043,23 @@ _DEFAULT_SDPA_ORDER = ("flash", "efficient", "math", "cudnn")
 _SDPA_BACKEND_IDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
 
 
-@functools.lru_cache(maxsize=256)
+def _sdpa_flags() -> tuple[bool, ...]:
+    """PyTorch's SDPA backend switches (torch.backends.cuda.*_sdp_enabled): part of a dispatcher
+    choice's cache key, since turning a backend off changes the pick."""
+    cuda = torch.backends.cuda
+    return (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.cudnn_sdp_enabled(),
+            cuda.math_sdp_enabled())
+
+
 def _dispatcher_choice(hw_name: str, dt: torch.dtype, d: int, dv: int, has_mask: bool, lq: int | None,
                        lk: int | None, is_causal: bool) -> str | None:
+    """_cached_dispatcher_choice under the backend switches in force now."""
+    return _cached_dispatcher_choice(hw_name, dt, d, dv, has_mask, lq, lk, is_causal, _sdpa_flags())
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_dispatcher_choice(hw_name: str, dt: torch.dtype, d: int, dv: int, has_mask: bool, lq: int | None,
+                              lk: int | None, is_causal: bool, flags: tuple[bool, ...]) -> str | None:
     """PyTorch's own pick for such a call (torch._fused_sdp_choice, on small CUDA tensors of the
     call's dtype and head dims) when the target is the GPU present; None elsewhere. It applies
     rules the priority order does not show: torch 2.11 on an H100 lists flash first
@@ -1127,6 +1147,9 @@ class AttentionPass(GraphPass):
             else:
                 choice = "sdpa_cpu" if on_cpu else "efficient"
             after = candidates.get(choice)
+            host_note = (f"; {choice} through graphopt::attention is priced at its host launch path, longer than its "
+                         "GPU work (graph_replay=True prices GPU time only)"
+                         if after is not None and after.bound == "host" else "")
             default = dispatched_sdpa_backend(ctx, match)
             # The same backend on the same call (no mask proven causal) would change nothing.
             unchanged = (default == choice and match.call_has_mask == bool(match.terms)
@@ -1135,13 +1158,16 @@ class AttentionPass(GraphPass):
                 ctx.record(self.name, False, f"SDPA call left as it is: the backend PyTorch dispatches it to ({default}) "
                            "is already the fastest candidate", node=node, before=before, after=after)
                 continue
-            if before is not None and after is not None:
+            if forced != "auto" and not on_cpu and before is not None and after is not None:
+                ok, why = True, f"predicted {before.ms:.4f} -> {after.ms:.4f} ms"  # the user's pick, not the model's
+            elif before is not None and after is not None:
                 ok, why = self.accept(ctx, before, after)
             else:
                 ok, why = True, "symbolic shapes: fused attention assumed faster (it reads Q, K, V once)"
             if not ok:
-                ctx.record(self.name, False, why, node=node, before=before, after=after)
+                ctx.record(self.name, False, why + host_note, node=node, before=before, after=after)
                 continue
+            why += host_note
             if forced != "auto" and not on_cpu:
                 why = f"attention_backend={forced!r} forced; {why}"
             if note:

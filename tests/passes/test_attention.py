@@ -397,7 +397,8 @@ def test_not_attention_softmax_is_ignored():
 # ---------------------------------------------------------------------------------------------
 def test_gpu_target_picks_a_fused_kernel_and_respects_limits():
     q, k, v = qkv(lq=64, lk=64, d=64, dtype=torch.bfloat16)
-    (d,) = compile_and_compare(MaskedFill(float("-inf")), q, k, v, random_mask(64, 64), target="h100", atol=3e-2)
+    (d,) = compile_and_compare(MaskedFill(float("-inf")), q, k, v, random_mask(64, 64), target="h100", atol=3e-2,
+                               graph_replay=True)
     assert d.implementation in ("triton", "cudnn", "efficient")  # flash takes no mask
     assert "mask" in d.details["rejected"]["flash"]
     (d,) = compile_and_compare(PlainAttention(), q, k, v, target="h100", attention_backend="flash", atol=3e-2)
@@ -538,6 +539,25 @@ class _Logits(nn.Module):
         return self.model(input_ids=ids, use_cache=self.use_cache).logits
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="asks PyTorch's dispatcher on the GPU present")
+def test_dispatcher_choice_follows_backend_switches():
+    """A backend switched off after a first query is not reported again from the cache."""
+    from graphopt.hardware import device_spec
+
+    hw_name = device_spec(torch.cuda.current_device()).name
+    query = (hw_name, torch.bfloat16, 128, 128, False, 64, 64, False)
+    first = attention_module._dispatcher_choice(*query)
+    assert first in ("flash", "cudnn", "efficient", "math")
+    switch = {"flash": torch.backends.cuda.enable_flash_sdp, "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+              "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "math": torch.backends.cuda.enable_math_sdp}
+    switch[first](False)
+    try:
+        assert attention_module._dispatcher_choice(*query) != first
+    finally:
+        switch[first](True)
+    assert attention_module._dispatcher_choice(*query) == first
+
+
 @pytest.mark.parametrize("priority", ["flash first", "cudnn first"])
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_sdpa_prefill_on_h100_target(priority, use_cache, monkeypatch):
@@ -549,7 +569,7 @@ def test_sdpa_prefill_on_h100_target(priority, use_cache, monkeypatch):
     monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
     model = _llama_sdpa(layers=1, hidden=1024, heads=8, kv_heads=8, dtype=torch.bfloat16)  # head dim 128
     ids = torch.randint(0, 256, (1, 2048), generator=torch.Generator().manual_seed(0))
-    report = graphopt.explain(_Logits(model, use_cache), ids, downstream="eager", target="h100")
+    report = graphopt.explain(_Logits(model, use_cache), ids, downstream="eager", target="h100", graph_replay=True)
     (d,) = [d for d in report.decisions if d.pass_name == "attention"]
     # Whether transformers passed a mask with a cache depends on its version (5.17 does, 5.23 not).
     masked = not use_cache or "proven top-left causal" in " ".join(d.details.get("notes", []))
@@ -582,7 +602,7 @@ def test_rewrite_emits_a_plain_sdpa_call_when_pytorch_runs_the_chosen_backend(pr
     monkeypatch.setattr(attention_module, "_triton_applicable", lambda match: (False, "not in this test"))
     module = LlamaStyleAttention(groups=1, build_causal_mask=True)
     q, k, v = qkv(b=1, h=8, lq=1024, lk=1024, d=128, dtype=torch.bfloat16)
-    gm, decisions, out = rewritten_graph(module, (q, k, v), "h100", force=force)
+    gm, decisions, out = rewritten_graph(module, (q, k, v), "h100", force=force, graph_replay=True)
     (d,) = [d for d in decisions if d.pass_name == "attention"]
     assert d.applied and d.implementation == "cudnn" and d.details["emitted"] == emitted
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
@@ -601,9 +621,32 @@ def test_one_token_sdpa_on_h100_target_goes_to_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
     monkeypatch.setattr(attention_pass, "_triton_applicable", lambda match: (True, ""))
     q, k, v = qkv(b=1, h=32, lq=1, lk=1, d=128, dtype=torch.bfloat16)
-    (d,) = compile_and_compare(SdpaCall(), q, k, v, target="h100", atol=1e-2)
+    (d,) = compile_and_compare(SdpaCall(), q, k, v, target="h100", atol=1e-2, graph_replay=True)
     assert d.implementation == "triton" and "cudnn" in d.details["rejected"]
     assert d.predicted_ms_before == pytest.approx(d.details["candidates"]["flash"], rel=1e-3)
+
+
+def test_direct_calls_price_the_ops_host_path(monkeypatch):
+    """Called directly (no CUDA-graph replay), graphopt::attention's Python path outlasts a short
+    call's GPU work (about 90 us of host time against 18 us for a plain SDPA call on the H100
+    machine). A one-token SDPA call then stays as dispatched, and a small masked attention, which
+    the op alone can take, is left hand-written; graph_replay=True rewrites both (tests above)."""
+    monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: [3, 1, 2, 0])
+    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
+    monkeypatch.setattr(attention_module, "_triton_applicable", lambda match: (True, ""))
+    q, k, v = qkv(b=1, h=32, lq=1, lk=1, d=128, dtype=torch.bfloat16)
+    report = graphopt.explain(SdpaCall(), q, k, v, target="h100", downstream="eager")
+    (d,) = [d for d in report.decisions if d.pass_name == "attention"]
+    assert not d.applied and "left as it is" in d.reason and "(flash)" in d.reason
+    hw = graphopt.hardware.get_spec("h100")
+    host_ms = cost_model.ATTENTION_OP_HOST_LAUNCHES["triton"] * hw.launch_overhead * 1e3
+    assert d.details == {} and d.predicted_ms_after == pytest.approx(d.predicted_ms_before)  # flash, as dispatched
+    q, k, v = qkv(lq=64, lk=64, d=64, dtype=torch.bfloat16)
+    report = graphopt.explain(MaskedFill(float("-inf")), q, k, v, random_mask(64, 64), target="h100", downstream="eager")
+    (d,) = [d for d in report.decisions if d.pass_name == "attention"]
+    assert not d.applied and "host launch path" in d.reason
+    assert d.predicted_ms_after >= cost_model.ATTENTION_OP_HOST_LAUNCHES["sdpa"] * hw.launch_overhead * 1e3
+    assert d.predicted_ms_after < host_ms or "triton" not in d.reason
 
 
 # ---------------------------------------------------------------------------------------------
