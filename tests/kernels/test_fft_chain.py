@@ -322,7 +322,8 @@ def test_dft2_operand_cache_follows_in_place_updates():
     all_perms = torch.cat([torch.arange(40)[None], perms.cpu()])
     coeffs = -2.0 * layer.coeffs.detach().double()
     ref = fft.reference_fft_chain(x.cpu().double(), coeffs, all_perms, None, 8, 24)
-    torch.testing.assert_close(fft.fft_chain_dft2(x, cr, ci, perms, None, 8, 24).cpu().double(), ref, rtol=1e-4, atol=1e-4)
+    tol = 5e-3 if DEVICE == "cuda" else 1e-4  # TF32 contraction on a GPU; exact fp32 in the interpreter
+    torch.testing.assert_close(fft.fft_chain_dft2(x, cr, ci, perms, None, 8, 24).cpu().double(), ref, rtol=tol, atol=tol)
 
 
 def test_dft2_estimates_and_choice():

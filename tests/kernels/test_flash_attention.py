@@ -180,7 +180,7 @@ def test_bias_requiring_grad_is_refused_in_backward():
 def test_reference_follows_sdpa_conventions():
     """Top-left causal (also for Lq != Lk), GQA head grouping and bool masks mean what SDPA means."""
     q, k, v = (t.double() for t in _qkv(2, 4, 2, 9, 14, 16, torch.float32, seed=13))
-    mask = torch.rand(2, 1, 9, 14, generator=torch.Generator().manual_seed(14)) > 0.3
+    mask = (torch.rand(2, 1, 9, 14, generator=torch.Generator().manual_seed(14)) > 0.3).to(q.device)
     mask[..., 0] = True  # SDPA's math path gives NaN on fully masked rows; keep every row alive
     for kwargs in ({"is_causal": True}, {"is_causal": False, "attn_mask": mask}):
         ours = reference_attention(q, k, v, kwargs.get("attn_mask"), scale=0.3, is_causal=kwargs["is_causal"])
