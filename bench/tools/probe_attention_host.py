@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -21,23 +19,15 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import graphopt.ops  # noqa: E402,F401
+from bench.common import host_us as common_host_us  # noqa: E402
 
 CALLS, ROUNDS = 1000, 7
 
 
 def host_us(fn) -> float:
-    """Median over rounds of the wall time per call, calls issued back to back (no sync inside)."""
-    for _ in range(50):
+    for _ in range(50):  # warm caches and autotuning first
         fn()
-    torch.cuda.synchronize()
-    per_round = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        per_round.append((time.perf_counter() - start) / CALLS * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_round)
+    return common_host_us(fn, CALLS, ROUNDS)
 
 
 def main() -> None:
