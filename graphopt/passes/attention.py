@@ -785,7 +785,7 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
 
     `backend` is the op's backend argument ("triton", "flash", "cudnn", "efficient", "math",
     "sdpa_cpu"); None picks "sdpa_cpu" for CPU tensors and "efficient" otherwise. `native`: emit a
-    plain F.scaled_dot_product_attention call instead (see native_sdpa_runs); the match must then
+    plain F.scaled_dot_product_attention call instead (see native_sdpa_backend); the match must then
     carry no mask term and no K/V head grouping."""
     if match.reason is not None or match.output is None:
         raise ValueError(f"cannot rewrite this attention: {match.reason}")
@@ -1021,8 +1021,9 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
             before = Estimate(f"{before.name} (measured)", measured[measured_before], before.flops, before.bytes,
                               before.launches, "measured")
     if ctx.config.prices_host_path:
+        native = native_sdpa_backend(ctx, match)
         for name, e in candidates.items():
-            if not native_sdpa_runs(ctx, match, name):  # emitted as graphopt::attention: its host path
+            if name != native:  # emitted as graphopt::attention: its host path
                 path = "triton" if name == "triton" else "sdpa"
                 candidates[name] = cost_model.host_paced(hw, e, cost_model.ATTENTION_OP_HOST_LAUNCHES[path],
                                                          "graphopt::attention host path")
@@ -1099,28 +1100,27 @@ def default_sdpa_backend(hw, dt: torch.dtype | None, d: int, dv: int, has_mask: 
         order = tuple(_SDPA_BACKEND_IDS[i] for i in torch._C._get_sdp_priority_order() if i in _SDPA_BACKEND_IDS)
     except Exception:  # older or trimmed builds
         order = _DEFAULT_SDPA_ORDER
-    enabled = {"flash": torch.backends.cuda.flash_sdp_enabled(), "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
-               "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()}
+    enabled = dict(zip(("flash", "efficient", "cudnn", "math"), _sdpa_flags()))
     for backend in order:
         if enabled.get(backend) and dt is not None and sdpa_applicable(backend, dt, d, dv, has_mask, lk)[0]:
             return backend
     return "math"
 
 
-def native_sdpa_runs(ctx: PassContext, match: AttentionMatch, choice: str) -> bool:
-    """Whether a plain F.scaled_dot_product_attention call of the rewritten form (no mask, no K/V
-    head grouping) is dispatched by PyTorch to `choice`. It is then emitted as that call: Inductor
-    launches it from its own wrapper, without graphopt::attention's Python path, which cost 250 us
-    of host time per call on the H100 machine (torch.profiler, bench/tools/probe_demo.py: the
-    custom op's dispatch, the sdpa_kernel context and the check, on top of SDPA's own 90 us). Not
-    for a forced backend or `force` (the tuner records graphopt::attention nodes), nor on CPU."""
-    if not ctx.hardware.is_gpu or choice not in ("flash", "cudnn", "efficient") or ctx.config.force:
-        return False
+def native_sdpa_backend(ctx: PassContext, match: AttentionMatch) -> str | None:
+    """The backend PyTorch dispatches a plain F.scaled_dot_product_attention call of the rewritten
+    form (no mask, no K/V head grouping) to, when that call can be emitted; else None. A candidate
+    equal to it is emitted as that call: Inductor launches it from its own wrapper, without
+    graphopt::attention's Python path (cost_model.ATTENTION_OP_HOST_LAUNCHES). Not for a forced
+    backend or `force` (the tuner records graphopt::attention nodes), nor on CPU."""
+    if not ctx.hardware.is_gpu or ctx.config.force:
+        return None
     dims = match.dims()
     if ctx.config.attention_backend != "auto" or match.terms or match.num_kv_groups != 1 or dims is None:
-        return False
-    return default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], False, dims[4], lq=dims[3],
-                                is_causal=match.is_causal) == choice
+        return None
+    backend = default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], False, dims[4], lq=dims[3],
+                                   is_causal=match.is_causal)
+    return backend if backend in ("flash", "cudnn", "efficient") else None
 
 
 class AttentionPass(GraphPass):
@@ -1172,7 +1172,7 @@ class AttentionPass(GraphPass):
                 why = f"attention_backend={forced!r} forced; {why}"
             if note:
                 why = f"{why}; {note}"
-            native = native_sdpa_runs(ctx, match, choice)
+            native = native_sdpa_backend(ctx, match) == choice
             details = dict(source="sdpa" if match.from_sdpa else "hand-written",
                            emitted="F.scaled_dot_product_attention" if native else "graphopt::attention",
                            is_causal=match.is_causal, num_kv_groups=match.num_kv_groups, scale=match.scale,
