@@ -1,6 +1,7 @@
 """The `graphopt::*` custom ops: the single nodes that passes emit.
 
-Each op is a `torch.library.custom_op` with a fake (meta) implementation, so Dynamo, AOTAutograd
+Each op is a custom op (`torch.library.custom_op`, or a `torch.library.Library` definition for the
+inference-only ones) with a fake (meta) implementation, so Dynamo, AOTAutograd
 and Inductor trace through it, and an autograd formula where the op is trainable. The CPU
 implementation is always the kernel family's torch reference (correct and testable anywhere);
 on CUDA the op runs the Triton kernel, or the library kernel the cost model chose.
@@ -11,7 +12,49 @@ every op; `graphopt/__init__.py` imports it.
 
 from __future__ import annotations
 
-import torch  # noqa: F401  (sections below use it)
+import torch
+
+# Inference-only ops (no autograd formula) are defined with torch.library.Library, not
+# torch.library.custom_op, and skip the autograd layer (a fallthrough kernel): custom_op's Python
+# wrapper (autograd shim, aliasing checks, the Dynamo guard) costs 32 us per call of a do-nothing
+# op with fp4_linear's 9 arguments on the H100 machine's host, a Library op 6.6 us, and one with a
+# Python autograd formula 20 us (bench/tools/probe_launch_host.py, session 22), against 10-25 us
+# of GPU work in a one-token layer. Without an autograd layer nothing would record that the
+# output depends on the inputs, so gradients would silently stop there: the kernel and the fake
+# refuse inputs that require grad in grad mode instead (a clear error at the call, or when
+# torch.compile traces a training graph). Ops with an autograd formula keep custom_op.
+_LIB = torch.library.Library("graphopt", "FRAGMENT")
+
+
+def _refusing_grad(name: str, fn):
+    def checked(*args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            raise RuntimeError(f"graphopt::{name} is inference-only (no backward), and an input requires grad: run it "
+                               "under torch.no_grad() or torch.inference_mode(), or compile models you train with "
+                               "graphopt's lossy passes off")
+        return fn(*args)
+    return checked
+
+
+def _inference_op(schema: str):
+    """Decorator: define graphopt::<schema> with the function as its kernel on every device (it
+    branches on the device itself); returns the op (torch.ops.graphopt.<name>)."""
+    name = schema.split("(", 1)[0]
+
+    def register(kernel):
+        _LIB.define(schema)
+        _LIB.impl(name, _refusing_grad(name, kernel), "CompositeExplicitAutograd")
+        _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
+        return getattr(torch.ops.graphopt, name)
+    return register
+
+
+def _inference_fake(name: str):
+    """Decorator: the fake (meta) implementation of the inference op graphopt::<name>."""
+    def register(fake):
+        torch.library.register_fake(f"graphopt::{name}", _refusing_grad(name, fake), lib=_LIB)
+        return fake
+    return register
 
 # ==== attention (graphopt/kernels/flash_attention.py, passes/attention.py) ====================
 # graphopt::attention(q, k, v, bias, scale, is_causal, num_kv_groups, backend) -> out
@@ -198,13 +241,11 @@ attention.register_autograd(_attention_autograd, setup_context=_attention_setup_
 #   q (B, H, Lq, D); k, v (B, Hkv, Lk, D), H % Hkv == 0 (GQA reads kv head h // (H // Hkv));
 #   thresholds are float32 (H,) tensors (pvthreshd empty (0,) = PV skipping off). Output (B, H, Lq, D)
 #   in q's dtype. CUDA: the Triton predictor + block-sparse kernel; elsewhere: the torch reference
-#   (same block mask, same PV skipping). Inference only: no autograd formula is registered, so
-#   backward through it raises (the sparse_attention pass is opt-in and meant for inference).
-@torch.library.custom_op("graphopt::sparse_attention", mutates_args=())
-def sparse_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool,
-    simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, pvthreshd: torch.Tensor,
-) -> torch.Tensor:
+#   (same block mask, same PV skipping). Inference only (_inference_op): inputs that require grad are
+#   refused in grad mode (the sparse_attention pass is opt-in and meant for inference).
+@_inference_op("sparse_attention(Tensor q, Tensor k, Tensor v, float scale, bool is_causal, Tensor simthreshd1, "
+               "Tensor cdfthreshd, Tensor pvthreshd) -> Tensor")
+def sparse_attention_op(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd):
     from graphopt.kernels.sparse_attention import sparse_attention
 
     pv = None if pvthreshd.numel() == 0 else pvthreshd  # empty: PV skipping off (no device sync)
@@ -213,7 +254,7 @@ def sparse_attention_op(
     return out.contiguous()
 
 
-@sparse_attention_op.register_fake
+@_inference_fake("sparse_attention")
 def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 # ==== end sparse_attention =====================================================================
@@ -230,14 +271,9 @@ def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd):
 #   (GEMV/split-K) or prefill (dequantize + tensor cores) kernel, chosen per token count by the
 #   cost model. Inference only: no autograd formula (the weights are frozen constants, and the
 #   pass only rewrites graphs whose weights do not require grad).
-from typing import Optional as _OptionalTensorFp4  # noqa: E402  (own import: sections are independent)
-
-
-@torch.library.custom_op("graphopt::fp4_linear", mutates_args=())
-def fp4_linear_op(
-    x: torch.Tensor, codes: torch.Tensor, codes_fp4: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-    bias: _OptionalTensorFp4[torch.Tensor], out_features: int, in_features: int, format: str,
-) -> torch.Tensor:
+@_inference_op("fp4_linear(Tensor x, Tensor codes, Tensor codes_fp4, Tensor scales, Tensor global_scale, Tensor? bias, "
+               "int out_features, int in_features, str format) -> Tensor")
+def fp4_linear_op(x, codes, codes_fp4, scales, global_scale, bias, out_features, in_features, format):
     from graphopt.kernels import fp4
 
     if x.is_cuda:
@@ -245,7 +281,7 @@ def fp4_linear_op(
     return fp4.reference_fp4_linear(x, codes, scales, global_scale, bias, out_features, in_features, format)
 
 
-@fp4_linear_op.register_fake
+@_inference_fake("fp4_linear")
 def _(x, codes, codes_fp4, scales, global_scale, bias, out_features, in_features, format):
     return x.new_empty((*x.shape[:-1], out_features))
 # ==== end fp4 ==================================================================================
@@ -275,23 +311,22 @@ def _q4_out_features(qweight: torch.Tensor, scales: torch.Tensor, k: int) -> int
     return qweight.shape[0]
 
 
-@torch.library.custom_op("graphopt::quantize_q8_1", mutates_args=())
-def q4_quantize_q8_1(x: torch.Tensor) -> torch.Tensor:
+@_inference_op("quantize_q8_1(Tensor x) -> Tensor")
+def q4_quantize_q8_1(x):
     from graphopt.kernels import q4
 
     return q4.quantize_q8_1_triton(x) if x.is_cuda else q4.quantize_q8_1(x)
 
 
-@q4_quantize_q8_1.register_fake
+@_inference_fake("quantize_q8_1")
 def _q4_quantize_q8_1_fake(x):
     if x.shape[-1] % 32:
         raise ValueError(f"graphopt::quantize_q8_1: the last dimension ({x.shape[-1]}) must be a multiple of 32")
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 32, 36), dtype=torch.uint8)
 
 
-@torch.library.custom_op("graphopt::q4_q8_gemm", mutates_args=())
-def q4_q8_gemm(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: _Optional[torch.Tensor],
-               out_dtype: torch.dtype) -> torch.Tensor:
+@_inference_op("q4_q8_gemm(Tensor xq, Tensor qweight, Tensor scales, Tensor? bias, ScalarType out_dtype) -> Tensor")
+def q4_q8_gemm(xq, qweight, scales, bias, out_dtype):
     from graphopt.kernels import q4
 
     if xq.is_cuda:
@@ -299,15 +334,14 @@ def q4_q8_gemm(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
     return q4.reference_q4_q8_gemm(xq, qweight, scales, bias, out_dtype)
 
 
-@q4_q8_gemm.register_fake
+@_inference_fake("q4_q8_gemm")
 def _q4_q8_gemm_fake(xq, qweight, scales, bias, out_dtype):
     n = _q4_out_features(qweight, scales, xq.shape[-2] * 32)
     return xq.new_empty((*xq.shape[:-2], n), dtype=out_dtype)
 
 
-@torch.library.custom_op("graphopt::q4_linear", mutates_args=())
-def q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: _Optional[torch.Tensor],
-              mode: str) -> torch.Tensor:
+@_inference_op("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, str mode) -> Tensor")
+def q4_linear(x, qweight, scales, bias, mode):
     from graphopt.kernels import q4
 
     if mode not in Q4_LINEAR_MODES:
@@ -317,7 +351,7 @@ def q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
     return q4.reference_q4_linear(x, qweight, scales, bias)
 
 
-@q4_linear.register_fake
+@_inference_fake("q4_linear")
 def _q4_linear_fake(x, qweight, scales, bias, mode):
     if mode not in Q4_LINEAR_MODES:
         raise ValueError(f"graphopt::q4_linear: mode {mode!r} is not valid; valid choices: {', '.join(Q4_LINEAR_MODES)}")
@@ -325,9 +359,9 @@ def _q4_linear_fake(x, qweight, scales, bias, mode):
     return x.new_empty((*x.shape[:-1], n))
 
 
-@torch.library.custom_op("graphopt::q4_linear_static", mutates_args=())
-def q4_linear_static(x: torch.Tensor, act_scale: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                     bias: _Optional[torch.Tensor], qmin: int, qmax: int) -> torch.Tensor:
+@_inference_op("q4_linear_static(Tensor x, Tensor act_scale, Tensor qweight, Tensor scales, Tensor? bias, int qmin, "
+               "int qmax) -> Tensor")
+def q4_linear_static(x, act_scale, qweight, scales, bias, qmin, qmax):
     from graphopt.kernels import q4
 
     if x.is_cuda:
@@ -335,7 +369,7 @@ def q4_linear_static(x: torch.Tensor, act_scale: torch.Tensor, qweight: torch.Te
     return q4.reference_q4_linear_static(x, act_scale, qweight, scales, bias, qmin, qmax)
 
 
-@q4_linear_static.register_fake
+@_inference_fake("q4_linear_static")
 def _q4_linear_static_fake(x, act_scale, qweight, scales, bias, qmin, qmax):
     n = _q4_out_features(qweight, scales, x.shape[-1])
     return x.new_empty((*x.shape[:-1], n), dtype=torch.promote_types(x.dtype, act_scale.dtype))

@@ -78,6 +78,7 @@ except ImportError:  # pragma: no cover - triton ships with torch on every suppo
     tl = None
 
 from graphopt.hardware import compute_capability
+from graphopt.kernels.launch import cdiv
 from graphopt.kernels.tile_order import causal_head_group
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -157,8 +158,7 @@ def allowed_block_count(b: int, h: int, lq: int, lk: int, is_causal: bool, block
     return b * h * int(allowed.sum())
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+triton_cdiv = cdiv  # the host-side ceil division (graphopt.kernels.launch)
 
 
 # ---------------------------------------------------------------------------------------------

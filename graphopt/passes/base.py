@@ -122,6 +122,15 @@ class PassContext:
                            "to inference graphs: run under torch.no_grad()/inference_mode or requires_grad_(False)")
         return True, ""
 
+    def differentiated_reason(self) -> str | None:
+        """Why the graph will be differentiated (grad mode on and a graph input, parameters included,
+        requires grad), else None. Passes that emit inference-only ops decline such graphs: those
+        ops have no backward and refuse inputs that require grad."""
+        if self.grad_enabled and any(isinstance(v, torch.Tensor) and v.requires_grad for v in self.example_inputs):
+            return ("an input of this graph requires grad in grad mode (training): the pass emits inference-only "
+                    "ops; run under torch.no_grad()/inference_mode or requires_grad_(False)")
+        return None
+
     def freeze(self, node: fx.Node) -> torch.Tensor:
         """The value of a parameter, treated from now on as a compile-time constant.
 

@@ -86,6 +86,9 @@ class Fp4LinearPass(GraphPass):
     lossless = False
 
     def run(self, ctx: PassContext) -> None:
+        if (why := ctx.differentiated_reason()) is not None:
+            ctx.record(self.name, False, why)
+            return
         fmt = ctx.config.fp4_format
         budget_db = ctx.config.error_budget["fp4_linear"]
         plan = _PlanWeights(plan_section(ctx, self.name))

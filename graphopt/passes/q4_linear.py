@@ -281,6 +281,9 @@ class Q4LinearPass(GraphPass):
     lossless = False
 
     def run(self, ctx: PassContext) -> None:
+        if (why := ctx.differentiated_reason()) is not None:
+            ctx.record(self.name, False, why)
+            return
         self._fuse_prequantized(ctx)
         self._fuse_fake_quant(ctx)
         self._quantize_linears(ctx)

@@ -247,6 +247,9 @@ class SparseAttentionPass(GraphPass):
         from graphopt.plan import plan_section
         from graphopt.sparse_tuning import attention_key
 
+        if (why := ctx.differentiated_reason()) is not None:
+            ctx.record(self.name, False, why)
+            return
         section = plan_section(ctx, self.name)
         budget = ctx.config.error_budget.get(self.name, 0.06)
         for index, site in enumerate(_attention_sites(ctx, self.name)):

@@ -510,6 +510,37 @@ def test_split_k_workspace_is_rearmed_between_calls(k, cfg):
     assert counters.numel() >= 3 * -(-40 // cfg.block_n)  # one arrival counter per (token tile, N tile)
 
 
+@pytest.mark.gpu
+def test_repeated_calls_reuse_the_checked_decision():
+    """A second call with the same weight tensors and x signature skips the checks and the choice
+    (fp4._DECIDED); new weight tensors of the same shape, or bad inputs, go through them again."""
+    torch.manual_seed(0)
+    fp4._DECIDED.clear()
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+
+    def layer():
+        kw = to_kernel_layout(quantize_fp4(torch.randn(48, 256), "nvfp4"))
+        return (kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda(), torch.randn(48, device="cuda"), 48, 256,
+                "nvfp4")
+
+    def reference(args):
+        codes, scales, global_scale, bias = (t.cpu() for t in args[:4])
+        return fp4.reference_fp4_linear(x.cpu(), codes, scales, global_scale, bias, *args[4:])
+
+    first = layer()
+    fp4.fp4_linear_triton(x, *first)
+    assert len(fp4._DECIDED) == 1
+    for _ in range(2):  # the decision's path, with fresh activations
+        x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+        _assert_close(fp4.fp4_linear_triton(x, *first).cpu(), reference(first), torch.bfloat16)
+    assert len(fp4._DECIDED) == 1
+    second = layer()  # same shapes, other tensors: checked and decided again, its own numbers
+    _assert_close(fp4.fp4_linear_triton(x, *second).cpu(), reference(second), torch.bfloat16)
+    assert len(fp4._DECIDED) == 2
+    with pytest.raises(ValueError, match="bias must be"):
+        fp4.fp4_linear_triton(x, *first[:3], torch.randn(47, device="cuda"), *first[4:])
+
+
 @pytest.mark.parametrize("tile", [None, (8, 128, 4, 0), (4, 128, 4, 1)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_kernel_is_exact(fmt, tile):
