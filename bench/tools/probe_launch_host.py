@@ -13,13 +13,12 @@ time per call is the host's. Rows:
     kernel's launcher alone;
   - graphopt::attention on each backend, and the aten SDPA ops called directly;
 plus CompiledKernel.__getitem__'s source (the launch API the direct launch relies on) and a
-cProfile of each op. Writes $GRAPHOPT_BENCH_OUT/probe_launch_host.json."""
+cProfile of each op. Writes probe_launch_host.json (bench.common.write_json)."""
 from __future__ import annotations
 
 import cProfile
 import inspect
 import io
-import json
 import os
 import pstats
 import sys
@@ -31,7 +30,7 @@ import triton  # noqa: E402
 from triton.compiler.compiler import CompiledKernel  # noqa: E402
 
 import graphopt.ops  # noqa: E402,F401
-from bench.common import host_us as common_host_us  # noqa: E402
+from bench.common import host_us as common_host_us, write_json  # noqa: E402
 from graphopt.kernels import fp4, q4  # noqa: E402
 from graphopt.kernels import launch as launch_module  # noqa: E402
 
@@ -158,12 +157,7 @@ def main() -> None:
                 profiles)
     for label, text in profiles.items():
         print(f"==== cProfile: {label} (300 calls)\n{text}")
-    out = os.environ.get("GRAPHOPT_BENCH_OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "probe_launch_host.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                       "host_us": ROWS}, f, indent=1)
+    print(f"wrote {write_json('probe_launch_host', [{'call': name, 'host_us': us} for name, us in ROWS.items()])}")
 
 
 if __name__ == "__main__":
