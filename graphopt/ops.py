@@ -16,10 +16,10 @@ import torch
 
 # Inference-only ops (no autograd formula) are defined with torch.library.Library, not
 # torch.library.custom_op, and skip the autograd layer (a fallthrough kernel): custom_op's Python
-# wrapper (autograd shim, aliasing checks, the Dynamo guard) costs 32 us per call of a do-nothing
-# op with fp4_linear's 9 arguments on the H100 machine's host, a Library op 6.6 us, and one with a
-# Python autograd formula 20 us (bench/tools/probe_launch_host.py, session 22), against 10-25 us
-# of GPU work in a one-token layer. Without an autograd layer nothing would record that the
+# wrapper (autograd shim, aliasing checks, the Dynamo guard) costs 20-32 us per call of a
+# do-nothing op with fp4_linear's 9 arguments on the H100 machine's hosts, a Library op 3-7 us, and
+# one with a Python autograd formula 9-20 us (bench/tools/probe_launch_host.py, session 22), against
+# 10-25 us of GPU work in a one-token layer. Without an autograd layer nothing would record that the
 # output depends on the inputs, so gradients would silently stop there: the kernel and the fake
 # refuse inputs that require grad in grad mode instead (a clear error at the call, or when
 # torch.compile traces a training graph). Ops with an autograd formula keep custom_op.
