@@ -36,7 +36,7 @@ DENSITIES = [float(v) for v in OPTS.densities.split(",")]
 
 
 def block_mask(length: int, density: float, causal: bool) -> torch.Tensor:
-    n_q, n_k = sa.triton_cdiv(length, sa.BLOCK_M), sa.triton_cdiv(length, sa.BLOCK_N)
+    n_q, n_k = sa.cdiv(length, sa.BLOCK_M), sa.cdiv(length, sa.BLOCK_N)
     gen = torch.Generator().manual_seed(length)
     mask = torch.rand(1, HEADS, n_q, n_k, generator=gen) < density
     allowed, diagonal = sa.causal_block_geometry(n_q, n_k, length, length, sa.BLOCK_M, sa.BLOCK_N)

@@ -25,10 +25,8 @@ import os
 import torch
 
 try:
-    import triton
     from triton.runtime.jit import JITFunction
 except ImportError:  # pragma: no cover - the CPU references work without Triton
-    triton = None
     JITFunction = ()
 
 DIRECT = os.environ.get("GRAPHOPT_DIRECT_LAUNCH", "1") != "0"
@@ -49,10 +47,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _arg_key(value):
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    return value
+def _launch_key(kernel, device: int, args: tuple, meta: dict) -> tuple:
+    """What fixes the compiled kernel of a launch: the kernel, the device, constexprs and launch
+    options by value, per tensor argument its dtype and 16-byte alignment, other arguments by
+    value (one comprehension, no call per argument: this runs on every launch)."""
+    return (id(kernel), device, *meta.items(),
+            *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
 
 
 def _trailing_values(kernel, positional: int, meta: dict) -> tuple | None:
@@ -81,8 +81,7 @@ def launch(kernel, grid: tuple, *args, **meta):
     if not DIRECT or INTERPRET or not isinstance(kernel, JITFunction):
         return kernel[grid](*args, **meta)
     try:
-        key = (id(kernel), torch.cuda.current_device(), *meta.items(),
-               *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
+        key = _launch_key(kernel, torch.cuda.current_device(), args, meta)
         entry = _COMPILED.get(key)
     except TypeError:  # an argument that cannot be hashed: no key
         return kernel[grid](*args, **meta)

@@ -65,7 +65,6 @@ compute (under causality, the blocks at or below the diagonal).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +77,7 @@ except ImportError:  # pragma: no cover - triton ships with torch on every suppo
     tl = None
 
 from graphopt.hardware import compute_capability
-from graphopt.kernels.launch import cdiv
+from graphopt.kernels.launch import INTERPRET, cdiv
 from graphopt.kernels.tile_order import causal_head_group
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -151,14 +150,11 @@ def causal_block_geometry(n_q: int, n_k: int, lq: int, lk: int, block_m: int, bl
 
 
 def allowed_block_count(b: int, h: int, lq: int, lk: int, is_causal: bool, block_m: int, block_n: int) -> int:
-    n_q, n_k = triton_cdiv(lq, block_m), triton_cdiv(lk, block_n)
+    n_q, n_k = cdiv(lq, block_m), cdiv(lk, block_n)
     if not is_causal:
         return b * h * n_q * n_k
     allowed, _ = causal_block_geometry(n_q, n_k, lq, lk, block_m, block_n)
     return b * h * int(allowed.sum())
-
-
-triton_cdiv = cdiv  # the host-side ceil division (graphopt.kernels.launch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +163,7 @@ triton_cdiv = cdiv  # the host-side ceil division (graphopt.kernels.launch)
 def pool_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean-pooled blocks and their self-similarity: x (B, H, L, D) -> (B, H, n, D), (B, H, n) fp32."""
     B, H, L, D = x.shape
-    n = triton_cdiv(L, block)
+    n = cdiv(L, block)
     xf = F.pad(x.float(), (0, 0, 0, n * block - L)).view(B, H, n, block, D)  # padded tokens are 0
     counts = torch.clamp(L - torch.arange(n, device=x.device) * block, max=block).to(torch.float32)
     pooled = xf.sum(3) / counts[:, None]
@@ -264,7 +260,7 @@ def block_sparse_attention_reference(
     Lk, Dv = k.shape[2], v.shape[3]
     scale = D**-0.5 if scale is None else float(scale)
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    n_q, n_k = triton_cdiv(Lq, block_m), triton_cdiv(Lk, block_n)
+    n_q, n_k = cdiv(Lq, block_m), cdiv(Lk, block_n)
     if block_mask.shape != (B, H, n_q, n_k):
         raise ValueError(f"block_mask has shape {tuple(block_mask.shape)}; expected {(B, H, n_q, n_k)} for blocks {block_m}x{block_n}")
     if group > 1:
@@ -338,7 +334,7 @@ PREDICTOR_ROWS = 16  # query blocks per program of the LUT kernel (the pooled-sc
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return INTERPRET
 
 
 def _attention_configs():
@@ -1217,11 +1213,11 @@ def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n:
             raise ValueError(f"{name}={block}: the Triton predictor needs a power of two >= 16")
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    n_q, n_k = triton_cdiv(Lq, block_m), triton_cdiv(Lk, block_n)
+    n_q, n_k = cdiv(Lq, block_m), cdiv(Lk, block_n)
     tokens = max(block_m, block_n)
 
     def aligned(n: int) -> int:  # sections start on 64-byte boundaries (vector loads of pooled_k)
-        return triton_cdiv(n, 16) * 16
+        return cdiv(n, 16) * 16
 
     off_sim_q = aligned(B * H * n_q * D)
     off_pooled_k = off_sim_q + aligned(B * H * n_q)
@@ -1229,7 +1225,7 @@ def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n:
     off_scores = off_sim_k + aligned(B * Hkv * n_k)  # v3 only: the pooled scores (B*H*nQ, nK)
     work_size = off_scores + (B * H * n_q * n_k if variant == "v3" else 0)
     return dict(B=B, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D, n_q=n_q, n_k=n_k, tokens=tokens, variant=variant,
-                q_tiles=triton_cdiv(Lq, tokens), k_tiles=triton_cdiv(Lk, tokens), off_sim_q=off_sim_q,
+                q_tiles=cdiv(Lq, tokens), k_tiles=cdiv(Lk, tokens), off_sim_q=off_sim_q,
                 off_pooled_k=off_pooled_k, off_sim_k=off_sim_k, off_scores=off_scores, work_size=work_size)
 
 
@@ -1330,7 +1326,7 @@ def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, blo
             g["off_sim_q"], g["off_pooled_k"], g["off_sim_k"])
     meta = dict(HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, ROWS=PREDICTOR_ROWS, N_K_POW2=n_k_pow2,
                 IS_CAUSAL=is_causal, PER_HEAD=per_head_thresholds)
-    grid = (triton_cdiv(n_q, PREDICTOR_ROWS), B * H)
+    grid = (cdiv(n_q, PREDICTOR_ROWS), B * H)
 
     def pool():
         _launch_pool(q, k, g, block_m, block_n, work)
@@ -1350,13 +1346,13 @@ def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, blo
     select_args = args[:13]  # the LUT kernels' arguments up to (not including) the scale
 
     def scores_v3():
-        _pooled_scores_kernel[(triton_cdiv(n_q, score_rows), triton_cdiv(n_k, score_cols), B * H)](
+        _pooled_scores_kernel[(cdiv(n_q, score_rows), cdiv(n_k, score_cols), B * H)](
             work, H, H // g["Hkv"], n_q, n_k, scale, g["off_pooled_k"], g["off_scores"],
             HEAD_DIM=D, D_CHUNK=max(16, min(block_d, 4096 // score_cols)), BLOCK_D=block_d,
             ROWS=score_rows, COLS=score_cols, PRECISION=precision, num_warps=shape["score_warps"])
 
     def select_v3():
-        _select_blocks_kernel[(triton_cdiv(n_q, shape["select_rows"]), B * H)](
+        _select_blocks_kernel[(cdiv(n_q, shape["select_rows"]), B * H)](
             *select_args, g["off_sim_q"], g["off_sim_k"], g["off_scores"],
             BLOCK_M=block_m, BLOCK_N=block_n, ROWS=shape["select_rows"], N_K_POW2=n_k_pow2, IS_CAUSAL=is_causal,
             PER_HEAD=per_head_thresholds, PIVOTS=pivots, SEARCH_STEPS=16 if pivots == 3 else 31,
@@ -1463,7 +1459,7 @@ def block_sparse_attention(
         raise ValueError(f"the Triton path supports head dims up to 256, got {D}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q, k, v must share one dtype among float16, bfloat16, float32; got {q.dtype}, {k.dtype}, {v.dtype}")
-    n_q, n_k = triton_cdiv(Lq, block_m), triton_cdiv(Lk, block_n)
+    n_q, n_k = cdiv(Lq, block_m), cdiv(Lk, block_n)
     if lut.shape != (B, H, n_q, n_k) or counts.shape != (B, H, n_q):
         raise ValueError(f"lut {tuple(lut.shape)} / counts {tuple(counts.shape)} do not match blocks {block_m}x{block_n} "
                          f"of q {tuple(q.shape)}, k {tuple(k.shape)}: expected {(B, H, n_q, n_k)} / {(B, H, n_q)}")

@@ -11,7 +11,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from graphopt.kernels import launch as launch_module
-from graphopt.kernels.launch import _arg_key, _trailing_values, launch
+from graphopt.kernels.launch import _launch_key, _trailing_values, launch
 
 
 @triton.jit
@@ -33,10 +33,15 @@ def _axpb(x: torch.Tensor, a: float, add_one: bool) -> torch.Tensor:
 
 def test_key_records_dtype_and_alignment():
     t = torch.arange(64, dtype=torch.uint8)
-    assert _arg_key(t) == (torch.uint8, True)
-    assert _arg_key(t[1:]) == (torch.uint8, False)  # Triton specializes on 16-byte alignment
-    assert _arg_key(t[16:]) == (torch.uint8, True)
-    assert _arg_key(7) == 7 and _arg_key(None) is None and _arg_key(0.5) == 0.5
+
+    def key(*args, **meta):
+        return _launch_key(_axpb_kernel, 0, args, meta)
+
+    assert key(t, 7, None, 0.5, BLOCK=64) == (id(_axpb_kernel), 0, ("BLOCK", 64), (torch.uint8, True), 7, None, 0.5)
+    assert key(t[1:], 7) != key(t, 7)  # Triton specializes on 16-byte alignment
+    assert key(t[16:], 7) == key(t, 7)
+    assert key(t.float(), 7) != key(t, 7)  # the pointer's element type
+    assert key(t, 7, BLOCK=64) != key(t, 7, BLOCK=128) != key(t, 8, BLOCK=128)
 
 
 def test_trailing_values_in_signature_order():

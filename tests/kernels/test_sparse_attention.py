@@ -269,7 +269,7 @@ def test_triton_kernel_loop_variants(prefetch_index, use_tma, pair_blocks, singl
     q, k, v = on_device(q, k, v)
     if use_tma and not sa.tma_loads_supported(q, k, v):
         pytest.skip("tensor descriptors need a Hopper+ GPU (or the interpreter) and a Triton that has them")
-    n_q, n_k = sa.triton_cdiv(L, sa.BLOCK_M), sa.triton_cdiv(L, sa.BLOCK_N)
+    n_q, n_k = sa.cdiv(L, sa.BLOCK_M), sa.cdiv(L, sa.BLOCK_N)
     mask = torch.rand(B, H, n_q, n_k, generator=torch.Generator().manual_seed(5)) < 0.6
     if is_causal:
         allowed, diagonal = sa.causal_block_geometry(n_q, n_k, L, L, sa.BLOCK_M, sa.BLOCK_N)
