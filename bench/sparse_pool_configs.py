@@ -1,9 +1,10 @@
 """The sparse-attention predictor's pooling launch (v2: one program per Q or K block) timed per
-load-slice size and warp count, against the bytes it must read (Q and K once): achieved GB/s and
+load-slice size, warp count and slice-loop form (unrolled, or pipelined over n stages), against the bytes it must read (Q and K once): achieved GB/s and
 the share of the copy bandwidth, with each config checked against the torch reference
 (`pool_blocks`) first.
 
     python bench/sparse_pool_configs.py               # H100/H200: bf16, B=1, H=16, D=128
+    python bench/sparse_pool_configs.py --heads 32 --slices 512,1024,2048 --warps 1,2 --stages 0,2,3
     python bench/sparse_pool_configs.py --cpu-smoke   # tiny sizes through the interpreter
 """
 
@@ -13,6 +14,10 @@ from script_args import bench_arguments, parse_bench_arguments  # a sibling: ben
 
 ARGS = bench_arguments(__doc__)
 ARGS.add_argument("--lengths", default="8192,16384")
+ARGS.add_argument("--heads", type=int, default=16)
+ARGS.add_argument("--slices", default="1024,2048,4096", help="elements per load slice (tokens x head dim)")
+ARGS.add_argument("--warps", default="1,2,4")
+ARGS.add_argument("--stages", default="0,2,3", help="0: unrolled slice loop; n: loop pipelined over n stages")
 OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import torch  # noqa: E402
@@ -23,8 +28,15 @@ from graphopt.kernels import sparse_attention as sa  # noqa: E402
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
 DEVICE = "cuda" if GPU else "cpu"
 LENGTHS = [int(v) for v in OPTS.lengths.split(",")] if GPU else [200]
-HEADS, HEAD_DIM = (16, 128) if GPU else (2, 32)
-CONFIGS = [(e, w) for e in (2048, 4096, 8192) for w in (1, 2, 4, 8)] if GPU else [(1024, 4), (2048, 8)]
+HEADS, HEAD_DIM = (OPTS.heads, 128) if GPU else (2, 32)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+CONFIGS = ([(e, w, st) for e in _ints(OPTS.slices) for w in _ints(OPTS.warps) for st in _ints(OPTS.stages)] if GPU
+           else [(128, 1, 0), (256, 2, 2), (1024, 4, 0)])
 
 
 def main() -> None:
@@ -39,12 +51,13 @@ def main() -> None:
         ref_q, ref_sq = sa.pool_blocks(q, sa.BLOCK_M)
         ref_k, ref_sk = sa.pool_blocks(k, sa.BLOCK_N)
         nbytes = 2 * q.numel() * q.element_size()
-        for elements, warps in CONFIGS:
-            row = {"L": length, "slice_elements": elements, "warps": warps}
+        for elements, warps, stages in CONFIGS:
+            row = {"L": length, "slice_elements": elements, "warps": warps, "loop_stages": stages}
+            options = dict(slice_elements=elements, num_warps=warps, loop_stages=stages)
             try:
-                pq, sq, pk, sk = sa.pool_qk_triton(q, k, slice_elements=elements, num_warps=warps)
+                pq, sq, pk, sk = sa.pool_qk_triton(q, k, **options)
                 err = max((a - b).abs().max().item() for a, b in ((pq, ref_q), (sq, ref_sq), (pk, ref_k), (sk, ref_sk)))
-                fn = lambda: sa.pool_qk_triton(q, k, slice_elements=elements, num_warps=warps)  # noqa: E731
+                fn = lambda: sa.pool_qk_triton(q, k, **options)  # noqa: E731
                 ms = cuda_graph_ms(fn) if GPU else median_ms(fn, rep_ms=5)
                 row.update(check="PASS" if err < 1e-3 else "FAIL", max_abs_err=err, ms=ms, gbps=gbps(nbytes, ms),
                            of_copy_bw=nbytes / (ms * 1e-3) / copy_bw)
@@ -54,8 +67,8 @@ def main() -> None:
             rows.append(row)
     path = write_json("sparse_pool_configs", rows, copy_bandwidth_gbps=copy_bw / 1e9)
     print(f"wrote {path}")
-    print_table(f"predictor pooling (v2) per load slice and warps; copy {copy_bw / 1e9:.0f} GB/s", rows,
-                ["L", "slice_elements", "warps", "check", "max_abs_err", "ms", "gbps", "of_copy_bw", "error"])
+    print_table(f"predictor pooling (v2) per load slice, warps and loop stages; H={HEADS}; copy {copy_bw / 1e9:.0f} GB/s",
+                rows, ["L", "slice_elements", "warps", "loop_stages", "check", "max_abs_err", "ms", "gbps", "of_copy_bw", "error"])
 
 
 if __name__ == "__main__":

@@ -967,27 +967,43 @@ if triton is not None:
     # and a LUT kernel whose masks are rebuilt rather than kept live (no spills up to nK = 512),
     # with a 3-pivot threshold search (16 steps instead of 31) where the rows are short.
     @triton.jit
+    def _pool_slice_sums(x_base, stride_l, stride_d, L, first, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         SUB: tl.constexpr):
+        """Sums of x and of x / |x| over the SUB tokens from `first` (those < L): two (BLOCK_D,) fp32."""
+        offs_l = first + tl.arange(0, SUB)
+        ptrs = x_base + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d
+        if BLOCK_D == HEAD_DIM:  # no mask along D: vectorized loads
+            x = tl.load(ptrs, mask=offs_l[:, None] < L, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(ptrs, mask=(offs_l[:, None] < L) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+        inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)  # (SUB,): one division per token
+        return tl.sum(x, 0), tl.sum(x * inv_norm[:, None], 0)  # padded tokens add 0
+
+    @triton.jit
     def _pool_block_sums(
         x_base, stride_l, stride_d, L, start,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+        LOOP_STAGES: tl.constexpr,
     ):
         """Sums of x and of x / |x| over the tokens [start, min(start + BLOCK, L)): two (BLOCK_D,)
-        fp32 vectors. Read in SUB-token slices (one 16-byte load per thread each at 8 warps) into
-        (SUB, BLOCK_D) accumulators, reduced across tokens once at the end (one cross-warp step)."""
+        fp32 vectors, read in SUB-token slices, each reduced over its tokens at once (within a warp
+        at 1-2 warps) into (BLOCK_D,) accumulators: few registers, so many programs fit an SM.
+        LOOP_STAGES 0: the slice loop is unrolled (the compiler may hoist loads); n >= 1: a loop
+        pipelined over n stages."""
         offs_d = tl.arange(0, BLOCK_D)
-        x_acc = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
-        unit_acc = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
-        for s in tl.static_range(0, BLOCK, SUB):
-            offs_l = start + s + tl.arange(0, SUB)
-            ptrs = x_base + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d
-            if BLOCK_D == HEAD_DIM:  # no mask along D: vectorized loads
-                x = tl.load(ptrs, mask=offs_l[:, None] < L, other=0.0).to(tl.float32)
-            else:
-                x = tl.load(ptrs, mask=(offs_l[:, None] < L) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-            inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)  # (SUB,): one division per token
-            x_acc += x
-            unit_acc += x * inv_norm[:, None]  # padded tokens stay 0
-        return tl.sum(x_acc, 0), tl.sum(unit_acc, 0)
+        x_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        unit_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if LOOP_STAGES == 0:
+            for s in tl.static_range(0, BLOCK, SUB):
+                x_sum, unit_sum = _pool_slice_sums(x_base, stride_l, stride_d, L, start + s, offs_d, HEAD_DIM, BLOCK_D, SUB)
+                x_acc += x_sum
+                unit_acc += unit_sum
+        else:
+            for s in tl.range(0, BLOCK, SUB, num_stages=LOOP_STAGES):
+                x_sum, unit_sum = _pool_slice_sums(x_base, stride_l, stride_d, L, start + s, offs_d, HEAD_DIM, BLOCK_D, SUB)
+                x_acc += x_sum
+                unit_acc += unit_sum
+        return x_acc, unit_acc
 
     @triton.jit
     def _pool_blocks_kernel(
@@ -997,7 +1013,7 @@ if triton is not None:
         H, HKV, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, N_Q_PROGRAMS,
         off_sim_q, off_pooled_k, off_sim_k,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SUB_M: tl.constexpr, SUB_N: tl.constexpr,
+        SUB_M: tl.constexpr, SUB_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
     ):
         """1-D grid, one program per block: programs [0, B*H*nQ) pool query block `pid` (it is row
         pid of pooled_q / sim_q), the next B*HKV*nK key block `pid - B*H*nQ`. Same workspace as
@@ -1008,7 +1024,8 @@ if triton is not None:
             bh = pid // N_Q_BLOCKS
             start = (pid % N_Q_BLOCKS) * BLOCK_M
             base = q_ptr + (bh // H).to(tl.int64) * stride_qb + (bh % H).to(tl.int64) * stride_qh
-            x_sum, unit_sum = _pool_block_sums(base, stride_ql, stride_qd, Lq, start, HEAD_DIM, BLOCK_D, BLOCK_M, SUB_M)
+            x_sum, unit_sum = _pool_block_sums(base, stride_ql, stride_qd, Lq, start, HEAD_DIM, BLOCK_D, BLOCK_M, SUB_M,
+                                               LOOP_STAGES)
             count = tl.minimum(Lq - start, BLOCK_M).to(tl.float32)
             tl.store(work_ptr + pid.to(tl.int64) * HEAD_DIM + offs_d, x_sum / count, mask=offs_d < HEAD_DIM)
             tl.store(work_ptr + off_sim_q + pid, tl.sum(unit_sum * unit_sum, 0) / (count * count))
@@ -1017,7 +1034,8 @@ if triton is not None:
             bh = row // N_K_BLOCKS
             start = (row % N_K_BLOCKS) * BLOCK_N
             base = k_ptr + (bh // HKV).to(tl.int64) * stride_kb + (bh % HKV).to(tl.int64) * stride_kh
-            x_sum, unit_sum = _pool_block_sums(base, stride_kl, stride_kd, Lk, start, HEAD_DIM, BLOCK_D, BLOCK_N, SUB_N)
+            x_sum, unit_sum = _pool_block_sums(base, stride_kl, stride_kd, Lk, start, HEAD_DIM, BLOCK_D, BLOCK_N, SUB_N,
+                                               LOOP_STAGES)
             count = tl.minimum(Lk - start, BLOCK_N).to(tl.float32)
             tl.store(work_ptr + off_pooled_k + row.to(tl.int64) * HEAD_DIM + offs_d, x_sum / count, mask=offs_d < HEAD_DIM)
             tl.store(work_ptr + off_sim_k + row, tl.sum(unit_sum * unit_sum, 0) / (count * count))
@@ -1229,18 +1247,25 @@ def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n:
                 off_pooled_k=off_pooled_k, off_sim_k=off_sim_k, off_scores=off_scores, work_size=work_size)
 
 
-# v2 pooling launch: elements per load slice and warps per program. H100 sweep
-# (bench/sparse_pool_configs.py, bench/results/sparse_pool_configs_h100_round2.*), B=1, H=16,
-# D=128: one warp with 2048-element slices reads Q and K at 2.3-2.45 TB/s (0.78-0.83 of the copy),
-# 2 warps 1.8-2.3, 4 warps 1.4-1.6, 8 warps (the old default) 0.9-1.0: fewer warps per block
-# means more blocks in flight per SM and no cross-warp reductions.
-POOL_SLICE_ELEMENTS = 2048
+# v2 pooling launch: elements per load slice, warps per program, and the slice loop's pipeline
+# stages (0: unrolled). H100 sweeps (bench/sparse_pool_configs.py), D=128, bf16:
+# - session 23, H=32 (sparse_pool_configs_h100_h32_session23.*): with each slice reduced at once into
+#   (D,) accumulators, one warp, 1024-element slices (8 tokens) and a 2-stage loop read Q and K at
+#   2.74 / 2.84 TB/s at 8k / 16k (0.92-0.96 of the copy), 49.1 / 94.4 us, against the previous
+#   body's 55.0 / 106.0 us in the same run (2048-element slices summed into (16, D) accumulators:
+#   255 registers per thread offline, so 8 programs per SM). 512-2048-element slices with 2-4
+#   stages were within 2%; the unrolled loop 3-10% slower; 2 warps 2-7x slower (likely because
+#   the per-token norm then spans both warps).
+# - session 5, H=16: one warp beat 2, 4 and 8 (fewer warps: more blocks in flight, no cross-warp
+#   reductions).
+POOL_SLICE_ELEMENTS = 1024
 POOL_WARPS = 1
+POOL_LOOP_STAGES = 2
 
 
 def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_n: int,
                  work: torch.Tensor | None = None, *, slice_elements: int = POOL_SLICE_ELEMENTS,
-                 num_warps: int = POOL_WARPS) -> torch.Tensor:
+                 num_warps: int = POOL_WARPS, loop_stages: int = POOL_LOOP_STAGES) -> torch.Tensor:
     """The pooling launch into the fp32 workspace (allocated when not given). v2 reads each block
     in slices of `slice_elements` (tokens x head dim) per load."""
     if work is None:
@@ -1263,7 +1288,7 @@ def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_
         q, k, work, *q.stride(), *k.stride(),
         g["H"], g["Hkv"], g["Lq"], g["Lk"], g["n_q"], g["n_k"], n_q_programs, *offsets,
         HEAD_DIM=g["D"], BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        SUB_M=min(sub, block_m), SUB_N=min(sub, block_n), num_warps=num_warps,
+        SUB_M=min(sub, block_m), SUB_N=min(sub, block_n), LOOP_STAGES=loop_stages, num_warps=num_warps,
     )
     return work
 
@@ -1368,12 +1393,14 @@ def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, blo
 
 
 def pool_qk_triton(q: torch.Tensor, k: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N, *,
-                   variant: str = "v3", slice_elements: int = POOL_SLICE_ELEMENTS, num_warps: int = POOL_WARPS):
+                   variant: str = "v3", slice_elements: int = POOL_SLICE_ELEMENTS, num_warps: int = POOL_WARPS,
+                   loop_stages: int = POOL_LOOP_STAGES):
     """The predictor's first launch on its own, as views of its workspace: pooled_q (B, H, nQ, D),
     sim_q (B, H, nQ), pooled_k (B, Hkv, nK, D), sim_k (B, Hkv, nK), all fp32 (see `pool_blocks`)."""
     _require_triton(q, k)
     g = _predictor_geometry(q, k, block_m, block_n, variant)
-    work = _launch_pool(q, k, g, block_m, block_n, slice_elements=slice_elements, num_warps=num_warps)
+    work = _launch_pool(q, k, g, block_m, block_n, slice_elements=slice_elements, num_warps=num_warps,
+                        loop_stages=loop_stages)
     B, H, Hkv, D, n_q, n_k = g["B"], g["H"], g["Hkv"], g["D"], g["n_q"], g["n_k"]
     return (work[: B * H * n_q * D].view(B, H, n_q, D), work[g["off_sim_q"]: g["off_sim_q"] + B * H * n_q].view(B, H, n_q),
             work[g["off_pooled_k"]: g["off_pooled_k"] + B * Hkv * n_k * D].view(B, Hkv, n_k, D),

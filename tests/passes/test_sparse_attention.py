@@ -75,7 +75,7 @@ def test_cost_model_prefers_sparse_only_at_length():
         assert (sparse.ms < dense.ms) == wins, (length, dense, sparse)
 
 
-PREDICTOR_H100 = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_predictor_h100_v3_final.json"
+PREDICTOR_H100 = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_predictor_h100_session23.json"
 
 
 def test_predictor_estimate_tracks_the_h100_timings():
