@@ -1,7 +1,8 @@
 """The `graphopt::*` custom ops: the single nodes that passes emit.
 
-Each op is a custom op (`torch.library.custom_op`, or a `torch.library.Library` definition for the
-inference-only ones) with a fake (meta) implementation, so Dynamo, AOTAutograd
+Each op is a custom op (`torch.library.custom_op`, or a `torch.library.Library` definition where
+the host path per call matters: the inference-only ops and graphopt::attention) with a fake (meta)
+implementation, so Dynamo, AOTAutograd
 and Inductor trace through it, and an autograd formula where the op is trainable. The CPU
 implementation is always the kernel family's torch reference (correct and testable anywhere);
 on CUDA the op runs the Triton kernel, or the library kernel the cost model chose.
@@ -22,7 +23,8 @@ import torch
 # 10-25 us of GPU work in a one-token layer. Without an autograd layer nothing would record that the
 # output depends on the inputs, so gradients would silently stop there: the kernel and the fake
 # refuse inputs that require grad in grad mode instead (a clear error at the call, or when
-# torch.compile traces a training graph). Ops with an autograd formula keep custom_op.
+# torch.compile traces a training graph). graphopt::attention, which has an autograd formula, is a
+# Library op too, with its own Autograd kernel; fft_chain_linear keeps custom_op.
 _LIB = torch.library.Library("graphopt", "FRAGMENT")
 
 
@@ -136,7 +138,16 @@ def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-@torch.library.custom_op("graphopt::attention", mutates_args=())
+# Defined with torch.library.Library (not custom_op) for its host path. Its Autograd kernel
+# (_attention_autograd_kernel) builds an autograd node only when a gradient is needed, and otherwise
+# goes straight below autograd. On an H100 host (bench/tools/probe_attention_host.py, session 23)
+# a call with SDPA backends took 66-116 us in grad mode with inputs that need no gradient,
+# against 88-225 us as a custom_op, and 71-101 us under no_grad against 75-96 us; a plain SDPA
+# call took 20-35 us.
+_LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal, int num_kv_groups, "
+            "str backend) -> Tensor")
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: _Optional[torch.Tensor],
     scale: float, is_causal: bool, num_kv_groups: int, backend: str,
@@ -151,7 +162,10 @@ def attention(
     return out.contiguous()
 
 
-@attention.register_fake
+_LIB.impl("attention", attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("graphopt::attention", lib=_LIB)
 def _attention_fake(q, k, v, bias, scale, is_causal, num_kv_groups, backend):
     _attention_check(q, k, v, bias, num_kv_groups, backend)
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
@@ -209,13 +223,22 @@ def _attention_backward_fake(grad_out, q, k, v, bias, out, scale, is_causal, num
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
-def _attention_setup_context(ctx, inputs, output):
-    q, k, v, bias, scale, is_causal, num_kv_groups, backend = inputs
-    ctx.save_for_backward(q, k, v, bias, output)
-    ctx.options = (scale, is_causal, num_kv_groups, backend)
+class _AttentionFunction(torch.autograd.Function):
+    """graphopt::attention where a gradient is needed: the op below autograd, then the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale, is_causal, num_kv_groups, backend):
+        out = torch.ops.graphopt.attention(q, k, v, bias, scale, is_causal, num_kv_groups, backend)  # grad mode off here
+        ctx.save_for_backward(q, k, v, bias, out)
+        ctx.options = (scale, is_causal, num_kv_groups, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _attention_backward(ctx, grad_out)
 
 
-def _attention_autograd(ctx, grad_out):
+def _attention_backward(ctx, grad_out):
     q, k, v, bias, out = ctx.saved_tensors
     scale, is_causal, num_kv_groups, backend = ctx.options
     bias_grad = bool(bias is not None and bias.is_floating_point() and ctx.needs_input_grad[3])
@@ -233,7 +256,18 @@ def _attention_autograd(ctx, grad_out):
     return grads[0], grads[1], grads[2], (grads[3] if bias_grad else None), None, None, None, None
 
 
-attention.register_autograd(_attention_autograd, setup_context=_attention_setup_context)
+def _attention_autograd_kernel(keyset, q, k, v, bias, scale, is_causal, num_kv_groups, backend):
+    """The op's Autograd kernel. Without a gradient to record (inference, no_grad, frozen inputs) it
+    goes straight to the implementation below autograd: no autograd.Function, none of
+    register_autograd's argument walks (about 10-20 us of Python per call, session 22's probe)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _AttentionFunction.apply(q, k, v, bias, scale, is_causal, num_kv_groups, backend)
+    return torch.ops.graphopt.attention.default.redispatch(keyset & torch._C._after_autograd_keyset, q, k, v, bias,
+                                                           scale, is_causal, num_kv_groups, backend)
+
+
+_LIB.impl("attention", _attention_autograd_kernel, "Autograd", with_keyset=True)
 # ==== end attention ============================================================================
 
 # ==== sparse_attention (graphopt/kernels/sparse_attention.py, passes/sparse_attention.py) ======

@@ -1,6 +1,7 @@
 """graphopt/ops.py: the inference-only ops (torch.library.Library definitions without an autograd
 layer) refuse inputs that require grad in grad mode, in the kernel and in the fake, and run
-otherwise; the passes that emit them decline graphs that will be differentiated."""
+otherwise; the passes that emit them decline graphs that will be differentiated. graphopt::attention
+records an autograd node exactly when a gradient is needed."""
 
 import pytest
 import torch
@@ -52,3 +53,27 @@ def test_pass_declines_a_graph_that_is_differentiated():
     torch.testing.assert_close(x.grad, model.weight.sum(0).expand(2, 64))
     report = graphopt.explain(model, x.detach(), force=True, passes={"fp4_linear": True})
     assert report.counts.get("fp4_linear") == 1  # the same model, not differentiated: rewritten
+
+
+def test_attention_op_records_autograd_only_when_a_gradient_is_needed():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 16, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(1, 4, 9, 9, dtype=torch.float64)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=False, scale=0.3)
+    out = torch.ops.graphopt.attention(q, k, v, bias, 0.3, False, 1, "math")  # grad mode, nothing requires grad
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, expected)
+    for trainable in ((q,), (k, bias), (v,)):  # any one input that needs a gradient gets one
+        leaves = [t.clone().requires_grad_(any(t is x for x in trainable)) for t in (q, k, v, bias)]
+        out = torch.ops.graphopt.attention(*leaves, 0.3, False, 1, "math")
+        assert out.grad_fn is not None
+        ref_leaves = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
+        ref = torch.nn.functional.scaled_dot_product_attention(*ref_leaves[:3], attn_mask=ref_leaves[3], scale=0.3)
+        grad_out = torch.randn_like(out)
+        wanted = [i for i, t in enumerate(leaves) if t.requires_grad]
+        got = torch.autograd.grad(out, [leaves[i] for i in wanted], grad_out)
+        want = torch.autograd.grad(ref, [ref_leaves[i] for i in wanted], grad_out)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+    with torch.no_grad():
+        assert torch.ops.graphopt.attention(q.requires_grad_(True), k, v, bias, 0.3, False, 1, "math").grad_fn is None
