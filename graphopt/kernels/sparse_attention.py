@@ -986,8 +986,9 @@ if triton is not None:
         LOOP_STAGES: tl.constexpr,
     ):
         """Sums of x and of x / |x| over the tokens [start, min(start + BLOCK, L)): two (BLOCK_D,)
-        fp32 vectors, read in SUB-token slices, each reduced over its tokens at once (within a warp
-        at 1-2 warps) into (BLOCK_D,) accumulators: few registers, so many programs fit an SM.
+        fp32 vectors, read in SUB-token slices, each reduced over its tokens at once (within the
+        warp, at one warp per program) into (BLOCK_D,) accumulators: few registers, so many
+        programs fit an SM.
         LOOP_STAGES 0: the slice loop is unrolled (the compiler may hoist loads); n >= 1: a loop
         pipelined over n stages."""
         offs_d = tl.arange(0, BLOCK_D)

@@ -151,11 +151,14 @@ def test_triton_matches_reference_on_predicted_mask(shape, is_causal):
     torch.testing.assert_close(out, ref, **FP32_TOL)
 
 
-@pytest.mark.parametrize("variant", sa.PREDICTOR_VARIANTS)
-def test_triton_pooling_matches_reference(variant):
+@pytest.mark.parametrize("variant, loop_stages, slice_elements", [(v, sa.POOL_LOOP_STAGES, sa.POOL_SLICE_ELEMENTS)
+                                                                   for v in sa.PREDICTOR_VARIANTS]
+                         + [("v3", 0, 512), ("v3", 3, 2048)])  # the unrolled slice loop; a deeper pipeline
+def test_triton_pooling_matches_reference(variant, loop_stages, slice_elements):
     # odd lengths (partial last blocks of both sizes), GQA, a head dim that is not a power of two
     q, k = on_device(randn(2, 4, 333, 48, seed=40), randn(2, 2, 333, 48, seed=41) + 0.5)
-    pooled_q, sim_q, pooled_k, sim_k = sa.pool_qk_triton(q, k, variant=variant)
+    pooled_q, sim_q, pooled_k, sim_k = sa.pool_qk_triton(q, k, variant=variant, loop_stages=loop_stages,
+                                                         slice_elements=slice_elements)
     for got, want in zip((pooled_q, sim_q, pooled_k, sim_k), (*sa.pool_blocks(q, sa.BLOCK_M), *sa.pool_blocks(k, sa.BLOCK_N))):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
