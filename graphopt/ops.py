@@ -28,9 +28,14 @@ import torch
 _LIB = torch.library.Library("graphopt", "FRAGMENT")
 
 
+def _gradient_needed(args) -> bool:
+    """Whether autograd would record this call: grad mode on and a tensor argument requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
 def _refusing_grad(name: str, fn):
     def checked(*args):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if _gradient_needed(args):
             raise RuntimeError(f"graphopt::{name} is inference-only (no backward), and an input requires grad: run it "
                                "under torch.no_grad() or torch.inference_mode(), or compile models you train with "
                                "graphopt's lossy passes off")
@@ -260,8 +265,7 @@ def _attention_autograd_kernel(keyset, q, k, v, bias, scale, is_causal, num_kv_g
     """The op's Autograd kernel. Without a gradient to record (inference, no_grad, frozen inputs) it
     goes straight to the implementation below autograd: no autograd.Function, none of
     register_autograd's argument walks (about 10-20 us of Python per call, session 22's probe)."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if _gradient_needed((q, k, v, bias)):
         return _AttentionFunction.apply(q, k, v, bias, scale, is_causal, num_kv_groups, backend)
     return torch.ops.graphopt.attention.default.redispatch(keyset & torch._C._after_autograd_keyset, q, k, v, bias,
                                                            scale, is_causal, num_kv_groups, backend)

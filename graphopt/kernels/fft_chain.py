@@ -72,13 +72,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import weakref
 
 import torch
 import torch.nn as nn
 
 from graphopt.hardware import device_spec
+from graphopt.kernels.launch import INTERPRET as _INTERPRET  # fixed at import, as Triton reads it
 
 try:  # Triton is optional on CPU-only installs; the torch paths do not need it.
     import triton
@@ -567,8 +567,6 @@ def choose_implementation(hw, tokens: int, in_features: int, out_features: int, 
 # =============================================================================================
 # Triton kernels
 # =============================================================================================
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
 if HAS_TRITON:
 
     def _configs(options: list[dict], warps: list[int], stages: list[int] | None = None) -> list:

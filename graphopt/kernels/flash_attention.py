@@ -44,7 +44,6 @@ Caveats
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -57,12 +56,11 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     HAS_TRITON = False
 
 from graphopt.hardware import compute_capability
+from graphopt.kernels.launch import INTERPRET as _INTERPRET  # fixed at import, as Triton reads it
 from graphopt.kernels.tile_order import causal_head_group
 
 if HAS_TRITON:
     from graphopt.kernels.tile_order import query_block_order
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 MAX_HEAD_DIM = 128
 MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension, which holds batch * heads in the backward

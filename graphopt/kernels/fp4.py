@@ -817,9 +817,6 @@ if triton is not None:
     from graphopt.kernels.split_k import finish_split_tile
 
 
-def _interpreting() -> bool:
-    return INTERPRET
-
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -1624,7 +1621,7 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, global_scale: t
     tile: (rows, elements per row, warps, interleave) of one program; default DEQUANT_TILES[0]."""
     bs = _check_format(format)
     w = torch.empty((out_features, in_features), dtype=dtype, device=codes.device)
-    block_n, elements, warps, interleave = tile or ((16, 64, 4, 0) if _interpreting() else DEQUANT_TILES[0])
+    block_n, elements, warps, interleave = tile or ((16, 64, 4, 0) if INTERPRET else DEQUANT_TILES[0])
     if elements % bs or block_n < 1:
         raise ValueError(f"dequantize tile {tile}: elements per row must be a multiple of the {format} block ({bs})")
     blocks_per_prog = elements // bs
@@ -1666,16 +1663,16 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
                       BLOCK_N=cfg.block_n, WORDS_PER_ITER=cfg.block_k // 8, SPLIT_K=split_k,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.int_dots:
-            launch(_fp4_gemv_int_kernel, grid, *args, USE_ASM=not _interpreting(), **common)
+            launch(_fp4_gemv_int_kernel, grid, *args, USE_ASM=not INTERPRET, **common)
         elif cfg.block_m in FMA_BLOCK_M:
-            launch(_fp4_gemv_words_kernel, grid, *args, USE_ASM=not _interpreting(), **common)
+            launch(_fp4_gemv_words_kernel, grid, *args, USE_ASM=not INTERPRET, **common)
         else:
-            launch(_fp4_gemv_words_mma_kernel, grid, *args, UPCAST_DOT=_interpreting(), USE_ASM=not _interpreting(),
+            launch(_fp4_gemv_words_mma_kernel, grid, *args, UPCAST_DOT=INTERPRET, USE_ASM=not INTERPRET,
                    DIRECT_BF16=format == "nvfp4" and x2.dtype == torch.bfloat16, **common)
         return out
     common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.block_k // bs,
-                  UPCAST_DOT=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  UPCAST_DOT=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     launch(
@@ -1722,7 +1719,7 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
     m, k_padded, bs = x2.shape[0], codes.shape[1] * 2, BLOCK_SIZES[format]
     if path == "dequant":
         return DEQUANT_CONFIG
-    if _interpreting() or not x2.is_cuda:
+    if INTERPRET or not x2.is_cuda:
         if path == "gemm":
             return INTERPRET_PREFILL_CONFIG
         cfg = INTERPRET_DECODE_CONFIG
@@ -1840,6 +1837,6 @@ def _activation_rows(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, t
 def fp4_linear(x: torch.Tensor, weight: Fp4KernelWeight, bias: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """Convenience: the Triton kernel on CUDA (or under the interpreter), else the torch reference."""
     args = (x, weight.codes, weight.scales, weight.global_scale, bias, weight.out_features, weight.in_features, weight.format)
-    if x.is_cuda or _interpreting():
+    if x.is_cuda or INTERPRET:
         return fp4_linear_triton(*args, **kwargs)
     return reference_fp4_linear(*args)

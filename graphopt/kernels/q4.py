@@ -78,9 +78,6 @@ Q8_1_BLOCK_BYTES = 36
 SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _interpreting() -> bool:
-    return INTERPRET
-
 
 def _check_k(k: int, what: str) -> None:
     if k % QK:
@@ -945,7 +942,7 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 def _exact_mul() -> bool:
     """Use libdevice mul_rn in the Q8_1 rounding (compiled kernels; the interpreter has no libdevice)."""
-    return _libdevice is not None and not _interpreting()
+    return _libdevice is not None and not INTERPRET
 
 
 def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -1035,7 +1032,7 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
             _q4_gemv_kernel, (tiles_n, split, tiles_m),
             a, w, scales, bias_arg, dest, acc_buf, counters, m, n, k, pairs_per_split,
             stride_am, w.stride(0), scales.stride(0), stride_os, stride_om,
-            HAS_BIAS=has_bias, REDUCE=reduce, EXACT=_exact_mul(), USE_DP4A=dp4a, USE_ASM=dp4a and not _interpreting(),
+            HAS_BIAS=has_bias, REDUCE=reduce, EXACT=_exact_mul(), USE_DP4A=dp4a, USE_ASM=dp4a and not INTERPRET,
             PREQUANTIZED=act_mode == ACT_PREQUANTIZED, ROWS=rows, BLOCK_N=config.block_n, CHUNK=config.pairs, num_warps=config.num_warps,
             num_stages=config.num_stages)
     else:
@@ -1045,7 +1042,7 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
             stride_am, stride_adm, qweight.stride(0), scales.stride(0), stride_os, stride_om,
             ACT_MODE=act_mode, QUOT_DTYPE=quot_dtype, QMIN=qmin, QMAX=qmax, HAS_BIAS=has_bias, REDUCE=reduce,
             EXACT=_exact_mul(), BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAIRS=config.pairs,
-            SWAP_AB=config.kernel == "swap", USE_ASM=not _interpreting(),
+            SWAP_AB=config.kernel == "swap", USE_ASM=not INTERPRET,
             num_warps=config.num_warps, num_stages=config.num_stages)
     if dest is not out:
         splits = split if reduce == REDUCE_WORKSPACE else 1
@@ -1057,7 +1054,7 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
 
 
 def _autotune_enabled() -> bool:
-    return torch.cuda.is_available() and not _interpreting() and os.environ.get("GRAPHOPT_Q4_AUTOTUNE", "1") != "0"
+    return torch.cuda.is_available() and not INTERPRET and os.environ.get("GRAPHOPT_Q4_AUTOTUNE", "1") != "0"
 
 
 def _token_bucket(m: int) -> int:

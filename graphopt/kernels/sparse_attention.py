@@ -333,9 +333,6 @@ def reference_sparse_attention(
 PREDICTOR_ROWS = 16  # query blocks per program of the LUT kernel (the pooled-score dot needs >= 16)
 
 
-def _interpreting() -> bool:
-    return INTERPRET
-
 
 def _attention_configs():
     """Hopper-oriented search space (BLOCK_M x BLOCK_N are fixed: they are the predictor's blocks).
@@ -388,7 +385,7 @@ def tma_loads_supported(*tensors: torch.Tensor) -> bool:
     if triton is None or not hasattr(tl, "make_tensor_descriptor"):
         return False
     first = tensors[0]
-    if not _interpreting() and not (first.is_cuda and compute_capability(first.device.index)[0] >= 9):
+    if not INTERPRET and not (first.is_cuda and compute_capability(first.device.index)[0] >= 9):
         return False
     for t in tensors:
         b, h, m, d = t.stride()
@@ -1206,7 +1203,7 @@ PREDICTOR_VARIANTS = ("v3", "v2", "v1")  # v3: default; v2: one LUT launch; v1: 
 def _require_triton(*tensors: torch.Tensor) -> None:
     if triton is None:
         raise RuntimeError("the Triton sparse attention path needs triton; use implementation='reference'")
-    if not _interpreting() and not all(t.is_cuda for t in tensors):
+    if not INTERPRET and not all(t.is_cuda for t in tensors):
         raise ValueError("the Triton sparse attention path needs CUDA tensors (or TRITON_INTERPRET=1); "
                          "valid choices on CPU: implementation='reference' or 'auto'")
 
@@ -1510,8 +1507,7 @@ def block_sparse_attention(
                 IS_CAUSAL=is_causal, PV_SKIP=pv_skip, PV_PER_HEAD=pv_tensor is not None,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PARTIAL_KEYS=Lk % block_n != 0)
     grid = (n_q * B * H,)
-    interpreting = _interpreting()
-    if config is None and interpreting:
+    if config is None and INTERPRET:
         config = {"PREFETCH_INDEX": 1, "PAIR_BLOCKS": 1, "num_warps": 4, "num_stages": 1}
     use_tma = int(config.get("USE_TMA", 0)) if config is not None else None
     single_loop = int(config.get("SINGLE_LOOP", 0)) if config is not None else 0
@@ -1525,7 +1521,7 @@ def block_sparse_attention(
     if single_loop and not single_ok:
         raise ValueError("config SINGLE_LOOP=1 needs tensor descriptors for q, k, v and the output (USE_TMA's "
                          "conditions), a power-of-two head dim and no PV skipping; valid choice here: SINGLE_LOOP=0")
-    if (config is None or use_tma or single_loop) and tma_kv and not interpreting:
+    if (config is None or use_tma or single_loop) and tma_kv and not INTERPRET:
         _ensure_descriptor_allocator()
     host_possible = (config is None or single_loop) and single_ok \
         and host_descriptors_supported(q, k, v, out, block_m, block_n)
