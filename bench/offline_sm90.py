@@ -5,6 +5,7 @@ registers, stack (spills), shared memory and the instructions of the hot loop.
     python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
     python bench/offline_sm90.py q4gemv ROWS BLOCK_N PAIRS WARPS {fused,separate}
     python bench/offline_sm90.py fp4gemv {fma,mma,int} BLOCK_M BLOCK_N BLOCK_K WARPS [--mxfp4]
+    python bench/offline_sm90.py pool SLICE_ELEMENTS WARPS LOOP_STAGES
 
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
 TMA) and prints the SASS instructions per thread of its unmasked tile loop; --sequence prints the order of its TMA loads, barrier waits and MMAs in the TTGIR (how many
@@ -18,6 +19,8 @@ and prints how its dots are lowered (warpgroup MMA with A from registers, or not
 the dp4a decode kernel (ROWS token rows per program) and prints its K loop's SASS instructions per
 thread and per 32-bit weight word. `fp4gemv` builds an FP4 decode kernel (CUDA-core FMA, tensor-core
 or integer-dot, BLOCK_M tokens per program, bf16 activations) and prints the same per-word figure.
+`pool` builds the sparse predictor's pooling launch (D=128, bf16, 128-token query and 64-token key
+blocks) and prints its registers (which bound how many programs an SM holds) and its global loads.
 
 Uses the installed triton's bundled cuobjdump / nvdisasm; the figures depend on the triton version
 (RESULTS.md names it).
@@ -193,6 +196,23 @@ def fp4gemv(args) -> None:
     print_word_loop(sass, args.block_n * args.block_k / 8 / (32 * args.warps))
 
 
+def pool(args) -> None:
+    from graphopt.kernels import sparse_attention as sa
+
+    fn = sa._pool_blocks_kernel
+    sub = max(1, args.slice_elements // 128)
+    consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, SUB_M=min(sub, 128), SUB_N=min(sub, 64),
+                  stride_qd=1, stride_kd=1)  # the launcher's unit strides, which Triton specializes as constants
+    if "LOOP_STAGES" in fn.arg_names:  # absent before session 23's slice loop
+        consts["LOOP_STAGES"] = args.loop_stages
+    div16 = [n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride_") and not n.endswith("d"))]
+    kernel = compile_sm90(fn, dict(q_ptr="*bf16", k_ptr="*bf16", work_ptr="*fp32"), consts, div16, args.warps, 1)
+    sass, resources = sass_and_resources(kernel)
+    loads = collections.Counter(re.findall(r"\b(LDG[.A-Z0-9]*|LDGSTS[.A-Z0-9]*)", sass))
+    print(f"pool slice_elements={args.slice_elements} warps={args.warps} loop_stages={args.loop_stages}: "
+          f"{resources}; global loads in the code {dict(loads)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kernel", required=True)
@@ -217,8 +237,11 @@ def main() -> int:
     for name in ("block_m", "block_n", "block_k", "warps"):
         p.add_argument(name, type=int)
     p.add_argument("--mxfp4", action="store_true")
+    p = sub.add_parser("pool")
+    for name in ("slice_elements", "warps", "loop_stages"):
+        p.add_argument(name, type=int)
     args = parser.parse_args()
-    {"sparse": sparse, "q4gemm": q4gemm, "q4gemv": q4gemv, "fp4gemv": fp4gemv}[args.kernel](args)
+    {"sparse": sparse, "q4gemm": q4gemm, "q4gemv": q4gemv, "fp4gemv": fp4gemv, "pool": pool}[args.kernel](args)
     return 0
 
 
