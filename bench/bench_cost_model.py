@@ -1,8 +1,10 @@
 """Cost model vs measurement on the present GPU.
 
 Sweeps dense GEMMs (LLaMA-7B/13B linear shapes, 1..4096 tokens) and attention (L 512..16k, causal
-and not: naive eager, naive under Inductor, SDPA cuDNN and flash), and prints the predicted time
-beside the measured one. Two predictions per row: from datasheet-derived ceilings (what a user
+and not: naive eager, naive under Inductor, SDPA cuDNN and flash, graphopt's Triton flash kernel),
+and prints the predicted time beside the measured one. Small attention problems (the demo's
+heads at 512-2048 tokens), whose GPU time is shorter than a launch path, are timed as CUDA-graph
+replays and marked "graph". Two predictions per row: from datasheet-derived ceilings (what a user
 gets without calibrating) and from ceilings measured at the start of this run (what
 `graphopt calibrate` would store). Run: python bench/bench_cost_model.py [--quick]
 """
@@ -20,13 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import environment, median_ms, naive_attention, print_table, write_json  # noqa: E402
+from bench.common import cuda_graph_ms, environment, median_ms, naive_attention, print_table, write_json  # noqa: E402
 from graphopt import cost_model as cm  # noqa: E402
 from graphopt.hardware import spec_for_device_name  # noqa: E402
 
 GEMM_SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 5120), (5120, 13824), (13824, 5120)]
 TOKENS = [1, 16, 64, 256, 1024, 4096]
 ATTN_L = [512, 1024, 2048, 4096, 8192, 16384]
+# (heads, head dim, length): the demo model's attention (16 heads of 64) and a 32 x 128 one
+SMALL_ATTENTION = [(16, 64, 512), (16, 64, 2048), (32, 128, 512)]
 
 
 def main() -> None:
@@ -36,6 +40,11 @@ def main() -> None:
     assert torch.cuda.is_available(), "bench_cost_model needs a CUDA GPU"
     from graphopt.calibrate import measure_copy_bandwidth, measure_launch_overhead, measure_matmul_rate
 
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from graphopt.kernels.flash_attention import estimate_flash_attention, flash_attention
+
+    torch.set_grad_enabled(False)  # forward-only timings, as the cost model prices them
     name = torch.cuda.get_device_name()
     datasheet = spec_for_device_name(name)
     assert datasheet is not None, f"no HardwareSpec for {name}"
@@ -75,8 +84,6 @@ def main() -> None:
                 rows.append(_row("naive inductor", shape, ms,
                                  cm.naive_attention(datasheet, 1, h, length, length, d, **kw),
                                  cm.naive_attention(measured, 1, h, length, length, d, **kw)))
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
             for backend, enum in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
                 try:
                     with sdpa_kernel(enum):
@@ -87,7 +94,26 @@ def main() -> None:
                 rows.append(_row(f"sdpa {backend}", shape, ms,
                                  cm.sdpa(datasheet, 1, h, length, length, d, backend=backend, causal=causal),
                                  cm.sdpa(measured, 1, h, length, length, d, backend=backend, causal=causal)))
+            ms = median_ms(lambda: flash_attention(q, k, v, is_causal=causal))
+            rows.append(_row("triton flash", shape, ms,
+                             estimate_flash_attention(datasheet, 1, h, length, length, d, causal=causal),
+                             estimate_flash_attention(measured, 1, h, length, length, d, causal=causal)))
         torch.cuda.empty_cache()
+    for h, d, length in SMALL_ATTENTION:
+        q, k, v = (torch.randn(1, h, length, d, device="cuda", dtype=dt) for _ in range(3))
+        for causal in (False, True):
+            shape = f"H={h} D={d} L={length}{' causal' if causal else ''}"
+            for backend, enum in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                def sdpa_call(enum=enum, causal=causal):
+                    with sdpa_kernel(enum):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                rows.append(_row(f"sdpa {backend} graph", shape, cuda_graph_ms(sdpa_call),
+                                 cm.sdpa(datasheet, 1, h, length, length, d, backend=backend, causal=causal),
+                                 cm.sdpa(measured, 1, h, length, length, d, backend=backend, causal=causal)))
+            ms = cuda_graph_ms(lambda causal=causal: flash_attention(q, k, v, is_causal=causal))
+            rows.append(_row("triton flash graph", shape, ms,
+                             estimate_flash_attention(datasheet, 1, h, length, length, d, causal=causal),
+                             estimate_flash_attention(measured, 1, h, length, length, d, causal=causal)))
     summary = {}
     for label in ("datasheet", "calibrated"):
         ratios = [r[f"ratio {label}"] for r in rows]

@@ -5,7 +5,7 @@ Each variant is called back to back on a problem with negligible GPU work (B=1, 
 D=128, bf16), so the wall time per call is the host's. Rows: a one-kernel torch op (the launch
 overhead unit), F.scaled_dot_product_attention as dispatched, the same call under
 sdpa_kernel([backend]), the backend's aten op called directly, and graphopt::attention for each
-backend. Prints a table and writes JSON to $GRAPHOPT_BENCH_OUT/probe_attention_host.json."""
+backend, and graphopt's Triton forward launcher called directly. Prints a table and writes JSON to $GRAPHOPT_BENCH_OUT/probe_attention_host.json."""
 from __future__ import annotations
 
 import json
@@ -19,6 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import graphopt.ops  # noqa: E402,F401
+from graphopt.kernels.flash_attention import flash_attention_forward  # noqa: E402
 from bench.common import host_us as common_host_us  # noqa: E402
 
 CALLS, ROUNDS = 1000, 7
@@ -60,6 +61,8 @@ def main() -> None:
                 lambda name=name: torch.ops.graphopt.attention(q, k, v, None, scale, True, 1, name))
         rows["F.sdpa as dispatched, no_grad"] = host_us(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale))
+        rows["flash_attention_forward (Triton), no_grad"] = host_us(
+            lambda: flash_attention_forward(q, k, v, scale=scale, is_causal=True))
     launch = rows["torch.add (one launch)"]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host us per call (median of {ROUNDS} x {CALLS})")
     print(f"{'variant':48s} {'us':>8s} {'launches':>9s}")

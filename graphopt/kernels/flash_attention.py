@@ -57,6 +57,7 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
 
 from graphopt.hardware import compute_capability
 from graphopt.kernels.launch import INTERPRET as _INTERPRET  # fixed at import, as Triton reads it
+from graphopt.kernels.launch import cdiv, launch_tuned, next_power_of_2
 from graphopt.kernels.tile_order import causal_head_group
 
 if HAS_TRITON:
@@ -180,7 +181,7 @@ def _check(q, k, v, bias, where: str, scale=None) -> None:
 # =============================================================================================
 def _seq_bucket(length: int) -> int:
     """Autotune key for sequence length: the next power of two, clamped to [256, 16384]."""
-    return min(max(triton.next_power_of_2(max(length, 1)), 256), 16384)
+    return min(max(next_power_of_2(max(length, 1)), 256), 16384)
 
 
 def _config(block_m, block_n, warps, stages):
@@ -609,7 +610,7 @@ def _prepare_bias(bias, batch, heads, len_q, len_k, like):
 
 
 def _head_dim_pad(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def flash_attention_forward(q, k, v, bias=None, *, scale, is_causal):
@@ -627,9 +628,10 @@ def flash_attention_forward(q, k, v, bias=None, *, scale, is_causal):
     bias_arg, bias_kind, bias_strides = _prepare_bias(bias, batch, heads, len_q, len_k, q)
 
     def grid(meta):
-        return (triton.cdiv(len_q, meta["BLOCK_M"]) * batch * heads,)
+        return (cdiv(len_q, meta["BLOCK_M"]) * batch * heads,)
 
-    _flash_attention_fwd_kernel[grid](
+    launch_tuned(
+        _flash_attention_fwd_kernel, grid,
         q, k, v, bias_arg, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -662,7 +664,7 @@ def flash_attention_backward(grad_out, q, k, v, bias, out, lse, *, scale, is_cau
 
     delta = torch.empty((batch, heads, len_q), dtype=torch.float32, device=q.device)
     preprocess_block = 64 if head_dim <= 64 else 32
-    _flash_attention_bwd_preprocess_kernel[(triton.cdiv(len_q, preprocess_block), batch * heads)](
+    _flash_attention_bwd_preprocess_kernel[(cdiv(len_q, preprocess_block), batch * heads)](
         out, grad_out, delta,
         out.stride(0), out.stride(1), out.stride(2),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
@@ -676,9 +678,10 @@ def flash_attention_backward(grad_out, q, k, v, bias, out, lse, *, scale, is_cau
     qk_scale = float(scale) * LOG2E
 
     def grid_dkdv(meta):
-        return (triton.cdiv(len_k, meta["BLOCK_N"]), batch * kv_heads)
+        return (cdiv(len_k, meta["BLOCK_N"]), batch * kv_heads)
 
-    _flash_attention_bwd_dkdv_kernel[grid_dkdv](
+    launch_tuned(
+        _flash_attention_bwd_dkdv_kernel, grid_dkdv,
         q, k, v, bias_arg, grad_out, lse, delta, dk, dv,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -692,9 +695,10 @@ def flash_attention_backward(grad_out, q, k, v, bias, out, lse, *, scale, is_cau
     )
 
     def grid_dq(meta):
-        return (triton.cdiv(len_q, meta["BLOCK_M"]), batch * heads)
+        return (cdiv(len_q, meta["BLOCK_M"]), batch * heads)
 
-    _flash_attention_bwd_dq_kernel[grid_dq](
+    launch_tuned(
+        _flash_attention_bwd_dq_kernel, grid_dq,
         q, k, v, bias_arg, grad_out, lse, delta, dq,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),

@@ -6,7 +6,9 @@ decode kernels of fp4.py and q4.py (16-30 arguments) that launch path took 35 us
 the H100 machine (session 18), while a one-token layer's GPU work is 10-25 us. `launch` makes the
 same launch, remembers the compiled kernel under a key that fixes its specialization, and sends
 later calls with that key straight to the compiled kernel's own launcher
-(`CompiledKernel.__getitem__`, present in Triton 3.6 through 3.9).
+(`CompiledKernel.__getitem__`, present in Triton 3.6 through 3.9). `launch_tuned` does the same
+for a `triton.autotune` kernel once its autotuner has chosen a config for the call: the
+autotuner's own call path (its key, then the JIT launch) costs as much host time again.
 
 The key is a superset of what Triton specializes on: per tensor its dtype and whether its address
 is 16-byte aligned; every other argument, constexpr and launch option by value; the kernel; the
@@ -97,4 +99,41 @@ def launch(kernel, grid: tuple, *args, **meta):
         if len(_COMPILED) >= MAX_ENTRIES:
             _COMPILED.clear()
         _COMPILED[key] = (compiled, trailing)
+    return compiled
+
+
+# launch key of a call (with the autotuner in place of the kernel) -> (the compiled kernel of the
+# config that autotuner chose, the trailing arguments, the meta-parameters with that config's)
+_TUNED: dict[tuple, tuple] = {}
+
+
+def launch_tuned(tuner, grid, *args, **meta):
+    """`tuner[grid](*args, **meta)` for a `triton.autotune` kernel; `grid` is a function of the
+    launch's meta-parameters, as for the autotuner. The first call with a key goes through the
+    autotuner (which benchmarks its configs once per tuning key of its own); later calls with the
+    same key launch the compiled kernel of the config it chose directly. The key is `launch`'s,
+    a superset of the autotuner's (its key arguments' values and every tensor's dtype), so a call
+    never reuses a config chosen for another tuning key. Configs with a pre-hook always go
+    through the autotuner."""
+    if not DIRECT or INTERPRET or not isinstance(getattr(tuner, "fn", None), JITFunction):
+        return tuner[grid](*args, **meta)
+    try:
+        key = _launch_key(tuner, torch.cuda.current_device(), args, meta)
+        entry = _TUNED.get(key)
+    except TypeError:  # an argument that cannot be hashed: no key
+        return tuner[grid](*args, **meta)
+    if entry is not None:
+        compiled, trailing, launch_meta = entry
+        dims = tuple(grid(launch_meta))
+        compiled[(*dims, *(1,) * (3 - len(dims)))](*args, *trailing)
+        return compiled
+    compiled = tuner[grid](*args, **meta)
+    config = getattr(tuner, "best_config", None)
+    if config is not None and config.pre_hook is None and compiled is not None and hasattr(compiled, "__getitem__"):
+        launch_meta = {**meta, **config.all_kwargs()}
+        trailing = _trailing_values(tuner.fn, len(args), launch_meta)
+        if trailing is not None:
+            if len(_TUNED) >= MAX_ENTRIES:
+                _TUNED.clear()
+            _TUNED[key] = (compiled, trailing, launch_meta)
     return compiled

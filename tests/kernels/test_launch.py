@@ -1,8 +1,10 @@
 """graphopt.kernels.launch: the direct launch through a compiled kernel's own launcher.
 
-CPU: the key (dtype and 16-byte alignment per tensor), the trailing constexpr values, and the
-plain launch under the interpreter. GPU: repeated launches take the compiled path and give the
-same results as the JIT, a misaligned input gets its own compiled kernel, and the switch works."""
+CPU: the key (dtype and 16-byte alignment per tensor), the trailing constexpr values, the
+autotuner's key, and the plain launches under the interpreter. GPU: repeated launches take the
+compiled path and give the same results as the JIT, a misaligned input gets its own compiled
+kernel, and the switch works; an autotuned kernel is tuned once per key of its own, then
+launched directly with the config its autotuner chose."""
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from graphopt.kernels import launch as launch_module
-from graphopt.kernels.launch import _launch_key, _trailing_values, launch
+from graphopt.kernels.launch import INTERPRET, _launch_key, _trailing_values, launch, launch_tuned
 
 
 @triton.jit
@@ -22,6 +24,28 @@ def _axpb_kernel(x_ptr, y_ptr, n, a, BLOCK: tl.constexpr, ADD_ONE: tl.constexpr 
     if ADD_ONE:
         y += 1.0
     tl.store(y_ptr + offs, y, mask=mask)
+
+
+# Two configs on a GPU, so the autotuner benchmarks and caches a choice per key (the interpreter
+# cannot benchmark: one config there, as in the package's kernels).
+_TUNED_CONFIGS = [triton.Config({"BLOCK": 128}, num_warps=4)] + (
+    [] if INTERPRET else [triton.Config({"BLOCK": 256}, num_warps=2)])
+
+
+@triton.autotune(configs=_TUNED_CONFIGS, key=["n_bucket"])
+@triton.jit
+def _scale_tuned_kernel(x_ptr, y_ptr, n, a, n_bucket, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * a, mask=mask)
+
+
+def _scale_tuned(x: torch.Tensor, a: float) -> torch.Tensor:
+    y = torch.empty_like(x)
+    n = x.numel()
+    launch_tuned(_scale_tuned_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK"]),), x, y, n, a,
+                 triton.next_power_of_2(n))
+    return y
 
 
 def _axpb(x: torch.Tensor, a: float, add_one: bool) -> torch.Tensor:
@@ -58,6 +82,49 @@ def test_launch_matches_reference():
     for n, add_one in ((1000, False), (77, True)):
         x = torch.randn(n, device=device)
         torch.testing.assert_close(_axpb(x, 1.5, add_one), x * 1.5 + (1.0 if add_one else 0.0))
+
+
+def test_tuned_launch_matches_reference():
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for n in (1000, 77, 1000):
+        x = torch.randn(n, device=device)
+        torch.testing.assert_close(_scale_tuned(x, -2.5), x * -2.5)
+
+
+@pytest.mark.gpu
+def test_tuned_kernel_is_tuned_once_per_key_then_launched_directly():
+    torch.manual_seed(0)
+    launch_module._TUNED.clear()
+    _scale_tuned_kernel.cache.clear()
+    x = torch.randn(3000, device="cuda")
+    torch.testing.assert_close(_scale_tuned(x, 2.0), 2.0 * x)
+    assert len(_scale_tuned_kernel.cache) == 1 and len(launch_module._TUNED) == 1
+    (chosen,) = _scale_tuned_kernel.cache.values()
+    (compiled, _, launch_meta), = launch_module._TUNED.values()
+    assert launch_meta["BLOCK"] == chosen.kwargs["BLOCK"] and launch_meta["num_warps"] == chosen.num_warps
+    assert compiled.metadata.num_warps == chosen.num_warps  # the chosen config's compiled kernel
+
+    def autotuner_called(*args, **kwargs):
+        raise AssertionError("the autotuner's call path was taken for a known key")
+
+    _scale_tuned_kernel.run = autotuner_called
+    try:
+        for _ in range(3):  # fresh data, same key (scalars count by value): that kernel, launched directly
+            x = torch.randn(3000, device="cuda")
+            torch.testing.assert_close(_scale_tuned(x, 2.0), 2.0 * x)
+    finally:
+        del _scale_tuned_kernel.run
+    assert len(launch_module._TUNED) == 1
+    x = torch.randn(2049, device="cuda")  # same tuning key (bucket 4096), another launch key
+    torch.testing.assert_close(_scale_tuned(x, 2.0), 2.0 * x)
+    assert len(_scale_tuned_kernel.cache) == 1 and len(launch_module._TUNED) == 2
+    x = torch.randn(100, device="cuda")  # another bucket: tuned again
+    torch.testing.assert_close(_scale_tuned(x, 2.0), 2.0 * x)
+    assert len(_scale_tuned_kernel.cache) == 2 and len(launch_module._TUNED) == 3
+    x16 = torch.randn(3000, device="cuda", dtype=torch.float16)  # a dtype is part of both keys
+    torch.testing.assert_close(_scale_tuned(x16, 2.0), 2.0 * x16)
+    assert len(_scale_tuned_kernel.cache) == 3 and len(launch_module._TUNED) == 4
 
 
 @pytest.mark.gpu
