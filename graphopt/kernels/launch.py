@@ -76,29 +76,43 @@ def _trailing_values(kernel, positional: int, meta: dict) -> tuple | None:
     return tuple(values)
 
 
+def _grid3(grid) -> tuple:
+    """A grid of one to three ints as the three the compiled launcher takes."""
+    grid = tuple(grid)
+    return (*grid, *(1,) * (3 - len(grid)))
+
+
+def _key_or_none(keyed, args: tuple, meta: dict) -> tuple | None:
+    """The launch key of a call (`keyed`: the kernel, or the autotuner around it), or None where
+    an argument cannot be hashed."""
+    try:
+        return _launch_key(keyed, torch.cuda.current_device(), args, meta)
+    except TypeError:
+        return None
+
+
+def _remember(cache: dict, key: tuple, entry: tuple) -> None:
+    if len(cache) >= MAX_ENTRIES:
+        cache.clear()
+    cache[key] = entry
+
+
 def launch(kernel, grid: tuple, *args, **meta):
     """`kernel[grid](*args, **meta)`, through the compiled kernel's launcher once a call with the
     same key has compiled it. `grid` is a tuple of one to three ints; tensors go in `args`
     (positional, in signature order), constexprs and launch options in `meta`."""
-    if not DIRECT or INTERPRET or not isinstance(kernel, JITFunction):
+    key = _key_or_none(kernel, args, meta) if DIRECT and not INTERPRET and isinstance(kernel, JITFunction) else None
+    if key is None:
         return kernel[grid](*args, **meta)
-    try:
-        key = _launch_key(kernel, torch.cuda.current_device(), args, meta)
-        entry = _COMPILED.get(key)
-    except TypeError:  # an argument that cannot be hashed: no key
-        return kernel[grid](*args, **meta)
-    if len(grid) < 3:
-        grid = (*grid, *(1,) * (3 - len(grid)))
+    entry = _COMPILED.get(key)
     if entry is not None:
         compiled, trailing = entry
-        compiled[grid](*args, *trailing)
+        compiled[_grid3(grid)](*args, *trailing)
         return compiled
-    compiled = kernel[grid](*args, **meta)
+    compiled = kernel[_grid3(grid)](*args, **meta)
     trailing = _trailing_values(kernel, len(args), meta)
     if compiled is not None and hasattr(compiled, "__getitem__") and trailing is not None:
-        if len(_COMPILED) >= MAX_ENTRIES:
-            _COMPILED.clear()
-        _COMPILED[key] = (compiled, trailing)
+        _remember(_COMPILED, key, (compiled, trailing))
     return compiled
 
 
@@ -115,17 +129,14 @@ def launch_tuned(tuner, grid, *args, **meta):
     a superset of the autotuner's (its key arguments' values and every tensor's dtype), so a call
     never reuses a config chosen for another tuning key. Configs with a pre-hook always go
     through the autotuner."""
-    if not DIRECT or INTERPRET or not isinstance(getattr(tuner, "fn", None), JITFunction):
+    direct = DIRECT and not INTERPRET and isinstance(getattr(tuner, "fn", None), JITFunction)
+    key = _key_or_none(tuner, args, meta) if direct else None
+    if key is None:
         return tuner[grid](*args, **meta)
-    try:
-        key = _launch_key(tuner, torch.cuda.current_device(), args, meta)
-        entry = _TUNED.get(key)
-    except TypeError:  # an argument that cannot be hashed: no key
-        return tuner[grid](*args, **meta)
+    entry = _TUNED.get(key)
     if entry is not None:
         compiled, trailing, launch_meta = entry
-        dims = tuple(grid(launch_meta))
-        compiled[(*dims, *(1,) * (3 - len(dims)))](*args, *trailing)
+        compiled[_grid3(grid(launch_meta))](*args, *trailing)
         return compiled
     compiled = tuner[grid](*args, **meta)
     config = getattr(tuner, "best_config", None)
@@ -133,7 +144,5 @@ def launch_tuned(tuner, grid, *args, **meta):
         launch_meta = {**meta, **config.all_kwargs()}
         trailing = _trailing_values(tuner.fn, len(args), launch_meta)
         if trailing is not None:
-            if len(_TUNED) >= MAX_ENTRIES:
-                _TUNED.clear()
-            _TUNED[key] = (compiled, trailing, launch_meta)
+            _remember(_TUNED, key, (compiled, trailing, launch_meta))
     return compiled
