@@ -40,10 +40,6 @@ def main() -> None:
     assert torch.cuda.is_available(), "bench_cost_model needs a CUDA GPU"
     from graphopt.calibrate import measure_copy_bandwidth, measure_launch_overhead, measure_matmul_rate
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from graphopt.kernels.flash_attention import estimate_flash_attention, flash_attention
-
     torch.set_grad_enabled(False)  # forward-only timings, as the cost model prices them
     name = torch.cuda.get_device_name()
     datasheet = spec_for_device_name(name)
@@ -84,36 +80,13 @@ def main() -> None:
                 rows.append(_row("naive inductor", shape, ms,
                                  cm.naive_attention(datasheet, 1, h, length, length, d, **kw),
                                  cm.naive_attention(measured, 1, h, length, length, d, **kw)))
-            for backend, enum in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-                try:
-                    with sdpa_kernel(enum):
-                        ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                except RuntimeError as exc:
-                    print(f"SDPA {backend} {shape}: FAIL {exc}")
-                    continue
-                rows.append(_row(f"sdpa {backend}", shape, ms,
-                                 cm.sdpa(datasheet, 1, h, length, length, d, backend=backend, causal=causal),
-                                 cm.sdpa(measured, 1, h, length, length, d, backend=backend, causal=causal)))
-            ms = median_ms(lambda: flash_attention(q, k, v, is_causal=causal))
-            rows.append(_row("triton flash", shape, ms,
-                             estimate_flash_attention(datasheet, 1, h, length, length, d, causal=causal),
-                             estimate_flash_attention(measured, 1, h, length, length, d, causal=causal)))
+            rows += _fused_attention_rows(q, k, v, causal, shape, median_ms, "", datasheet, measured)
         torch.cuda.empty_cache()
     for h, d, length in SMALL_ATTENTION:
         q, k, v = (torch.randn(1, h, length, d, device="cuda", dtype=dt) for _ in range(3))
         for causal in (False, True):
             shape = f"H={h} D={d} L={length}{' causal' if causal else ''}"
-            for backend, enum in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-                def sdpa_call(enum=enum, causal=causal):
-                    with sdpa_kernel(enum):
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                rows.append(_row(f"sdpa {backend} graph", shape, cuda_graph_ms(sdpa_call),
-                                 cm.sdpa(datasheet, 1, h, length, length, d, backend=backend, causal=causal),
-                                 cm.sdpa(measured, 1, h, length, length, d, backend=backend, causal=causal)))
-            ms = cuda_graph_ms(lambda causal=causal: flash_attention(q, k, v, is_causal=causal))
-            rows.append(_row("triton flash graph", shape, ms,
-                             estimate_flash_attention(datasheet, 1, h, length, length, d, causal=causal),
-                             estimate_flash_attention(measured, 1, h, length, length, d, causal=causal)))
+            rows += _fused_attention_rows(q, k, v, causal, shape, cuda_graph_ms, " graph", datasheet, measured)
     summary = {}
     for label in ("datasheet", "calibrated"):
         ratios = [r[f"ratio {label}"] for r in rows]
@@ -131,6 +104,35 @@ def main() -> None:
     for label, s in summary.items():
         print(f"{label:>10}: median |ln(pred/meas)| = {s['median |log ratio|']:.3f}, within 1.5x: "
               f"{s['within 1.5x']:.0%}, within 2x: {s['within 2x']:.0%}   [{env['gpu']}, torch {env['torch']}]")
+
+
+def _fused_attention_rows(q, k, v, causal: bool, shape: str, timer, suffix: str, datasheet, measured) -> list[dict]:
+    """Rows for SDPA cuDNN, SDPA flash and graphopt's Triton flash kernel on one problem, timed by
+    `timer` (median_ms, or cuda_graph_ms for problems shorter than a launch path); `suffix` marks
+    the kind ("" or " graph"). A backend that rejects the problem is reported and skipped."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from graphopt.kernels.flash_attention import estimate_flash_attention, flash_attention
+
+    _, h, length, d = q.shape
+    rows = []
+    for backend, enum in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        def sdpa_call(enum=enum):
+            with sdpa_kernel(enum):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        try:
+            ms = timer(sdpa_call)
+        except RuntimeError as exc:
+            print(f"SDPA {backend} {shape}: FAIL {exc}")
+            continue
+        rows.append(_row(f"sdpa {backend}{suffix}", shape, ms,
+                         cm.sdpa(datasheet, 1, h, length, length, d, backend=backend, causal=causal),
+                         cm.sdpa(measured, 1, h, length, length, d, backend=backend, causal=causal)))
+    ms = timer(lambda: flash_attention(q, k, v, is_causal=causal))
+    rows.append(_row(f"triton flash{suffix}", shape, ms,
+                     estimate_flash_attention(datasheet, 1, h, length, length, d, causal=causal),
+                     estimate_flash_attention(measured, 1, h, length, length, d, causal=causal)))
+    return rows
 
 
 def _row(kind: str, shape: str, measured_ms: float, pred_datasheet: cm.Estimate, pred_calibrated: cm.Estimate) -> dict:

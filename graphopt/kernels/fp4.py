@@ -817,7 +817,6 @@ if triton is not None:
     from graphopt.kernels.split_k import finish_split_tile
 
 
-
 @dataclass(frozen=True)
 class KernelConfig:
     """Tile sizes of one launch. BLOCK_K is in elements (a multiple of the scale block)."""

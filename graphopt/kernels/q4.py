@@ -78,7 +78,6 @@ Q8_1_BLOCK_BYTES = 36
 SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-
 def _check_k(k: int, what: str) -> None:
     if k % QK:
         raise ValueError(f"{what}: the last dimension ({k}) must be a multiple of {QK} for Q4_0/Q8_1 blocks; "
