@@ -47,8 +47,6 @@ from graphopt.plan import plan_section
 OP = torch.ops.graphopt.fft_chain_linear.default
 
 
-
-
 def _device_type(node) -> str:
     dev = device(node)
     return dev.type if dev is not None else "cpu"

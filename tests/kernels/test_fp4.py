@@ -344,7 +344,6 @@ if fp4.triton is not None:
         tl.store(out_ptr + 2 * offs, lo)
         tl.store(out_ptr + 2 * offs + 1, hi)
 
-
     @triton.jit
     def _bf16_pairs_kernel(words_ptr, scale_bytes_ptr, out_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
                            USE_ASM: tl.constexpr):
@@ -353,7 +352,6 @@ if fp4.triton is not None:
         lo, hi = fp4._bf16_scaled_pair(tl.load(words_ptr + offs), SHIFT, fp4._bf16_scale_pair(block_scale), USE_ASM)
         tl.store(out_ptr + 2 * offs, lo.to(tl.float32))
         tl.store(out_ptr + 2 * offs + 1, hi.to(tl.float32))
-
 
     @triton.jit
     def _int8_lanes_kernel(words_ptr, out_ptr, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
