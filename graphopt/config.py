@@ -58,7 +58,7 @@ def _suggest(bad: str, valid: tuple[str, ...] | list[str]) -> str:
 def _check_plan(path) -> None:
     """Load the plan once when the options are read: a missing or malformed plan is an error
     here, not a pass that fails at compile time and is skipped with a warning."""
-    from graphopt.plan import load_plan
+    from graphopt.plan import check_section, load_plan
 
     try:
         plan = load_plan(path)
@@ -68,6 +68,9 @@ def _check_plan(path) -> None:
         if name in plan and not isinstance(plan[name], Mapping):
             raise ValueError(f"graphopt plan {str(path)!r}: section {name!r} must be a JSON object, "
                              f"got {type(plan[name]).__name__}")
+        problem = check_section(name, plan[name]) if name in plan else None
+        if problem is not None:
+            raise ValueError(f"graphopt plan {str(path)!r}: {problem}")
 
 
 def _check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:

@@ -32,6 +32,76 @@ def load_plan(path: str | Path) -> dict[str, Any]:
     return plan
 
 
+# What each pass reads from a layer entry of its section: field -> (what it must be, test). The
+# writers (graphopt.sparse_tuning, fp4_linear.save_fp4_plan, graphopt.fft_distill) add more fields;
+# only these are checked, so that a hand-edited plan fails when the options are read, naming the
+# field, rather than inside its pass at compile time (logged, and the pass skipped).
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _per_head(test, allow_null: bool = False):
+    def check(values, heads):
+        return isinstance(values, list) and len(values) == heads and all(
+            (allow_null and v is None) or test(v) for v in values)
+    return check
+
+
+_PER_HEAD = {  # sparse_attention layers: one value per head
+    "simthreshd1": ("a list of numbers in [-1, 1], one per head", _per_head(lambda v: _number(v) and -1 <= v <= 1)),
+    "cdfthreshd": ("a list of numbers in (0, 1], one per head", _per_head(lambda v: _number(v) and 0 < v <= 1)),
+    "pvthreshd": ("a list of non-negative numbers or null (PV skipping off), one per head",
+                  _per_head(lambda v: _number(v) and v >= 0, allow_null=True)),
+    "sparsity": ("a list of numbers in [0, 1] or null, one per head",
+                 _per_head(lambda v: _number(v) and 0 <= v <= 1, allow_null=True)),
+    "dense": ("a list of booleans, one per head (optional)", _per_head(lambda v: isinstance(v, bool))),
+}
+_OPTIONAL = {"dense"}
+_LAYER_FIELDS = {
+    "fp4_linear": {"format": None, "out_features": ("a positive integer", _positive_int),
+                   "in_features": ("a positive integer", _positive_int)},
+    "fft_linear": {"in_features": ("a positive integer", _positive_int),
+                   "out_features": ("a positive integer", _positive_int),
+                   "block_size": ("a positive integer", _positive_int), "k": ("a positive integer", _positive_int),
+                   "rel_error": ("a number", _number)},
+}
+
+
+def check_section(name: str, section: dict[str, Any]) -> str | None:
+    """The first problem in a pass's plan section that its pass would trip over, or None."""
+    layers = section.get("layers", {})
+    if not isinstance(layers, dict):
+        return f"section {name!r}: \"layers\" must be an object of layer entries, got {type(layers).__name__}"
+    if layers and name in _LAYER_FIELDS and not isinstance(section.get("file"), str):
+        return f"section {name!r}: \"file\" must name the tensor file beside the plan, got {section.get('file')!r}"
+    for key, layer in layers.items():
+        where = f"section {name!r}, layer {key!r}"
+        if not isinstance(layer, dict):
+            return f"{where} must be a JSON object, got {type(layer).__name__}"
+        if name == "sparse_attention":
+            heads = layer.get("heads")
+            if not _positive_int(heads):
+                return f"{where}: \"heads\" must be a positive integer, got {heads!r}"
+            for field, (expected, test) in _PER_HEAD.items():
+                if field in layer or field not in _OPTIONAL:
+                    if not test(layer.get(field), heads):
+                        return f"{where}: {field!r} must be {expected} ({heads} heads), got {layer.get(field)!r}"
+        for field, rule in _LAYER_FIELDS.get(name, {}).items():
+            value = layer.get(field)
+            if rule is None:  # fp4_linear's format
+                from graphopt.kernels.fp4 import FORMATS
+
+                if value not in FORMATS:
+                    return f"{where}: \"format\" must be one of {', '.join(FORMATS)}, got {value!r}"
+            elif not rule[1](value):
+                return f"{where}: {field!r} must be {rule[0]}, got {value!r}"
+    return None
+
+
 def plan_section(ctx, pass_name: str) -> dict[str, Any] | None:
     """The section of the configured plan for one pass (None without a plan or section)."""
     if ctx.config.plan is None:

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from graphopt.config import DEFAULT_PASSES, PASS_NAMES, GraphOptConfig
@@ -65,6 +67,50 @@ def test_bad_plan_is_an_error_when_the_options_are_read(tmp_path, content, fragm
     with pytest.raises(ValueError, match="graphopt plan") as info:
         GraphOptConfig.from_options({"plan": str(path)}, environ={})
     assert fragment in str(info.value)
+
+
+def _sparse_layer(**changes):
+    layer = {"heads": 2, "simthreshd1": [0.6, -1.0], "cdfthreshd": [0.95, 1.0], "pvthreshd": [None, 4.0],
+             "sparsity": [0.4, 0.0], "dense": [False, True]}
+    return {k: v for k, v in {**layer, **changes}.items() if v != "drop"}
+
+
+@pytest.mark.parametrize("section, fragment", [
+    ({"sparse_attention": {"layers": []}}, "\"layers\" must be an object"),
+    ({"sparse_attention": {"layers": {"m.attn": 3}}}, "layer 'm.attn' must be a JSON object"),
+    ({"sparse_attention": {"layers": {"m.attn": _sparse_layer(heads=0)}}}, "\"heads\" must be a positive integer"),
+    ({"sparse_attention": {"layers": {"m.attn": _sparse_layer(cdfthreshd=[0.9])}}},
+     "'cdfthreshd' must be a list of numbers in (0, 1], one per head (2 heads), got [0.9]"),
+    ({"sparse_attention": {"layers": {"m.attn": _sparse_layer(cdfthreshd=[0.9, 1.5])}}}, "'cdfthreshd' must be"),
+    ({"sparse_attention": {"layers": {"m.attn": _sparse_layer(simthreshd1="drop")}}}, "'simthreshd1' must be"),
+    ({"sparse_attention": {"layers": {"m.attn": _sparse_layer(pvthreshd=[None, -1])}}}, "'pvthreshd' must be"),
+    ({"sparse_attention": {"layers": {"m.attn": _sparse_layer(dense=[0, 1])}}}, "'dense' must be a list of booleans"),
+    ({"fp4_linear": {"file": "w.safetensors", "layers": {"fc": {"format": "int4", "out_features": 8, "in_features": 32}}}},
+     "\"format\" must be one of mxfp4, nvfp4, got 'int4'"),
+    ({"fp4_linear": {"layers": {"fc": {"format": "nvfp4", "out_features": 8, "in_features": 32}}}},
+     "\"file\" must name the tensor file"),
+    ({"fft_linear": {"file": "c.safetensors", "layers": {"fc": {"in_features": 64, "out_features": 64, "block_size": 16,
+                                                               "k": "4", "rel_error": 0.01}}}},
+     "layer 'fc': 'k' must be a positive integer, got '4'"),
+])
+def test_malformed_plan_sections_are_errors_naming_the_field(tmp_path, section, fragment):
+    """A section its pass would trip over (a missing or wrong-typed field) is an error when the
+    options are read, not a pass that fails inside torch.compile and is skipped."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"graphopt_plan": 1, **section}))
+    with pytest.raises(ValueError, match="graphopt plan") as info:
+        GraphOptConfig.from_options({"plan": str(path)}, environ={})
+    assert fragment in str(info.value)
+
+
+def test_well_formed_plan_sections_pass_the_check(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"graphopt_plan": 1, "sparse_attention": {"l1": 0.06, "layers": {
+        "m.attn": _sparse_layer(), "m.attn2": _sparse_layer(dense="drop")}},
+        "fp4_linear": {"file": "w.safetensors", "layers": {"fc": {"format": "nvfp4", "out_features": 8, "in_features": 32}}},
+        "fft_linear": {"file": "c.safetensors", "layers": {"fc": {"in_features": 64, "out_features": 64, "block_size": 16,
+                                                                 "k": 4, "rel_error": 0.01, "note": "extra fields pass"}}}}))
+    assert GraphOptConfig.from_options({"plan": str(path)}, environ={}).plan == str(path)
 
 
 def test_tensorrt_downstream_without_the_extra_names_it():
