@@ -118,6 +118,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
     from graphopt.models import build
     from graphopt.onnx_export import export_onnx
 
@@ -126,8 +128,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         if "=" not in item:
             raise ValueError(f"--onnx-form {item!r}: expected OP=FORM, e.g. graphopt::fp4_linear=runnable")
     forms = dict(item.split("=", 1) for item in args.onnx_form)
+    dims = {}
+    for item in filter(None, (args.dynamic or "").split(",")):
+        dim, _, name = item.partition("=")
+        if not dim.strip().lstrip("-").isdigit() or not name.strip():
+            raise ValueError(f"--dynamic {args.dynamic!r}: expected DIM=NAME[,DIM=NAME], e.g. 0=batch,1=seq")
+        dims[int(dim)] = name.strip()
     model, inputs = build(args.model, seq_len=args.seq_len, batch=args.batch, device=args.device or "cpu")
-    path = export_onnx(model, inputs, args.out, onnx_forms=forms or None, **options)
+    # the named dims of every tensor input that has them
+    axes = {i: {d: n for d, n in dims.items() if -t.dim() <= d < t.dim()} for i, t in enumerate(inputs)
+            if isinstance(t, torch.Tensor)} if dims else None
+    path = export_onnx(model, inputs, args.out, onnx_forms=forms or None, dynamic_axes=axes, **options)
     print(f"wrote {path}")
     return 0
 
@@ -170,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="model.onnx")
     p.add_argument("--onnx-form", action="append", default=[], metavar="OP=FORM",
                    help="alternative ONNX form of an op, e.g. graphopt::fp4_linear=runnable")
+    p.add_argument("--dynamic", default=None, metavar="DIM=NAME[,DIM=NAME]",
+                   help="dims of every input to keep symbolic in the ONNX model, e.g. 0=batch,1=seq "
+                        "(the example's size there must be >= 2)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("calibrate", help="measure this GPU's ceilings for the cost model")

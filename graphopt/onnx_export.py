@@ -9,14 +9,21 @@ chosen per op with `onnx_forms={"graphopt::fp4_linear": "runnable"}`.
 
 The model is checked with `onnx.checker`, and its IR version is lowered to the smallest one its
 opsets need, since onnxruntime (1.31) loads IR versions up to 13 while onnx 1.23 writes 14.
+
+Shapes are those of the example inputs unless `dynamic_axes` names dims to keep symbolic, e.g.
+`dynamic_axes={0: {0: "batch", 1: "seq"}, 1: {0: "batch", 1: "seq"}}` for (input_ids,
+attention_mask): Dynamo then captures those dims as symbols, the passes see symbolic shapes (those
+that need static ones decline, with the reason), and the ONNX inputs carry the names. The graph
+inputs take the names of the model's forward parameters.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -76,28 +83,112 @@ def _load_pass_modules() -> None:
 class _RewrittenModule(torch.nn.Module):
     """The rewritten graph, with parameters and buffers held as module state (ONNX initializers)."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list, user_positions: dict[int, int]):
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, user_positions: dict[int, int],
+                 size_sources: dict[int, tuple[int, int]] | None = None):
         super().__init__()
         self.gm = gm
         self.user_positions = user_positions
+        self.size_sources = size_sources or {}
         self.n_inputs = len(example_inputs)
         for i, value in enumerate(example_inputs):
-            if i not in user_positions:
+            if i not in user_positions and i not in self.size_sources:
                 self.register_buffer(f"state_{i}", value.detach() if isinstance(value, torch.Tensor) else value)
 
-    def forward(self, *user_inputs):
+    def _graph_input(self, i: int, user_inputs: tuple):
         # user_positions maps a graph placeholder to the user's argument: Dynamo orders
-        # placeholders by first use, not by the order of the forward's arguments.
-        args = [user_inputs[self.user_positions[i]] if i in self.user_positions else getattr(self, f"state_{i}")
-                for i in range(self.n_inputs)]
-        out = self.gm(*args)
+        # placeholders by first use, not by the order of the forward's arguments. A symbolic
+        # size placeholder is read off the user's tensor it came from.
+        if i in self.user_positions:
+            return user_inputs[self.user_positions[i]]
+        if i in self.size_sources:
+            position, dim = self.size_sources[i]
+            return user_inputs[position].shape[dim]
+        return getattr(self, f"state_{i}")
+
+    def forward(self, *user_inputs):
+        out = self.gm(*[self._graph_input(i, user_inputs) for i in range(self.n_inputs)])
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
 
 
-def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, **options) -> tuple[_RewrittenModule, list]:
-    """Capture `model` as one graph, run graphopt's passes, and return it as a plain module."""
+def _check_dynamic_axes(dynamic_axes, example_inputs: tuple) -> dict[int, dict[int, str]]:
+    """{input position: {dim: name}} from a mapping or a sequence aligned with the inputs."""
+    if dynamic_axes is None:
+        return {}
+    if isinstance(dynamic_axes, Mapping):
+        items = dict(dynamic_axes)
+    elif isinstance(dynamic_axes, Sequence) and not isinstance(dynamic_axes, str):
+        items = {i: axes for i, axes in enumerate(dynamic_axes) if axes}
+    else:
+        raise ValueError("dynamic_axes must map input positions to {dim: name}, e.g. {0: {0: 'batch', 1: 'seq'}}, "
+                         f"or be a sequence of such dicts aligned with the inputs; got {dynamic_axes!r}")
+    checked: dict[int, dict[int, str]] = {}
+    for position, axes in items.items():
+        if not isinstance(position, int) or not 0 <= position < len(example_inputs) \
+                or not isinstance(example_inputs[position], torch.Tensor):
+            tensors = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)]
+            raise ValueError(f"dynamic_axes: {position!r} is not the position of a tensor input; "
+                             f"valid choices: {', '.join(map(str, tensors))}")
+        example = example_inputs[position]
+        if not isinstance(axes, Mapping):
+            raise ValueError(f"dynamic_axes[{position}] must map dims to names, e.g. {{0: 'batch'}}; got {axes!r}")
+        for dim, name in axes.items():
+            if not isinstance(dim, int) or not -example.dim() <= dim < example.dim():
+                raise ValueError(f"dynamic_axes[{position}]: dim {dim!r} is not a dim of input {position} "
+                                 f"(shape {tuple(example.shape)}); valid choices: {', '.join(map(str, range(example.dim())))}")
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"dynamic_axes[{position}][{dim}]: the name {name!r} must be a Python identifier, "
+                                 "e.g. 'batch'")
+            if example.shape[dim] < 2:
+                raise ValueError(f"dynamic_axes[{position}][{dim}] ({name!r}): the example input has size "
+                                 f"{example.shape[dim]} there; Dynamo fixes sizes 0 and 1, so give an example of size >= 2")
+        checked[position] = {dim % example.dim(): name for dim, name in axes.items()}
+    return checked
+
+
+def _size_sources(gm: fx.GraphModule, positions: dict[int, int]) -> dict[int, tuple[int, int]]:
+    """For each symbolic-size placeholder of a dynamic capture, the (user input, dim) it is the
+    size of (Dynamo passes free size symbols as graph inputs of their own)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    dims: dict[str, tuple[int, int]] = {}
+    for i, node in enumerate(placeholders):
+        value = node.meta.get("example_value")
+        if i in positions and isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt):
+                    dims.setdefault(str(size.node.expr), (positions[i], dim))
+    sources = {}
+    for i, node in enumerate(placeholders):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            if str(value.node.expr) not in dims:
+                raise ValueError(f"dynamic export: graph input {node.name} ({value}) is not the size of a dim of "
+                                 "an input, so the exported model could not compute it")
+            sources[i] = dims[str(value.node.expr)]
+    return sources
+
+
+def _fixes_a_dynamic_size(exc: BaseException) -> bool:
+    """Whether Dynamo failed because the model's code fixed a size marked dynamic (a constraint
+    violation, possibly wrapped by the compile call)."""
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ConstraintViolationError) or str(exc).startswith("Constraints violated"):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, *, dynamic_axes=None,
+                      **options) -> tuple[_RewrittenModule, list]:
+    """Capture `model` as one graph, run graphopt's passes, and return it as a plain module.
+    dynamic_axes: {input position: {dim: name}}, the dims captured as symbols (see the module
+    docstring)."""
     config = GraphOptConfig.from_options(options)
     hardware = get_spec(config.target, example_inputs)
+    axes = _check_dynamic_axes(dynamic_axes, example_inputs)
     captured: dict[str, Any] = {}
 
     def capture(gm: fx.GraphModule, inputs: list, **_):
@@ -107,13 +198,36 @@ def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, **options) 
         captured.update(gm=gm, inputs=list(inputs), decisions=ctx.decisions)
         return gm.forward
 
+    # aliases carry the dynamic marks, so the caller's tensors are left as they were
+    inputs = tuple(t.detach() if isinstance(t, torch.Tensor) and i in axes else t for i, t in enumerate(example_inputs))
+    for position, dims in axes.items():
+        torch._dynamo.mark_dynamic(inputs[position], list(dims))
     torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=capture, fullgraph=True)(*example_inputs)
-    torch._dynamo.reset()
-    user_index = {id(t): j for j, t in enumerate(example_inputs)}
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=capture, fullgraph=True)(*inputs)
+    except Exception as exc:
+        if axes and _fixes_a_dynamic_size(exc):
+            raise ValueError(f"dynamic_axes {axes}: the model's code fixes one of these sizes (it branches on it or "
+                             f"checks it), so it cannot stay symbolic: {exc}") from exc
+        raise
+    finally:
+        torch._dynamo.reset()
+    user_index = {id(t): j for j, t in enumerate(inputs)}
     positions = {i: user_index[id(t)] for i, t in enumerate(captured["inputs"]) if id(t) in user_index}
-    return _RewrittenModule(captured["gm"], captured["inputs"], positions).eval(), captured["decisions"]
+    sources = _size_sources(captured["gm"], positions) if axes else {}
+    return _RewrittenModule(captured["gm"], captured["inputs"], positions, sources).eval(), captured["decisions"]
+
+
+def _input_names(model: torch.nn.Module, count: int) -> list[str] | None:
+    """The names of the model's first `count` forward parameters, or None (e.g. *args)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in params[:count] if p.kind in positional]
+    return names if len(names) == count else None
 
 
 def export_onnx(
@@ -123,23 +237,45 @@ def export_onnx(
     *,
     onnx_forms: dict[str, str] | None = None,
     opset: int = DEFAULT_OPSET,
+    dynamic_axes: Mapping[int, Mapping[int, str]] | Sequence | None = None,
     **options,
 ) -> Path:
-    """Run graphopt's passes on `model` and write the rewritten graph to `path` as ONNX."""
+    """Run graphopt's passes on `model` and write the rewritten graph to `path` as ONNX.
+    dynamic_axes: {input position: {dim: name}} to keep symbolic (see the module docstring);
+    equal names are one size."""
     import onnx
 
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
     # The exported graph runs in an ONNX runtime, not through graphopt's ops: their Python launch
     # path is not paid, so the cost model prices GPU time only (unless the caller says otherwise).
     options.setdefault("graph_replay", True)
-    rewritten, _ = capture_rewritten(model, tuple(example_inputs), **options)
+    axes = _check_dynamic_axes(dynamic_axes, example_inputs)
+    rewritten, _ = capture_rewritten(model, example_inputs, dynamic_axes=axes, **options)
     table = translation_table(onnx_forms)
     path = Path(path)
+    dynamic_shapes = None
+    if axes:
+        from torch.export import Dim
+
+        dims = {name: Dim(name) for per_input in axes.values() for name in per_input.values()}
+        # one entry for forward's *user_inputs: a {dim: Dim} per input (None: static)
+        dynamic_shapes = (tuple({d: dims[n] for d, n in axes[i].items()} if i in axes else None
+                                for i in range(len(example_inputs))),)
     program = torch.onnx.export(
-        rewritten, tuple(example_inputs), dynamo=True, opset_version=opset,
-        custom_translation_table=table, external_data=False, optimize=True,
+        rewritten, example_inputs, dynamo=True, opset_version=opset, input_names=_input_names(model, len(example_inputs)),
+        custom_translation_table=table, external_data=False, optimize=not axes, dynamic_shapes=dynamic_shapes,
     )
+    if axes:
+        # Constant folding and clean-up only: onnxscript 0.7's opset-23 fusions rewrite a rotary
+        # embedding into a RotaryEmbedding whose cos/sin caches keep batch 1 under a symbolic
+        # batch, which onnxruntime (1.32) rejects at run time.
+        import onnxscript.optimizer
+
+        clean_up = getattr(onnxscript.optimizer, "optimize_ir", None)
+        if clean_up is not None:
+            clean_up(program.model)
     proto = program.model_proto
     needed = onnx.helper.find_min_ir_version_for(list(proto.opset_import), ignore_unknown=True)
     proto.ir_version = max(min(proto.ir_version, MAX_IR_VERSION), needed)

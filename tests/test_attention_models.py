@@ -155,18 +155,8 @@ def test_bert_onnx_export_uses_standard_attention(tmp_path):
 
     model, n_attention = build("bert")
     ids, mask = inputs("bert")
-
-    class IdsFirst(torch.nn.Module):
-        # Works around graphopt.export_onnx mapping user inputs to graph placeholders by position:
-        # Dynamo orders placeholders by first use, and BERT reads attention_mask before input_ids.
-        def __init__(self):
-            super().__init__()
-            self.inner = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.inner(input_ids.clone(), attention_mask)
-
-    path = graphopt.export_onnx(IdsFirst(), (ids, mask), tmp_path / "bert.onnx")
+    # BERT reads attention_mask before input_ids: Dynamo's placeholders are not in argument order
+    path = graphopt.export_onnx(model, (ids, mask), tmp_path / "bert.onnx")
     graph = onnx.load(str(path)).graph
     assert sum(n.op_type == "Attention" for n in graph.node) == n_attention
     assert not any(n.op_type == "Softmax" for n in graph.node)

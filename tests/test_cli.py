@@ -44,6 +44,18 @@ def test_export_onnx_form_needs_op_equals_form(tmp_path, capsys):
     assert "expected OP=FORM" in capsys.readouterr().err
 
 
+def test_export_with_dynamic_dims(tmp_path, capsys):
+    import onnx
+
+    out = tmp_path / "m.onnx"
+    assert main(["export", "--model", "tiny-llama", "--seq-len", "16", "--batch", "2", "--device", "cpu",
+                 "--dynamic", "0=batch,1=seq", "--out", str(out)]) == 0
+    dims = [[d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in onnx.load(str(out)).graph.input]
+    assert all(d[:2] == ["batch", "seq"] for d in dims), dims
+    assert main(["export", "--dynamic", "batch", "--out", str(out)]) == 2
+    assert "expected DIM=NAME" in capsys.readouterr().err
+
+
 def test_ablate_writes_table_json_and_plot(tmp_path, capsys):
     code = main(["ablate", "--model", "tiny-llama", "--seq-len", "16", "--passes", "attention",
                  "--downstream", "eager", "--rep-ms", "20", "--out", str(tmp_path)])
