@@ -1,13 +1,14 @@
 """A/B of the block-sparse attention kernel against an earlier version of its module, in one process.
 
     git show <commit>:graphopt/kernels/sparse_attention.py > /tmp/sparse_baseline.py
-    python bench/sparse_kernel_ab.py --baseline /tmp/sparse_baseline.py [--fixed-config]
+    python bench/sparse_kernel_ab.py --baseline /tmp/sparse_baseline.py [more.py ...] [--fixed-config] [--heads 32]
 
 Timing two versions in separate benchmark runs compares machines as much as kernels: the H100 runs
 of session 12 moved by up to 8% between machines on unchanged rows. Here both modules run in one
 process on the same masks (bench/common.random_block_mask, at 50% and 25% density, causal and
-not, L = 8k and 16k, bf16, B=1, H=16, D=128), timed interleaved over 9 rounds with cuDNN dense,
-the starting variant rotating from round to round (bench.common.interleaved_ms), medians reported.
+not, L = 8k and 16k, bf16, B=1, H=16 (--heads), D=128), timed interleaved over 9 rounds with cuDNN
+dense, the starting variant rotating from round to round (bench.common.interleaved_ms), medians
+reported. Several baselines may be given; each gets its own columns.
 
 Each module autotunes on its own, so by default the two may pick different configs; with
 --fixed-config both run the single loop at 4 warps and 2 stages (the config the tuner picked for
@@ -45,38 +46,42 @@ def load_module(path: str):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", required=True, help="path of the earlier sparse_attention.py")
+    parser.add_argument("--baseline", required=True, nargs="+", help="path(s) of earlier sparse_attention.py versions")
+    parser.add_argument("--heads", type=int, default=HEADS)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--fixed-config", action="store_true", help="both modules run FIXED_CONFIG, no autotuning")
     parser.add_argument("--lengths", default="8192,16384")
     args = parser.parse_args()
-    baseline = load_module(args.baseline)
+    baselines = {("baseline" if i == 0 else f"baseline{i + 1}"): load_module(path) for i, path in enumerate(args.baseline)}
     config = FIXED_CONFIG if args.fixed_config else None
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
     for length in [int(x) for x in args.lengths.split(",")]:
-        q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(1, args.heads, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for causal in (False, True):
             for density in (0.5, 0.25):
-                mask128 = random_block_mask(HEADS, length, density, causal, seed=3, block=current.BLOCK_M)
+                mask128 = random_block_mask(args.heads, length, density, causal, seed=3, block=current.BLOCK_M)
                 lut, counts = current.block_mask_to_lut(split_key_blocks(mask128, length, current.BLOCK_M,
                                                                          current.BLOCK_N).cuda())
 
                 def run(module, causal=causal, lut=lut, counts=counts):
                     return lambda: module.block_sparse_attention(q, k, v, lut, counts, is_causal=causal, config=config)
-                fns = {"baseline": run(baseline), "current": run(current),
+                fns = {**{name: run(module) for name, module in baselines.items()}, "current": run(current),
                        "cudnn": lambda causal=causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
-                diff = (fns["baseline"]().float() - fns["current"]().float()).abs().max().item()
+                current_out = fns["current"]().float()
+                diffs = {f"max_abs_diff_{name}": (fns[name]().float() - current_out).abs().max().item() for name in baselines}
                 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                    times = interleaved_ms(fns, rounds=9, rotate=True)
+                    times = interleaved_ms(fns, rounds=args.rounds, rotate=True)
                 ms = {name: statistics.median(t) for name, t in times.items()}
-                rows.append({"L": length, "causal": causal, "density": density, **{f"{n}_ms": round(t, 4) for n, t in ms.items()},
-                             "current_vs_baseline": round(ms["baseline"] / ms["current"], 3),
-                             "baseline_vs_cudnn": round(ms["cudnn"] / ms["baseline"], 3),
-                             "current_vs_cudnn": round(ms["cudnn"] / ms["current"], 3),
-                             "max_abs_diff": diff})
+                row = {"L": length, "causal": causal, "density": density, **{f"{n}_ms": round(t, 4) for n, t in ms.items()}}
+                for name in baselines:
+                    row[f"current_vs_{name}"] = round(ms[name] / ms["current"], 3)
+                    row[f"{name}_vs_cudnn"] = round(ms["cudnn"] / ms[name], 3)
+                row["current_vs_cudnn"] = round(ms["cudnn"] / ms["current"], 3)
+                rows.append({**row, **diffs})
                 print(rows[-1], flush=True)
-    write_json("sparse_kernel_ab", rows, baseline=args.baseline, fixed_config=config)
+    write_json("sparse_kernel_ab", rows, baseline=args.baseline, fixed_config=config, heads=args.heads)
     print_table("sparse kernel A/B, one process, interleaved (speedups: > 1 is current faster)", rows)
     return 0
 

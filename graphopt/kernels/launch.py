@@ -11,8 +11,8 @@ for a `triton.autotune` kernel once its autotuner has chosen a config for the ca
 autotuner's own call path (its key, then the JIT launch) costs as much host time again.
 
 The key is a superset of what Triton specializes on: per tensor its dtype and whether its address
-is 16-byte aligned; every other argument, constexpr and launch option by value; the kernel; the
-current device. Two calls with equal keys would get the same compiled kernel from the JIT.
+is 16-byte aligned; per host-side tensor descriptor its dtype, shape, strides and block shape;
+every other argument, constexpr and launch option by value; the kernel; the current device. Two calls with equal keys would get the same compiled kernel from the JIT.
 Under TRITON_INTERPRET=1 (no compiled kernel exists), for a kernel that is not a plain
 `@triton.jit` function (an autotuner), and where the first launch returns no compiled kernel or an
 argument cannot be keyed, this is the plain JIT launch; GRAPHOPT_DIRECT_LAUNCH=0 (or DIRECT = False)
@@ -30,6 +30,10 @@ try:
     from triton.runtime.jit import JITFunction
 except ImportError:  # pragma: no cover - the CPU references work without Triton
     JITFunction = ()
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - a Triton without host-side tensor descriptors
+    TensorDescriptor = ()
 
 DIRECT = os.environ.get("GRAPHOPT_DIRECT_LAUNCH", "1") != "0"
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so the mode is fixed at import.
@@ -49,12 +53,22 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _descriptor_key(d) -> tuple:
+    """A host-side tensor descriptor's part of a launch key. Triton specializes on its dtype and
+    block shape (and padding); shape and strides are launch-time values, keyed too so the key
+    stays a superset whatever a Triton version reads from them."""
+    return (TensorDescriptor, d.base.dtype, tuple(d.shape), tuple(d.strides), tuple(d.block_shape),
+            getattr(d, "padding", None), getattr(d, "round_f32_to_tf32", None))
+
+
 def _launch_key(kernel, device: int, args: tuple, meta: dict) -> tuple:
     """What fixes the compiled kernel of a launch: the kernel, the device, constexprs and launch
-    options by value, per tensor argument its dtype and 16-byte alignment, other arguments by
-    value (one comprehension, no call per argument: this runs on every launch)."""
+    options by value, per tensor argument its dtype and 16-byte alignment, per host tensor
+    descriptor `_descriptor_key`, other arguments by value (one comprehension, no call per
+    tensor: this runs on every launch)."""
     return (id(kernel), device, *meta.items(),
-            *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
+            *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+              else _descriptor_key(a) if isinstance(a, TensorDescriptor) else a for a in args])
 
 
 def _trailing_values(kernel, positional: int, meta: dict) -> tuple | None:

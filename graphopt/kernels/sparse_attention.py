@@ -77,7 +77,7 @@ except ImportError:  # pragma: no cover - triton ships with torch on every suppo
     tl = None
 
 from graphopt.hardware import compute_capability
-from graphopt.kernels.launch import INTERPRET, cdiv
+from graphopt.kernels.launch import INTERPRET, cdiv, launch, launch_tuned
 from graphopt.kernels.tile_order import causal_head_group
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -331,7 +331,6 @@ def reference_sparse_attention(
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
 PREDICTOR_ROWS = 16  # query blocks per program of the LUT kernel (the pooled-score dot needs >= 16)
-
 
 
 def _attention_configs():
@@ -656,6 +655,12 @@ if triton is not None:
         row = pid_bh * N_Q_BLOCKS + pid_m
         lut_row = lut_ptr + row.to(tl.int64) * N_K_BLOCKS
         count = tl.load(count_ptr + row)
+        # The list's first entry, read before Q's load, which waits in place: the first K/V loads
+        # wait on the pipeliner's own read of this entry, issued after Q arrives, and that read
+        # then hits L1 instead of making a trip to memory of its own. (The select keeps the read:
+        # entries are never negative.)
+        first_entry = tl.load(lut_row)
+        count = tl.where(first_entry < 0, 0, count)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -663,15 +668,24 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        n_masked = _masked_suffix_length(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        if IS_CAUSAL or PARTIAL_KEYS:
+            n_masked = _masked_suffix_length(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        else:
+            n_masked = 0  # whole key blocks, no causal mask: nothing to mask, and no read of the list's end
         n_plain = tl.maximum(count - n_masked, 0)
         if IS_CAUSAL or PARTIAL_KEYS:
             # The masked suffix first, in a loop of its own (at most BLOCK_M // BLOCK_N + 1 tiles):
             # pipelined, so a tile's K and V loads are in flight together and the next tile's load
             # overlaps this one. As straight-line code each load waited on its own, K then V, tile
-            # after tile (1-4% slower on the H100's causal rows, session 12).
-            for j in tl.range(n_plain, count, num_stages=2):
-                start_n = tl.load(lut_row + j) * BLOCK_N
+            # after tile (1-4% slower on the H100's causal rows, session 12). The suffix's blocks
+            # are known without the list (under causality the blocks the diagonal crosses, which
+            # the list must hold; else the partial last block), so its first loads wait on Q only.
+            if IS_CAUSAL:
+                first_masked = (pid_m * BLOCK_M + 1) // BLOCK_N
+            else:
+                first_masked = N_K_BLOCKS - 1
+            for j in tl.range(0, n_masked, num_stages=2):
+                start_n = (first_masked + j) * BLOCK_N
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, kv_row0, offs_m, offs_n, offs_d, 0.0,
                     stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, True, IS_CAUSAL, False,
@@ -1532,12 +1546,14 @@ def block_sparse_attention(
                          "valid choice here: HOST_DESCRIPTORS=0")
     args += _host_descriptors(q, k, v, out, block_m, block_n) if host_descriptors else (None,) * 4
     meta["HOST_DESCRIPTORS"] = host_descriptors
+    # through the compiled kernel once a call with the same key has compiled (or tuned) it: the
+    # JIT's launch path re-derives the specialization of 33 arguments on every call
     if config is None:
-        _sparse_attention_kernel_tuned[grid](*args, **meta)
+        launch_tuned(_sparse_attention_kernel_tuned, lambda _meta: grid, *args, **meta)
     else:
-        _sparse_attention_kernel[grid](*args, **meta, PREFETCH_INDEX=int(config.get("PREFETCH_INDEX", 1)), USE_TMA=use_tma,
-                                       PAIR_BLOCKS=int(config.get("PAIR_BLOCKS", 0)), SINGLE_LOOP=single_loop,
-                                       num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 3))
+        launch(_sparse_attention_kernel, grid, *args, **meta, PREFETCH_INDEX=int(config.get("PREFETCH_INDEX", 1)),
+               USE_TMA=use_tma, PAIR_BLOCKS=int(config.get("PAIR_BLOCKS", 0)), SINGLE_LOOP=single_loop,
+               num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 3))
     return out
 
 

@@ -68,6 +68,21 @@ def test_key_records_dtype_and_alignment():
     assert key(t, 7, BLOCK=64) != key(t, 7, BLOCK=128) != key(t, 8, BLOCK=128)
 
 
+def test_key_records_host_descriptors():
+    # a host-side tensor descriptor (unhashable itself) counts by dtype, shape, strides and block
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def key(x, block):
+        return _launch_key(_axpb_kernel, 0, (TensorDescriptor(x, list(x.shape), list(x.stride()), block),), {})
+
+    x = torch.randn(256, 64, dtype=torch.bfloat16)
+    assert hash(key(x, [64, 64])) == hash(key(x.clone(), [64, 64]))  # another tensor, same kernel
+    assert key(x, [64, 64]) == key(x.clone(), [64, 64])
+    assert key(x, [128, 64]) != key(x, [64, 64])  # Triton specializes on the block shape
+    assert key(x.half(), [64, 64]) != key(x, [64, 64])  # and on the dtype
+    assert key(x[:128], [64, 64]) != key(x, [64, 64])  # shapes and strides are keyed too
+
+
 def test_trailing_values_in_signature_order():
     kernel = JITFunction(_axpb_kernel.fn)  # the plain JIT object, also under the interpreter
     assert _trailing_values(kernel, 4, {"BLOCK": 64}) == (64, False)  # ADD_ONE from its default

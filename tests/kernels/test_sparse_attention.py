@@ -409,6 +409,34 @@ def test_single_loop_host_and_device_descriptors(is_causal):
     torch.testing.assert_close(out, sa.block_sparse_attention_reference(q_t, k, v, mask, is_causal=is_causal), **FP32_TOL)
 
 
+@pytest.mark.gpu
+def test_autotuned_kernel_launches_directly_once_tuned():
+    # after the first call tunes it, a call with the same shapes (fresh data, fresh host
+    # descriptors) launches the chosen config's compiled kernel without the autotuner
+    B, H, L, D = 1, 2, 512, 64
+    n_q, n_k = L // sa.BLOCK_M, L // sa.BLOCK_N
+    mask = (torch.rand(B, H, n_q, n_k, generator=torch.Generator().manual_seed(9)) < 0.6).to(DEVICE)
+    lut, counts = sa.block_mask_to_lut(mask)
+
+    def inputs(seed):
+        return on_device(*(randn(B, H, L, D, seed=seed + i, dtype=torch.bfloat16) for i in range(3)))
+
+    sa.block_sparse_attention(*inputs(90), lut, counts)
+    tuner = sa._sparse_attention_kernel_tuned
+
+    def autotuner_called(*args, **kwargs):
+        raise AssertionError("the autotuner's call path was taken for a known launch key")
+
+    tuner.run = autotuner_called
+    try:
+        q, k, v = inputs(93)
+        out = sa.block_sparse_attention(q, k, v, lut, counts)
+    finally:
+        del tuner.run
+    ref = sa.block_sparse_attention_reference(q, k, v, mask)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_host_descriptors_config_names_its_conditions():
     # a length that is not a whole number of query blocks cannot use descriptors over all heads' rows
     q, k, v = on_device(*(randn(1, 2, 200, 32, seed=s) for s in (84, 85, 86)))
