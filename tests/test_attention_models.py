@@ -163,3 +163,20 @@ def test_bert_onnx_export_uses_standard_attention(tmp_path):
     (out,) = run_onnxruntime(path, ids, mask)
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(out), model(ids, mask), atol=1e-3, rtol=0)
+
+
+def test_softcapped_attention_is_declined_with_the_reason():
+    # Gemma 2 soft-caps the scores (cap * tanh(s / cap)) before the mask and softmax: recognized as
+    # attention, declined with that reason, and the model's output is unchanged
+    torch.manual_seed(0)
+    config = T.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0, sliding_window=8,
+                            vocab_size=97)
+    model = Logits(T.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval(), use_cache=False)
+    (ids,) = inputs("llama")
+    report = graphopt.explain(model, ids, downstream="eager")
+    declined = [d for d in report.decisions if d.pass_name == "attention"]
+    assert len(declined) == 2 and not any(d.applied for d in declined)
+    assert all("soft-capping" in d.reason for d in declined)
+    with torch.no_grad():
+        torch.testing.assert_close(report.output, model(ids), atol=1e-5, rtol=0)

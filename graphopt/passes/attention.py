@@ -442,6 +442,10 @@ def _walk_up(ctx: PassContext, match: AttentionMatch) -> None:
             match.nodes.extend(chain)
             _match_qk(ctx, match, node)
             return
+        if kind == "tanh":
+            match.reason = ("logit soft-capping (cap * tanh(scores / cap) between QK^T and softmax, as in Gemma 2): "
+                            "no attention kernel here takes it (SDPA has no soft-capping); left as is")
+            return
         match.reason = f"scores come from {node.name} ({kind}), not a QK^T matmul"
         return
     match.reason = "softmax input is not a graph value"
@@ -457,6 +461,8 @@ def _on_scores_path(node: Any, depth: int = 0) -> bool:
     if _is_matmul(node):
         return True
     kind = canonical(node)
+    if kind == "tanh":  # soft-capped scores (recognized as attention, then declined with the reason)
+        return bool(node.args) and _on_scores_path(node.args[0], depth + 1)
     if kind in _CASTS or kind in ("mul", "div", "add", "sub", "masked_fill"):
         return _on_scores_path(node.args[0], depth + 1) or (
             kind in ("mul", "add") and len(node.args) > 1 and _on_scores_path(node.args[1], depth + 1))

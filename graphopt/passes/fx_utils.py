@@ -28,7 +28,7 @@ _FUNCTIONS: dict[Any, str] = {
     F.dropout: "dropout", torch.dropout: "dropout", torch.nn.functional.linear: "linear",
     torch._C._nn.linear: "linear", torch.addmm: "addmm", torch.unsqueeze: "unsqueeze",
     torch.repeat_interleave: "repeat_interleave", F.scaled_dot_product_attention: "sdpa",
-    operator.getitem: "getitem", torch.flatten: "flatten", torch.cat: "cat",
+    operator.getitem: "getitem", torch.flatten: "flatten", torch.cat: "cat", torch.tanh: "tanh",
 }
 # Method names that are already canonical, or map to a canonical name.
 _METHODS: dict[str, str] = {
@@ -38,7 +38,7 @@ _METHODS: dict[str, str] = {
     "bfloat16": "bfloat16", "type_as": "type_as", "type": "to", "masked_fill": "masked_fill",
     "masked_fill_": "masked_fill", "unsqueeze": "unsqueeze", "t": "t", "mT": "mT",
     "repeat_interleave": "repeat_interleave", "size": "size", "flatten": "flatten", "__getitem__": "getitem",
-    "neg": "neg", "mul_": "mul", "div_": "div", "add_": "add",
+    "neg": "neg", "mul_": "mul", "div_": "div", "add_": "add", "tanh": "tanh",
 }
 
 
