@@ -153,6 +153,18 @@ def chain(name: str, *parts: Estimate) -> Estimate:
 # priced alike. Where a call's GPU work is shorter than its host path, the host path sets the pace
 # of a stream of such calls (unless they replay from a CUDA graph).
 ATTENTION_OP_HOST_LAUNCHES = {"sdpa": 7.5, "triton": 7.5}
+# graphopt::fp4_linear and graphopt::q4_linear (torch.library ops without an autograd layer, their
+# kernels launched through graphopt.kernels.launch): 40.7-55.5 and 39.9-42.7 us per one-token call
+# on the H100 host of session 22 (bench/tools/probe_op_host_ab.py). That run did not time the
+# one-kernel torch op; session 21's host measured it at 11.8 us, which puts these at 3.4-4.7 units
+# (hosts differed by up to 2x between calls). Priced at the low end: a plain linear costs Inductor's
+# wrapper about one unit, so a layer whose quantized GPU work is shorter than this is not worth the
+# rewrite in a step called directly (it is, replayed from a CUDA graph).
+QUANT_LINEAR_OP_HOST_LAUNCHES = 3.5
+# Named in an estimate paced by a quantized-linear op's host path: what to set when the step
+# replays from a CUDA graph, where that path is not paid per call.
+HOST_PATH_NOTE = ("graphopt::{op}'s host launch path, longer than its GPU work here; "
+                  "cuda_graphs=True or graph_replay=True prices GPU time only")
 
 
 def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) -> Estimate:

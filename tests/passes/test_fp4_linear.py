@@ -116,6 +116,19 @@ def test_gpu_target_rewrites_large_decode_layers_and_declines_tiny_ones_unless_f
     assert forced.output.dtype == torch.bfloat16 and forced.output.shape == (1, 16)
 
 
+def test_host_launch_path_is_priced_unless_the_step_replays_from_a_cuda_graph():
+    # one token through a 2048 x 2048 layer: the FP4 GPU work is shorter than the op's host path
+    # (cost_model.QUANT_LINEAR_OP_HOST_LAUNCHES), so called directly there is no win
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048, bias=False)).eval().to(torch.bfloat16)
+    x = torch.randn(1, 2048, dtype=torch.bfloat16)
+    options = dict(passes={"fp4_linear": True}, target="h100", downstream="eager")
+    (direct,) = graphopt.explain(model, x, **options).decisions
+    assert not direct.applied and "host launch path" in direct.reason and "graph_replay=True" in direct.reason
+    (replayed,) = graphopt.explain(model, x, graph_replay=True, **options).decisions
+    assert replayed.applied, replayed.reason
+    assert replayed.predicted_ms_after < direct.predicted_ms_after
+
+
 def test_sqnr_budget_declines_with_reason():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
     report = graphopt.explain(model, torch.randn(2, 64), passes={"fp4_linear": True}, force=True,

@@ -169,8 +169,15 @@ def test_cost_model_picks_per_token_count():
 
 def test_auto_declines_dense_at_many_tokens_on_h100():
     model, x = MLP(k=2048, hidden=2048, n=2048).eval(), torch.randn(4096, 2048)
-    ctx_report = capture_rewritten(model, (x[:1],), target="h100", **{k: v for k, v in ON.items() if k != "downstream"})[1]
-    assert all(d.applied for d in ctx_report if d.pass_name == "q4_linear")
+    options = {k: v for k, v in ON.items() if k != "downstream"}
+    one_token = capture_rewritten(model, (x[:1],), target="h100", graph_replay=True, **options)[1]
+    assert all(d.applied for d in one_token if d.pass_name == "q4_linear")
+    # called directly (no CUDA-graph replay), a one-token 2048 x 2048 layer's GPU work is shorter
+    # than the op's host launch path: priced at that, no win
+    direct = capture_rewritten(model, (x[:1],), target="h100", **options)[1]
+    assert not any(d.applied for d in direct if d.pass_name == "q4_linear")
+    assert all("host launch path" in d.reason and "graph_replay=True" in d.reason
+               for d in direct if d.pass_name == "q4_linear")
     many = capture_rewritten(model, (x,), target="h100", passes={"q4_linear": True})[1]
     assert not any(d.applied for d in many if d.pass_name == "q4_linear")
     assert all("no win" in d.reason for d in many if d.pass_name == "q4_linear")
