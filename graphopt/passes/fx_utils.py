@@ -73,13 +73,19 @@ def fake(node: Any) -> Any:
 
 
 def shape(node: Any) -> tuple[int, ...] | None:
+    """A node's static shape, or None where a size is symbolic (a dynamic capture): int() of a
+    SymInt would not fail but install a guard that fixes the size, undoing the dynamic dim."""
     value = fake(node)
-    if isinstance(value, torch.Tensor):
-        try:
-            return tuple(int(s) for s in value.shape)
-        except TypeError:  # symbolic sizes
-            return None
-    return None
+    if not isinstance(value, torch.Tensor):
+        return None
+    sizes = []
+    for size in value.shape:
+        if isinstance(size, torch.SymInt):
+            size = size.node.maybe_as_int()  # a symbol Dynamo already fixed reads as its value
+            if size is None:
+                return None
+        sizes.append(int(size))
+    return tuple(sizes)
 
 
 def dtype(node: Any) -> torch.dtype | None:

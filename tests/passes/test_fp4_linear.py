@@ -351,3 +351,48 @@ def test_linears_reading_a_rewritten_linear_read_its_replacement(fuse):
         h = F.linear(x, roundtrip(model.proj.weight))
         expected = F.linear(h, roundtrip(model.a.weight)) * F.linear(h, roundtrip(model.b.weight))
         torch.testing.assert_close(rewritten(x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_dynamic_token_count_compiles_once_and_keeps_the_rewrite():
+    # dynamic=True: the token count is a symbol. The pass must not read it as an int (that would
+    # install a guard and recompile per length); it costs the layer at one token instead.
+    from graphopt import backend as backend_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32)).eval()
+    compiled = torch.compile(model, backend="graphopt", dynamic=True,
+                             options={"passes": {"fp4_linear": True}, "force": True, "downstream": "eager"})
+    sink = []
+    backend_module._DECISION_SINKS.append(sink)
+    xs = [torch.randn(n, 64) for n in (5, 9, 17)]
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            outs = [compiled(x) for x in xs]
+            refs = [model(x) for x in xs]
+    finally:
+        backend_module._DECISION_SINKS.remove(sink)
+    fp4 = [d for d in sink if d.pass_name == "fp4_linear"]
+    assert len(fp4) == 2 and all(d.applied for d in fp4), [d.reason for d in fp4]  # one compile, both layers
+    assert all("costed at 1 token" in d.reason for d in fp4)
+    for out, ref in zip(outs, refs):  # FP4 weights: close to the float model, not equal
+        assert out.shape == ref.shape
+        assert (out - ref).norm() < 0.25 * ref.norm()
+
+
+def test_onnx_runnable_form_with_a_dynamic_token_count(tmp_path):
+    from graphopt.onnx_export import capture_rewritten, run_onnxruntime
+
+    torch.manual_seed(0)
+    model, x = _Mlp().eval(), torch.randn(2, 3, 256)
+    options = dict(passes={"fp4_linear": True}, force=True, dynamic_axes={0: {0: "batch", 1: "seq"}})
+    path = graphopt.export_onnx(model, (x,), tmp_path / "fp4_dyn.onnx", onnx_forms={"graphopt::fp4_linear": "runnable"},
+                                **options)
+    rewritten, decisions = capture_rewritten(model, (x,), **options)  # the same rewrite, run by PyTorch
+    assert sum(d.applied for d in decisions) == 2
+    for shape in ((3, 5, 256), (1, 2, 256)):  # shapes other than the example's
+        y = torch.randn(*shape)
+        (out,) = run_onnxruntime(path, y)
+        with torch.no_grad():
+            expected = rewritten(y).numpy()
+        np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-4)
