@@ -208,8 +208,8 @@ def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, *, dynamic_
             torch.compile(model, backend=capture, fullgraph=True)(*inputs)
     except Exception as exc:
         if axes and _fixes_a_dynamic_size(exc):
-            raise ValueError(f"dynamic_axes {axes}: the model's code fixes one of these sizes (it branches on it or "
-                             f"checks it), so it cannot stay symbolic: {exc}") from exc
+            raise ValueError(f"dynamic_axes {axes}: one of these sizes was fixed during capture (typically the "
+                             f"model's code branches on it or checks it), so it cannot stay symbolic: {exc}") from exc
         raise
     finally:
         torch._dynamo.reset()

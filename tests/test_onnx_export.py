@@ -79,7 +79,7 @@ class _BranchesOnLength(nn.Module):
 
 
 @pytest.mark.parametrize("axes, fragment", [
-    ({0: {1: "seq"}}, "the model's code fixes one of these sizes"),
+    ({0: {1: "seq"}}, "one of these sizes was fixed during capture (typically the model's code branches on it"),
     ({1: {0: "batch"}}, "1 is not the position of a tensor input; valid choices: 0"),
     ({0: {3: "batch"}}, "dim 3 is not a dim of input 0 (shape (2, 5, 16)); valid choices: 0, 1, 2"),
     ({0: {0: "2b"}}, "must be a Python identifier"),
