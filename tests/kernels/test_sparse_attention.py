@@ -409,6 +409,31 @@ def test_single_loop_host_and_device_descriptors(is_causal):
     torch.testing.assert_close(out, sa.block_sparse_attention_reference(q_t, k, v, mask, is_causal=is_causal), **FP32_TOL)
 
 
+@pytest.mark.parametrize("length", [512, 450])
+def test_single_loop_row_with_no_kept_block_gives_zero(length):
+    # an empty block list (count 0): the single loop reads the list's first entry before Q either
+    # way (an unused slot), runs no tile and writes 0; the other rows are unaffected
+    B, H, L, D = 1, 2, length, 64
+    q, k, v = on_device(*(randn(B, H, L, D, seed=s) for s in (94, 95, 96)))
+    if not sa.tma_loads_supported(q, k, v):
+        pytest.skip("tensor descriptors need a Hopper+ GPU (or the interpreter) and a Triton that has them")
+    n_q, n_k = sa.cdiv(L, sa.BLOCK_M), sa.cdiv(L, sa.BLOCK_N)
+    mask = torch.rand(B, H, n_q, n_k, generator=torch.Generator().manual_seed(10)) < 0.5
+    mask[0, 1, 2] = False  # head 1, query block 2: nothing kept
+    mask[0, 0, 0, -1] = True  # a kept partial last block where L is not a multiple of BLOCK_N
+    mask = mask.to(DEVICE)
+    lut, counts = sa.block_mask_to_lut(mask)
+    config = {"USE_TMA": 1, "SINGLE_LOOP": 1, "num_warps": 4, "num_stages": 1 if DEVICE == "cpu" else 2}
+    out = sa.block_sparse_attention(q, k, v, lut, counts, config=config)
+    ref = sa.block_sparse_attention_reference(q, k, v, mask)
+    empty = slice(2 * sa.BLOCK_M, 3 * sa.BLOCK_M)
+    assert torch.equal(out[0, 1, empty], torch.zeros_like(out[0, 1, empty]))
+    keep = torch.ones(L, dtype=torch.bool)
+    keep[empty] = False
+    torch.testing.assert_close(out[0, 1, keep], ref[0, 1, keep], **FP32_TOL)
+    torch.testing.assert_close(out[0, 0], ref[0, 0], **FP32_TOL)
+
+
 @pytest.mark.gpu
 def test_autotuned_kernel_launches_directly_once_tuned():
     # after the first call tunes it, a call with the same shapes (fresh data, fresh host
