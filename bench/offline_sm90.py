@@ -1,7 +1,7 @@
 """Compile graphopt's Triton kernels for sm_90 (H100/H200) on a machine without a GPU, and report
 registers, stack (spills), shared memory and the instructions of the hot loop.
 
-    python bench/offline_sm90.py sparse [--causal] [--partial-keys] [--host-descriptors] [--stages 2] [--warps 4] [--sequence]
+    python bench/offline_sm90.py sparse [--causal] [--partial-keys] [--host-descriptors] [--stages 2] [--warps 4] [--sequence] [--prologue]
     python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
     python bench/offline_sm90.py q4gemv ROWS BLOCK_N PAIRS WARPS {fused,separate}
     python bench/offline_sm90.py fp4gemv {fma,mma,int} BLOCK_M BLOCK_N BLOCK_K WARPS [--mxfp4]
@@ -9,7 +9,8 @@ registers, stack (spills), shared memory and the instructions of the hot loop.
 
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
 TMA) and prints the SASS instructions per thread of its unmasked tile loop; --sequence prints the order of its TMA loads, barrier waits and MMAs in the TTGIR (how many
-load latencies run one after another). `q4gemm` builds the Q4_0 x Q8_1 tensor-core GEMM with the
+load latencies run one after another); --prologue the global and TMA loads and barrier waits
+before the first MMA, in SASS order (the memory round trips a program makes before its first tile). `q4gemm` builds the Q4_0 x Q8_1 tensor-core GEMM with the
 activations fused (bf16 in) or pre-quantized (Q8_1 blocks in), and prints the innermost loop's
 SASS instructions per thread and the warp-instructions per output element and K value
 (loop instructions x warps / (BLOCK_M x BLOCK_N x 64 x PAIRS)), and per weight value
@@ -95,6 +96,21 @@ def print_word_loop(sass: str, words_per_thread: float) -> None:
               f"weight word; top {top}")
 
 
+def print_prologue(sass: str) -> None:
+    """A program's memory operations and barrier waits before its first warpgroup MMA, in code
+    order: the loads a program waits on, one after another, before its first tile can start."""
+    print("  before the first MMA (global loads, TMA loads, barrier waits):")
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]+)(.*?);", line)
+        if not m:
+            continue
+        address, predicate, op, rest = m.groups()
+        if op.startswith("HGMMA"):
+            break
+        if op.startswith(("LDG", "UTMALDG", "SYNCS.PHASECHK")):
+            print(f"    {address}  {predicate}{op}{rest}")
+
+
 def sparse(args) -> None:
     from graphopt.kernels import sparse_attention as sa
 
@@ -120,6 +136,8 @@ def sparse(args) -> None:
     if tile_loops:
         count, label, top = min(tile_loops)
         print(f"  unmasked tile loop {label}: {count} instructions per thread per tile; top {top}")
+    if args.prologue:
+        print_prologue(sass)
     if args.sequence:
         wanted = r"(ttng\.async_tma_copy_global_to_local|ttng\.wait_barrier|ttng\.warp_group_dot |scf\.for|scf\.if)"
         for line in kernel.asm["ttgir"].splitlines():
@@ -223,6 +241,7 @@ def main() -> int:
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--sequence", action="store_true")
+    p.add_argument("--prologue", action="store_true", help="the loads and waits before the first MMA")
     p = sub.add_parser("q4gemm")
     for name in ("block_m", "block_n", "pairs", "warps", "stages"):
         p.add_argument(name, type=int)
