@@ -115,6 +115,23 @@ def test_masked_fill_finite_keeps_fully_masked_rows_exact():
     assert d.details["bias"] == "float"
 
 
+def test_neg_inf_fully_masked_row_gives_zero_not_nan():
+    # the one documented difference from eager (README): eager softmax over a row of -inf is NaN;
+    # the rewritten attention gives 0 there, and every other row is unchanged
+    q, k, v = qkv()
+    mask = random_mask()
+    mask[1, 0, 3, :] = True
+    report = graphopt.explain(MaskedFill(float("-inf")), q, k, v, mask, downstream="eager", target="cpu")
+    assert report.counts["attention"] == 1
+    with torch.no_grad():
+        eager = MaskedFill(float("-inf"))(q, k, v, mask)
+    assert torch.isnan(eager[1, :, 3]).all() and torch.equal(report.output[1, :, 3], torch.zeros_like(eager[1, :, 3]))
+    rows = torch.ones(L, dtype=torch.bool)
+    rows[3] = False
+    torch.testing.assert_close(report.output[1, :, rows], eager[1, :, rows], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(report.output[0], eager[0], atol=2e-5, rtol=1e-4)
+
+
 class ScaledQuery(nn.Module):
     def forward(self, q, k, v):
         return F.softmax((q * q.shape[-1] ** -0.5) @ k.mT, dim=-1) @ v
