@@ -61,7 +61,8 @@ def test_dynamic_axes_shared_by_two_inputs(tmp_path):
     axes = [{0: "batch", 1: "seq"}, {0: "batch", 1: "seq"}]
     path = graphopt.export_onnx(model, inputs("bert"), tmp_path / "bert.onnx", dynamic_axes=axes)
     graph = onnx.load(str(path)).graph
-    assert [i.name for i in graph.input] == ["input_ids", "attention_mask"]
+    assert [(i.name, [d.dim_param for d in i.type.tensor_type.shape.dim]) for i in graph.input] == \
+        [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"])]
     ids = torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(4))
     mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3, [1] * 2 + [0] * 7])
     (out,) = run_onnxruntime(path, ids, mask)
