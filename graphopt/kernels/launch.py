@@ -12,7 +12,8 @@ autotuner's own call path (its key, then the JIT launch) costs as much host time
 
 The key is a superset of what Triton specializes on: per tensor its dtype and whether its address
 is 16-byte aligned; per host-side tensor descriptor its dtype, shape, strides and block shape;
-every other argument, constexpr and launch option by value; the kernel; the current device. Two calls with equal keys would get the same compiled kernel from the JIT.
+every other argument, constexpr and launch option by value; the kernel; the current device. Two
+calls with equal keys would get the same compiled kernel from the JIT.
 Under TRITON_INTERPRET=1 (no compiled kernel exists), for a kernel that is not a plain
 `@triton.jit` function (an autotuner), and where the first launch returns no compiled kernel or an
 argument cannot be keyed, this is the plain JIT launch; GRAPHOPT_DIRECT_LAUNCH=0 (or DIRECT = False)

@@ -599,18 +599,20 @@ if triton is not None:
         return pid_m, pid_bh, b, h, h // KV_GROUP
 
     @triton.jit
-    def _masked_suffix_length(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-        """Kept blocks are ascending, so the blocks needing a token mask are a suffix of the list:
-        under causality the blocks the diagonal crosses (always kept), else a partial last block."""
+    def _masked_suffix(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+        """(length, first block) of the blocks needing a token mask. Kept blocks are ascending, so
+        these are a suffix of the list, consecutive blocks known without it: under causality the
+        blocks the diagonal crosses (which the list must hold), else a partial last block."""
         if IS_CAUSAL:
-            first_diagonal = (pid_m * BLOCK_M + 1) // BLOCK_N
+            first_masked = (pid_m * BLOCK_M + 1) // BLOCK_N
             last_allowed = (tl.minimum((pid_m + 1) * BLOCK_M, Lq) - 1) // BLOCK_N
-            n_masked = last_allowed - first_diagonal + 1
+            n_masked = last_allowed - first_masked + 1
         else:
+            first_masked = N_K_BLOCKS - 1
             last_block = tl.load(lut_row + tl.maximum(count - 1, 0))
-            n_masked = ((Lk % BLOCK_N != 0) & (last_block == N_K_BLOCKS - 1) & (count > 0)).to(tl.int32)
-        return n_masked
+            n_masked = ((Lk % BLOCK_N != 0) & (last_block == first_masked) & (count > 0)).to(tl.int32)
+        return n_masked, first_masked
 
     @triton.jit
     def _head_descriptor(ptr, b, h, stride_b, stride_h, stride_row, rows, HEAD_DIM: tl.constexpr,
@@ -669,21 +671,19 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if IS_CAUSAL or PARTIAL_KEYS:
-            n_masked = _masked_suffix_length(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M, BLOCK_N, IS_CAUSAL)
+            n_masked, first_masked = _masked_suffix(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M, BLOCK_N,
+                                                    IS_CAUSAL)
         else:
             n_masked = 0  # whole key blocks, no causal mask: nothing to mask, and no read of the list's end
+        # n_plain before the suffix loop: computed after it, the causal build spilled 8 more bytes
+        # (sm_90, triton 3.9)
         n_plain = tl.maximum(count - n_masked, 0)
         if IS_CAUSAL or PARTIAL_KEYS:
             # The masked suffix first, in a loop of its own (at most BLOCK_M // BLOCK_N + 1 tiles):
             # pipelined, so a tile's K and V loads are in flight together and the next tile's load
             # overlaps this one. As straight-line code each load waited on its own, K then V, tile
-            # after tile (1-4% slower on the H100's causal rows, session 12). The suffix's blocks
-            # are known without the list (under causality the blocks the diagonal crosses, which
-            # the list must hold; else the partial last block), so its first loads wait on Q only.
-            if IS_CAUSAL:
-                first_masked = (pid_m * BLOCK_M + 1) // BLOCK_N
-            else:
-                first_masked = N_K_BLOCKS - 1
+            # after tile (1-4% slower on the H100's causal rows, session 12). Its blocks come from
+            # _masked_suffix, not the list, so its first loads wait on Q only.
             for j in tl.range(0, n_masked, num_stages=2):
                 start_n = (first_masked + j) * BLOCK_N
                 acc, l_i, m_i = _attend_tile(
@@ -780,7 +780,7 @@ if triton is not None:
                 neg_pv_thresh = -tl.load(pv_thresh_ptr + h)
             else:
                 neg_pv_thresh = -pv_thresh
-        n_masked = _masked_suffix_length(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        n_masked, _ = _masked_suffix(pid_m, lut_row, count, Lq, Lk, N_K_BLOCKS, BLOCK_M, BLOCK_N, IS_CAUSAL)
         n_plain = tl.maximum(count - n_masked, 0)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
