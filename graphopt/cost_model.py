@@ -161,10 +161,6 @@ ATTENTION_OP_HOST_LAUNCHES = {"sdpa": 7.5, "triton": 7.5}
 # wrapper about one unit, so a layer whose quantized GPU work is shorter than this is not worth the
 # rewrite in a step called directly (it is, replayed from a CUDA graph).
 QUANT_LINEAR_OP_HOST_LAUNCHES = 3.5
-# Named in an estimate paced by a quantized-linear op's host path: what to set when the step
-# replays from a CUDA graph, where that path is not paid per call.
-HOST_PATH_NOTE = ("graphopt::{op}'s host launch path, longer than its GPU work here; "
-                  "cuda_graphs=True or graph_replay=True prices GPU time only")
 
 
 def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) -> Estimate:
@@ -173,6 +169,19 @@ def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) 
     if host_ms <= est.ms:
         return est
     return Estimate(f"{est.name} ({why})", host_ms, est.flops, est.bytes, est.launches, "host")
+
+
+def quant_linear_host_paced(hw: HardwareSpec, est: Estimate, op: str, prices_host_path: bool) -> tuple[Estimate, str]:
+    """(estimate, note for a decision's reason) of a graphopt::fp4_linear / q4_linear call: on a GPU,
+    where the host path is priced (no CUDA-graph replay), at least QUANT_LINEAR_OP_HOST_LAUNCHES
+    launches; the note ("" unless the host path set the estimate) names the options that price GPU
+    time only."""
+    if not (prices_host_path and hw.is_gpu):
+        return est, ""
+    why = (f"graphopt::{op}'s host launch path, longer than its GPU work here; "
+           "cuda_graphs=True or graph_replay=True prices GPU time only")
+    est = host_paced(hw, est, QUANT_LINEAR_OP_HOST_LAUNCHES, why)
+    return est, (f"; priced at {why}" if est.bound == "host" else "")
 
 
 # ---------------------------------------------------------------------------------------------

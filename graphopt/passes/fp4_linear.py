@@ -128,16 +128,14 @@ class Fp4LinearPass(GraphPass):
         dtype_bytes = _dtype_bytes(x_dtype)
         before, after = predict(ctx.hardware, tokens, m.in_features, m.out_features, fmt, dtype_bytes=dtype_bytes,
                                 bias=m.bias_node is not None)
-        if ctx.config.prices_host_path and ctx.hardware.is_gpu:
-            after = cost_model.host_paced(ctx.hardware, after, cost_model.QUANT_LINEAR_OP_HOST_LAUNCHES,
-                                          cost_model.HOST_PATH_NOTE.format(op="fp4_linear"))
+        after, host_note = cost_model.quant_linear_host_paced(ctx.hardware, after, "fp4_linear",
+                                                              ctx.config.prices_host_path)
         info = dict(before=before, after=after, tokens=tokens, note=tokens_note, dtype_bytes=dtype_bytes)
         accepted, reason = self.accept(ctx, before, after)
         if accepted and not ctx.config.force and not worth_rewriting(before, after):
             accepted, reason = False, (f"predicted gain {before.ms / after.ms:.2f}x is below {MIN_PREDICTED_SPEEDUP:.2f}x, "
                                        f"not worth a lossy rewrite ({before.ms:.4f} -> {after.ms:.4f} ms)")
-        if after.bound == "host":
-            reason += f"; priced at {cost_model.HOST_PATH_NOTE.format(op='fp4_linear')}"
+        reason += host_note
         return (None if accepted else reason + tokens_note), {**info, "reason": reason}
 
     def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict, plan: "_PlanWeights"):

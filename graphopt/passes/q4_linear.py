@@ -409,14 +409,12 @@ class Q4LinearPass(GraphPass):
         tokens = tokens or 1
         before, after, mode, fused, separate = predict_linear(ctx.hardware, tokens, k, n, act_bytes=_dtype_bytes(act_dtype),
                                                              bias=m.bias_node is not None, mode=ctx.config.q4_mode)
-        if ctx.config.prices_host_path and ctx.hardware.is_gpu:
-            after = cost_model.host_paced(ctx.hardware, after, cost_model.QUANT_LINEAR_OP_HOST_LAUNCHES,
-                                          cost_model.HOST_PATH_NOTE.format(op="q4_linear"))
+        after, host_note = cost_model.quant_linear_host_paced(ctx.hardware, after, "q4_linear",
+                                                              ctx.config.prices_host_path)
         info = dict(before=before, after=after, mode=mode, note=note,
                     details=dict(fused_ms=fused.ms, separate_ms=separate.ms, tokens=tokens))
         ok, why = self.accept(ctx, before, after)
-        if after.bound == "host":
-            why += f"; priced at {cost_model.HOST_PATH_NOTE.format(op='q4_linear')}"
+        why += host_note
         return (None if ok else why + note), {**info, "reason": why}
 
     def _one(self, ctx: PassContext, m: LinearMatch, budget: float, replaced: dict) -> fx.Node | None:
