@@ -1,7 +1,7 @@
 """Every launch config of the block-sparse attention kernel, timed one by one against cuDNN and
 our dense flash kernel: which pipeline depth / index prefetch / TMA choice wins, and by how much.
 
-    python bench/sparse_kernel_configs.py                 # H100/H200: bf16, B=1, H=16, D=128
+    python bench/sparse_kernel_configs.py                 # H100/H200: bf16, B=1, H=16 (--heads), D=128
     python bench/sparse_kernel_configs.py --cpu-smoke     # tiny sizes through the interpreter
 
 The autotuner picks among these at run time; this script shows the spread it picks from, so a
@@ -18,6 +18,7 @@ from script_args import bench_arguments, parse_bench_arguments  # a sibling: ben
 ARGS = bench_arguments(__doc__)
 ARGS.add_argument("--lengths", default="8192,16384")
 ARGS.add_argument("--densities", default="1.0,0.5,0.25")
+ARGS.add_argument("--heads", type=int, default=16)
 ARGS.add_argument("--only", default="", help="time only configs whose settings include these, e.g. USE_TMA=1")
 OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
@@ -30,7 +31,7 @@ from graphopt.kernels import sparse_attention as sa  # noqa: E402
 
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
 DEVICE = "cuda" if GPU else "cpu"
-HEADS, HEAD_DIM = (16, 128) if GPU else (2, 64)
+HEADS, HEAD_DIM = (OPTS.heads, 128) if GPU else (2, 64)
 LENGTHS = [int(v) for v in OPTS.lengths.split(",")] if GPU else [256]
 DENSITIES = [float(v) for v in OPTS.densities.split(",")]
 

@@ -157,9 +157,11 @@ ATTENTION_OP_HOST_LAUNCHES = {"sdpa": 7.5, "triton": 7.5}
 # kernels launched through graphopt.kernels.launch): 40.7-55.5 and 39.9-42.7 us per one-token call
 # on the H100 host of session 22 (bench/tools/probe_op_host_ab.py). That run did not time the
 # one-kernel torch op; session 21's host measured it at 11.8 us, which puts these at 3.4-4.7 units
-# (hosts differed by up to 2x between calls). Priced at the low end: a plain linear costs Inductor's
-# wrapper about one unit, so a layer whose quantized GPU work is shorter than this is not worth the
-# rewrite in a step called directly (it is, replayed from a CUDA graph).
+# (hosts differed by up to 2x between calls). Session 26 timed the unit in the same run (a slower
+# host: torch.add 19.5 us): fp4_linear 3.78 units, q4_linear 3.46, a bf16 F.linear 1.17
+# (bench/results/probe_op_host_h100_session26.log). A plain linear costs Inductor's wrapper about
+# one unit, so a layer whose quantized GPU work is shorter than this is not worth the rewrite in a
+# step called directly (it is, replayed from a CUDA graph).
 QUANT_LINEAR_OP_HOST_LAUNCHES = 3.5
 
 
