@@ -275,15 +275,34 @@ _LIB.impl("attention", _attention_autograd_kernel, "Autograd", with_keyset=True)
 # ==== end attention ============================================================================
 
 # ==== sparse_attention (graphopt/kernels/sparse_attention.py, passes/sparse_attention.py) ======
-# graphopt::sparse_attention(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd) -> out
+def sparse_attention_runs_dense(lq: int, lk: int, is_causal: bool, dense_below: int) -> bool:
+    """Whether graphopt::sparse_attention runs dense attention for these lengths (see below)."""
+    return dense_below > 0 and (min(lq, lk) < dense_below or (is_causal and lq != lk))
+
+
+def _check_dense_backend(dense_backend: str) -> None:
+    if dense_backend not in ATTENTION_OP_BACKENDS:
+        raise ValueError(f"graphopt::sparse_attention: unknown dense_backend {dense_backend!r}; "
+                         f"valid choices: {', '.join(ATTENTION_OP_BACKENDS)}")
+
+
+# graphopt::sparse_attention(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below,
+#                            dense_backend) -> out
 #   q (B, H, Lq, D); k, v (B, Hkv, Lk, D), H % Hkv == 0 (GQA reads kv head h // (H // Hkv));
 #   thresholds are float32 (H,) tensors (pvthreshd empty (0,) = PV skipping off). Output (B, H, Lq, D)
 #   in q's dtype. CUDA: the Triton predictor + block-sparse kernel; elsewhere: the torch reference
 #   (same block mask, same PV skipping). Inference only (_inference_op): inputs that require grad are
 #   refused in grad mode (the sparse_attention pass is opt-in and meant for inference).
+#   dense_below: with dense_below > 0 a call runs dense attention instead (graphopt::attention's body
+#   on dense_backend, one of ATTENTION_OP_BACKENDS) where min(Lq, Lk) < dense_below, or under
+#   is_causal where Lq != Lk (sparse_attention_runs_dense). The pass sets it to the cost model's
+#   break-even length where the sequence length is symbolic, and to 0 (always sparse) where it is not.
 @_inference_op("sparse_attention(Tensor q, Tensor k, Tensor v, float scale, bool is_causal, Tensor simthreshd1, "
-               "Tensor cdfthreshd, Tensor pvthreshd) -> Tensor")
-def sparse_attention_op(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd):
+               "Tensor cdfthreshd, Tensor pvthreshd, int dense_below, str dense_backend) -> Tensor")
+def sparse_attention_op(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below, dense_backend):
+    _check_dense_backend(dense_backend)
+    if sparse_attention_runs_dense(q.shape[-2], k.shape[-2], is_causal, dense_below):
+        return attention(q, k, v, None, scale, is_causal, q.shape[1] // k.shape[1], dense_backend)
     from graphopt.kernels.sparse_attention import sparse_attention
 
     pv = None if pvthreshd.numel() == 0 else pvthreshd  # empty: PV skipping off (no device sync)
@@ -293,7 +312,8 @@ def sparse_attention_op(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvth
 
 
 @_inference_fake("sparse_attention")
-def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd):
+def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below, dense_backend):
+    _check_dense_backend(dense_backend)
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 # ==== end sparse_attention =====================================================================
 

@@ -55,7 +55,7 @@ from graphopt import cost_model
 from graphopt.cost_model import Estimate
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, module_path
-from graphopt.passes.fx_utils import arg, canonical, device, dtype, erase_unused, fake
+from graphopt.passes.fx_utils import arg, canonical, device, dtype, erase_unused, fake, size_hints
 
 log = logging.getLogger("graphopt")
 
@@ -129,7 +129,7 @@ class AttentionMatch:
     # shapes (from the recorded fake tensors)
     def dims(self) -> tuple[int, int, int, int, int, int, int] | None:
         """(B, H, Hkv, Lq, Lk, D, Dv), or None when sizes are symbolic and have no hint."""
-        qs, ks, vs = _sizes(self.q), _sizes(self.k), _sizes(self.v)
+        qs, ks, vs = size_hints(self.q), size_hints(self.k), size_hints(self.v)
         if qs is None or ks is None or vs is None:
             return None
         if self.k_transposed:
@@ -143,22 +143,6 @@ class AttentionMatch:
     @property
     def has_bias(self) -> bool:
         return bool(self.terms)
-
-
-def _sizes(node: Any) -> tuple[int, ...] | None:
-    value = fake(node)
-    if not isinstance(value, torch.Tensor):
-        return None
-    out = []
-    for s in value.shape:
-        if isinstance(s, int):
-            out.append(s)
-        else:  # SymInt: use its hint (the example size) for cost estimates only
-            hint = getattr(getattr(s, "node", None), "hint", None)
-            if hint is None:
-                return None
-            out.append(int(hint))
-    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +457,7 @@ def _on_scores_path(node: Any, depth: int = 0) -> bool:
 
 def _match_qk(ctx: PassContext, match: AttentionMatch, qk: fx.Node) -> None:
     q, kt = qk.args[0], qk.args[1]
-    match.scores_shape = _sizes(qk)
+    match.scores_shape = size_hints(qk)
     if not isinstance(q, fx.Node) or not isinstance(kt, fx.Node):
         match.reason = "QK^T matmul of a non-tensor"
         return
@@ -549,7 +533,7 @@ def _match_sdpa(ctx: PassContext, node: fx.Node) -> AttentionMatch:
     if nq not in (3, 4) or nq != nk or nq != nv:
         match.reason = f"SDPA on q, k, v of {nq}, {nk}, {nv} dims; the kernel takes (B, H, L, D) or (B*H, L, D)"
         return match
-    qs, ks = _sizes(q), _sizes(k)
+    qs, ks = size_hints(q), size_hints(k)
     if qs is None or ks is None:
         match.reason = "SDPA with symbolic shapes (no size hints)"
         return match
@@ -630,8 +614,8 @@ def _unrepeat_kv(node: fx.Node) -> tuple[fx.Node, int, list[fx.Node]]:
         if canonical(expanded) != "expand" or _ndim(expanded) != 5:
             return node, 1, []
         unsq = expanded.args[0]
-        unsq_shape = _sizes(unsq)
-        exp_shape = _sizes(expanded)
+        unsq_shape = size_hints(unsq)
+        exp_shape = size_hints(expanded)
         if unsq_shape is None or exp_shape is None or len(unsq_shape) != 5 or unsq_shape[2] != 1:
             return node, 1, []
         if canonical(unsq) == "getitem":
@@ -640,7 +624,7 @@ def _unrepeat_kv(node: fx.Node) -> tuple[fx.Node, int, list[fx.Node]]:
             src = unsq.args[0]
         else:
             return node, 1, []
-        src_shape = _sizes(src)
+        src_shape = size_hints(src)
         if src_shape is None or len(src_shape) != 4 or (src_shape[0], src_shape[1], 1, *src_shape[2:]) != unsq_shape:
             return node, 1, []
         groups = exp_shape[2]
@@ -695,12 +679,12 @@ def _check_terms(ctx: PassContext, match: AttentionMatch) -> None:
     scores = match.scores_shape
     if scores is None:
         return  # symbolic: the op's own checks run at run time
-    if not match.from_sdpa and _sizes(match.softmax) != scores:
-        match.reason = (f"the mask/bias broadcasts the scores {tuple(scores)} up to {_sizes(match.softmax)}: "
+    if not match.from_sdpa and size_hints(match.softmax) != scores:
+        match.reason = (f"the mask/bias broadcasts the scores {tuple(scores)} up to {size_hints(match.softmax)}: "
                         "not broadcastable as the kernel needs (B, H, Lq, Lk)")
         return
     for term in match.terms:
-        shape_ = _sizes(term.node)
+        shape_ = size_hints(term.node)
         if shape_ is None:
             continue
         if len(shape_) > len(scores):

@@ -88,6 +88,36 @@ def shape(node: Any) -> tuple[int, ...] | None:
     return tuple(sizes)
 
 
+def size_hints(node: Any) -> tuple[int, ...] | None:
+    """A node's shape with each symbolic size read as its hint (the size of the example Dynamo
+    traced), for cost estimates only: reading the hint installs no guard. None where a symbol has
+    no hint."""
+    value = fake(node)
+    if not isinstance(value, torch.Tensor):
+        return None
+    out = []
+    for s in value.shape:
+        if isinstance(s, int):
+            out.append(s)
+        else:
+            hint = getattr(getattr(s, "node", None), "hint", None)
+            if hint is None:
+                return None
+            out.append(int(hint))
+    return tuple(out)
+
+
+def symbolic_size(node: Any, dim: int) -> Any:
+    """The SymInt of a node's dim `dim` where that size is symbolic (not fixed by Dynamo), else None."""
+    value = fake(node)
+    if not isinstance(value, torch.Tensor):
+        return None
+    size = value.shape[dim]
+    if isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None:
+        return size
+    return None
+
+
 def dtype(node: Any) -> torch.dtype | None:
     value = fake(node)
     return value.dtype if isinstance(value, torch.Tensor) else None

@@ -22,8 +22,15 @@ at 16k-32k), 75% skipped 1.6-2.6x, 90% skipped 2.3-5.4x; at L=4k only from ~75% 
 (1.08-1.5x); never at density 1 (the kernel alone is 0.64-0.80x cuDNN). Short sequences and
 low sparsity are declined with the reason.
 
+Symbolic sequence lengths (torch.compile(dynamic=True), the automatic dynamic shapes Dynamo
+turns on after a second length, or an ONNX export with dynamic axes): one graph then serves every
+length, so the pass finds the cost model's break-even length (`break_even_length`, Lq = Lk, at the
+example's batch, heads and head dim) and passes it as the op's `dense_below`. The op runs dense
+attention, on the backend the dense decision named, where min(Lq, Lk) is below it, or under
+causality where Lq != Lk. Static lengths keep `dense_below=0`: the decision is made once.
+
 Declined, with the reason recorded: a bias or mask other than causal (the kernel applies none);
-Lq != Lk under causality; v's head dim differing from q's or above 256; a plan layer whose head
+Lq != Lk under causality (at the example's sizes); v's head dim differing from q's or above 256; a plan layer whose head
 count does not match; a plan tuned under a larger L1 budget than the config's error_budget;
 non-GPU targets unless `force` (the CPU op runs the slow torch reference).
 
@@ -47,7 +54,7 @@ from graphopt.cost_model import Estimate
 from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N, DEFAULT_CDFTHRESHD, DEFAULT_SIMTHRESHD1
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, module_path
-from graphopt.passes.fx_utils import device, dtype, replace_with_call, shape
+from graphopt.passes.fx_utils import device, dtype, replace_with_call, size_hints, symbolic_size
 
 ASSUMED_SPARSITY_WITHOUT_PLAN = 0.5  # fraction of QK blocks skipped, for the cost model only
 PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; top-cdf + compact lists
@@ -149,6 +156,34 @@ def estimate_dense(hw, backend: str, b, h, hkv, lq, lk, d, *, causal: bool, dtyp
     return cost_model.sdpa(hw, b, h, lq, lk, d, backend=sdpa_backend, causal=causal, dtype_bytes=dtype_bytes, kv_heads=hkv)
 
 
+# The longest sequence the break-even search below considers (tokens).
+BREAK_EVEN_SEARCH_LIMIT = 1 << 20
+
+
+def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, causal: bool, sparsity: float,
+                      dtype_bytes: int = 2, limit: int = BREAK_EVEN_SEARCH_LIMIT) -> int | None:
+    """The shortest self-attention length L (Lq = Lk = L) at which predictor + sparse kernel are
+    estimated faster than dense `backend`, or None if not even at `limit`. The sparse estimate's
+    fixed parts (predictor launches, a row cost per query block) fall behind dense attention's
+    L^2 as L grows, so the comparison flips once: a binary search finds the flip."""
+    def wins(length: int) -> bool:
+        dense = estimate_dense(hw, backend, b, h, hkv, length, length, d, causal=causal, dtype_bytes=dtype_bytes)
+        sparse = estimate_sparse_attention(hw, b, h, hkv, length, length, d, causal=causal, sparsity=sparsity,
+                                           dtype_bytes=dtype_bytes)
+        return sparse.ms < dense.ms
+
+    if not wins(limit):
+        return None
+    low, high = 1, limit  # wins(high) holds
+    while low < high:
+        mid = (low + high) // 2
+        if wins(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return high
+
+
 # ---------------------------------------------------------------------------------------------
 # Plan lookup
 # ---------------------------------------------------------------------------------------------
@@ -191,11 +226,12 @@ class _Site:
     match: Any = None
 
     def describe(self, ctx: PassContext) -> tuple:
-        """(q, k, v shapes as (B, H, L, D) tuples or None, has bias, scale, is_causal, dense backend, dtype, device)."""
+        """(q, k, v shapes as (B, H, L, D) tuples, symbolic sizes read as their hints, or None; has
+        bias; scale; is_causal; dense backend; dtype; device; (Lq, Lk), each a SymInt where symbolic)."""
         if self.match is None:
             q, k, v, bias, scale, is_causal, _, backend = self.node.args
-            return ((shape(q), shape(k), shape(v)), bias is not None, scale, is_causal, backend, dtype(q),
-                    device(q) or torch.device("cpu"))
+            return ((size_hints(q), size_hints(k), size_hints(v)), bias is not None, scale, is_causal, backend,
+                    dtype(q), device(q) or torch.device("cpu"), _symbolic_lengths(q, k))
         from graphopt.passes.attention import dispatched_sdpa_backend
 
         match, dims = self.match, self.match.dims()
@@ -205,7 +241,7 @@ class _Site:
             shapes = ((b, h, lq, d), (b, hkv, lk, d), (b, hkv, lk, dv))
         backend = dispatched_sdpa_backend(ctx, match)
         return (shapes, bool(match.terms), match.scale, match.is_causal, backend, dtype(match.q),
-                device(match.q) or torch.device("cpu"))
+                device(match.q) or torch.device("cpu"), _symbolic_lengths(match.q, match.k))
 
     def attention_node(self, ctx: PassContext) -> fx.Node:
         """The graphopt::attention node to replace (rewriting the SDPA call into one first)."""
@@ -237,6 +273,11 @@ def _attention_sites(ctx: PassContext, pass_name: str) -> list[_Site]:
     return sorted(sites, key=lambda site: position[site.node])
 
 
+def _symbolic_lengths(q: fx.Node, k: fx.Node) -> tuple[Any, Any]:
+    """(Lq, Lk) of (B, H, L, D) q and k: each a SymInt where Dynamo left it symbolic, else None."""
+    return symbolic_size(q, -2), symbolic_size(k, -2)
+
+
 def _dtype_bytes(dt) -> int:
     return torch.finfo(dt).bits // 8 if dt is not None and dt.is_floating_point else 2
 
@@ -261,12 +302,13 @@ class SparseAttentionPass(GraphPass):
                 ctx.record(self.name, False, str(why), node=site.node, before=why.before, after=why.after)
 
     def _rewrite(self, ctx: PassContext, site: _Site, key: str, section, budget: float) -> None:
-        (qs, ks, vs), has_bias, scale, is_causal, backend, dt, dev = site.describe(ctx)
+        (qs, ks, vs), has_bias, scale, is_causal, backend, dt, dev, symbols = site.describe(ctx)
         if has_bias:
             raise _Decline("attention has a bias or mask other than causal (padding mask, position bias); "
                            "the block-sparse kernel applies only the causal mask")
         if qs is None or ks is None or vs is None:
-            raise _Decline("symbolic shapes: the cost model needs static sequence lengths")
+            raise _Decline("symbolic shapes without size hints: the cost model needs example sizes")
+        symbolic = any(size is not None for size in symbols)
         b, h, lq, d = qs
         hkv, lk, dv = ks[1], ks[2], vs[3]
         if dv != d or d > 256:
@@ -294,6 +336,17 @@ class SparseAttentionPass(GraphPass):
                                           sparsity=sparsity, dtype_bytes=nbytes)
         ok, why = self.accept(ctx, before, after)
         at = f"{sparsity:.0%} sparsity ({'assumed, no measurement' if assumed else 'measured by the tuner'})"
+        dense_below = 0  # static lengths: the decision above is the one for every call
+        if symbolic and not ctx.config.force:
+            # One graph serves every length: sparse from the cost model's break-even length on,
+            # the dense backend below it (the op compares at run time).
+            dense_below = break_even_length(ctx.hardware, backend, b, h, hkv, d, causal=bool(is_causal),
+                                            sparsity=sparsity, dtype_bytes=nbytes)
+            if dense_below is None:
+                raise _Decline(f"symbolic sequence length: the cost model predicts no win at any L up to "
+                               f"{BREAK_EVEN_SEARCH_LIMIT} at {at}", before, after)
+            ok, why = True, (f"symbolic sequence length: sparse for L >= {dense_below} (the cost model's break-even "
+                             f"at Lq = Lk), dense {backend} below; at the example L={lq}: {why}")
         if not ok:
             raise _Decline(f"{why} at {at}, L={lq}", before, after)
         node = site.attention_node(ctx)
@@ -305,10 +358,10 @@ class SparseAttentionPass(GraphPass):
                    implementation="triton_sparse", layer=key, sparsity=sparsity, sparsity_assumed=assumed,
                    simthreshd1=sim, cdfthreshd=cdf, pvthreshd=pv, dense_backend=backend,
                    l1=None if layer is None else layer.get("l1"), heldout_l1=None if layer is None else layer.get("heldout_l1"),
-                   location_key=module_path(node))
+                   location_key=module_path(node), dense_below=dense_below)
         q, k, v = node.args[:3]
         replace_with_call(ctx, node, torch.ops.graphopt.sparse_attention.default,
-                          (q, k, v, float(scale), bool(is_causal), *consts))
+                          (q, k, v, float(scale), bool(is_causal), *consts, dense_below, backend))
 
 
 PASS = SparseAttentionPass()
@@ -345,8 +398,10 @@ def _onnx_sparse_attention():
                      op.Mul(counts, counts))
         return pooled, sim, n
 
-    def sparse_attention(q, k, v, scale: float, is_causal: bool, simthreshd1, cdfthreshd, pvthreshd):
+    def sparse_attention(q, k, v, scale: float, is_causal: bool, simthreshd1, cdfthreshd, pvthreshd,
+                         dense_below: int, dense_backend: str):
         # PV skipping (pvthreshd) is dropped: Attention has no equivalent; exact when it is off.
+        # dense_backend has no meaning in ONNX: below dense_below the mask keeps every block.
         zero = op.Constant(value_ints=[0])
         one = op.Constant(value_ints=[1])
         neg_inf = op.Constant(value_float=-math.inf)
@@ -400,6 +455,11 @@ def _onnx_sparse_attention():
         kept_count = op.ReduceSum(op.Cast(keep, to=7), op.Constant(value_ints=[-1]), keepdims=1)  # int64
         none_kept = op.Equal(kept_count, op.Constant(value_int=0))
         keep = op.Or(keep, op.And(none_kept, op.Equal(j, best)))  # (B, H, nQ, nK)
+        if dense_below > 0:  # where the op runs dense (graphopt.ops.sparse_attention_runs_dense): every block kept
+            runs_dense = op.Less(op.Squeeze(op.Min(lq, lk), zero), op.Constant(value_int=dense_below))
+            if is_causal:
+                runs_dense = op.Or(runs_dense, op.Squeeze(op.Not(op.Equal(lq, lk)), zero))
+            keep = op.Or(keep, runs_dense)
         # block mask -> token mask (B, H, Lq, Lk)
         shape_keep = op.Shape(keep)
         b_h = op.Slice(shape_keep, zero, op.Constant(value_ints=[2]))

@@ -2,6 +2,8 @@
 float64 dense attention, and the Triton kernels against the reference: under TRITON_INTERPRET=1 on
 CPU (tests/conftest.py), on CUDA tensors when a GPU is present (DEVICE)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -341,9 +343,30 @@ def test_predictor_rules():
 def test_sparse_attention_op_cpu_matches_reference():
     q, k, v = sa.local_sink_qkv(1, 2, 256, 32, seed=29)
     sim1, cdf, pv = torch.full((2,), 0.6), torch.tensor([0.9, 0.95]), torch.empty(0)
-    out = torch.ops.graphopt.sparse_attention(q, k, v, 32**-0.5, True, sim1, cdf, pv)
+    out = torch.ops.graphopt.sparse_attention(q, k, v, 32**-0.5, True, sim1, cdf, pv, 0, "sdpa_cpu")
     ref = sa.reference_sparse_attention(q, k, v, is_causal=True, simthreshd1=sim1, cdfthreshd=cdf)
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sparse_attention_op_runs_dense_below_its_length_gate(is_causal):
+    """dense_below (set by the pass for symbolic lengths): calls with min(Lq, Lk) below it run
+    dense attention, calls at or above it the sparse kernel."""
+    q, k, v = sa.local_sink_qkv(1, 2, 256, 32, seed=31)
+    sim1, cdf, pv = torch.full((2,), 0.6), torch.full((2,), 0.9), torch.empty(0)
+    call = functools.partial(torch.ops.graphopt.sparse_attention, q, k, v, 32**-0.5, is_causal, sim1, cdf, pv)
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=32**-0.5)
+    sparse = sa.reference_sparse_attention(q, k, v, is_causal=is_causal, simthreshd1=sim1, cdfthreshd=cdf)
+    assert not torch.allclose(dense, sparse, atol=1e-5), "local inputs should skip blocks"
+    torch.testing.assert_close(call(257, "sdpa_cpu"), dense, atol=0, rtol=0)
+    torch.testing.assert_close(call(256, "sdpa_cpu"), sparse, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="unknown dense_backend 'fast'.*valid choices: triton, flash"):
+        call(0, "fast")
+    if is_causal:  # a gated op (dense_below > 0) meeting Lq != Lk under causality: dense, top-left aligned
+        short_q = q[:, :, :200]
+        out = torch.ops.graphopt.sparse_attention(short_q, k, v, 32**-0.5, True, sim1, cdf, pv, 1, "sdpa_cpu")
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(short_q, k, v, is_causal=True, scale=32**-0.5),
+                                   atol=0, rtol=0)
 
 
 def test_input_errors_name_the_problem():

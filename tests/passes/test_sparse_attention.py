@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import graphopt
 from graphopt.hardware import SPECS, get_spec
@@ -290,6 +291,77 @@ def test_onnx_export_matches_reference_in_onnxruntime(tmp_path, is_causal):
     expected = sa.reference_sparse_attention(q, k, v, is_causal=is_causal)
     assert not torch.allclose(expected, model(q, k, v), atol=1e-5), "the mask should be sparse here"
     torch.testing.assert_close(torch.from_numpy(out), expected, atol=1e-5, rtol=1e-4)
+
+
+def _compile_dynamic(model, lengths, **options):
+    """(outputs, sparse_attention decisions, inputs) of one torch.compile(dynamic=True) run over
+    local+sink inputs of the given lengths (B=1, H=2, D=32)."""
+    from graphopt import backend as backend_module
+
+    options = {"passes": {"sparse_attention": True}, "downstream": "eager", **options}
+    compiled = torch.compile(model, backend="graphopt", dynamic=True, options=options)
+    inputs = [sa.local_sink_qkv(1, 2, n, 32, seed=n) for n in lengths]
+    sink = []
+    backend_module._DECISION_SINKS.append(sink)
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            outs = [compiled(*qkv) for qkv in inputs]
+    finally:
+        backend_module._DECISION_SINKS.remove(sink)
+        torch._dynamo.reset()
+    return outs, [d for d in sink if d.pass_name == "sparse_attention"], inputs
+
+
+@pytest.mark.parametrize("attention_pass", [False, True])
+def test_symbolic_length_gets_the_break_even_length_as_its_gate(attention_pass):
+    """Under dynamic shapes one graph serves every length: the rewrite is taken with the cost
+    model's break-even length as the op's dense_below, and shorter calls run dense."""
+    outs, decisions, inputs = _compile_dynamic(SdpaAttention(), (256, 320), target="h100",
+                                               passes={"attention": attention_pass, "sparse_attention": True})
+    (decision,) = decisions  # one compile for both lengths
+    gate = sp.break_even_length(get_spec("h100"), decision.details["dense_backend"], 1, 2, 2, 32, causal=True,
+                                sparsity=sp.ASSUMED_SPARSITY_WITHOUT_PLAN, dtype_bytes=4)  # float32 inputs
+    assert decision.applied and gate is not None and decision.details["dense_below"] == gate > 320
+    assert f"sparse for L >= {gate}" in decision.reason and "at the example L=" in decision.reason
+    for out, (q, k, v) in zip(outs, inputs):  # below the gate: dense, as SDPA computes it
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6, rtol=1e-5)
+
+
+def test_break_even_length_is_where_the_estimates_cross():
+    hw = get_spec("h100")
+    for causal in (False, True):
+        gate = sp.break_even_length(hw, "cudnn", 1, 32, 32, 128, causal=causal, sparsity=0.5)
+        assert gate is not None and 1024 < gate < 16384
+        for length, wins in ((gate - 1, False), (gate, True), (4 * gate, True)):
+            dense = sp.estimate_dense(hw, "cudnn", 1, 32, 32, length, length, 128, causal=causal)
+            sparse = sp.estimate_sparse_attention(hw, 1, 32, 32, length, length, 128, causal=causal, sparsity=0.5)
+            assert (sparse.ms < dense.ms) == wins, (causal, gate, length)
+    # no skipped blocks: never a win, at any length
+    assert sp.break_even_length(hw, "cudnn", 1, 32, 32, 128, causal=False, sparsity=0.0) is None
+
+
+def test_symbolic_length_gate_switches_between_dense_and_sparse(monkeypatch, tmp_path):
+    """The gate as the op and the ONNX export apply it: with the break-even length set to 300,
+    a 256-token call is dense attention and a 320-token call block-sparse, in PyTorch and in
+    onnxruntime from one export with a symbolic length."""
+    monkeypatch.setattr(sp, "break_even_length", lambda *args, **kwargs: 300)
+    outs, (decision,), inputs = _compile_dynamic(SdpaAttention(causal=False), (256, 320), target="h100")
+    assert decision.applied and decision.details["dense_below"] == 300
+    expected = [F.scaled_dot_product_attention(*inputs[0]), sa.reference_sparse_attention(*inputs[1])]
+    assert not torch.allclose(expected[1], F.scaled_dot_product_attention(*inputs[1]), atol=1e-5)
+    for out, ref in zip(outs, expected):
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+    pytest.importorskip("onnxruntime")
+    from graphopt.onnx_export import run_onnxruntime
+
+    seq = {2: "seq"}
+    path = graphopt.export_onnx(SdpaAttention(causal=False), inputs[1], tmp_path / "gated.onnx", target="h100",
+                                passes={"sparse_attention": True}, dynamic_axes={0: seq, 1: seq, 2: seq})
+    for qkv, ref in zip(inputs, expected):
+        (out,) = run_onnxruntime(path, *qkv)
+        torch.testing.assert_close(torch.from_numpy(out), ref, atol=1e-5, rtol=1e-4)
 
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
