@@ -55,7 +55,7 @@ from graphopt import cost_model
 from graphopt.cost_model import Estimate
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, module_path
-from graphopt.passes.fx_utils import arg, canonical, device, dtype, erase_unused, fake, size_hints
+from graphopt.passes.fx_utils import arg, canonical, device, dtype, erase_unused, fake, fix_symbolic_sizes, size_hints
 
 log = logging.getLogger("graphopt")
 
@@ -779,6 +779,12 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
     carry no mask term and no K/V head grouping."""
     if match.reason is not None or match.output is None:
         raise ValueError(f"cannot rewrite this attention: {match.reason}")
+    # The scale (from the head dim when the call gives none) and the K/V head grouping are baked
+    # in at their example sizes: another head count or head dim must recompile.
+    heads = () if match.batched_3d else (-3,)
+    fix_symbolic_sizes(match.q, (*heads, -1))
+    fix_symbolic_sizes(match.k, heads)
+    fix_symbolic_sizes(match.v, (-1,))
     graph = ctx.gm.graph
     root = match.output
     if backend is None:

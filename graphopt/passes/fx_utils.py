@@ -118,6 +118,20 @@ def symbolic_size(node: Any, dim: int) -> Any:
     return None
 
 
+def fix_symbolic_sizes(node: Any, dims: tuple[int, ...]) -> None:
+    """Guard the given dims of a node's value to their example sizes where they are symbolic. For
+    a rewrite that bakes a size into the graph (a scale from the head dim, a head count): Dynamo
+    then recompiles for another size instead of reusing the rewritten graph. (int() of a SymInt
+    installs the guard; Dynamo collects guards added while the backend compiles.)"""
+    value = fake(node)
+    if not isinstance(value, torch.Tensor):
+        return
+    for dim in dims:
+        size = value.shape[dim]
+        if isinstance(size, torch.SymInt):
+            int(size)
+
+
 def dtype(node: Any) -> torch.dtype | None:
     value = fake(node)
     return value.dtype if isinstance(value, torch.Tensor) else None

@@ -491,6 +491,37 @@ def test_sdpa_call_is_matched_and_rewritten_exactly(case):
         assert d.details[key] == pytest.approx(value) if isinstance(value, float) else d.details[key] == value, key
 
 
+@pytest.mark.parametrize("module_kwargs,shapes", [
+    (dict(), [dict(d=8), dict(d=16)]),  # the scale comes from the head dim
+    (dict(enable_gqa=True), [dict(h=4, hkv=2), dict(h=6, hkv=2)]),  # the head grouping
+    (dict(), [dict(b=2, lq=11, lk=11), dict(b=3, lq=13, lk=13), dict(b=2, lq=7, lk=7, d=12)]),
+])
+def test_dynamic_shapes_recompile_for_the_sizes_a_rewrite_bakes_in(module_kwargs, shapes):
+    """Under dynamic=True, Dynamo makes every size of q, k, v symbolic. Batch and lengths stay
+    symbolic in the rewritten graph; the head dim and head counts are guarded, so a call with other
+    ones recompiles rather than reusing a scale or grouping from the first shapes."""
+    from graphopt import backend as backend_module
+
+    compiled = torch.compile(SdpaCall(**module_kwargs), backend="graphopt", dynamic=True,
+                             options={"force": True, "downstream": "eager", "target": "cpu"})
+    sink = []
+    backend_module._DECISION_SINKS.append(sink)
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            for shape in shapes:
+                q, k, v = qkv(**shape)
+                expected = F.scaled_dot_product_attention(q, k, v, **module_kwargs)
+                torch.testing.assert_close(compiled(q, k, v), expected, atol=1e-6, rtol=1e-5)
+    finally:
+        backend_module._DECISION_SINKS.remove(sink)
+        torch._dynamo.reset()
+    rewrites = [d for d in sink if d.pass_name == "attention" and d.applied]
+    assert rewrites and len(rewrites) <= len(shapes)
+    if len(shapes) == 3:  # batch and length changed alone: one dynamic graph, then a new head dim
+        assert len(rewrites) == 2
+
+
 def test_sdpa_on_3d_inputs():
     q, k, v = (t.reshape(B * H, L, D) for t in qkv())
     compile_and_compare(SdpaCall(is_causal=True), q, k, v, force=True)
