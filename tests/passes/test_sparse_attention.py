@@ -395,6 +395,36 @@ def test_symbolic_length_gate_switches_between_dense_and_sparse(monkeypatch, tmp
         torch.testing.assert_close(torch.from_numpy(out), ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the Triton predictor and kernel)")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_symbolic_length_gate_on_the_gpu(monkeypatch, is_causal):
+    """The gated op on CUDA under dynamic=True, bf16: below the gate SDPA, from it on the Triton
+    predictor and block-sparse kernel, against the torch reference in float32."""
+    from graphopt import backend as backend_module
+
+    monkeypatch.setattr(sp, "break_even_length", lambda *args, **kwargs: 300)
+    compiled = torch.compile(SdpaAttention(causal=is_causal), backend="graphopt", dynamic=True,
+                             options={"passes": {"sparse_attention": True}, "downstream": "eager", "target": "h100"})
+    sink = []
+    backend_module._DECISION_SINKS.append(sink)
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            for length in (256, 320, 448):
+                q, k, v = (t.to("cuda", torch.bfloat16) for t in sa.local_sink_qkv(1, 4, length, 64, seed=length))
+                q32, k32, v32 = (t.float() for t in (q, k, v))
+                if length < 300:
+                    expected = F.scaled_dot_product_attention(q32, k32, v32, is_causal=is_causal)
+                else:
+                    expected = sa.reference_sparse_attention(q32, k32, v32, is_causal=is_causal)
+                torch.testing.assert_close(compiled(q, k, v).float(), expected, atol=2e-2, rtol=2e-2)
+    finally:
+        backend_module._DECISION_SINKS.remove(sink)
+        torch._dynamo.reset()
+    (decision,) = [d for d in sink if d.pass_name == "sparse_attention"]
+    assert decision.applied and decision.details["dense_below"] == 300
+
+
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 # the last H100 runs: session 15 (host-built descriptors; 8k, then 16k-32k on another machine) and
 # session 12 (the masked suffix in its own loop)
