@@ -70,6 +70,27 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "cpu_kernel": (1.0, 1.0),
 }
 
+# Our Triton attention kernels were fitted on Hopper, where TMA loads and wgmma put them ahead of
+# SDPA's flash backend (FlashAttention-2, which uses neither). Nothing of ours was measured on an
+# older GPU, where both kinds run the same mma.sync instructions: there these families are taken
+# as no better per FLOP than SDPA flash, so a rewrite can win only by doing less work (skipped
+# blocks), never from an efficiency measured elsewhere.
+HOPPER_FITTED_FAMILIES: tuple[str, ...] = ("triton_flash", "triton_sparse")
+HOPPER = (9, 0)
+
+
+def family_efficiency(hw: HardwareSpec, family: str) -> tuple[float, float]:
+    """(compute, memory) efficiency of a kernel family on `hw` (see KERNEL_EFFICIENCY)."""
+    if family not in KERNEL_EFFICIENCY:
+        raise ValueError(f"unknown kernel family {family!r}; valid choices: {', '.join(KERNEL_EFFICIENCY)}")
+    if not hw.is_gpu:
+        return KERNEL_EFFICIENCY["cpu_kernel"]
+    compute_eff, memory_eff = KERNEL_EFFICIENCY[family]
+    if family in HOPPER_FITTED_FAMILIES and hw.compute_capability is not None and hw.compute_capability < HOPPER:
+        compute_eff = min(compute_eff, KERNEL_EFFICIENCY["sdpa_flash"][0])
+    return compute_eff, memory_eff
+
+
 # cuBLAS and Triton pad the token dimension of a GEMM to a tile; below it, tensor-core time stops
 # shrinking (the product is memory-bound there anyway, but this keeps the compute term honest).
 MIN_GEMM_TILE_M = 64
@@ -113,11 +134,7 @@ def roofline(
     unit: str = "matrix",
 ) -> Estimate:
     """Time of a kernel (or a chain of `launches` kernels) that does `flops` and moves `bytes_moved`."""
-    if family not in KERNEL_EFFICIENCY:
-        raise ValueError(f"unknown kernel family {family!r}; valid choices: {', '.join(KERNEL_EFFICIENCY)}")
-    compute_eff, memory_eff = KERNEL_EFFICIENCY[family]
-    if not hw.is_gpu:
-        compute_eff, memory_eff = KERNEL_EFFICIENCY["cpu_kernel"]
+    compute_eff, memory_eff = family_efficiency(hw, family)
     compute_s = flops / (_unit_rate(hw, unit) * compute_eff) if flops else 0.0
     memory_s = bytes_moved / (hw.memory_ceiling * memory_eff) if bytes_moved else 0.0
     launch_s = launches * hw.launch_overhead

@@ -37,6 +37,10 @@ class HardwareSpec:
     shared_memory_per_sm: int  # bytes
     launch_overhead_s: float  # per kernel launch, seconds (host + device), typical
     is_gpu: bool = True
+    # (major, minor) CUDA compute capability; None where unknown (the CPU). The attention families
+    # were fitted on Hopper (9.0), whose TMA and wgmma our Triton kernels use: see
+    # cost_model.HOPPER_FITTED_FAMILIES.
+    compute_capability: tuple[int, int] | None = None
     # Measured ceilings (None = not calibrated): filled from the calibration cache.
     measured_bf16_flops: float | None = None
     measured_memory_bandwidth: float | None = None
@@ -83,11 +87,16 @@ class HardwareSpec:
 # The generic CPU is a rough 2-core, AVX2 machine like our CI; it exists so that the cost model
 # gives CPU answers (no Triton kernels, little to gain from quantized weights) rather than none.
 SPECS: dict[str, HardwareSpec] = {
-    "h100": HardwareSpec("NVIDIA H100 SXM5 80GB", 989e12, 1979e12, 67e12, 3.35e12, 50 * 2**20, 132, 228 * 1024, 4e-6),
-    "h200": HardwareSpec("NVIDIA H200 SXM 141GB", 989e12, 1979e12, 67e12, 4.8e12, 50 * 2**20, 132, 228 * 1024, 4e-6),
-    "a100": HardwareSpec("NVIDIA A100 SXM4 80GB", 312e12, 624e12, 19.5e12, 2.039e12, 40 * 2**20, 108, 164 * 1024, 4e-6),
-    "rtx3060": HardwareSpec("NVIDIA GeForce RTX 3060 12GB", 25.4e12, 101.6e12, 12.7e12, 360e9, 3 * 2**20, 28, 100 * 1024, 4e-6),
-    "rtx4090": HardwareSpec("NVIDIA GeForce RTX 4090", 165.2e12, 660.6e12, 82.6e12, 1008e9, 72 * 2**20, 128, 100 * 1024, 4e-6),
+    "h100": HardwareSpec("NVIDIA H100 SXM5 80GB", 989e12, 1979e12, 67e12, 3.35e12, 50 * 2**20, 132, 228 * 1024, 4e-6,
+                         compute_capability=(9, 0)),
+    "h200": HardwareSpec("NVIDIA H200 SXM 141GB", 989e12, 1979e12, 67e12, 4.8e12, 50 * 2**20, 132, 228 * 1024, 4e-6,
+                         compute_capability=(9, 0)),
+    "a100": HardwareSpec("NVIDIA A100 SXM4 80GB", 312e12, 624e12, 19.5e12, 2.039e12, 40 * 2**20, 108, 164 * 1024, 4e-6,
+                         compute_capability=(8, 0)),
+    "rtx3060": HardwareSpec("NVIDIA GeForce RTX 3060 12GB", 25.4e12, 101.6e12, 12.7e12, 360e9, 3 * 2**20, 28, 100 * 1024,
+                            4e-6, compute_capability=(8, 6)),
+    "rtx4090": HardwareSpec("NVIDIA GeForce RTX 4090", 165.2e12, 660.6e12, 82.6e12, 1008e9, 72 * 2**20, 128, 100 * 1024,
+                            4e-6, compute_capability=(8, 9)),
     "cpu": HardwareSpec("generic CPU", 0.2e12, 0.2e12, 0.2e12, 40e9, 32 * 2**20, 2, 0, 5e-6, is_gpu=False),
 }
 
@@ -179,6 +188,7 @@ def detect(device: "str | None" = None) -> HardwareSpec:
             spec = HardwareSpec(
                 props.name, 100e12, 200e12, 20e12, 1e12, getattr(props, "L2_cache_size", 0),
                 props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 0), 4e-6,
+                compute_capability=(props.major, props.minor),
             )
         return _with_calibration(spec, props.name)
     return SPECS["cpu"]

@@ -70,6 +70,22 @@ def test_unknown_family_and_backend_are_clear_errors():
         cm.sdpa(H100, 1, 1, 8, 8, 8, backend="xformers")
 
 
+def test_triton_attention_is_no_better_than_sdpa_flash_before_hopper():
+    """Our Triton attention families were fitted on Hopper (TMA, wgmma). On an older GPU they are
+    priced at SDPA flash's efficiency, so only skipped work can make them win there."""
+    b, h, l, d = 1, 32, 8192, 128
+    for target in ("a100", "rtx3060", "rtx4090"):
+        hw = SPECS[target]
+        assert hw.compute_capability < cm.HOPPER
+        flash = cm.sdpa(hw, b, h, l, l, d, backend="flash")
+        triton = cm.fused_attention(hw, b, h, l, l, d, family="triton_flash")
+        assert triton.ms >= flash.ms, target
+        assert cm.family_efficiency(hw, "triton_sparse")[0] <= cm.KERNEL_EFFICIENCY["sdpa_flash"][0]
+    # on Hopper, the measured advantage stands
+    assert cm.fused_attention(H100, b, h, l, l, d, family="triton_flash").ms < cm.sdpa(H100, b, h, l, l, d, backend="flash").ms
+    assert cm.family_efficiency(SPECS["h200"], "triton_sparse") == cm.KERNEL_EFFICIENCY["triton_sparse"]
+
+
 def test_slower_gpu_predicts_longer_times():
     assert cm.gemm(SPECS["rtx3060"], 4096, 4096, 4096).ms > cm.gemm(H100, 4096, 4096, 4096).ms * 10
 

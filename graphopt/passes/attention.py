@@ -1139,7 +1139,9 @@ class AttentionPass(GraphPass):
                     continue
                 choice = forced
             elif any(name != "math" for name in candidates):
-                choice = min((n for n in candidates if n != "math"), key=lambda name: candidates[name].ms)
+                # a tie goes to PyTorch's own SDPA kernels (on pre-Hopper GPUs the cost model
+                # prices our Triton kernel at SDPA flash's efficiency: cost_model.family_efficiency)
+                choice = min((n for n in candidates if n != "math"), key=lambda name: (candidates[name].ms, name == "triton"))
             else:
                 choice = "sdpa_cpu" if on_cpu else "efficient"
             after = candidates.get(choice)
