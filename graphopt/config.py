@@ -126,6 +126,9 @@ class GraphOptConfig:
         budget_keys = tuple(DEFAULT_ERROR_BUDGET)
         for name, value in self.error_budget.items():
             if name not in budget_keys:
+                if name in DEFAULT_PASSES:
+                    raise ValueError(f"error_budget[{name!r}]: the {name} pass is lossless and takes no budget; "
+                                     f"valid choices: {', '.join(budget_keys)}")
                 raise ValueError(f"unknown pass {name!r} in error_budget{_suggest(str(name), budget_keys)}")
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
                 # NaN fails every comparison, so it would switch the pass's budget check off

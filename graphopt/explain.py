@@ -22,6 +22,12 @@ class Report:
         """Rewrites applied per pass (every enabled pass appears, with 0 when nothing applied)."""
         return count_applied(self.decisions)
 
+    @property
+    def memory_saved_bytes(self) -> int:
+        """Weight bytes the rewritten layers no longer hold (FP4 / Q4_0 / FFT-chain weights against
+        the dense ones; a tied weight counted once)."""
+        return sum(int(d.details.get("memory_saved_bytes", 0)) for d in self.applied())
+
     def applied(self, pass_name: str | None = None) -> list[Decision]:
         return [d for d in self.decisions if d.applied and (pass_name is None or d.pass_name == pass_name)]
 
@@ -40,7 +46,8 @@ class Report:
                 _ms(d.predicted_ms_before), _ms(d.predicted_ms_after), d.reason,
             )
         summary = ", ".join(f"{k}: {v}" for k, v in self.counts.items()) or "no pass matched anything"
-        table.caption = f"rewrites applied: {summary}"
+        saved = self.memory_saved_bytes
+        table.caption = f"rewrites applied: {summary}" + (f"; weight memory saved: {saved / 2**20:.2f} MiB" if saved else "")
         return table
 
     def __str__(self) -> str:

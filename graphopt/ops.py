@@ -429,8 +429,10 @@ def q4_linear_static(x, act_scale, qweight, scales, bias, qmin, qmax):
 
 @_inference_fake("q4_linear_static")
 def _q4_linear_static_fake(x, act_scale, qweight, scales, bias, qmin, qmax):
+    from graphopt.kernels import q4
+
     n = _q4_out_features(qweight, scales, x.shape[-1])
-    return x.new_empty((*x.shape[:-1], n), dtype=torch.promote_types(x.dtype, act_scale.dtype))
+    return x.new_empty((*x.shape[:-1], n), dtype=q4.static_result_dtype(x, act_scale))
 # ==== end q4 ===================================================================================
 
 # ==== fft_chain (graphopt/kernels/fft_chain.py, passes/fft_linear.py) =========================

@@ -35,7 +35,8 @@ def test_misspelt_pass_name_lists_valid_passes():
         ({"error_budget": {"fp4_linear": -1}}, "non-negative"),
         ({"error_budget": {"fp4_linear": float("nan")}}, "finite non-negative"),  # NaN would pass every check
         ({"error_budget": {"sparse_attention": float("inf")}}, "finite non-negative"),
-        ({"error_budget": {"attention": 0.1}}, "unknown pass 'attention' in error_budget"),
+        ({"error_budget": {"attention": 0.1}}, "the attention pass is lossless and takes no budget"),
+        ({"error_budget": {"atention": 0.1}}, "unknown pass 'atention' in error_budget"),
         ({"force": 1}, "force must be True or False"),
         ({"fuse_sibling_linears": "yes"}, "fuse_sibling_linears must be True or False"),
         ({"cuda_graphs": "on"}, "cuda_graphs must be True or False"),

@@ -49,3 +49,16 @@ def test_module_paths_are_cleaned():
 
     assert _clean_module_path("L['self'].model.layers[0].self_attn") == "model.layers.0.self_attn"
     assert _clean_module_path("L['self']._modules['encoder']._modules['layer'][3]") == "encoder.layer.3"
+
+
+def test_memory_saved_is_totalled_in_the_caption():
+    """explain sums the weight memory the applied rewrites save (a tied weight once) and prints it."""
+    from graphopt.explain import Report
+
+    decisions = [Decision("q4_linear", True, "a", details={"memory_saved_bytes": 3 * 2**20}),
+                 Decision("q4_linear", True, "tied", details={"memory_saved_bytes": 0}),
+                 Decision("q4_linear", False, "declined", details={"memory_saved_bytes": 2**30})]
+    report = Report(decisions)
+    assert report.memory_saved_bytes == 3 * 2**20
+    assert "weight memory saved: 3.00 MiB" in str(report)
+    assert "memory saved" not in str(Report([Decision("attention", True, "x")]))

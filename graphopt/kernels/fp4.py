@@ -1798,8 +1798,10 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     for name, t in (("codes", codes), ("scales", scales), ("global_scale", global_scale)) + ((("bias", bias),) if bias is not None else ()):
         if t.device != x.device:
             raise ValueError(f"fp4_linear: {name} is on {t.device} but x is on {x.device}")
-        if not t.is_contiguous():
+        if name != "bias" and not t.is_contiguous():
             raise ValueError(f"fp4_linear: {name} must be contiguous")
+    if bias is not None:
+        bias = bias.contiguous()  # a strided view of a bias vector is fine: copied (N values) here
     x2, out_dtype = _activation_rows(x, in_features)
     m = x2.shape[0]
     if m == 0:

@@ -288,11 +288,17 @@ def reference_q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     return _finish(_integer_q4_gemm(q, d8, s8, qweight, scales), bias, tuple(x.shape[:-1]), x.dtype)
 
 
+def static_result_dtype(x: torch.Tensor, act_scale: torch.Tensor) -> torch.dtype:
+    """The dtype eager torch gives x / s, and so the fake-quant idiom's: a 0-dim scale does not
+    promote a dimensioned x (float32 x over a float64 scalar tensor stays float32)."""
+    return torch.result_type(x, act_scale)
+
+
 def static_quantize(x: torch.Tensor, act_scale: torch.Tensor, qmin: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """round(x / s).clamp(qmin, qmax) exactly as eager torch computes it (the quotient rounded to
     the promoted dtype, round half to even): (q fp32 [M, K], s fp32 [M]) with rows = x's leading dims."""
     k = x.shape[-1]
-    quot_dtype = torch.promote_types(x.dtype, act_scale.dtype)
+    quot_dtype = static_result_dtype(x, act_scale)
     s = _rows_scale(act_scale, x)
     v = (x.reshape(-1, k).to(torch.float32) / s[:, None]).to(quot_dtype).to(torch.float32)
     return torch.round(v).clamp(qmin, qmax), s
@@ -321,7 +327,7 @@ def reference_q4_linear_static(x: torch.Tensor, act_scale: torch.Tensor, qweight
     q = q.reshape(-1, k // QK, QK)
     s_blocks = s.double()[:, None].expand(-1, k // QK)
     s8 = s_blocks * q.to(torch.float64).sum(-1)
-    out_dtype = torch.promote_types(x.dtype, act_scale.dtype)
+    out_dtype = static_result_dtype(x, act_scale)
     return _finish(_integer_q4_gemm(q, s_blocks, s8, qweight, scales), bias, tuple(x.shape[:-1]), out_dtype)
 
 
@@ -1187,7 +1193,10 @@ def q4_linear_static_triton(x: torch.Tensor, act_scale: torch.Tensor, qweight: t
         raise ValueError(f"clamp bounds must lie in the int8 range [-128, 127], got ({qmin}, {qmax})")
     if config is not None and config.kernel in ("gemv", "dp4a"):
         raise ValueError("q4_linear_static runs the tensor-core kernel: only 'gemm' configs apply")
-    out_dtype = torch.promote_types(x.dtype, act_scale.dtype)
+    out_dtype = static_result_dtype(x, act_scale)
+    if out_dtype not in _TL_DTYPES:
+        raise ValueError(f"q4_linear_static: x / act_scale is {out_dtype}; the kernel takes "
+                         f"{', '.join(str(d) for d in _TL_DTYPES)}")
     x2 = _rows(x, "q4_linear_static")
     m = x2.shape[0]
     s = _rows_scale(act_scale, x)

@@ -41,7 +41,7 @@ from graphopt import cost_model
 from graphopt.kernels import fft_chain as fft
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
-from graphopt.passes.fx_utils import arg, device, dtype, find_linears, replace_with_call, shape, tokens
+from graphopt.passes.fx_utils import arg, bias_problem, device, dtype, find_linears, replace_with_call, shape, tokens
 from graphopt.plan import plan_section
 
 OP = torch.ops.graphopt.fft_chain_linear.default
@@ -183,6 +183,9 @@ class FFTLinearPass(GraphPass):
             return
         ok, why = ctx.can_freeze(m.weight_node)
         if not ok:
+            ctx.record(self.name, False, why, node=m.node)
+            return
+        if (why := bias_problem(m)) is not None:
             ctx.record(self.name, False, why, node=m.node)
             return
         tokens = m.tokens()

@@ -53,8 +53,8 @@ from graphopt import cost_model
 from graphopt.kernels import fp4 as fp4k
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
-from graphopt.passes.fx_utils import (LinearMatch, dtype, find_linears, replace_siblings_with_call, replace_with_call,
-                                      sibling_groups)
+from graphopt.passes.fx_utils import (LinearMatch, bias_problem, dtype, find_linears, replace_siblings_with_call,
+                                      replace_with_call, sibling_groups)
 from graphopt.plan import plan_section, save_plan
 
 # Compile-time quantization uses the per-block MSE scale search (one-time cost; lowers weight
@@ -93,6 +93,7 @@ class Fp4LinearPass(GraphPass):
         budget_db = ctx.config.error_budget["fp4_linear"]
         plan = _PlanWeights(plan_section(ctx, self.name))
         replaced: dict = {}  # erased linear node -> the node now computing it (later matches read it)
+        tied: dict = {}  # (weight node, transposed) -> the quantized weight its first linear made
         matches = find_linears(ctx)
         if ctx.config.fuse_sibling_linears:
             for group in sibling_groups(matches):
@@ -103,7 +104,7 @@ class Fp4LinearPass(GraphPass):
                     replaced[m.node] = out
         for m in matches:
             if m.node not in replaced:
-                new = self._one(ctx, m, fmt, budget_db, replaced, plan)
+                new = self._one(ctx, m, fmt, budget_db, replaced, plan, tied)
                 if new is not None:
                     replaced[m.node] = new
 
@@ -117,10 +118,8 @@ class Fp4LinearPass(GraphPass):
             return "input/output dtype unknown or not floating point", {}
         if x_dtype != out_dtype:
             return f"mixed dtypes (input {x_dtype}, output {out_dtype}); the op returns the input's dtype", {}
-        if m.bias_node is not None and m.kind != "linear" and m.bias_node.meta.get("example_value") is not None:
-            bias_shape = tuple(m.bias_node.meta["example_value"].shape)
-            if bias_shape != (m.out_features,):
-                return f"addmm bias of shape {bias_shape} is not a per-output-feature vector", {}
+        if (why := bias_problem(m)) is not None:
+            return why, {}
         tokens = m.tokens()
         tokens_note = ""
         if tokens is None:
@@ -138,7 +137,10 @@ class Fp4LinearPass(GraphPass):
         reason += host_note
         return (None if accepted else reason + tokens_note), {**info, "reason": reason}
 
-    def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict, plan: "_PlanWeights"):
+    def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict, plan: "_PlanWeights",
+             tied: dict):
+        """One linear. A weight that an earlier linear of this graph already quantized (tied
+        weights) reuses that linear's constants: one FP4 copy, its memory saving counted once."""
         node = m.node
         why, info = self._decide(ctx, m, fmt)
         if why is not None:
@@ -151,7 +153,11 @@ class Fp4LinearPass(GraphPass):
         value = ctx.example_value(m.weight_node).detach()
         weight = value.t() if m.weight_transposed else value  # (N, K)
         source = "compile-time quantization"
-        if plan.has(m.location):
+        tie_key = (m.weight_node, m.weight_transposed)
+        first_use = None if plan.has(m.location) else tied.get(tie_key)
+        if first_use is not None:
+            q, source = first_use["q"], f"the FP4 weight of {first_use['location']} (tied)"
+        elif plan.has(m.location):
             q, problem = plan.get(m.location, fmt, (out_f, in_f))
             if q is None:
                 ctx.record(self.name, False, f"plan weights for {m.location!r}: {problem}", node=node, before=before, after=after)
@@ -161,8 +167,8 @@ class Fp4LinearPass(GraphPass):
                                     global_scale=q.global_scale.to(weight.device))
         else:
             q = fp4k.quantize_fp4(weight, fmt, scale_search=SCALE_SEARCH)
-        sqnr = fp4k.sqnr_db(weight, fp4k.dequantize_fp4(q))
-        if sqnr < budget_db:
+        sqnr = first_use["sqnr"] if first_use is not None else fp4k.sqnr_db(weight, fp4k.dequantize_fp4(q))
+        if not sqnr >= budget_db:  # NaN (a weight fp4 cannot hold) fails too
             ctx.record(self.name, False, f"weight SQNR {sqnr:.2f} dB below the budget of {budget_db:.2f} dB "
                        f"(error_budget['fp4_linear']; {source})", node=node, before=before, after=after, sqnr_db=sqnr, format=fmt)
             return
@@ -171,16 +177,22 @@ class Fp4LinearPass(GraphPass):
         kw = fp4k.to_kernel_layout(q)
         path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_f, fmt) if ctx.hardware.is_gpu else "reference")
         dense_bytes = weight.numel() * weight.element_size()
+        if first_use is not None:
+            constants, saved, fp4_bytes = first_use["constants"], 0, 0
+        else:
+            constants, saved, fp4_bytes = self._constants(ctx, kw), dense_bytes - kw.nbytes, kw.nbytes
+            if not plan.has(m.location):
+                tied[tie_key] = dict(q=q, sqnr=sqnr, constants=constants, location=m.location or node.name)
         ctx.record(
             self.name, True, info["reason"] + info["note"], node=node, before=before, after=after,
             implementation=f"fp4_{path}" if path != "reference" else "fp4_reference",
-            memory_saved_bytes=int(dense_bytes - kw.nbytes), dense_weight_bytes=int(dense_bytes),
-            fp4_weight_bytes=int(kw.nbytes), sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from=source,
+            memory_saved_bytes=int(saved), dense_weight_bytes=int(dense_bytes),
+            fp4_weight_bytes=int(fp4_bytes), sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from=source,
         )
         x_node = replaced.get(m.input, m.input)
         bias_node = replaced.get(m.bias_node, m.bias_node)
         return replace_with_call(ctx, node, torch.ops.graphopt.fp4_linear.default,
-                                 (x_node, *self._constants(ctx, kw), bias_node, out_f, in_f, fmt),
+                                 (x_node, *constants, bias_node, out_f, in_f, fmt),
                                  matched=list(m.extra_nodes))
 
     def _siblings(self, ctx: PassContext, group: list[LinearMatch], fmt: str, budget_db: float, replaced: dict):
@@ -199,7 +211,7 @@ class Fp4LinearPass(GraphPass):
         q = fp4k.quantize_fp4(torch.cat(weights), fmt, scale_search=SCALE_SEARCH)
         restored = fp4k.dequantize_fp4(q).split([w.shape[0] for w in weights])
         sqnrs = [fp4k.sqnr_db(w, r) for w, r in zip(weights, restored)]
-        if min(sqnrs) < budget_db:
+        if not all(sqnr >= budget_db for sqnr in sqnrs):  # NaN fails too
             return None
         for m in group:
             m.weight(ctx)  # freeze

@@ -47,6 +47,8 @@ def canonical(node: Any) -> str | None:
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_function":
+        if node.target is getattr and len(node.args) == 2 and node.args[1] in ("T", "mT"):
+            return node.args[1]  # x.T / x.mT: Dynamo records the attribute read
         name = _FUNCTIONS.get(node.target)
         if name is None and isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
             return f"aten.{node.target.__name__.split('.')[0]}"
@@ -243,6 +245,18 @@ class LinearMatch:
         return tokens(self.input)
 
 
+def bias_problem(m: LinearMatch) -> str | None:
+    """Why a linear's bias cannot be the rewritten op's (out_features,) vector, or None. A bias
+    that only broadcasts, such as (1,), would make the op's launcher refuse the call at run time."""
+    if m.bias_node is None:
+        return None
+    bias_shape = shape(m.bias_node)
+    if bias_shape != (m.out_features,):
+        what = "of unknown or symbolic shape" if bias_shape is None else f"of shape {bias_shape}"
+        return f"bias {what} is not a ({m.out_features},) vector, one value per output feature"
+    return None
+
+
 def _param_2d(ctx: PassContext, node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "placeholder" and ctx.is_parameter(node) and len(shape(node) or ()) == 2
 
@@ -265,7 +279,7 @@ def find_linears(ctx: PassContext) -> list[LinearMatch]:
             x, w = node.args[0], node.args[1]
             if _param_2d(ctx, w):
                 matches.append(LinearMatch(node, x, w, True, None, "matmul"))
-            elif canonical(w) in ("t", "mT") or (canonical(w) == "transpose" and sorted(w.args[1:3]) in ([-2, -1], [0, 1])):
+            elif canonical(w) in ("t", "T", "mT") or (canonical(w) == "transpose" and sorted(w.args[1:3]) in ([-2, -1], [0, 1])):
                 if _param_2d(ctx, w.args[0]):
                     matches.append(LinearMatch(node, x, w.args[0], False, None, "matmul", (w,)))
     return matches

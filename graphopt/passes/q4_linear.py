@@ -17,6 +17,12 @@ Three rewrites, run in this order over the graph:
    with the mode the cost model picks (option q4_mode: auto | fused | separate), or keep the
    dense layer where dense bf16 is predicted faster (large token counts).
 
+Activation range: Q8_1 stores each 32-value block's step d = amax / 127 in fp16, byte-for-byte as
+ggml does. A block whose largest magnitude is below about 8e-3 gets a subnormal step (fewer
+significant bits), below about 8e-6 a zero step (the block then contributes nothing), and above
+about 8.3e6 an infinite one (NaN outputs). The error budget checks the weights only, which the pass
+sees at compile time; activations outside that range need a rescaled model or another pass.
+
 Where it wins (H100, the issue's two shapes, weights L2-cold; bench/results/q4_h100_session13_*.json):
 decode. 1 token 2.3-2.6x cuBLAS bf16 (the dp4a kernel), 4 tokens 1.65-1.74x and 16 tokens
 1.30-1.54x (the operand-swapped "swap" GEMM). From 64 tokens on the int8 GEMM is slower than
@@ -53,8 +59,8 @@ from graphopt.hardware import HardwareSpec
 from graphopt.kernels import q4 as q4k
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
-from graphopt.passes.fx_utils import (LinearMatch, arg, canonical, dtype, find_linears, replace_siblings_with_call,
-                                      replace_with_call, shape, sibling_groups)
+from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical, dtype, find_linears,
+                                      replace_siblings_with_call, replace_with_call, shape, sibling_groups)
 
 # CUDA-core operations per activation value to quantize it to Q8_1 in registers (abs, max-reduce
 # share, multiply, round via truncation + compare, convert, sum-reduce share, int8 pack).
@@ -346,6 +352,9 @@ class Q4LinearPass(GraphPass):
             if m.in_features % q4k.QK:
                 ctx.record(self.name, False, f"in_features={m.in_features} is not a multiple of 32", node=node)
                 continue
+            if (why := bias_problem(m)) is not None:
+                ctx.record(self.name, False, f"fake-quant idiom: {why}", node=node)
+                continue
             w = ctx.example_value(m.weight_node).detach()
             w = w.t() if m.weight_transposed else w
             blocks = q4k.quantize_q4_0(w)
@@ -380,13 +389,14 @@ class Q4LinearPass(GraphPass):
         budget = ctx.config.error_budget["q4_linear"]
         matches = find_linears(ctx)
         replaced: dict = {}  # erased linear node -> the node now computing it (later matches read it)
+        tied: dict = {}  # (weight node, transposed) -> the Q4_0 constants its first linear made
         if ctx.config.fuse_sibling_linears:
             for group in sibling_groups(matches):
                 for m, out in zip(group, self._siblings(ctx, group, budget, replaced) or ()):
                     replaced[m.node] = out
         for m in matches:
             if m.node not in replaced:
-                new = self._one(ctx, m, budget, replaced)
+                new = self._one(ctx, m, budget, replaced, tied)
                 if new is not None:
                     replaced[m.node] = new
 
@@ -402,8 +412,11 @@ class Q4LinearPass(GraphPass):
         act_dtype = dtype(m.input)
         if act_dtype not in q4k.SUPPORTED_ACT_DTYPES:
             return f"activation dtype {act_dtype} not supported (float16, bfloat16, float32)", {}
-        if m.bias_node is not None and len(shape(m.bias_node) or ()) != 1:
-            return "bias is not a 1-D [out_features] tensor", {}
+        out_dtype = dtype(m.node)
+        if out_dtype != act_dtype:  # e.g. under autocast: fp32 in, bf16 out
+            return f"mixed dtypes (input {act_dtype}, output {out_dtype}); the op returns the input's dtype", {}
+        if (why := bias_problem(m)) is not None:
+            return why, {}
         tokens = m.tokens()
         note = "" if tokens is not None else " (symbolic token count: estimated at 1 token)"
         tokens = tokens or 1
@@ -417,7 +430,9 @@ class Q4LinearPass(GraphPass):
         why += host_note
         return (None if ok else why + note), {**info, "reason": why}
 
-    def _one(self, ctx: PassContext, m: LinearMatch, budget: float, replaced: dict) -> fx.Node | None:
+    def _one(self, ctx: PassContext, m: LinearMatch, budget: float, replaced: dict, tied: dict) -> fx.Node | None:
+        """One linear. A weight that an earlier linear of this graph already quantized (tied
+        weights) reuses that linear's constants: one Q4_0 copy, its memory saving counted once."""
         node = m.node
         why, info = self._decide(ctx, m)
         if why is not None:
@@ -427,19 +442,31 @@ class Q4LinearPass(GraphPass):
         before, after, details = info["before"], info["after"], info["details"]
         w = ctx.example_value(m.weight_node).detach()
         w = w.t() if m.weight_transposed else w
-        qweight, scales = q4k.quantize_weight(w)
-        sqnr = q4k.weight_sqnr_db(w, qweight, scales)
-        if sqnr < budget:
+        tie_key = (m.weight_node, m.weight_transposed)
+        first_use = tied.get(tie_key)
+        if first_use is None:
+            qweight, scales = q4k.quantize_weight(w)
+            sqnr = q4k.weight_sqnr_db(w, qweight, scales)
+        else:
+            sqnr = first_use["sqnr"]
+        if not sqnr >= budget:  # NaN (a block scale past fp16's range) fails too
             ctx.record(self.name, False, f"weight SQNR {sqnr:.1f} dB is below the budget of {budget:.1f} dB",
                        node=node, before=before, after=after, sqnr_db=sqnr, **details)
             return
         m.weight(ctx)  # freeze
-        saved = w.numel() * w.element_size() - qweight.numel() - scales.numel() * scales.element_size()
-        ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{info['note']}", node=node,
+        note = info["note"]
+        if first_use is None:
+            constants = self._constants(ctx, qweight, scales)
+            saved = w.numel() * w.element_size() - qweight.numel() - scales.numel() * scales.element_size()
+            tied[tie_key] = dict(sqnr=sqnr, constants=constants, location=m.location or node.name)
+        else:
+            constants, saved = first_use["constants"], 0
+            note += f"; shares the Q4_0 weight of {first_use['location']} (tied)"
+        ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{note}", node=node,
                    before=before, after=after, implementation=f"q4_linear {info['mode']}", sqnr_db=sqnr,
                    memory_saved_bytes=saved, **details)
         return replace_with_call(ctx, node, torch.ops.graphopt.q4_linear.default,
-                                 (replaced.get(m.input, m.input), *self._constants(ctx, qweight, scales),
+                                 (replaced.get(m.input, m.input), *constants,
                                   replaced.get(m.bias_node, m.bias_node), _op_mode(info["mode"])),
                                  matched=list(m.extra_nodes))
 
@@ -454,7 +481,7 @@ class Q4LinearPass(GraphPass):
         weights = [ctx.example_value(m.weight_node).detach() for m in group]
         quantized = [q4k.quantize_weight(w) for w in weights]
         sqnrs = [q4k.weight_sqnr_db(w, qw, sc) for w, (qw, sc) in zip(weights, quantized)]
-        if min(sqnrs) < budget:
+        if not all(sqnr >= budget for sqnr in sqnrs):  # NaN fails too
             return None
         out_total = sum(w.shape[0] for w in weights)
         why, total = self._decide(ctx, group[0], out_features=out_total)

@@ -208,6 +208,14 @@ def test_triton_default_dispatch_and_leading_dims():
     _assert_close(y.reshape(6, 40), ref, torch.bfloat16)
 
 
+def test_strided_bias_is_taken_as_a_copy():
+    """A bias that is a strided view (b[::2]) is copied to a contiguous vector, not refused."""
+    x, kw, b, ref = _case("nvfp4", 3, 40, 96, torch.bfloat16, True, seed=6)
+    wide = torch.stack([b, torch.full_like(b, 1e3)], dim=1).reshape(-1)  # b interleaved with junk
+    y = fp4.fp4_linear(x, kw, wide[::2])
+    _assert_close(y, ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("path", ["gemv", "dequant"])
 def test_triton_fp32_activations_are_computed_from_bf16(path):
     """The Triton launcher multiplies a bf16 copy of fp32 activations (MXFP4 weights are exact in

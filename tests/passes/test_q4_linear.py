@@ -283,3 +283,111 @@ def test_cpu_target_declines_without_force():
     declined = report.declined("q4_linear")
     assert len(declined) == 2 and all("no win on generic CPU" in d.reason for d in declined)
     torch.testing.assert_close(report.output, model(x))
+
+
+def test_fake_quant_with_a_float64_scalar_scale_keeps_eager_dtype():
+    """A 0-dim float64 scale does not promote float32 activations in eager torch; the fused op
+    must return float32 too (it used to promote to float64, which the CUDA kernel rejected)."""
+
+    class Scalar64(FakeQuantLinear):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("s", torch.tensor(0.02, dtype=torch.float64))
+
+        def forward(self, x):
+            return F.linear(torch.round(x / self.s).clamp(-128, 127) * self.s, self.weight, self.bias)
+
+    torch.manual_seed(3)
+    model, x = Scalar64().eval(), torch.randn(2, 5, 64)
+    with torch.no_grad():
+        eager = model(x)
+    rewritten, decisions = capture_rewritten(model, (x,), force=True, passes={"q4_linear": True})
+    assert "graphopt.q4_linear_static.default" in _targets(rewritten)
+    with torch.no_grad():
+        out = rewritten(x)
+    assert eager.dtype == out.dtype == torch.float32
+    assert (out - eager).abs().max() <= 2e-6 * eager.abs().max()
+
+
+class BiasVariants(torch.nn.Module):
+    """F.linear with a bias of the given shape (broadcast), and addmm with it."""
+
+    def __init__(self, bias_shape, use_addmm=False):
+        super().__init__()
+        # addmm as GPT-2's Conv1D writes it: the weight stored (in, out)
+        self.weight = torch.nn.Parameter(torch.randn(*((64, 48) if use_addmm else (48, 64))) * 0.05)
+        self.bias = torch.nn.Parameter(torch.randn(bias_shape))
+        self.use_addmm = use_addmm
+
+    def forward(self, x):
+        if self.use_addmm:
+            return torch.addmm(self.bias, x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("pass_name", ["q4_linear", "fp4_linear"])
+@pytest.mark.parametrize("use_addmm", [False, True])
+def test_a_bias_that_only_broadcasts_is_declined(pass_name, use_addmm):
+    """A (1,) bias broadcasts in eager; the ops take exactly (N,), so the layer stays dense
+    (it used to be rewritten and then refused by the CUDA launcher at run time)."""
+    model, x = BiasVariants((1,), use_addmm).eval(), torch.randn(6, 64)
+    report = graphopt.explain(model, x, force=True, passes={pass_name: True}, downstream="eager")
+    assert report.counts[pass_name] == 0
+    assert any("is not a (48,) vector" in d.reason for d in report.declined(pass_name))
+    with torch.no_grad():
+        assert torch.equal(report.output, model(x))
+
+
+def test_mixed_dtypes_under_autocast_are_declined():
+    """Under autocast a linear reads fp32 and returns bf16; the op returns its input's dtype, so
+    the rewrite would change the dtype the rest of the graph sees."""
+    model, x = MLP().eval(), torch.randn(4, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = graphopt.explain(model, x, force=True, **ON)
+    by_layer = {d.location.rsplit(".", 1)[-1]: d for d in report.decisions if d.pass_name == "q4_linear"}
+    assert not by_layer["up"].applied and "mixed dtypes" in by_layer["up"].reason  # fp32 in, bf16 out
+    assert by_layer["down"].applied  # bf16 in, bf16 out
+    assert report.output.dtype == torch.bfloat16
+
+
+def test_a_weight_whose_block_scale_overflows_fp16_is_declined():
+    """Q4_0 stores d = max / -8 in fp16: past ~5.2e5 it is inf and the SQNR NaN, which must fail the
+    budget check rather than pass it (NaN < budget is False)."""
+    model, x = torch.nn.Linear(64, 40).eval(), torch.randn(4, 64)
+    with torch.no_grad():
+        model.weight.mul_(1e7)
+        eager = model(x)
+    report = graphopt.explain(model, x, force=True, **ON)
+    (decision,) = [d for d in report.decisions if d.pass_name == "q4_linear"]
+    assert not decision.applied and math.isnan(decision.details["sqnr_db"])
+    assert torch.isfinite(eager).all() and torch.equal(report.output, eager)
+
+
+class TiedAndTransposed(torch.nn.Module):
+    """One weight read by two linears (tied), the second spelled x @ W.T."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(96, 64) * 0.05)
+
+    def forward(self, x):
+        return F.linear(x, self.weight) + x @ self.weight.T
+
+
+@pytest.mark.parametrize("pass_name", ["q4_linear", "fp4_linear"])
+def test_tied_weights_share_one_quantized_copy_and_w_T_matches(pass_name):
+    torch.manual_seed(4)
+    model, x = TiedAndTransposed().eval(), torch.randn(3, 64)
+    rewritten, decisions = capture_rewritten(model, (x,), force=True, fuse_sibling_linears=False,
+                                             passes={pass_name: True})
+    applied = [d for d in decisions if d.applied and d.pass_name == pass_name]
+    assert len(applied) == 2  # F.linear and x @ W.T
+    saved = [d.details["memory_saved_bytes"] for d in applied]
+    assert saved[0] > 0 and saved[1] == 0  # one quantized copy, counted once
+    calls = [n for n in rewritten.gm.graph.nodes if n.op == "call_function" and pass_name in str(n.target)]
+    assert len(calls) == 2 and calls[0].args[1:3] == calls[1].args[1:3]  # the same weight constants
+    with torch.no_grad():
+        out = rewritten(x)
+        once = F.linear(x, model.weight)
+    torch.testing.assert_close(out[:, :0], once[:, :0])
+    assert (out - 2 * once).abs().max() <= 0.2 * (2 * once).abs().max()  # both halves quantized alike
