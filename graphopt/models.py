@@ -35,7 +35,11 @@ LLAMA_SHAPES: dict[str, LlamaShape] = {
 DEFAULT_SEQ_LEN = {"tiny-llama": 32, "small-llama": 1024, "llama-7b-2l": 2048, "llama-13b-2l": 2048, "minilm": 128}
 
 
-def llama(shape: LlamaShape, *, seq_len: int, batch: int = 1, device="cpu", dtype=torch.float32, seed: int = 0):
+def llama(shape: LlamaShape, *, seq_len: int, batch: int = 1, device="cpu", dtype=torch.float32, seed: int = 0,
+          input_seed: int = 0):
+    """A random-weight LLaMA of `shape` (weights from `seed`) and random token ids (from
+    `input_seed`, drawn apart from the weights: the same model with other inputs for calibration
+    and held-out checks)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -46,7 +50,8 @@ def llama(shape: LlamaShape, *, seq_len: int, batch: int = 1, device="cpu", dtyp
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype).eval()
-    input_ids = torch.randint(0, shape.vocab, (batch, seq_len), device=device, generator=None)
+    tokens = torch.Generator().manual_seed(input_seed)
+    input_ids = torch.randint(0, shape.vocab, (batch, seq_len), generator=tokens).to(device)
     return model, (input_ids,)
 
 
@@ -92,8 +97,10 @@ def mean_pooled_embedding(model_output, attention_mask: torch.Tensor) -> torch.T
 BUILTIN_MODELS: tuple[str, ...] = (*LLAMA_SHAPES, "minilm")
 
 
-def build(name: str, *, seq_len: int | None = None, batch: int = 1, device: str | None = None, dtype: torch.dtype | None = None):
-    """(model, inputs) for a built-in model name or a `module:function` spec."""
+def build(name: str, *, seq_len: int | None = None, batch: int = 1, device: str | None = None, dtype: torch.dtype | None = None,
+          input_seed: int = 0):
+    """(model, inputs) for a built-in model name or a `module:function` spec. input_seed picks the
+    random token ids of the LLaMA models (MiniLM reads fixed sentences; a factory its own)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -102,7 +109,8 @@ def build(name: str, *, seq_len: int | None = None, batch: int = 1, device: str 
         factory: Callable = getattr(importlib.import_module(module_name), func_name)
         return factory()
     if name in LLAMA_SHAPES:
-        return llama(LLAMA_SHAPES[name], seq_len=seq_len or DEFAULT_SEQ_LEN[name], batch=batch, device=device, dtype=dtype)
+        return llama(LLAMA_SHAPES[name], seq_len=seq_len or DEFAULT_SEQ_LEN[name], batch=batch, device=device, dtype=dtype,
+                     input_seed=input_seed)
     if name == "minilm":
         return minilm(seq_len=seq_len or DEFAULT_SEQ_LEN["minilm"], batch=max(batch, 1), device=device, dtype=dtype)
     raise ValueError(f"unknown model {name!r}; valid choices: {', '.join(BUILTIN_MODELS)}, or module:function")

@@ -78,6 +78,10 @@ def check_section(name: str, section: dict[str, Any]) -> str | None:
         return f"section {name!r}: \"layers\" must be an object of layer entries, got {type(layers).__name__}"
     if layers and name in _LAYER_FIELDS and not isinstance(section.get("file"), str):
         return f"section {name!r}: \"file\" must name the tensor file beside the plan, got {section.get('file')!r}"
+    if name == "sparse_attention":
+        for field in ("l1", "pv_l1"):  # the budgets it was tuned under; the pass compares l1 with its own
+            if field in section and not (_number(section[field]) and section[field] >= 0):
+                return f"section {name!r}: {field!r} must be a non-negative number, got {section[field]!r}"
     for key, layer in layers.items():
         where = f"section {name!r}, layer {key!r}"
         if not isinstance(layer, dict):
@@ -86,6 +90,10 @@ def check_section(name: str, section: dict[str, Any]) -> str | None:
             heads = layer.get("heads")
             if not _positive_int(heads):
                 return f"{where}: \"heads\" must be a positive integer, got {heads!r}"
+            if "head_dim" in layer and not _positive_int(layer["head_dim"]):
+                return f"{where}: \"head_dim\" must be a positive integer, got {layer['head_dim']!r}"
+            if "is_causal" in layer and not isinstance(layer["is_causal"], bool):
+                return f"{where}: \"is_causal\" must be true or false, got {layer['is_causal']!r}"
             for field, (expected, test) in _PER_HEAD.items():
                 if field in layer or field not in _OPTIONAL:
                     if not test(layer.get(field), heads):

@@ -55,6 +55,7 @@ def test_bad_values_are_rejected_with_the_valid_choices(options, fragment):
     ('{"sparse_attention": {}}', 'lacks "graphopt_plan"'),
     ('[1, 2]', 'lacks "graphopt_plan"'),
     ('{"graphopt_plan": 1, "fft_linear": 5}', "section 'fft_linear' must be a JSON object"),
+    ('{"graphopt_plan": 1, "sparse_attention": {"l1": null, "layers": {}}}', "'l1' must be a non-negative number"),
     ("directory", "cannot be read"),
 ])
 def test_bad_plan_is_an_error_when_the_options_are_read(tmp_path, content, fragment):

@@ -49,6 +49,58 @@ def test_tuner_keeps_heads_under_budget_on_heldout_inputs(capsys):
     assert "sparse attention plan" in printed and "layers.0.attn" in printed
 
 
+def with_noisy_head0(seed: int, scale: float):
+    """structured_with_random_head with noise added to head 0's q and k: less sparse structure."""
+    q, k, v = structured_with_random_head(seed)
+    gen = torch.Generator().manual_seed(seed + 77)
+    q[:, 0] += scale * torch.randn(L, D, generator=gen)
+    k[:, 0] += scale * torch.randn(L, D, generator=gen)
+    return q, k, v
+
+
+def test_heldout_check_holds_every_input_to_the_budget():
+    """Two held-out inputs: with the thresholds tuned on seeds 1 and 2, head 0's relative L1 is
+    0.041 on one and 0.062 on the other (the budget is 0.06), 0.057 pooled. The pooled figure
+    would pass; the head must fall back to dense, and the worst input is what is reported."""
+    heldout = T.LayerCapture("layers.0.attn", True, D**-0.5)
+    heldout.samples = [structured_with_random_head(3), with_noisy_head0(4, 1.3)]
+    section = T.tune_captures({"layers.0.attn": capture([1, 2])}, heldout={"layers.0.attn": heldout},
+                              l1=0.06, pv_l1=0.07, sim_grid=(-1.0, 0.6), show=False)
+    layer = section["layers"]["layers.0.attn"]
+    assert layer["dense"] == [True, True], layer
+    alone = T.tune_captures({"layers.0.attn": capture([1, 2])}, heldout={"layers.0.attn": capture([3])},
+                            l1=0.06, pv_l1=0.07, sim_grid=(-1.0, 0.6), show=False)["layers"]["layers.0.attn"]
+    assert alone["dense"] == [False, True] and alone["heldout_l1"][0] < 0.06  # the first input alone passes
+
+
+def test_cli_calibration_and_heldout_inputs_differ():
+    """The built-in LLaMA models draw token ids from their own seed: calibration and held-out
+    inputs differ (they used to be identical, the model re-seeded the global generator)."""
+    args = argparse.Namespace(model="tiny-llama", seq_len=64, batch=1, device="cpu")
+    model, calibration = T._inputs_for(args, 2, 1)
+    other, heldout = T._inputs_for(args, 1, 2)
+    ids = [x[0] for x in calibration + heldout]
+    assert not torch.equal(ids[0], ids[1]) and not torch.equal(ids[0], ids[2]) and not torch.equal(ids[1], ids[2])
+    for a, b in zip(model.parameters(), other.parameters()):  # the same weights every time
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--device", "tpu"], "--device"),
+    (["--batch", "0"], "--batch"),
+    (["--seq-len", "0"], "--seq-len"),
+    (["--l1", "-1"], "--l1"),
+    (["--pv-l1", "nan"], "--pv-l1"),
+    (["--heldout", "-1"], "--heldout"),
+    (["--min-sparsity", "1.5"], "--min-sparsity"),
+])
+def test_cli_rejects_bad_arguments_clearly(argv, fragment):
+    parser = argparse.ArgumentParser()
+    T.add_arguments(parser)
+    with pytest.raises(ValueError, match=fragment):
+        T.run(parser.parse_args(["--model", "tests.test_tune:make_model", *argv]))
+
+
 class QKVAttention(torch.nn.Module):
     def forward(self, q, k, v):
         q = q * D**-0.5
@@ -105,3 +157,55 @@ def test_public_tune_stays_callable_after_the_module_is_imported():
     import graphopt.sparse_tuning  # noqa: F401  (importing the module must not shadow the function)
 
     assert callable(graphopt.tune) and graphopt.tune.__module__ == "graphopt"
+
+
+class Holder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = QKVAttention()
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v)
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Holder()
+
+    def forward(self, q, k, v):
+        return self.inner(q, k, v)
+
+
+def test_plans_match_wrapped_models_and_refuse_other_head_dims(tmp_path):
+    """A plan tuned on a model applies to the same model inside a wrapper (the one plan key that
+    ends the module path), and a layer of another head dim is declined rather than given
+    thresholds whose errors were measured elsewhere."""
+    plan_path = tmp_path / "plan.json"
+    section = T.tune(Holder(), [structured_with_random_head(7)], plan_path=plan_path, sim_grid=(-1.0,), show=False)
+    (key,) = section["layers"]
+    options = dict(passes={"sparse_attention": True}, force=True, plan=str(plan_path), downstream="eager")
+    q, k, v = structured_with_random_head(9)
+    report = graphopt.explain(Wrapped(), q, k, v, **options)
+    (decision,) = [d for d in report.decisions if d.pass_name == "sparse_attention"]
+    assert decision.applied and f"plan layer {key!r}" in decision.reason, decision.reason
+    wide = [torch.cat([t, t], dim=-1) for t in (q, k, v)]  # head dim 128 against the plan's 64
+    report = graphopt.explain(Holder(), *wide, **options)
+    (decision,) = [d for d in report.decisions if d.pass_name == "sparse_attention"]
+    assert not decision.applied and "tuned on head dim 64" in decision.reason, decision.reason
+
+
+def test_a_declined_hand_written_attention_gets_a_sparse_decision_too():
+    """The attention pass declines (a forced backend that cannot run fp32); the sparse pass then
+    says why it did nothing instead of staying silent."""
+    q, k, v = (t[:, :, :64] for t in structured_with_random_head(9))
+    report = graphopt.explain(ShortAttention(), q, k, v, passes={"sparse_attention": True}, target="h100",
+                              attention_backend="flash", downstream="eager")
+    assert not any(d.applied for d in report.decisions if d.pass_name == "attention")
+    sparse = [d for d in report.decisions if d.pass_name == "sparse_attention"]
+    assert sparse and not sparse[0].applied and "attention pass kept this hand-written attention" in sparse[0].reason
+
+
+class ShortAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return ((q * D**-0.5) @ k.transpose(-2, -1)).softmax(-1) @ v

@@ -42,6 +42,7 @@ not expressible in `Attention` and is dropped (the exported model is then the ma
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,8 @@ from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N, DEFAULT_CDFTHRES
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, module_path
 from graphopt.passes.fx_utils import device, dtype, fix_symbolic_sizes, replace_with_call, size_hints, symbolic_size
+
+log = logging.getLogger("graphopt")
 
 ASSUMED_SPARSITY_WITHOUT_PLAN = 0.5  # fraction of QK blocks skipped, for the cost model only
 PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; top-cdf + compact lists
@@ -194,22 +197,42 @@ def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, cau
 # ---------------------------------------------------------------------------------------------
 # Plan lookup
 # ---------------------------------------------------------------------------------------------
-def layer_thresholds(section: dict | None, key: str, heads: int):
-    """(simthreshd1, cdfthreshd, pvthreshd or None, measured sparsity or None, layer dict or None, note)."""
-    layer = (section or {}).get("layers", {}).get(key)
+def plan_layer(layers: dict, key: str) -> tuple[str | None, dict | None]:
+    """(plan key, layer entry) for the attention at module path `key`: the same path, else the one
+    plan key that ends the path or that the path ends (the same model compiled inside a wrapper,
+    or a submodule of the tuned one). None when there is none or more than one."""
+    if key in layers:
+        return key, layers[key]
+    hits = [k for k in layers if key.endswith("." + k) or k.endswith("." + key)]
+    return (hits[0], layers[hits[0]]) if len(hits) == 1 else (None, None)
+
+
+def layer_thresholds(section: dict | None, key: str, heads: int, *, head_dim: int | None = None,
+                     is_causal: bool | None = None):
+    """(simthreshd1, cdfthreshd, pvthreshd or None, measured sparsity or None, layer dict or None, note).
+    A plan layer tuned on another head count, head dim or causality is declined: its errors were
+    measured on another attention."""
+    plan_key, layer = plan_layer((section or {}).get("layers", {}), key)
     if layer is None:
         note = "no plan" if section is None else f"plan has no layer {key!r}"
         return ([DEFAULT_SIMTHRESHD1] * heads, [DEFAULT_CDFTHRESHD] * heads, None, None, None,
                 f"{note}: untuned defaults simthreshd1={DEFAULT_SIMTHRESHD1}, cdfthreshd={DEFAULT_CDFTHRESHD} (error not measured)")
     if layer.get("heads") != heads or len(layer.get("cdfthreshd", [])) != heads:
-        raise _Decline(f"plan layer {key!r} has {layer.get('heads')} heads, the attention has {heads}")
+        raise _Decline(f"plan layer {plan_key!r} has {layer.get('heads')} heads, the attention has {heads}")
+    if head_dim is not None and layer.get("head_dim") not in (None, head_dim):
+        raise _Decline(f"plan layer {plan_key!r} was tuned on head dim {layer['head_dim']}, the attention has "
+                       f"{head_dim}: tune again for this model")
+    if is_causal is not None and layer.get("is_causal") not in (None, is_causal):
+        raise _Decline(f"plan layer {plan_key!r} was tuned on {'causal' if layer['is_causal'] else 'non-causal'} "
+                       f"attention, this one is {'causal' if is_causal else 'non-causal'}: tune again for it")
     dense = layer.get("dense", [False] * heads)
     sim = [-1.0 if dense[i] else float(layer["simthreshd1"][i]) for i in range(heads)]
     cdf = [1.0 if dense[i] else float(layer["cdfthreshd"][i]) for i in range(heads)]
     pv_list = [math.inf if dense[i] or layer["pvthreshd"][i] is None else float(layer["pvthreshd"][i]) for i in range(heads)]
     pv = None if all(math.isinf(x) for x in pv_list) else pv_list
     sparsity = [0.0 if dense[i] else float(layer["sparsity"][i] or 0.0) for i in range(heads)]
-    return sim, cdf, pv, sum(sparsity) / heads, layer, f"tuned plan ({sum(not x for x in dense)}/{heads} heads sparse)"
+    matched = "" if plan_key == key else f", plan layer {plan_key!r}"
+    return sim, cdf, pv, sum(sparsity) / heads, layer, f"tuned plan ({sum(not x for x in dense)}/{heads} heads sparse{matched})"
 
 
 class _Decline(Exception):
@@ -269,7 +292,13 @@ def _attention_sites(ctx: PassContext, pass_name: str) -> list[_Site]:
              if n.op == "call_function" and n.target is torch.ops.graphopt.attention.default]
     for match in find_attention(ctx):
         if attention_on and not match.from_sdpa:
-            continue  # that pass already rewrote or declined it
+            # still hand-written after the attention pass: it declined this one (its reason is on
+            # record there); the block-sparse op replaces only what that pass lowered
+            ctx.record(pass_name, False, "the attention pass kept this hand-written attention"
+                       f"{': ' + match.reason if match.reason else ''}; sparse attention replaces only the attention "
+                       "it lowers (graphopt::attention) and SDPA calls",
+                       node=match.output if match.output is not None else match.softmax)
+            continue
         if match.reason is not None:
             if not attention_on:
                 ctx.record(pass_name, False, f"attention not matched: {match.reason}",
@@ -302,9 +331,15 @@ class SparseAttentionPass(GraphPass):
             return
         section = plan_section(ctx, self.name)
         budget = ctx.config.error_budget.get(self.name, 0.06)
-        for index, site in enumerate(_attention_sites(ctx, self.name)):
+        sites = _attention_sites(ctx, self.name)
+        keys = [attention_key(site.node, index) for index, site in enumerate(sites)]
+        plan_layers = (section or {}).get("layers", {})
+        if plan_layers and keys and all(plan_layer(plan_layers, key)[1] is None for key in keys):
+            log.warning("sparse_attention: the plan's layers (%s) match none of this graph's attentions (%s); "
+                        "untuned defaults apply", ", ".join(sorted(plan_layers)[:3]), ", ".join(keys[:3]))
+        for site, key in zip(sites, keys):
             try:
-                self._rewrite(ctx, site, attention_key(site.node, index), section, budget)
+                self._rewrite(ctx, site, key, section, budget)
             except _Decline as why:
                 ctx.record(self.name, False, str(why), node=site.node, before=why.before, after=why.after)
 
@@ -327,12 +362,16 @@ class SparseAttentionPass(GraphPass):
         if not ctx.hardware.is_gpu and not ctx.config.force:
             raise _Decline(f"target {ctx.hardware.name} is not a GPU: the CPU op runs the slow torch reference "
                            "(force=True applies it anyway)")
-        sim, cdf, pv, sparsity, layer, source = layer_thresholds(section, key, h)
+        sim, cdf, pv, sparsity, layer, source = layer_thresholds(section, key, h, head_dim=d, is_causal=is_causal)
         if layer is not None:
             if all(layer.get("dense", [])):
                 raise _Decline(f"the tuned plan marks every head of {key!r} dense (no head reached useful sparsity "
                                "within the L1 budget)")
-            if float(section.get("l1", 0.0)) > budget + 1e-12:
+            blocks = (section.get("block_m", BLOCK_M), section.get("block_n", BLOCK_N))
+            if blocks != (BLOCK_M, BLOCK_N):
+                raise _Decline(f"plan tuned on {blocks[0]}x{blocks[1]} blocks, the kernel predicts {BLOCK_M}x{BLOCK_N} "
+                               "blocks: tune again")
+            if float(section.get("l1") or 0.0) > budget + 1e-12:
                 raise _Decline(f"plan tuned for L1 < {section.get('l1')}, over this config's error_budget {budget}")
         assumed = sparsity is None
         if assumed:
