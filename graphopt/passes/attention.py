@@ -160,6 +160,12 @@ def _is_model_state(node: fx.Node) -> bool:
     return "._buffers[" in source or "._parameters[" in source
 
 
+# Why a mask built from symbolic sizes stays a bias: its value at the example sizes would prove
+# nothing about the others (a sliding window, for one, is plain causal below its width).
+SYMBOLIC_MASK_NOTE = ("the mask is built from symbolic sizes (dynamic shapes) and cannot be proven causal at "
+                      "compile time; it stays a bias (static shapes, or SDPA's is_causal, avoid this)")
+
+
 def evaluate_constant(ctx: PassContext, node: Any, used_state: list[fx.Node] | None = None) -> Any:
     """The value of `node` if it depends only on constants, parameters and buffers, else raises
     _NotConstant. Placeholders read are appended to `used_state` (to be guarded by the caller)."""
@@ -182,6 +188,8 @@ def evaluate_constant(ctx: PassContext, node: Any, used_state: list[fx.Node] | N
             result = _get_attr(ctx.gm, n.target)
         elif n.op == "placeholder":
             value = ctx.example_value(n)
+            if isinstance(value, torch.SymInt | int) and not isinstance(value, bool):
+                raise _NotConstant(SYMBOLIC_MASK_NOTE)
             if not isinstance(value, torch.Tensor) or not _is_model_state(n):
                 raise _NotConstant("depends on an input")
             if ctx.grad_enabled and value.requires_grad:  # a trainable bias must keep its gradient
@@ -721,8 +729,10 @@ def _prove_causal(ctx: PassContext, match: AttentionMatch, cache: dict | None = 
         if key not in cache:
             cache[key] = _classify_constant_term(ctx, term, causal)
         what, used = cache[key]
-        if what is None:
+        if what not in ("causal", "zero"):
             kept.append(term)
+            if what is not None and what not in match.notes:
+                match.notes.append(what)
             continue
         match.dropped.append(term.node)
         if what == "causal":
@@ -735,10 +745,13 @@ def _prove_causal(ctx: PassContext, match: AttentionMatch, cache: dict | None = 
 
 
 def _classify_constant_term(ctx: PassContext, term: MaskTerm, causal: torch.Tensor) -> tuple[str | None, list[fx.Node]]:
-    """("causal" | "zero" | None, buffers read) for one mask term."""
+    """("causal" | "zero" | None, buffers read) for one mask term; SYMBOLIC_MASK_NOTE instead of
+    None where the term could not be evaluated because it reads symbolic sizes."""
     used: list[fx.Node] = []
     try:
         value = evaluate_constant(ctx, term.node, used)
+    except _NotConstant as exc:
+        return (SYMBOLIC_MASK_NOTE if str(exc) == SYMBOLIC_MASK_NOTE else None), []
     except Exception:
         return None, []
     if not isinstance(value, torch.Tensor):
@@ -817,6 +830,8 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in root.meta:
             new.meta[key] = root.meta[key]
+    if SYMBOLIC_MASK_NOTE in match.notes:
+        new.meta["graphopt_mask_note"] = SYMBOLIC_MASK_NOTE  # for the sparse pass's decline reason
     root.replace_all_uses_with(out)
     erase_unused([root, match.softmax, *match.nodes, *_ancestors(match.dropped)], graph)
     return new
@@ -1259,6 +1274,10 @@ def calibrate_attention_table(shapes=None) -> dict:
 # ---------------------------------------------------------------------------------------------
 # ONNX: the standard opset-23 Attention operator
 # ---------------------------------------------------------------------------------------------
+# One known difference: a query row whose every key is masked by a large negative additive bias
+# (HF's finfo.min padding mask on a left-padded row) gets the mean of V from PyTorch (a softmax of
+# equal scores) and zeros from onnxruntime's Attention (1.32). Such rows are padding, which
+# models ignore; every row with at least one visible key matches.
 def _register_onnx() -> None:
     try:
         from onnxscript import opset23 as op

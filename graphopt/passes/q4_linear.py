@@ -38,8 +38,9 @@ in shared memory; when that leaves one resident CTA per SM, its memory rate is d
 (FUSED_SINGLE_CTA_DERATE), and a tile that does not fit at all is infeasible. The separate path
 pays one more launch and a write+read of the Q8_1 activations (1.125 bytes per value).
 
-ONNX: `q4_linear` exports as DequantizeLinear(INT4 weight = nibble - 8, scale d, axis 1, block_size
-32) -> MatMul ("standard"), or as com.microsoft.MatMulNBits ("matmulnbits": onnxruntime's fast
+ONNX: `q4_linear` exports the Q8_1 rounding of its activations as plain ONNX ops (so the exported
+model computes what the op computes), then DequantizeLinear(INT4 weight = nibble - 8, scale d, axis 1,
+block_size 32) -> MatMul ("standard"), or as com.microsoft.MatMulNBits ("matmulnbits": onnxruntime's fast
 kernel; its 4-bit blobs pack element 2i in the low and 2i+1 in the high nibble of byte i, and with
 no zero_points input the zero point is 8, which is exactly Q4_0's offset). The nibble plane is
 unpacked with ONNX ops on the stored initializers; onnxruntime folds that at session start.
@@ -595,9 +596,30 @@ def _onnx_scales(op, scales, x, in_features: int):
     return op.CastLike(op.Transpose(d, perm=[1, 0]), x)
 
 
+def _onnx_q8_1_values(op, x, in_features: int):
+    """x [..., K] -> float32 q * d, the Q8_1 values the kernels multiply, with ONNX ops: per 32-value
+    block d = amax / 127, q = roundf(x / d) (half away from zero: the int32 cast truncates, then
+    the fraction decides), and d rounded to fp16 as block_q8_1 stores it."""
+    import onnx
+
+    f32 = onnx.TensorProto.FLOAT
+    blocks = op.Reshape(op.Cast(x, to=f32), op.Constant(value_ints=[-1, in_features // 32, 32]))
+    d = op.Div(op.ReduceMax(op.Abs(blocks), op.Constant(value_ints=[-1]), keepdims=1), op.Constant(value_float=127.0))
+    zero = op.Constant(value_float=0.0)
+    inv_d = op.Where(op.Equal(d, zero), zero, op.Div(op.Constant(value_float=1.0), d))
+    v = op.Mul(blocks, inv_d)
+    whole = op.Cast(op.Cast(v, to=onnx.TensorProto.INT32), to=f32)
+    frac = op.Sub(v, whole)
+    q = op.Sub(op.Add(whole, op.Cast(op.GreaterOrEqual(frac, op.Constant(value_float=0.5)), to=f32)),
+               op.Cast(op.LessOrEqual(frac, op.Constant(value_float=-0.5)), to=f32))
+    d16 = op.Cast(op.Cast(d, to=onnx.TensorProto.FLOAT16), to=f32)
+    return op.Reshape(op.Mul(q, d16), op.Shape(x))
+
+
 @register_onnx_translation(torch.ops.graphopt.q4_linear.default, form="standard")
 def _q4_linear_onnx_standard(x, qweight, scales, bias=None, mode: str = "fused"):
-    """DequantizeLinear(INT4 nibble-8, scale d, axis=1, block_size=32) -> MatMul (+ Add)."""
+    """Q8_1 values of x (_onnx_q8_1_values) @ DequantizeLinear(INT4 nibble-8, scale d, axis=1,
+    block_size=32)^T in float32, cast to x's type (+ Add)."""
     import onnx
     from onnxscript import opset23 as op
 
@@ -605,8 +627,9 @@ def _q4_linear_onnx_standard(x, qweight, scales, bias=None, mode: str = "fused")
     signed = op.Sub(op.Cast(_onnx_nibbles(op, qweight, k), to=onnx.TensorProto.INT8),
                     op.Constant(value=onnx.numpy_helper.from_array(__import__("numpy").array(8, dtype="int8"))))
     w_int4 = op.Cast(signed, to=onnx.TensorProto.INT4)  # (N, K)
-    w = op.DequantizeLinear(w_int4, _onnx_scales(op, scales, x, k), axis=1, block_size=32)  # (N, K) in x's type
-    y = op.MatMul(x, op.Transpose(w, perm=[1, 0]))
+    d = op.Cast(_onnx_scales(op, scales, x, k), to=onnx.TensorProto.FLOAT)
+    w = op.DequantizeLinear(w_int4, d, axis=1, block_size=32)  # (N, K) float32
+    y = op.CastLike(op.MatMul(_onnx_q8_1_values(op, x, k), op.Transpose(w, perm=[1, 0])), x)
     return y if bias is None else op.Add(y, op.CastLike(bias, y))
 
 
@@ -638,8 +661,8 @@ def _q4_linear_onnx_matmulnbits(x, qweight, scales, bias=None, mode: str = "fuse
     odd = op.Slice(nib, op.Constant(value_ints=[1]), op.Constant(value_ints=[2]), op.Constant(value_ints=[2]))
     packed = op.BitwiseOr(even, op.BitShift(odd, op.Constant(value=_u8(4)), direction="LEFT"))
     blobs = op.Reshape(packed, op.Constant(value_ints=[n, k // 32, 16]))
-    d = op.Reshape(_onnx_scales(op, scales, x, k), op.Constant(value_ints=[-1]))
-    y = matmul_nbits(x, blobs, d, K=k, N=n, bits=4, block_size=32)
+    d = op.Cast(op.Reshape(_onnx_scales(op, scales, x, k), op.Constant(value_ints=[-1])), to=1)  # float32
+    y = op.CastLike(matmul_nbits(_onnx_q8_1_values(op, x, k), blobs, d, K=k, N=n, bits=4, block_size=32), x)
     return y if bias is None else op.Add(y, op.CastLike(bias, y))
 
 

@@ -346,8 +346,9 @@ class SparseAttentionPass(GraphPass):
     def _rewrite(self, ctx: PassContext, site: _Site, key: str, section, budget: float) -> None:
         (qs, ks, vs), has_bias, scale, is_causal, backend, dt, dev, symbols = site.describe(ctx)
         if has_bias:
-            raise _Decline("attention has a bias or mask other than causal (padding mask, position bias); "
-                           "the block-sparse kernel applies only the causal mask")
+            why = site.node.meta.get("graphopt_mask_note")
+            raise _Decline("attention has a bias or mask other than causal (padding mask, position bias)"
+                           f"{': ' + why if why else ''}; the block-sparse kernel applies only the causal mask")
         if qs is None or ks is None or vs is None:
             raise _Decline("symbolic shapes without size hints: the cost model needs example sizes")
         symbolic = any(size is not None for size in symbols)

@@ -374,6 +374,41 @@ def test_symbolic_head_count_and_head_dim_are_guarded():
     assert len(applied) == 3 and all(d.details["dense_below"] == 1 for d in applied)  # forced: sparse at every length
 
 
+class MaskFromLength(torch.nn.Module):
+    """A causal mask built from the sequence length, as HF's eager attention builds it."""
+
+    def forward(self, q, k, v):
+        length = q.shape[-2]
+        mask = torch.full((length, length), float("-inf")).triu(1)
+        return torch.softmax(q @ k.transpose(-2, -1) * 32**-0.5 + mask, dim=-1) @ v
+
+
+def test_a_mask_built_from_symbolic_sizes_is_kept_and_the_reason_says_so():
+    """Under dynamic shapes a mask computed from the length cannot be proven causal for every
+    length (a sliding window is plain causal below its width), so it stays a bias and the sparse
+    pass declines, saying why. With static shapes the same mask is proven causal and rewritten."""
+    from graphopt import backend as backend_module
+
+    q, k, v = sa.local_sink_qkv(1, 2, 256, 32, seed=3)
+    options = {"passes": {"sparse_attention": True}, "downstream": "eager", "force": True}
+    for dynamic in (True, False):
+        sink = []
+        backend_module._DECISION_SINKS.append(sink)
+        try:
+            torch._dynamo.reset()
+            with torch.no_grad():
+                out = torch.compile(MaskFromLength(), backend="graphopt", dynamic=dynamic, options=options)(q, k, v)
+        finally:
+            backend_module._DECISION_SINKS.remove(sink)
+            torch._dynamo.reset()
+        (decision,) = [d for d in sink if d.pass_name == "sparse_attention"]
+        if dynamic:
+            assert not decision.applied and "built from symbolic sizes" in decision.reason, decision.reason
+            torch.testing.assert_close(out, MaskFromLength()(q, k, v))
+        else:
+            assert decision.applied, decision.reason
+
+
 def test_symbolic_length_gate_switches_between_dense_and_sparse(monkeypatch, tmp_path):
     """The gate as the op and the ONNX export apply it: with the break-even length set to 300,
     a 256-token call is dense attention and a 320-token call block-sparse, in PyTorch and in
