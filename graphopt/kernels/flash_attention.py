@@ -256,6 +256,10 @@ if HAS_TRITON:
             bias_ptrs = (bias_base + tl.minimum(rows, Lq - 1).to(tl.int64) * stride_bias_m
                          + tl.minimum(cols, Lk - 1) * stride_bias_n)
             if BIAS_KIND == 1:
+                # A bias of HF's finfo(float32).min overflows to -inf here, so a row masked
+                # everywhere gives 0 (and zero gradients), where SDPA gives the mean of V. Clamping
+                # it finite fixes the forward but not the backward, whose p = exp2(s - lse) then
+                # loses log2(n) against the bias (p = 1, not 1/n). Such rows are padding.
                 scores += tl.load(bias_ptrs).to(tl.float32) * 1.4426950408889634
             else:
                 scores = tl.where(tl.load(bias_ptrs) != 0, scores, float("-inf"))

@@ -20,9 +20,16 @@ when the cost model prefers another implementation than the one PyTorch's SDPA d
 pick by itself (its priority order among the enabled backends): that default is the "before".
 
 Masks. A bool mask with fill -inf stays a bool mask (True = attend). A finite fill (HF's
-finfo.min, -1e9, -1e4) becomes the additive bias `where(mask, fill, 0)`, which keeps the exact
-behaviour of rows whose keys are all masked (uniform average, as the original). A mask term whose
-value depends only on constants, parameters and buffers is evaluated at compile time; when it is
+finfo.min, -1e9, -1e4) must be <= -1e4, and <= -1e3 times any scale applied after it; it becomes the additive
+bias `where(mask, fill, 0)`. Rows with at least one visible key are exact. A row whose keys are all
+masked (padding, which models ignore) can differ from eager:
+- with a finite fill eager gives the mean of V (equal scores). The bias gives the same only where it
+  swallows the scores, as finfo(float32).min does on the SDPA paths; with -1e4 the row becomes
+  softmax(scores), and our Triton kernel gives 0 (see kernels/flash_attention.py);
+- with -inf eager gives NaN, the rewrite 0 (SDPA's safe softmax).
+A mask term whose value depends only on constants, parameters and buffers, and that nothing
+writes in place (a prefix-LM mask edited with `m[:, :p] = True` is not the value its inputs
+compute), is evaluated at compile time; when it is
 exactly the top-left causal pattern (query i sees keys j <= i; masked entries <= -1e4 or -inf) it
 is dropped and the node gets `is_causal=True`, so kernels skip the upper triangle. Buffers read
 this way are registered as frozen: an in-place change of the buffer triggers a recompile. An
@@ -62,6 +69,9 @@ log = logging.getLogger("graphopt")
 # A mask entry at or below this (or -inf) contributes exp(fill - max) == 0 to softmax in any float
 # dtype we run, so such a fill counts as "masked out".
 MASKED_FILL_THRESHOLD = -1e4
+# ... and what it must still be after the scales applied between it and the softmax: exp(-1e3)
+# is 0 in float32, so such entries weigh nothing beside any score within 1e2 of 0.
+SCALED_FILL_THRESHOLD = -1e3
 # Compile-time evaluation of mask subgraphs: at most this many nodes, and this much memory per
 # intermediate (expanded views are free; a (1, 1, 8192, 8192) fp32 mask is 256 MiB).
 _MAX_EVAL_NODES = 64
@@ -121,6 +131,17 @@ class AttentionMatch:
     from_sdpa: bool = False  # an F.scaled_dot_product_attention call (softmax and output are that node)
     call_has_mask: bool = False  # that call as written (before a constant mask is proven causal)
     call_is_causal: bool = False
+    replaced_by: fx.Node | None = None  # after rewrite_attention: the node now computing `output`
+
+    def follow(self, replaced: dict[fx.Node, fx.Node]) -> bool:
+        """Point q, k, v and the mask terms at the nodes that replaced earlier rewrites' outputs
+        (one attention's output feeding the next directly). False when the match still reads a
+        node an earlier rewrite erased."""
+        self.q, self.k, self.v = (replaced.get(n, n) for n in (self.q, self.k, self.v))
+        for term in self.terms:
+            term.node = replaced.get(term.node, term.node)
+        live = [self.q, self.k, self.v, self.output, self.softmax, *self.nodes, *(t.node for t in self.terms)]
+        return not any(isinstance(n, fx.Node) and getattr(n, "_erased", False) for n in live)
 
     @property
     def location(self) -> str:
@@ -166,6 +187,49 @@ SYMBOLIC_MASK_NOTE = ("the mask is built from symbolic sizes (dynamic shapes) an
                       "compile time; it stays a bias (static shapes, or SDPA's is_causal, avoid this)")
 
 
+def _masks(fill: float | None, multiplier: float) -> bool:
+    """Whether a masked_fill / where fill, times the scales applied after it, masks its entries."""
+    if fill is None:
+        return False
+    if fill == float("-inf"):
+        return multiplier > 0
+    return fill <= MASKED_FILL_THRESHOLD and fill * multiplier <= SCALED_FILL_THRESHOLD
+
+
+# Functions and methods that write into their first argument: a mask subgraph touched by one is
+# not the value its inputs compute (evaluate_constant would miss the edit).
+_INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+_VIEW_METHODS = {"view", "reshape", "expand", "expand_as", "transpose", "permute", "unsqueeze", "squeeze", "t",
+                 "narrow", "select", "as_strided", "view_as", "unflatten", "flatten", "contiguous", "__getitem__",
+                 "diagonal", "unfold", "split", "chunk", "T", "mT"}
+
+
+def _written_in_place(node: fx.Node, seen: set | None = None) -> bool:
+    """Whether `node`'s tensor, or a view of it, is written in place anywhere in the graph."""
+    seen = set() if seen is None else seen
+    if node in seen:
+        return False
+    seen.add(node)
+    for user in node.users:
+        if not user.args or user.args[0] is not node:
+            continue
+        if user.op == "call_function":
+            name = getattr(user.target, "__name__", "")
+            operator_module = getattr(user.target, "__module__", None) in ("_operator", "operator")  # and_, or_ ...
+            if user.target in _INPLACE_FUNCTIONS or (name.endswith("_") and not name.endswith("__") and not operator_module):
+                return True
+            if user.target is operator.getitem or user.target is getattr or name in _VIEW_METHODS:
+                if _written_in_place(user, seen):
+                    return True
+        elif user.op == "call_method":
+            if user.target.endswith("_") and not user.target.endswith("__"):
+                return True
+            if user.target in _VIEW_METHODS and _written_in_place(user, seen):
+                return True
+    return False
+
+
 def evaluate_constant(ctx: PassContext, node: Any, used_state: list[fx.Node] | None = None) -> Any:
     """The value of `node` if it depends only on constants, parameters and buffers, else raises
     _NotConstant. Placeholders read are appended to `used_state` (to be guarded by the caller)."""
@@ -184,6 +248,8 @@ def evaluate_constant(ctx: PassContext, node: Any, used_state: list[fx.Node] | N
         count[0] += 1
         if count[0] > _MAX_EVAL_NODES:
             raise _NotConstant("subgraph too large")
+        if _written_in_place(n):
+            raise _NotConstant(f"{n.name} is written in place")
         if n.op == "get_attr":
             result = _get_attr(ctx.gm, n.target)
         elif n.op == "placeholder":
@@ -405,8 +471,9 @@ def _walk_up(ctx: PassContext, match: AttentionMatch) -> None:
         if kind == "masked_fill":
             scores, mask, fill = arg(node, 0, "input"), arg(node, 1, "mask"), arg(node, 2, "value")
             fill_value = _scalar(ctx, fill)
-            if fill_value is None or not (fill_value == float("-inf") or fill_value <= MASKED_FILL_THRESHOLD):
-                match.reason = f"masked_fill with fill {fill!r} is not a masking value (<= {MASKED_FILL_THRESHOLD:g} or -inf)"
+            if not _masks(fill_value, multiplier):
+                match.reason = (f"masked_fill with fill {fill!r} (times the later scale {multiplier:g}) is not a masking "
+                                f"value (<= {MASKED_FILL_THRESHOLD:g}, and <= {SCALED_FILL_THRESHOLD:g} after scaling, or -inf)")
                 return
             match.terms.append(MaskTerm("drop", mask, multiplier, fill_value))
             chain.append(node)
@@ -422,8 +489,9 @@ def _walk_up(ctx: PassContext, match: AttentionMatch) -> None:
                 match.reason = f"cannot tell scores from fill in {node.name}"
                 return
             fill_value = _scalar(ctx, fill)
-            if fill_value is None or not (fill_value == float("-inf") or fill_value <= MASKED_FILL_THRESHOLD):
-                match.reason = f"torch.where with fill {fill!r} is not a masking value (<= {MASKED_FILL_THRESHOLD:g} or -inf)"
+            if not _masks(fill_value, multiplier):
+                match.reason = (f"torch.where with fill {fill!r} (times the later scale {multiplier:g}) is not a masking "
+                                f"value (<= {MASKED_FILL_THRESHOLD:g}, and <= {SCALED_FILL_THRESHOLD:g} after scaling, or -inf)")
                 return
             match.terms.append(MaskTerm("keep" if keep else "drop", cond, multiplier, fill_value))
             chain.append(node)
@@ -506,7 +574,26 @@ def _match_qk(ctx: PassContext, match: AttentionMatch, qk: fx.Node) -> None:
             match.nodes.extend(k_nodes + v_nodes)
         elif gk > 1 or gv > 1:
             match.notes.append("k and v repeated differently; kept the repeated tensors")
-    _check_dtypes(match)
+    _check_heads(match)
+    if match.reason is None:
+        _check_dtypes(match)
+
+
+def _check_heads(match: AttentionMatch) -> None:
+    """K/V heads that broadcast over q's (multi-query attention written as a (B, 1, L, D) key) become
+    K/V grouping; any other head mismatch is declined (the op takes H = Hkv * groups exactly)."""
+    if match.batched_3d:
+        return
+    qs, ks, vs = size_hints(match.q), size_hints(match.k), size_hints(match.v)
+    if qs is None or ks is None or vs is None or len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        return
+    hq, hk, hv = qs[1], ks[1], vs[1]  # k^T (B, H, D, L) keeps its heads at dim 1 too
+    if hk == hv == 1 and hq > 1 and match.num_kv_groups == 1:
+        match.num_kv_groups = hq
+        match.notes.append(f"k and v broadcast one head over {hq}: K/V grouping {hq}")
+    elif hk != hv or hq != hk * match.num_kv_groups:
+        match.reason = (f"q has {hq} heads, k {hk} and v {hv} (K/V grouping {match.num_kv_groups}): heads that "
+                        "broadcast other than one K/V head for all are not supported")
 
 
 def _check_dtypes(match: AttentionMatch) -> None:
@@ -833,6 +920,7 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
     if SYMBOLIC_MASK_NOTE in match.notes:
         new.meta["graphopt_mask_note"] = SYMBOLIC_MASK_NOTE  # for the sparse pass's decline reason
     root.replace_all_uses_with(out)
+    match.replaced_by = out
     erase_unused([root, match.softmax, *match.nodes, *_ancestors(match.dropped)], graph)
     return new
 
@@ -1139,10 +1227,14 @@ class AttentionPass(GraphPass):
     lossless = True
 
     def run(self, ctx: PassContext) -> None:
+        replaced: dict[fx.Node, fx.Node] = {}  # rewritten attention outputs -> their replacements
         for match in find_attention(ctx):
             node = match.output if match.output is not None else match.softmax
             if match.reason is not None:
                 ctx.record(self.name, False, match.reason, node=node)
+                continue
+            if not match.follow(replaced):
+                ctx.record(self.name, False, "overlaps an attention rewritten before it", node=node)
                 continue
             before, candidates, rejected, note = choose_implementation(ctx, match)
             forced = ctx.config.attention_backend
@@ -1198,6 +1290,7 @@ class AttentionPass(GraphPass):
             except Exception:
                 ctx.decisions.remove(decision)
                 raise
+            replaced[match.output] = match.replaced_by
 
 
 PASS = AttentionPass()

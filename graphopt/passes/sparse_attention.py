@@ -290,7 +290,10 @@ def _attention_sites(ctx: PassContext, pass_name: str) -> list[_Site]:
     attention_on = ctx.config.enabled("attention")
     sites = [_Site(n) for n in ctx.gm.graph.nodes
              if n.op == "call_function" and n.target is torch.ops.graphopt.attention.default]
+    replaced: dict = {}  # outputs of attentions rewritten here -> their replacements
     for match in find_attention(ctx):
+        if match.reason is None and not match.follow(replaced):
+            match.reason = "overlaps an attention rewritten before it"
         if attention_on and not match.from_sdpa:
             # still hand-written after the attention pass: it declined this one (its reason is on
             # record there); the block-sparse op replaces only what that pass lowered
@@ -304,7 +307,11 @@ def _attention_sites(ctx: PassContext, pass_name: str) -> list[_Site]:
                 ctx.record(pass_name, False, f"attention not matched: {match.reason}",
                            node=match.output if match.output is not None else match.softmax)
             continue
-        sites.append(_Site(match.output, match) if match.from_sdpa else _Site(rewrite_attention(ctx, match)))
+        if match.from_sdpa:
+            sites.append(_Site(match.output, match))
+        else:
+            sites.append(_Site(rewrite_attention(ctx, match)))
+            replaced[match.output] = match.replaced_by
     position = {node: i for i, node in enumerate(ctx.gm.graph.nodes)}
     return sorted(sites, key=lambda site: position[site.node])
 

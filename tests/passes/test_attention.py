@@ -832,3 +832,79 @@ def test_zero_initialised_trainable_bias_keeps_its_gradient():
     compiled(q, *qkv()[1:]).square().sum().backward()
     module(q.detach().requires_grad_(True), *qkv()[1:]).square().sum().backward()
     torch.testing.assert_close(trained.position_bias.grad, module.position_bias.grad, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Review findings (session 27)
+# ---------------------------------------------------------------------------------------------
+class PrefixLM(nn.Module):
+    """A prefix-LM mask: causal, then the first `prefix` keys opened to every query in place."""
+
+    def __init__(self, prefix=3, how="setitem"):
+        super().__init__()
+        self.register_buffer("causal", torch.ones(L, L, dtype=torch.bool).tril())
+        self.prefix, self.how = prefix, how
+
+    def forward(self, q, k, v):
+        mask = self.causal.clone()
+        if self.how == "setitem":
+            mask[:, : self.prefix] = True
+        else:
+            mask[:, : self.prefix].fill_(True)
+        s = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("how", ["setitem", "fill_"])
+def test_a_mask_edited_in_place_is_not_proven_causal(how):
+    """The compile-time evaluation follows a mask's inputs, not later writes into it: a causal mask
+    opened in place is not causal and must stay a mask (it used to become is_causal=True)."""
+    (d,) = compile_and_compare(PrefixLM(how=how), *qkv())
+    assert not d.details["is_causal"] and d.details["bias"] == "bool"
+
+
+class ZeroBiasEdited(nn.Module):
+    def forward(self, q, k, v):
+        bias = torch.zeros(L, L)
+        bias[:, 5:] = float("-inf")
+        return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + bias, dim=-1) @ v
+
+
+def test_a_zero_bias_edited_in_place_is_kept():
+    (d,) = compile_and_compare(ZeroBiasEdited(), *qkv())
+    assert d.details["bias"] == "float"
+
+
+def test_keys_and_values_broadcast_over_heads_become_kv_groups():
+    """Multi-query attention written as a (B, 1, L, D) key and value: it used to reach the op with
+    one group and fail there at run time."""
+    q, k, v = qkv(hkv=1)
+    (d,) = compile_and_compare(PlainAttention(), q, k, v)
+    assert d.details["num_kv_groups"] == H
+
+
+class Chained(nn.Module):
+    """One attention's output is the next one's query, directly."""
+
+    def forward(self, q, k, v):
+        first = PlainAttention()(q, k, v)
+        return PlainAttention()(first, k, v)
+
+
+def test_an_attention_feeding_the_next_directly_is_rewritten_twice():
+    decisions = compile_and_compare(Chained(), *qkv(), count=2)
+    assert all(d.applied for d in decisions)
+
+
+class FillThenScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("causal", torch.ones(L, L, dtype=torch.bool).tril())
+
+    def forward(self, q, k, v):
+        s = (q @ k.transpose(-2, -1)).masked_fill(~self.causal, -1e4) * 1e-3  # masked entries end at -10
+        return torch.softmax(s, dim=-1) @ v
+
+
+def test_a_fill_scaled_down_after_masking_is_not_a_mask():
+    compile_and_compare(FillThenScale(), *qkv(), count=0)
