@@ -20,8 +20,8 @@ when the cost model prefers another implementation than the one PyTorch's SDPA d
 pick by itself (its priority order among the enabled backends): that default is the "before".
 
 Masks. A bool mask with fill -inf stays a bool mask (True = attend). A finite fill (HF's
-finfo.min, -1e9, -1e4) must be <= -1e4, and <= -1e3 times any scale applied after it; it becomes the additive
-bias `where(mask, fill, 0)`. Rows with at least one visible key are exact. A row whose keys are all
+finfo.min, -1e9, -1e4) must be <= -1e4, and still <= -1e3 once multiplied by any scale applied
+after it; it becomes the additive bias `where(mask, fill, 0)`. Rows with at least one visible key are exact. A row whose keys are all
 masked (padding, which models ignore) can differ from eager:
 - with a finite fill eager gives the mean of V (equal scores). The bias gives the same only where it
   swallows the scores, as finfo(float32).min does on the SDPA paths; with -1e4 the row becomes
