@@ -62,6 +62,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
         log.info("graphopt: a frozen parameter changed since compile; recompiling from the new values")
         fresh = copy.deepcopy(pristine)
         new_ctx = run_passes(fresh, args, config, hardware)
+        for sink in _DECISION_SINKS:  # the new decisions (a plan may no longer fit the new weights)
+            sink.extend(new_ctx.decisions)
         return _downstream(fresh, args, config, mode), new_ctx
 
     return _FrozenWeightGuard(compiled, ctx, recompile)

@@ -68,7 +68,7 @@ def _check_plan(path) -> None:
         if name in plan and not isinstance(plan[name], Mapping):
             raise ValueError(f"graphopt plan {str(path)!r}: section {name!r} must be a JSON object, "
                              f"got {type(plan[name]).__name__}")
-        problem = check_section(name, plan[name]) if name in plan else None
+        problem = check_section(name, {**plan[name], "_dir": plan["_dir"]}) if name in plan else None
         if problem is not None:
             raise ValueError(f"graphopt plan {str(path)!r}: {problem}")
 

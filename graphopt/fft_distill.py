@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from graphopt.kernels.fft_chain import FFTChainLinear, project_dense, relative_error
+from graphopt.plan import weight_fingerprint
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 
@@ -216,6 +217,7 @@ def distill(model: nn.Module, inputs: tuple, *, layer_start: int = 0, layer_end:
             fitted[name] = layer
             results[name] = {"in_features": mod.in_features, "out_features": mod.out_features, "block_size": block_size, "k": k,
                              "seed": seed, "bias": mod.bias is not None, "compression": layer.compression,
+                             "weight_fingerprint": weight_fingerprint(mod.weight),
                              "calibration_tokens": int(x_train.shape[0]), "heldout_tokens": int(x_test.shape[0]), **errs}
     out: dict[str, Any] = {"layers": results, "modules": fitted, "plan": None}
     if plan_path is not None:

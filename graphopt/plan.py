@@ -107,7 +107,29 @@ def check_section(name: str, section: dict[str, Any]) -> str | None:
                     return f"{where}: \"format\" must be one of {', '.join(FORMATS)}, got {value!r}"
             elif not rule[1](value):
                 return f"{where}: {field!r} must be {rule[0]}, got {value!r}"
+    if layers and name in _LAYER_FIELDS and "_dir" in section and not (Path(section["_dir"]) / section["file"]).is_file():
+        return f"section {name!r}: its tensor file {section['file']!r} is not beside the plan (in {section['_dir']})"
     return None
+
+
+def weight_fingerprint(weight) -> list[float]:
+    """Three float64 sums of a weight (plain, squared, against a ramp over its elements): what a
+    plan fitted to that weight records, so a pass can tell the same weights from changed ones."""
+    import torch
+
+    w = weight.detach().reshape(-1).to(torch.float64)
+    ramp = torch.linspace(-1.0, 1.0, w.numel(), dtype=torch.float64, device=w.device)
+    return [float(w.sum()), float((w * w).sum()), float((w * ramp).sum())]
+
+
+def same_weights(recorded: list[float], weight, rel: float = 1e-3) -> bool:
+    """Whether `weight` matches a recorded weight_fingerprint. The tolerance lets a dtype cast
+    through (bf16 moves these sums by ~1e-5 of their scale); an update or another checkpoint
+    moves them by far more."""
+    current = weight_fingerprint(weight)
+    scale = (max(current[1], 0.0) * max(weight.numel(), 1)) ** 0.5 + 1e-30
+    return (abs(recorded[1] - current[1]) <= rel * abs(current[1]) + 1e-30
+            and all(abs(a - b) <= rel * scale for a, b in zip((recorded[0], recorded[2]), (current[0], current[2]))))
 
 
 def plan_section(ctx, pass_name: str) -> dict[str, Any] | None:

@@ -83,13 +83,16 @@ class _BrokenPass(GraphPass):
         raise RuntimeError("deliberately broken pass")
 
 
-def test_a_pass_that_raises_is_logged_and_skipped(caplog):
+@pytest.mark.parametrize("downstream", ["eager", "inductor"])
+def test_a_pass_that_raises_is_logged_and_skipped(caplog, downstream):
+    """Also under Inductor: the restored graph keeps what Dynamo set on its placeholders
+    (AOTAutograd needs their _dynamo_source; a plain deepcopy dropped it and the compile died)."""
     register_extra_pass(_BrokenPass())
     try:
         torch.manual_seed(0)
         model, x = MLP(), torch.randn(3, 16)
         with caplog.at_level("WARNING", logger="graphopt"):
-            report = graphopt.explain(model, x, downstream="eager")
+            report = graphopt.explain(model, x, downstream=downstream)
         torch.testing.assert_close(report.output, model(x))
         failed = [d for d in report.decisions if d.pass_name == "broken_for_test"]
         assert failed and not failed[0].applied and "deliberately broken pass" in failed[0].reason

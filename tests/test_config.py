@@ -56,6 +56,9 @@ def test_bad_values_are_rejected_with_the_valid_choices(options, fragment):
     ('[1, 2]', 'lacks "graphopt_plan"'),
     ('{"graphopt_plan": 1, "fft_linear": 5}', "section 'fft_linear' must be a JSON object"),
     ('{"graphopt_plan": 1, "sparse_attention": {"l1": null, "layers": {}}}', "'l1' must be a non-negative number"),
+    ('{"graphopt_plan": 1, "fft_linear": {"file": "gone.safetensors", "layers": {"fc": {"in_features": 64, '
+     '"out_features": 64, "block_size": 16, "k": 2, "rel_error": 0.01}}}}',
+     "tensor file 'gone.safetensors' is not beside the plan"),
     ("directory", "cannot be read"),
 ])
 def test_bad_plan_is_an_error_when_the_options_are_read(tmp_path, content, fragment):
@@ -112,6 +115,8 @@ def test_well_formed_plan_sections_pass_the_check(tmp_path):
         "fp4_linear": {"file": "w.safetensors", "layers": {"fc": {"format": "nvfp4", "out_features": 8, "in_features": 32}}},
         "fft_linear": {"file": "c.safetensors", "layers": {"fc": {"in_features": 64, "out_features": 64, "block_size": 16,
                                                                  "k": 4, "rel_error": 0.01, "note": "extra fields pass"}}}}))
+    for name in ("w.safetensors", "c.safetensors"):  # the tensor files must be there (their content is read later)
+        (tmp_path / name).write_bytes(b"")
     assert GraphOptConfig.from_options({"plan": str(path)}, environ={}).plan == str(path)
 
 

@@ -78,7 +78,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig,
         if graph_pass is None:
             ctx.decisions.append(Decision(name, False, "pass module failed to import (see log)"))
             continue
-        snapshot = copy.deepcopy(gm.graph)
+        snapshot = _graph_copy(gm.graph)
         frozen_before = dict(ctx.frozen)
         n_decisions = len(ctx.decisions)
         try:
@@ -93,6 +93,17 @@ def run_passes(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig,
             del ctx.decisions[n_decisions:]
             ctx.decisions.append(Decision(name, False, f"pass failed and was skipped: {type(exc).__name__}: {exc}"))
     return ctx
+
+
+def _graph_copy(graph: fx.Graph) -> fx.Graph:
+    """A deep copy of `graph` whose nodes keep the attributes Dynamo set on the originals (e.g. a
+    placeholder's `_dynamo_source`, which AOTAutograd reads): deepcopy copies only fx's own."""
+    copied = copy.deepcopy(graph)
+    for original, node in zip(graph.nodes, copied.nodes):
+        for key, value in vars(original).items():
+            if key not in vars(node):
+                setattr(node, key, value)
+    return copied
 
 
 def register_extra_pass(graph_pass: GraphPass) -> None:

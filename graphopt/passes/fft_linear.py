@@ -42,7 +42,7 @@ from graphopt.kernels import fft_chain as fft
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
 from graphopt.passes.fx_utils import arg, bias_problem, device, dtype, find_linears, replace_with_call, shape, tokens
-from graphopt.plan import plan_section
+from graphopt.plan import plan_section, same_weights
 
 OP = torch.ops.graphopt.fft_chain_linear.default
 
@@ -184,6 +184,13 @@ class FFTLinearPass(GraphPass):
         ok, why = ctx.can_freeze(m.weight_node)
         if not ok:
             ctx.record(self.name, False, why, node=m.node)
+            return
+        recorded = entry.get("weight_fingerprint")
+        if recorded is not None and not same_weights(recorded, ctx.example_value(m.weight_node)):
+            # the weight changed since the fit (an update, another checkpoint): the coefficients
+            # approximate the old one; the frozen-weight guard brings a changed weight back here
+            ctx.record(self.name, False, f"the plan's coefficients were fitted to other weights than {location}'s "
+                       "current ones (fit again with graphopt fftchain distill)", node=m.node)
             return
         if (why := bias_problem(m)) is not None:
             ctx.record(self.name, False, why, node=m.node)

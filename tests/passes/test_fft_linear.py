@@ -96,6 +96,38 @@ def test_dense_linear_not_in_plan_is_declined(tmp_path):
     assert by_loc["layers.1"].applied
 
 
+@pytest.mark.parametrize("downstream", ["eager", "inductor"])
+def test_a_plan_fitted_to_other_weights_is_declined(tmp_path, downstream):
+    """The plan records the weights it was fitted to. When they change under a compiled model (an
+    in-place update, a checkpoint loaded), the frozen-weight guard recompiles and the pass declines
+    the stale fit, so the model follows the new weights (it used to keep the old coefficients)."""
+    torch.manual_seed(3)
+    model = TwoLayers().eval()
+    plan = tmp_path / "plan.json"
+    distill(model, (torch.randn(64, 32),), layer_start=1, layer_end=1, block_size=16, k=1, steps=2, plan_path=plan,
+            show_progress=False)
+    options = dict(passes={"fft_linear": True}, plan=str(plan), force=True, error_budget={"fft_linear": 10.0},
+                   downstream=downstream)
+    x = torch.randn(3, 32)
+    from graphopt import backend as backend_module
+
+    sink = []
+    backend_module._DECISION_SINKS.append(sink)
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="graphopt", options=options)
+        with torch.no_grad():
+            fitted = compiled(x)
+            assert (fitted - model(x)).abs().max() > 1e-3  # the fit (2 steps) is not the dense layer
+            model.layers[1].weight.normal_()
+            torch.testing.assert_close(compiled(x), model(x))
+    finally:
+        backend_module._DECISION_SINKS.remove(sink)
+        torch._dynamo.reset()
+    layer1 = [d for d in sink if d.pass_name == "fft_linear" and d.location == "layers.1"]
+    assert [d.applied for d in layer1] == [True, False] and "fitted to other weights" in layer1[1].reason
+
+
 def test_onnx_standard_dft_runs_in_onnxruntime(tmp_path):
     torch.manual_seed(2)
     model = Net().eval()
