@@ -78,8 +78,14 @@ def _options(args: argparse.Namespace) -> dict:
         for p in wanted:
             if p not in PASS_NAMES:
                 raise ValueError(f"unknown pass {p!r} in --passes; valid choices: {', '.join(PASS_NAMES)}")
+    flags = {"force": "--force", "target": "--target", "downstream": "--downstream", "plan": "--plan",
+             "passes": "--passes"}
     for item in args.option:
         key, _, value = item.partition("=")
+        if key in flags:
+            raise ValueError(f"--option {key}=... repeats {flags[key]}: give it once, with {flags[key]}")
+        if key in options:
+            raise ValueError(f"--option {key} is given twice")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -101,7 +107,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from graphopt.explain import explain
     from graphopt.models import build
 
+    from graphopt.logging_setup import configure_logging
+
     options = _options(args)
+    configure_logging()  # a bad GRAPHOPT_LOG is an error here, before the model is built
     model, inputs = build(args.model, seq_len=args.seq_len, batch=args.batch, device=args.device)
     report = explain(model, *inputs, **options)
     Console(width=180).print(report.table())
@@ -109,9 +118,22 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
+    import os
+
     from graphopt.ablation import run_ablation
+    from graphopt.config import PASS_NAMES, GraphOptConfig
+    from graphopt.logging_setup import configure_logging
 
     passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    for p in passes:
+        if p not in PASS_NAMES:
+            raise ValueError(f"unknown pass {p!r} in --passes; valid choices: {', '.join(PASS_NAMES)}")
+    variables = [v for v in ("GRAPHOPT_ENABLE", "GRAPHOPT_DISABLE") if os.environ.get(v)]
+    if variables:  # they override every variant's passes, so the table's labels would be wrong
+        raise ValueError(f"{' and '.join(variables)} would override the pass sets ablate compares; unset "
+                         f"{'them' if len(variables) > 1 else 'it'} (ablate --passes chooses the passes)")
+    configure_logging()  # a bad GRAPHOPT_LOG is an error here, before any timing
+    GraphOptConfig.from_options({"force": args.force, "downstream": args.downstream}, environ={})
     run_ablation(args.model, passes, seq_len=args.seq_len, batch=args.batch, device=args.device, force=args.force,
                  downstream=args.downstream, out_dir=args.out, rep_ms=args.rep_ms)
     return 0
@@ -157,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("demo", help="compile a small LLaMA-style model; show rewrites and speedups")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", type=_device, default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--out", default="demo_out", help="folder for the JSON and the plot")
     p.set_defaults(func=cmd_demo)
 

@@ -278,6 +278,12 @@ def run(args: argparse.Namespace) -> int:
 
     if getattr(args, "fftchain_command", "distill") != "distill":
         raise ValueError(f"unknown fftchain command {args.fftchain_command!r}; valid choices: distill")
+    if not 0 < args.holdout < 1:
+        raise ValueError(f"--holdout must be a fraction in (0, 1), got {args.holdout}")
+    for name, value in (("--block-size", args.block_size), ("--num-fft-matrices", args.num_fft_matrices),
+                        ("--steps", args.steps)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     model, inputs = resolve_model(args.model)
     mask = inputs[1] if len(inputs) > 1 and inputs[1].dtype in (torch.int64, torch.bool) and inputs[1].shape == inputs[0].shape else None
     out = distill(model, inputs, layer_start=args.layer_start, layer_end=args.layer_end, block_size=args.block_size,

@@ -341,6 +341,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for name, values in (("--block-sizes", args.block_sizes), ("--ks", args.ks), ("--layers", args.layers)):
+        bad = [v for v in values or () if v < (0 if name == "--layers" else 1)]
+        if bad:
+            raise ValueError(f"{name} takes {'non-negative' if name == '--layers' else 'positive'} integers, got {bad}")
+    for name, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--hidden", args.hidden),
+                        ("--intermediate", args.intermediate)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     combos = None
     if args.block_sizes or args.ks:
         base_b = args.block_sizes or sorted({b for b, _ in ALL_COMBOS})

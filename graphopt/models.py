@@ -106,7 +106,11 @@ def build(name: str, *, seq_len: int | None = None, batch: int = 1, device: str 
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if ":" in name:
         module_name, func_name = name.split(":", 1)
-        factory: Callable = getattr(importlib.import_module(module_name), func_name)
+        try:
+            factory: Callable = getattr(importlib.import_module(module_name), func_name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"model {name!r}: cannot load {func_name!r} from module {module_name!r} ({exc}); "
+                             f"valid choices: {', '.join(BUILTIN_MODELS)}, or module:function") from exc
         return factory()
     if name in LLAMA_SHAPES:
         return llama(LLAMA_SHAPES[name], seq_len=seq_len or DEFAULT_SEQ_LEN[name], batch=batch, device=device, dtype=dtype,

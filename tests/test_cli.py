@@ -84,3 +84,29 @@ def test_variant_sets_deduplicate():
 
 def test_parser_builds():
     assert build_parser().prog == "graphopt"
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["explain", "--model", "nosuchmod:fn"], "cannot load 'fn' from module 'nosuchmod'"),
+    (["explain", "--force", "--option", "force=false"], "repeats --force"),
+    (["ablate", "--downstream", "foo"], "downstream='foo' is not valid"),
+    (["ablate", "--passes", "atention"], "unknown pass 'atention'"),
+    (["explore-fft", "--quick", "--block-sizes", "0"], "--block-sizes takes positive integers"),
+    (["fftchain", "distill", "--model", "tiny-llama", "--holdout", "1.5"], "--holdout must be a fraction"),
+])
+def test_bad_inputs_are_clear_errors_before_any_work(argv, fragment, capsys):
+    """Exit 2 with a message naming the problem, not a traceback after minutes of timing."""
+    assert main(argv) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_ablate_refuses_pass_variables_that_would_relabel_its_variants(monkeypatch, capsys):
+    monkeypatch.setenv("GRAPHOPT_DISABLE", "attention")
+    assert main(["ablate", "--model", "tiny-llama"]) == 2
+    assert "GRAPHOPT_DISABLE would override" in capsys.readouterr().err
+
+
+def test_demo_device_is_checked(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--device", "gpu"])
+    assert "'gpu' is not a device" in capsys.readouterr().err
