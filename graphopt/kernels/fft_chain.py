@@ -126,7 +126,10 @@ def spectral_coefficients(coeffs: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     k, n_out, n_in, _ = coeffs.shape
     work = coeffs if coeffs.dtype == torch.float64 else coeffs.float()
     spec = torch.fft.rfft(work, dim=-1)  # (K, N, n_in, F)
-    spec = spec.permute(0, 2, 1, 3).reshape(k * n_in, n_out, spec.shape[-1])  # (C, N, F)
+    # contiguous before .real/.imag: with K=1 the reshape is a strided view, and Inductor (torch
+    # 2.13) took the real/imag planes of that complex view wrongly in the backward graph (input
+    # gradients off by more than their norm); eager and aot_eager were right
+    spec = spec.permute(0, 2, 1, 3).reshape(k * n_in, n_out, spec.shape[-1]).contiguous()  # (C, N, F)
     return spec.real.contiguous(), spec.imag.contiguous()
 
 
