@@ -344,13 +344,17 @@ class SparseAttentionPass(GraphPass):
         if plan_layers and keys and all(plan_layer(plan_layers, key)[1] is None for key in keys):
             log.warning("sparse_attention: the plan's layers (%s) match none of this graph's attentions (%s); "
                         "untuned defaults apply", ", ".join(sorted(plan_layers)[:3]), ", ".join(keys[:3]))
+        replaced: dict = {}  # nodes rewritten here -> their replacements (one attention feeding the next)
         for site, key in zip(sites, keys):
+            if site.match is not None and not site.match.follow(replaced):
+                ctx.record(self.name, False, "overlaps an attention rewritten before it", node=site.node)
+                continue
             try:
-                self._rewrite(ctx, site, key, section, budget)
+                replaced[site.node] = self._rewrite(ctx, site, key, section, budget)
             except _Decline as why:
                 ctx.record(self.name, False, str(why), node=site.node, before=why.before, after=why.after)
 
-    def _rewrite(self, ctx: PassContext, site: _Site, key: str, section, budget: float) -> None:
+    def _rewrite(self, ctx: PassContext, site: _Site, key: str, section, budget: float) -> fx.Node:
         (qs, ks, vs), has_bias, scale, is_causal, backend, dt, dev, symbols = site.describe(ctx)
         if has_bias:
             why = site.node.meta.get("graphopt_mask_note")
@@ -419,8 +423,8 @@ class SparseAttentionPass(GraphPass):
                    l1=None if layer is None else layer.get("l1"), heldout_l1=None if layer is None else layer.get("heldout_l1"),
                    location_key=module_path(node), dense_below=dense_below)
         q, k, v = node.args[:3]
-        replace_with_call(ctx, node, torch.ops.graphopt.sparse_attention.default,
-                          (q, k, v, float(scale), bool(is_causal), *consts, dense_below, backend))
+        return replace_with_call(ctx, node, torch.ops.graphopt.sparse_attention.default,
+                                 (q, k, v, float(scale), bool(is_causal), *consts, dense_below, backend))
 
 
 PASS = SparseAttentionPass()

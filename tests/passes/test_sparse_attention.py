@@ -374,6 +374,26 @@ def test_symbolic_head_count_and_head_dim_are_guarded():
     assert len(applied) == 3 and all(d.details["dense_below"] == 1 for d in applied)  # forced: sparse at every length
 
 
+class ChainedSdpa(torch.nn.Module):
+    """One SDPA call's output is the next one's query, directly."""
+
+    def forward(self, q, k, v):
+        first = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(first, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("attention_pass", [True, False])
+def test_chained_attentions_are_both_made_sparse(attention_pass):
+    """With the attention pass off, the sparse pass lowers SDPA calls itself; the second call must
+    read the first one's replacement (the pass used to fail on the erased node and skip both)."""
+    q, k, v = sa.local_sink_qkv(1, 2, 256, 32, seed=1)
+    report = graphopt.explain(ChainedSdpa(), q, k, v, passes={"attention": attention_pass, "sparse_attention": True},
+                              force=True, downstream="eager")
+    assert [d.applied for d in report.decisions if d.pass_name == "sparse_attention"] == [True, True]
+    first = sa.reference_sparse_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(report.output, sa.reference_sparse_attention(first, k, v, is_causal=True))
+
+
 class MaskFromLength(torch.nn.Module):
     """A causal mask built from the sequence length, as HF's eager attention builds it."""
 
