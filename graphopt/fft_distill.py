@@ -158,7 +158,9 @@ def collect_activations(model: nn.Module, inputs: tuple, modules: list[tuple[str
 # Distillation
 # ---------------------------------------------------------------------------------------------
 def fit_layer(dense: nn.Linear, x_train: torch.Tensor, x_test: torch.Tensor, block_size: int, k: int, *, steps: int = 300, lr: float = 1e-3, batch: int = 1024, seed: int = 0, progress=None, task=None) -> tuple[FFTChainLinear, dict[str, float]]:
-    """Projection then Adam on output MSE; returns the layer and its held-out errors."""
+    """Projection then Adam on output MSE; returns the layer and its held-out errors. When training
+    ends worse on the held-out tokens than the projection it started from, the projection is kept
+    ("kept": "projection")."""
     w = dense.weight.detach().float()
     b = dense.bias.detach().float() if dense.bias is not None else None
     layer = project_dense(w, block_size, k, bias=b, seed=seed).float()
@@ -167,6 +169,7 @@ def fit_layer(dense: nn.Linear, x_train: torch.Tensor, x_test: torch.Tensor, blo
         y_test = x_test @ w.T + (b if b is not None else 0)
         proj_err = relative_error(layer(x_test), y_test)
         energy_kept = 1.0 - relative_error(layer.to_dense().float(), w) ** 2  # of the projection (weight space)
+        projection = {name: t.clone() for name, t in layer.state_dict().items()}
     opt = torch.optim.Adam(layer.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     scale = y_train.pow(2).mean().clamp_min(1e-12)
@@ -178,11 +181,15 @@ def fit_layer(dense: nn.Linear, x_train: torch.Tensor, x_test: torch.Tensor, blo
         opt.step()
         if progress is not None:
             progress.advance(task)
+    kept = "distilled"
     with torch.no_grad():
         distill_err = relative_error(layer(x_test), y_test)
+        if distill_err > proj_err:
+            layer.load_state_dict(projection)
+            distill_err, kept = proj_err, "projection"
         train_err = relative_error(layer(x_train), y_train)
     return layer.eval(), {"projection_rel_error": proj_err, "rel_error": distill_err, "train_rel_error": train_err,
-                          "weight_energy_kept": energy_kept}
+                          "weight_energy_kept": energy_kept, "kept": kept}
 
 
 def distill(model: nn.Module, inputs: tuple, *, layer_start: int = 0, layer_end: int | None = None, block_size: int = 256, k: int = 2,
@@ -290,11 +297,11 @@ def run(args: argparse.Namespace) -> int:
                   k=args.num_fft_matrices, matrices=args.matrices, steps=args.steps, lr=args.lr, holdout=args.holdout,
                   seed=args.seed, plan_path=args.plan, attention_mask=mask)
     table = Table(title=f"FFT-chain distillation of {args.model}: B={args.block_size}, K={args.num_fft_matrices} (held-out rel. output error)")
-    for col in ("layer", "shape", "compression", "weight energy kept", "projection err", "distilled err"):
+    for col in ("layer", "shape", "compression", "weight energy kept", "projection err", "distilled err", "kept"):
         table.add_column(col, justify="right")
     for name, r in out["layers"].items():
         table.add_row(name, f"{r['in_features']}->{r['out_features']}", f"{r['compression']:.1f}x", f"{r['weight_energy_kept']:.3f}",
-                      f"{r['projection_rel_error']:.3f}", f"{r['rel_error']:.3f}")
+                      f"{r['projection_rel_error']:.3f}", f"{r['rel_error']:.3f}", r.get("kept", "distilled"))
     console = Console(width=160)
     console.print(table)
     console.print(f"plan written to {out['plan']}")

@@ -144,6 +144,19 @@ def test_distillation_lowers_heldout_error():
     assert abs(held - errs["rel_error"]) < 1e-6
 
 
+def test_distillation_that_ends_worse_keeps_the_projection():
+    """A learning rate far too high wrecks the fit; the projection it started from is kept."""
+    from graphopt.fft_distill import fit_layer
+
+    torch.manual_seed(9)
+    dense = torch.nn.Linear(64, 32)
+    x = torch.randn(300, 64)
+    layer, errs = fit_layer(dense, x[:200], x[200:], 16, 2, steps=20, lr=10.0)
+    assert errs["kept"] == "projection" and errs["rel_error"] == errs["projection_rel_error"]
+    with torch.no_grad():
+        assert abs(fft.relative_error(layer(x[200:]), dense(x[200:])) - errs["rel_error"]) < 1e-6
+
+
 def test_invalid_arguments_name_the_valid_choices():
     layer = fft.FFTChainLinear(32, 16, 16, 2)
     cr, ci = fft.spectral_coefficients(layer.coeffs.detach())
