@@ -556,8 +556,6 @@ def _match_qk(ctx: PassContext, match: AttentionMatch, qk: fx.Node) -> None:
         dims = list(kt.args[1]) if len(kt.args) == 2 and isinstance(kt.args[1], (list, tuple)) else list(kt.args[1:])
         if _norm_dims(dims, nk) == [*range(nk - 2), nk - 1, nk - 2]:
             k = kt.args[0]
-    elif kt.op == "call_function" and kt.target is getattr and kt.args[1:] == ("mT",):
-        k = kt.args[0]
     if k is not None and len(kt.users) == 1:
         match.nodes.append(kt)
     if k is not None:
