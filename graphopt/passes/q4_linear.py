@@ -589,11 +589,11 @@ def _u8(v: int):
     return onnx.numpy_helper.from_array(np.array(v, dtype=np.uint8))
 
 
-def _onnx_scales(op, scales, x, in_features: int):
-    """d as [N, K/32] in x's type."""
+def _onnx_scales(op, scales, in_features: int):
+    """d as float32 [N, K/32] (straight from the stored fp16: through a bf16 x it would lose bits)."""
     d = op.Slice(scales, op.Constant(value_ints=[0]), op.Constant(value_ints=[in_features // 32]),
                  op.Constant(value_ints=[0]))
-    return op.CastLike(op.Transpose(d, perm=[1, 0]), x)
+    return op.Cast(op.Transpose(d, perm=[1, 0]), to=1)  # FLOAT
 
 
 def _onnx_q8_1_values(op, x, in_features: int):
@@ -627,8 +627,7 @@ def _q4_linear_onnx_standard(x, qweight, scales, bias=None, mode: str = "fused")
     signed = op.Sub(op.Cast(_onnx_nibbles(op, qweight, k), to=onnx.TensorProto.INT8),
                     op.Constant(value=onnx.numpy_helper.from_array(__import__("numpy").array(8, dtype="int8"))))
     w_int4 = op.Cast(signed, to=onnx.TensorProto.INT4)  # (N, K)
-    d = op.Cast(_onnx_scales(op, scales, x, k), to=onnx.TensorProto.FLOAT)
-    w = op.DequantizeLinear(w_int4, d, axis=1, block_size=32)  # (N, K) float32
+    w = op.DequantizeLinear(w_int4, _onnx_scales(op, scales, k), axis=1, block_size=32)  # (N, K) float32
     y = op.CastLike(op.MatMul(_onnx_q8_1_values(op, x, k), op.Transpose(w, perm=[1, 0])), x)
     return y if bias is None else op.Add(y, op.CastLike(bias, y))
 
@@ -661,7 +660,7 @@ def _q4_linear_onnx_matmulnbits(x, qweight, scales, bias=None, mode: str = "fuse
     odd = op.Slice(nib, op.Constant(value_ints=[1]), op.Constant(value_ints=[2]), op.Constant(value_ints=[2]))
     packed = op.BitwiseOr(even, op.BitShift(odd, op.Constant(value=_u8(4)), direction="LEFT"))
     blobs = op.Reshape(packed, op.Constant(value_ints=[n, k // 32, 16]))
-    d = op.Cast(op.Reshape(_onnx_scales(op, scales, x, k), op.Constant(value_ints=[-1])), to=1)  # float32
+    d = op.Reshape(_onnx_scales(op, scales, k), op.Constant(value_ints=[-1]))
     y = op.CastLike(matmul_nbits(_onnx_q8_1_values(op, x, k), blobs, d, K=k, N=n, bits=4, block_size=32), x)
     return y if bias is None else op.Add(y, op.CastLike(bias, y))
 
