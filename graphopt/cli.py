@@ -46,14 +46,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _device(text: str) -> str:
+def check_device(text: str) -> str:
+    """A --device value, or ValueError naming the valid choices (shared with the plugin commands)."""
     import torch
 
     if text.startswith("cuda") and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is present; valid choices here: cpu")
+        raise ValueError(f"{text!r}: no CUDA device is present; valid choices here: cpu")
     if not (text == "cpu" or text.startswith("cuda")):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; valid choices: cuda, cuda:N, cpu")
+        raise ValueError(f"{text!r} is not a device; valid choices: cuda, cuda:N, cpu")
     return text
+
+
+def _device(text: str) -> str:
+    try:
+        return check_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_option_arguments(parser: argparse.ArgumentParser) -> None:

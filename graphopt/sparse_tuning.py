@@ -399,10 +399,12 @@ def _inputs_for(args: argparse.Namespace, count: int, seed_offset: int) -> tuple
 def _check_arguments(args: argparse.Namespace) -> None:
     """Clear errors for values the tuner would otherwise trip over later, or silently replace."""
     if args.device is not None:
-        if not (args.device == "cpu" or args.device.startswith("cuda")):
-            raise ValueError(f"--device {args.device!r} is not a device; valid choices: cuda, cuda:N, cpu")
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device!r}: no CUDA device is present; valid choices here: cpu")
+        from graphopt.cli import check_device
+
+        try:
+            check_device(args.device)
+        except ValueError as exc:
+            raise ValueError(f"--device {exc}") from None
     for name, value, least in (("--calibration", args.calibration, 1), ("--heldout", args.heldout, 0),
                                ("--batch", args.batch, 1), ("--seq-len", args.seq_len, 1)):
         if value is not None and value < least:
