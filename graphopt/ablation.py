@@ -81,9 +81,7 @@ def measure(model, inputs, *, backend: str | None, options: dict | None, device:
             rep_ms: float, name: str, passes: list[str]) -> tuple[VariantResult, torch.Tensor, list[Decision]]:
     """Compile (or not), time the first call as compile time, then the median of many calls."""
     torch._dynamo.reset()
-    sink: list[Decision] = []
-    backend_module._DECISION_SINKS.append(sink)
-    try:
+    with backend_module.recording_decisions() as sink:
         fn = model if backend is None else torch.compile(model, backend=backend, options=options or None)
         _reset_peak(device)
         with torch.no_grad():
@@ -98,8 +96,6 @@ def measure(model, inputs, *, backend: str | None, options: dict | None, device:
 
             ms = median_ms(call, rep_ms=rep_ms, device=device)
             graph_ms = _graph_ms(call, name) if device.startswith("cuda") else float("nan")
-    finally:
-        backend_module._DECISION_SINKS.remove(sink)
     peak = _peak_memory_mb(device)
     if reference is None:
         max_abs, rel = 0.0, 0.0

@@ -21,10 +21,11 @@ writes through `.data` do not bump the version counter and are not detected.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.fx as fx
 
@@ -38,6 +39,25 @@ log = logging.getLogger("graphopt")
 
 # Sinks that collect the decisions of every compiled graph (graphopt.explain pushes one).
 _DECISION_SINKS: list[list[Decision]] = []
+
+
+@contextlib.contextmanager
+def recording_decisions(*, reset: bool = False) -> Iterator[list[Decision]]:
+    """The decisions of every graphopt compile in the block, the recompiles a changed frozen
+    parameter triggers included. reset: clear Dynamo's caches before and after, so the block
+    compiles afresh and leaves nothing compiled behind."""
+    import torch
+
+    sink: list[Decision] = []
+    _DECISION_SINKS.append(sink)
+    try:
+        if reset:
+            torch._dynamo.reset()
+        yield sink
+    finally:
+        _DECISION_SINKS.remove(sink)
+        if reset:
+            torch._dynamo.reset()
 
 
 def graphopt_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):

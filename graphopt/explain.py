@@ -78,14 +78,8 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Rep
     from graphopt.config import GraphOptConfig
 
     GraphOptConfig.from_options(options)  # fail early and clearly on bad options
-    sink: list[Decision] = []
-    backend_module._DECISION_SINKS.append(sink)
-    torch._dynamo.reset()
-    try:
+    with backend_module.recording_decisions(reset=True) as sink:
         compiled = torch.compile(model, backend="graphopt", options=options or None)
         with torch.no_grad():
             output = compiled(*example_inputs)
-    finally:
-        backend_module._DECISION_SINKS.remove(sink)
-        torch._dynamo.reset()
     return Report(sink, output)

@@ -133,12 +133,8 @@ def test_llama_gradients_match_eager():
     compiled = torch.compile(trained, backend="graphopt", options={"downstream": "eager"})
     from graphopt import backend as backend_module
 
-    sink = []
-    backend_module._DECISION_SINKS.append(sink)
-    try:
+    with backend_module.recording_decisions() as sink:
         loss = torch.nn.functional.cross_entropy(compiled(ids).flatten(0, 1), ids.flatten())
-    finally:
-        backend_module._DECISION_SINKS.remove(sink)
     assert sum(d.applied for d in sink if d.pass_name == "attention") == 2
     loss.backward()
     expected = torch.nn.functional.cross_entropy(eager(ids).flatten(0, 1), ids.flatten())

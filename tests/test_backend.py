@@ -138,14 +138,10 @@ def test_weight_passes_decline_training_graphs():
     try:
         model, x = MLP(), torch.randn(3, 16)
         torch._dynamo.reset()
-        sink = []
         from graphopt import backend
 
-        backend._DECISION_SINKS.append(sink)
-        try:
+        with backend.recording_decisions() as sink:
             torch.compile(model, backend="graphopt", options={"downstream": "eager"})(x)  # grad enabled
-        finally:
-            backend._DECISION_SINKS.remove(sink)
         decisions = [d for d in sink if d.pass_name == "frozen_linear_for_test"]
         assert decisions and not any(d.applied for d in decisions)
         assert "requires grad" in decisions[0].reason

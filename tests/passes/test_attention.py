@@ -504,18 +504,11 @@ def test_dynamic_shapes_recompile_for_the_sizes_a_rewrite_bakes_in(module_kwargs
 
     compiled = torch.compile(SdpaCall(**module_kwargs), backend="graphopt", dynamic=True,
                              options={"force": True, "downstream": "eager", "target": "cpu"})
-    sink = []
-    backend_module._DECISION_SINKS.append(sink)
-    try:
-        torch._dynamo.reset()
-        with torch.no_grad():
-            for shape in shapes:
-                q, k, v = qkv(**shape)
-                expected = F.scaled_dot_product_attention(q, k, v, **module_kwargs)
-                torch.testing.assert_close(compiled(q, k, v), expected, atol=1e-6, rtol=1e-5)
-    finally:
-        backend_module._DECISION_SINKS.remove(sink)
-        torch._dynamo.reset()
+    with backend_module.recording_decisions(reset=True) as sink, torch.no_grad():
+        for shape in shapes:
+            q, k, v = qkv(**shape)
+            expected = F.scaled_dot_product_attention(q, k, v, **module_kwargs)
+            torch.testing.assert_close(compiled(q, k, v), expected, atol=1e-6, rtol=1e-5)
     rewrites = [d for d in sink if d.pass_name == "attention" and d.applied]
     assert rewrites and len(rewrites) <= len(shapes)
     if len(shapes) == 3:  # batch and length changed alone: one dynamic graph, then a new head dim

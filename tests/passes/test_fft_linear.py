@@ -111,19 +111,12 @@ def test_a_plan_fitted_to_other_weights_is_declined(tmp_path, downstream):
     x = torch.randn(3, 32)
     from graphopt import backend as backend_module
 
-    sink = []
-    backend_module._DECISION_SINKS.append(sink)
-    try:
-        torch._dynamo.reset()
+    with backend_module.recording_decisions(reset=True) as sink, torch.no_grad():
         compiled = torch.compile(model, backend="graphopt", options=options)
-        with torch.no_grad():
-            fitted = compiled(x)
-            assert (fitted - model(x)).abs().max() > 1e-3  # the fit (2 steps) is not the dense layer
-            model.layers[1].weight.normal_()
-            torch.testing.assert_close(compiled(x), model(x))
-    finally:
-        backend_module._DECISION_SINKS.remove(sink)
-        torch._dynamo.reset()
+        fitted = compiled(x)
+        assert (fitted - model(x)).abs().max() > 1e-3  # the fit (2 steps) is not the dense layer
+        model.layers[1].weight.normal_()
+        torch.testing.assert_close(compiled(x), model(x))
     layer1 = [d for d in sink if d.pass_name == "fft_linear" and d.location == "layers.1"]
     assert [d.applied for d in layer1] == [True, False] and "fitted to other weights" in layer1[1].reason
 

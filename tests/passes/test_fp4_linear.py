@@ -158,18 +158,14 @@ class _Wrap(torch.nn.Module):
 
 def test_training_graph_is_not_rewritten():
     model = torch.nn.Linear(64, 32)
-    decisions = []
     from graphopt import backend
 
-    backend._DECISION_SINKS.append(decisions)
-    try:
+    with backend.recording_decisions() as decisions:
         compiled = torch.compile(model, backend="graphopt",
                                  options={"passes": {"fp4_linear": True}, "force": True, "downstream": "eager"})
         x = torch.randn(2, 64)
         y = compiled(x)  # grad mode on, weight requires grad
         y.sum().backward()
-    finally:
-        backend._DECISION_SINKS.remove(decisions)
     (d,) = [d for d in decisions if d.pass_name == "fp4_linear"]
     assert not d.applied and "requires grad" in d.reason
     assert torch.allclose(y, model(x)) and model.weight.grad is not None
@@ -362,16 +358,10 @@ def test_dynamic_token_count_compiles_once_and_keeps_the_rewrite():
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32)).eval()
     compiled = torch.compile(model, backend="graphopt", dynamic=True,
                              options={"passes": {"fp4_linear": True}, "force": True, "downstream": "eager"})
-    sink = []
-    backend_module._DECISION_SINKS.append(sink)
     xs = [torch.randn(n, 64) for n in (5, 9, 17)]
-    try:
-        torch._dynamo.reset()
-        with torch.no_grad():
-            outs = [compiled(x) for x in xs]
-            refs = [model(x) for x in xs]
-    finally:
-        backend_module._DECISION_SINKS.remove(sink)
+    with backend_module.recording_decisions(reset=True) as sink, torch.no_grad():
+        outs = [compiled(x) for x in xs]
+        refs = [model(x) for x in xs]
     fp4 = [d for d in sink if d.pass_name == "fp4_linear"]
     assert len(fp4) == 2 and all(d.applied for d in fp4), [d.reason for d in fp4]  # one compile, both layers
     assert all("costed at 1 token" in d.reason for d in fp4)

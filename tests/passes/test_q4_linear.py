@@ -132,12 +132,8 @@ def test_declines_with_reasons():
     compiled = torch.compile(MLP(), backend="graphopt", options=dict(force=True, **ON))
     from graphopt import backend as backend_module
 
-    sink = []
-    backend_module._DECISION_SINKS.append(sink)
-    try:
+    with backend_module.recording_decisions() as sink:
         compiled(x).sum().backward()
-    finally:
-        backend_module._DECISION_SINKS.remove(sink)
     assert sink and not any(d.applied for d in sink if d.pass_name == "q4_linear")
     assert any("requires grad" in d.reason for d in sink if d.pass_name == "q4_linear")
 

@@ -301,15 +301,8 @@ def _compile_dynamic(model, lengths, **options):
     options = {"passes": {"sparse_attention": True}, "downstream": "eager", **options}
     compiled = torch.compile(model, backend="graphopt", dynamic=True, options=options)
     inputs = [sa.local_sink_qkv(1, 2, n, 32, seed=n) for n in lengths]
-    sink = []
-    backend_module._DECISION_SINKS.append(sink)
-    try:
-        torch._dynamo.reset()
-        with torch.no_grad():
-            outs = [compiled(*qkv) for qkv in inputs]
-    finally:
-        backend_module._DECISION_SINKS.remove(sink)
-        torch._dynamo.reset()
+    with backend_module.recording_decisions(reset=True) as sink, torch.no_grad():
+        outs = [compiled(*qkv) for qkv in inputs]
     return outs, [d for d in sink if d.pass_name == "sparse_attention"], inputs
 
 
@@ -358,18 +351,11 @@ def test_symbolic_head_count_and_head_dim_are_guarded():
 
     compiled = torch.compile(SdpaAttention(causal=False), backend="graphopt", dynamic=True,
                              options={"passes": {"sparse_attention": True}, "downstream": "eager", "force": True})
-    sink = []
-    backend_module._DECISION_SINKS.append(sink)
-    try:
-        torch._dynamo.reset()
-        with torch.no_grad():
-            for heads, dim in ((2, 32), (2, 64), (4, 64)):
-                q, k, v = sa.local_sink_qkv(1, heads, 256, dim, seed=heads * dim)
-                expected = sa.reference_sparse_attention(q, k, v)
-                torch.testing.assert_close(compiled(q, k, v), expected, atol=1e-6, rtol=1e-5)
-    finally:
-        backend_module._DECISION_SINKS.remove(sink)
-        torch._dynamo.reset()
+    with backend_module.recording_decisions(reset=True) as sink, torch.no_grad():
+        for heads, dim in ((2, 32), (2, 64), (4, 64)):
+            q, k, v = sa.local_sink_qkv(1, heads, 256, dim, seed=heads * dim)
+            expected = sa.reference_sparse_attention(q, k, v)
+            torch.testing.assert_close(compiled(q, k, v), expected, atol=1e-6, rtol=1e-5)
     applied = [d for d in sink if d.pass_name == "sparse_attention" and d.applied]
     assert len(applied) == 3 and all(d.details["dense_below"] == 1 for d in applied)  # forced: sparse at every length
 
@@ -412,15 +398,8 @@ def test_a_mask_built_from_symbolic_sizes_is_kept_and_the_reason_says_so():
     q, k, v = sa.local_sink_qkv(1, 2, 256, 32, seed=3)
     options = {"passes": {"sparse_attention": True}, "downstream": "eager", "force": True}
     for dynamic in (True, False):
-        sink = []
-        backend_module._DECISION_SINKS.append(sink)
-        try:
-            torch._dynamo.reset()
-            with torch.no_grad():
-                out = torch.compile(MaskFromLength(), backend="graphopt", dynamic=dynamic, options=options)(q, k, v)
-        finally:
-            backend_module._DECISION_SINKS.remove(sink)
-            torch._dynamo.reset()
+        with backend_module.recording_decisions(reset=True) as sink, torch.no_grad():
+            out = torch.compile(MaskFromLength(), backend="graphopt", dynamic=dynamic, options=options)(q, k, v)
         (decision,) = [d for d in sink if d.pass_name == "sparse_attention"]
         if dynamic:
             assert not decision.applied and "built from symbolic sizes" in decision.reason, decision.reason
@@ -462,22 +441,15 @@ def test_symbolic_length_gate_on_the_gpu(monkeypatch, is_causal):
     monkeypatch.setattr(sp, "break_even_length", lambda *args, **kwargs: 300)
     compiled = torch.compile(SdpaAttention(causal=is_causal), backend="graphopt", dynamic=True,
                              options={"passes": {"sparse_attention": True}, "downstream": "eager", "target": "h100"})
-    sink = []
-    backend_module._DECISION_SINKS.append(sink)
-    try:
-        torch._dynamo.reset()
-        with torch.no_grad():
-            for length in (256, 320, 448):
-                q, k, v = (t.to("cuda", torch.bfloat16) for t in sa.local_sink_qkv(1, 4, length, 64, seed=length))
-                q32, k32, v32 = (t.float() for t in (q, k, v))
-                if length < 300:
-                    expected = F.scaled_dot_product_attention(q32, k32, v32, is_causal=is_causal)
-                else:
-                    expected = sa.reference_sparse_attention(q32, k32, v32, is_causal=is_causal)
-                torch.testing.assert_close(compiled(q, k, v).float(), expected, atol=2e-2, rtol=2e-2)
-    finally:
-        backend_module._DECISION_SINKS.remove(sink)
-        torch._dynamo.reset()
+    with backend_module.recording_decisions(reset=True) as sink, torch.no_grad():
+        for length in (256, 320, 448):
+            q, k, v = (t.to("cuda", torch.bfloat16) for t in sa.local_sink_qkv(1, 4, length, 64, seed=length))
+            q32, k32, v32 = (t.float() for t in (q, k, v))
+            if length < 300:
+                expected = F.scaled_dot_product_attention(q32, k32, v32, is_causal=is_causal)
+            else:
+                expected = sa.reference_sparse_attention(q32, k32, v32, is_causal=is_causal)
+            torch.testing.assert_close(compiled(q, k, v).float(), expected, atol=2e-2, rtol=2e-2)
     (decision,) = [d for d in sink if d.pass_name == "sparse_attention"]
     assert decision.applied and decision.details["dense_below"] == 300
 
