@@ -168,7 +168,7 @@ def _blocks(w: torch.Tensor, block_size: int) -> torch.Tensor:
     wf = w.detach().to(torch.float32)
     if pad:
         wf = F.pad(wf, (0, pad))
-    return wf.reshape(n, -1, block_size)
+    return wf.reshape(n, (k + pad) // block_size, block_size)  # explicit: n may be 0
 
 
 def _quantize_blocks(blocks: torch.Tensor, scale: torch.Tensor, error_weights: torch.Tensor | None = None
@@ -203,8 +203,8 @@ def quantize_fp4(w: torch.Tensor, format: str = "nvfp4", *, scale_search: bool =
     n, k = w.shape
     blocks = _blocks(w, block_size)  # (N, B, bs)
     global_scale = _global_scale(blocks, format)
-    codes, scales, _ = _choose_block_scales(blocks, format, global_scale, scale_search)
-    packed = pack_nibbles(codes.reshape(n, -1))
+    codes, scales, _ = _choose_block_scales(blocks, format, global_scale, scale_search, finite_max=_finite_max(w))
+    packed = pack_nibbles(codes.flatten(1))
     return Fp4Tensor(packed.contiguous(), scales.contiguous(), global_scale.reshape(()), (n, k), format)
 
 
@@ -216,11 +216,19 @@ def _global_scale(blocks: torch.Tensor, format: str) -> torch.Tensor:
     return torch.where(tensor_amax > 0, tensor_amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(tensor_amax)).to(torch.float32)
 
 
+def _finite_max(w: torch.Tensor) -> float:
+    """The largest finite value of w's dtype: the scale search must not decode a weight past it,
+    because the kernels that dequantize into the activations' dtype (fp16 models) would turn it into inf."""
+    return float(torch.finfo(w.dtype).max)
+
+
 def _choose_block_scales(blocks: torch.Tensor, format: str, global_scale: torch.Tensor, scale_search: bool,
-                         error_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         error_weights: torch.Tensor | None = None, finite_max: float = math.inf
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-block scale rule of quantize_fp4 for blocks (N, B, bs): (codes (N, B, bs), stored scales
     (N, B) — uint8 e8m0 bytes or float8_e4m3fn — and fp32 decode scales (N, B)). The scale search
-    compares squared errors weighted by `error_weights` (broadcast against blocks; None: unweighted)."""
+    compares squared errors weighted by `error_weights` (broadcast against blocks; None: unweighted);
+    a searched candidate that decodes some weight of the block beyond `finite_max` is not taken."""
     amax = blocks.abs().amax(-1)  # (N, B)
     if format == "mxfp4":
         _, exponent = torch.frexp(amax)  # amax = m * 2^e with m in [0.5, 1): floor(log2 amax) = e - 1
@@ -229,11 +237,12 @@ def _choose_block_scales(blocks: torch.Tensor, format: str, global_scale: torch.
         best_codes = best_err = best_exp = None
         for offset in offsets:
             exp = (base + offset).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
-            codes, err = _quantize_blocks(blocks, torch.exp2(exp.to(torch.float32)), error_weights)
+            scale = torch.exp2(exp.to(torch.float32))
+            codes, err = _quantize_blocks(blocks, scale, error_weights)
             if best_err is None:
                 best_codes, best_err, best_exp = codes, err, exp
             else:
-                better = err < best_err
+                better = (err < best_err) & (_decoded_peak(codes, scale) <= finite_max)
                 best_codes = torch.where(better[..., None], codes, best_codes)
                 best_exp = torch.where(better, exp, best_exp)
                 best_err = torch.minimum(err, best_err)
@@ -243,15 +252,21 @@ def _choose_block_scales(blocks: torch.Tensor, format: str, global_scale: torch.
     best_codes = best_err = best_s8 = None
     for factor in factors:
         s8 = (target * factor).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-        codes, err = _quantize_blocks(blocks, s8.to(torch.float32) * global_scale, error_weights)
+        scale = s8.to(torch.float32) * global_scale
+        codes, err = _quantize_blocks(blocks, scale, error_weights)
         if best_err is None:
             best_codes, best_err, best_s8 = codes, err, s8
         else:
-            better = err < best_err
+            better = (err < best_err) & (_decoded_peak(codes, scale) <= finite_max)
             best_codes = torch.where(better[..., None], codes, best_codes)
             best_s8 = torch.where(better, s8.view(torch.uint8), best_s8.view(torch.uint8)).view(torch.float8_e4m3fn)
             best_err = torch.minimum(err, best_err)
     return best_codes, best_s8, best_s8.to(torch.float32) * global_scale
+
+
+def _decoded_peak(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Largest decoded magnitude per block: codes (N, B, bs), decode scales (N, B)."""
+    return e2m1_values(codes).abs().amax(-1) * scale
 
 
 def block_decode_scales(q: Fp4Tensor) -> torch.Tensor:
@@ -265,8 +280,8 @@ def dequantize_fp4(q: Fp4Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     """The (N, K) weight an Fp4Tensor represents."""
     _check_format(q.format)
     n, k = q.shape
-    values = e2m1_values(unpack_nibbles(q.codes)).reshape(n, -1, q.block_size)
-    w = (values * block_decode_scales(q)[..., None]).reshape(n, -1)[:, :k]
+    values = e2m1_values(unpack_nibbles(q.codes)).unflatten(1, (-1, q.block_size))  # unflatten: n may be 0
+    w = (values * block_decode_scales(q)[..., None]).flatten(1)[:, :k]
     return w.to(dtype)
 
 
@@ -384,7 +399,8 @@ def quantize_fp4_gptq(w: torch.Tensor, hessian: torch.Tensor, format: str = "nvf
             if j % block_size == 0:  # the block's scale, from its error-updated values
                 block = chunk[:, j:j + block_size].unsqueeze(1)  # (N, 1, bs)
                 loss = column_loss[start + j:start + j + block_size]
-                _, stored, decode = _choose_block_scales(block, format, global_scale, scale_search, loss / loss.mean())
+                _, stored, decode = _choose_block_scales(block, format, global_scale, scale_search, loss / loss.mean(),
+                                                         finite_max=_finite_max(w))
                 stored_scales.append(stored[:, 0])
                 decode_scale = decode[:, 0]  # (N,)
             column = chunk[:, j]
@@ -611,8 +627,8 @@ def from_kernel_layout(kw: Fp4KernelWeight) -> Fp4Tensor:
     bs = _check_format(kw.format)
     n, k = kw.out_features, kw.in_features
     k_blocks = -(-k // bs) * bs
-    arranged = kw.codes.view(torch.uint8).reshape(n, -1, bs // 2)
-    codes = torch.cat((arranged & 15, arranged >> 4), dim=-1).reshape(n, -1)[:, :k_blocks]
+    arranged = kw.codes.view(torch.uint8).unflatten(1, (-1, bs // 2))
+    codes = torch.cat((arranged & 15, arranged >> 4), dim=-1).flatten(1)[:, :k_blocks]
     scales = kw.scales.view(torch.uint8)[:, : k_blocks // bs].contiguous().view(kw.scales.dtype)
     return Fp4Tensor(pack_nibbles(codes).contiguous(), scales, kw.global_scale.reshape(()).clone(), (n, k), kw.format)
 
@@ -621,13 +637,13 @@ def dequantize_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, global_s
                              out_features: int, in_features: int, format: str) -> torch.Tensor:
     """fp32 (N, K) weight from kernel-layout tensors (the op's arguments)."""
     bs = _check_format(format)
-    arranged = codes.view(torch.uint8).reshape(out_features, -1, bs // 2)
+    arranged = codes.view(torch.uint8).unflatten(1, (-1, bs // 2))
     values = e2m1_values(torch.cat((arranged & 15, arranged >> 4), dim=-1))  # (N, blocks, bs)
     if format == "mxfp4":
         block_scale = torch.exp2(scales.view(torch.uint8).to(torch.float32) - 127.0)
     else:
         block_scale = scales.view(torch.float8_e4m3fn).to(torch.float32) * global_scale.reshape(()).to(torch.float32)
-    return (values * block_scale[..., None]).reshape(out_features, -1)[:, :in_features]
+    return (values * block_scale[..., None]).flatten(1)[:, :in_features]
 
 
 def reference_fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
@@ -1512,7 +1528,10 @@ if triton is not None:
         m_mask = offs_m < M
         offs_g = tl.arange(0, BLOCKS_PER_ITER)
         offs_j = tl.arange(0, HALF)
-        multiplier = _decode_multiplier(global_scale_ptr, IS_NVFP4)
+        # In the loop, weights are code * block scale only: exact in bf16 / fp16 (<= 6 significant
+        # bits, |w| in [2^-10, 2688] for NVFP4). NVFP4's fp32 global scale multiplies the sums once
+        # after the loop; folded into each weight before its cast it would round the weight.
+        power = _decode_power(IS_NVFP4)
 
         code_ptrs = codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :]  # (BN, G, HALF)
         scale_ptrs = scales_ptr + offs_n[:, None] * stride_sn + offs_g[None, :]  # (BN, G)
@@ -1523,7 +1542,7 @@ if triton is not None:
         for it in range(0, K_PADDED // (BLOCK_SIZE * BLOCKS_PER_ITER)):
             block0 = it * BLOCKS_PER_ITER
             codes = tl.load(code_ptrs + block0 * HALF, mask=n_mask[:, None, None], other=0)
-            scale = _block_scales(tl.load(scale_ptrs + block0, mask=n_mask[:, None], other=0), IS_NVFP4) * multiplier
+            scale = _block_scales(tl.load(scale_ptrs + block0, mask=n_mask[:, None], other=0), IS_NVFP4) * power
             w_lo = _e2m1_times_2_pow_minus_14(codes & 15) * scale[:, :, None]
             w_hi = _e2m1_times_2_pow_minus_14(codes >> 4) * scale[:, :, None]
             w_lo = tl.reshape(w_lo.to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCKS_PER_ITER * HALF))
@@ -1536,6 +1555,8 @@ if triton is not None:
             acc = _mma(w_lo, x_lo, acc, UPCAST_DOT)  # (BN, BM)
             acc = _mma(w_hi, x_hi, acc, UPCAST_DOT)
 
+        if IS_NVFP4:
+            acc = acc * tl.load(global_scale_ptr)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -1642,7 +1663,10 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
     bs = BLOCK_SIZES[format]
     bias_arg = bias if bias is not None else global_scale  # never read when HAS_BIAS is False
     if path == "dequant":  # prefill for many tokens: decode W once (bf16/fp16), then cuBLAS
-        # fp32 callers get an fp32 product of the bf16-rounded activations, as on the other paths
+        # fp32 callers get an fp32 product of the bf16-rounded activations, as on the other paths.
+        # bf16 / fp16 callers get W rounded once to their dtype (NVFP4's global scale is folded into
+        # it; scaling cuBLAS's output instead would cost one more pass over it), as their own model's
+        # weights are; the decode and tiled-GEMM paths keep W exact.
         compute_dtype = torch.float32 if out_dtype == torch.float32 else x2.dtype
         w = dequantize_triton(codes, scales, global_scale, n, in_features, format, compute_dtype)
         out = F.linear(x2.to(compute_dtype), w, None if bias is None else bias.to(compute_dtype))

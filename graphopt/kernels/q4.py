@@ -190,7 +190,9 @@ def unpack_q4_0(qweight: torch.Tensor, scales: torch.Tensor, in_features: int) -
     _check_k(in_features, "unpack_q4_0")
     nibbles = _kernel_nibbles(qweight)[:, : in_features].reshape(qweight.shape[0], -1, QK)  # (N, nb, 32)
     packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)
-    d16 = scales.t()[:, : in_features // QK].contiguous().view(torch.uint8).reshape(qweight.shape[0], -1, 2)
+    # reshape(-1) copies the (N, nb) transpose in row order; .contiguous() would not when nb == 1
+    # (a size-1 dim makes the transposed view count as contiguous), and the byte view needs that order
+    d16 = scales[: in_features // QK].t().reshape(-1).view(torch.uint8).reshape(qweight.shape[0], -1, 2)
     return torch.cat([d16, packed], dim=-1).contiguous()
 
 

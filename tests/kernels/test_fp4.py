@@ -98,6 +98,29 @@ def test_scale_search_lowers_error(fmt, min_gain_db):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_scale_search_never_decodes_past_the_weights_dtype(fmt):
+    """fp16 weights near fp16's max: the search's larger scale candidates (MXFP4: the power of two
+    above; NVFP4: up to 1.5x) would decode a weight to 65536, inf once the kernels cast W to fp16.
+    They are skipped there; the amax rule's scale stays."""
+    w = (torch.randn(8, 64, generator=torch.Generator().manual_seed(5)) * 100).half()
+    w[:, 0] = 60000.0
+    q = quantize_fp4(w, fmt, scale_search=True)
+    assert torch.isfinite(dequantize_fp4(q, torch.float16)).all()
+    assert dequantize_fp4(q).abs().max() <= torch.finfo(torch.float16).max
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(0, 5), (0, 64), (3, 0)])
+def test_empty_weights_roundtrip(fmt, shape):
+    w = torch.randn(*shape)
+    q = quantize_fp4(w, fmt, scale_search=True)
+    assert dequantize_fp4(q).shape == shape
+    kw = to_kernel_layout(q)
+    assert dequantize_fp4(from_kernel_layout(kw)).shape == shape
+    assert fp4.dequantize_kernel_layout(kw.codes, kw.scales, kw.global_scale, *shape, fmt).shape == shape
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("k", [100, 64, 200])
 def test_kernel_layout_roundtrip_with_padding(fmt, k):
     w = torch.randn(7, k, generator=torch.Generator().manual_seed(k))
@@ -216,15 +239,18 @@ def test_strided_bias_is_taken_as_a_copy():
     _assert_close(y, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("path", ["gemv", "dequant"])
-def test_triton_fp32_activations_are_computed_from_bf16(path):
-    """The Triton launcher multiplies a bf16 copy of fp32 activations (MXFP4 weights are exact in
-    bf16, so the only rounding is x's). Round 1 failed this on the GPU because its CPU tensors
-    took the fp32 torch reference instead of the kernel; the tensors now live on DEVICE."""
-    x, kw, b, _ = _case("mxfp4", 2, 24, 64, torch.float32, True, seed=4)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("path", ["gemv", "gemm", "dequant"])
+def test_triton_fp32_activations_are_computed_from_bf16(fmt, path):
+    """The Triton launcher multiplies a bf16 copy of fp32 activations by the exact weight, so the
+    only rounding is x's. Round 1 failed this on the GPU because its CPU tensors took the fp32
+    torch reference instead of the kernel; the tensors now live on DEVICE. The tiled GEMM used to
+    fold NVFP4's fp32 global scale into each weight before the bf16 cast (4e-3 relative error);
+    it now scales the sums."""
+    x, kw, b, _ = _case(fmt, 2, 24, 64, torch.float32, True, seed=4)
     y = fp4.fp4_linear(x, kw, b, path=path).cpu()
     assert y.dtype == torch.float32
-    w = fp4.dequantize_kernel_layout(kw.codes.cpu(), kw.scales.cpu(), kw.global_scale.cpu(), 24, 64, "mxfp4").double()
+    w = fp4.dequantize_kernel_layout(kw.codes.cpu(), kw.scales.cpu(), kw.global_scale.cpu(), 24, 64, fmt).double()
     x, b = x.cpu(), b.cpu()
     ref = x.bfloat16().double() @ w.T + b.double()
     assert (y.double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()

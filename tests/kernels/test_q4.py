@@ -97,7 +97,7 @@ def test_dequantize_reads_the_layout():
     assert torch.equal(values[0], torch.tensor(qs, dtype=torch.float32) * 0.5)
 
 
-@pytest.mark.parametrize("k", [64, 96, 4096])
+@pytest.mark.parametrize("k", [32, 64, 96, 4096])  # 32: one scale per row (the (N, 1) transpose)
 def test_kernel_layout_round_trips_losslessly(k):
     w = torch.randn(6, k)
     blocks = q4.quantize_q4_0(w)
