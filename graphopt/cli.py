@@ -6,6 +6,7 @@ Subcommands:
   ablate       all passes / each alone / all but one: latency, error, memory, compile time
   export       the rewritten graph as ONNX
   calibrate    measure this GPU's copy bandwidth, bf16 matmul rate and launch overhead
+  bench        run a benchmark of the source checkout (bench/bench_<family>.py), passing its arguments on
   tune         per-head sparse-attention thresholds under an L1 budget (graphopt.sparse_tuning)
   explore-fft  when does an FFT-chain layer beat a dense GEMM (graphopt.fft_explorer)
   fftchain     FFT-chain distillation (graphopt.fft_distill)
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 # Commands implemented in their own modules: each defines add_arguments(parser) and run(args) -> int.
 PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
@@ -168,6 +171,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     # the named dims of every tensor input that has them
     axes = {i: {d: n for d, n in dims.items() if -t.dim() <= d < t.dim()} for i, t in enumerate(inputs)
             if isinstance(t, torch.Tensor)} if dims else None
+    unused = sorted(set(dims) - {d for named in (axes or {}).values() for d in named})
+    if unused:
+        ranks = ", ".join(f"input {i}: {t.dim()}-D" for i, t in enumerate(inputs) if isinstance(t, torch.Tensor))
+        raise ValueError(f"--dynamic names dim {', '.join(map(str, unused))}, which no tensor input has ({ranks})")
     path = export_onnx(model, inputs, args.out, onnx_forms=forms or None, dynamic_axes=axes, **options)
     print(f"wrote {path}")
     return 0
@@ -179,6 +186,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     result = calibrate(attention=not args.no_attention)
     print(json.dumps(result, indent=2))
     return 0
+
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"  # in a source checkout (pip install -e .)
+
+
+def bench_families() -> list[str]:
+    return sorted(p.stem.removeprefix("bench_") for p in BENCH_DIR.glob("bench_*.py"))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run bench/bench_<family>.py with the rest of the command line (its own --help lists them).
+    The scripts compare against eager, Inductor, cuBLAS and SDPA on a GPU; they are not part of the
+    installed package, so this needs the source checkout."""
+    families = bench_families()
+    if not families:
+        raise ValueError(f"graphopt bench runs the benchmark scripts of a source checkout, and {BENCH_DIR} has none; "
+                         f"install graphopt from its repository (pip install -e .)")
+    if args.family not in families:
+        raise ValueError(f"unknown benchmark {args.family!r}; valid choices: {', '.join(families)}")
+    script = BENCH_DIR / f"bench_{args.family}.py"
+    return subprocess.call([sys.executable, str(script), *args.script_args], cwd=BENCH_DIR.parent)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure this GPU's ceilings for the cost model")
     p.add_argument("--no-attention", action="store_true", help="skip the per-shape attention table")
     p.set_defaults(func=cmd_calibrate)
+
+    families = bench_families()
+    p = sub.add_parser("bench", help="run a benchmark script of the source checkout (bench/bench_<family>.py)")
+    p.add_argument("family", help=f"which benchmark ({', '.join(families) or 'none found: needs the source checkout'})")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed on to the script (see its --help)")
+    p.set_defaults(func=cmd_bench)
 
     for name, (module_name, help_text) in PLUGIN_COMMANDS.items():
         p = sub.add_parser(name, help=help_text)

@@ -183,8 +183,10 @@ QUANT_LINEAR_OP_HOST_LAUNCHES = 3.5
 
 
 def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) -> Estimate:
-    """est, or the op's host time where that is longer: max(GPU estimate, host_launches launches)."""
-    host_ms = host_launches * hw.launch_overhead * 1e3
+    """est, or the op's host time where that is longer: max(GPU estimate, host_launches units), the
+    unit being the host time of a one-kernel torch op (HardwareSpec.host_op_overhead: measured by
+    `graphopt calibrate`, else the H100 hosts' 12 us)."""
+    host_ms = host_launches * hw.host_op_overhead * 1e3
     if host_ms <= est.ms:
         return est
     return Estimate(f"{est.name} ({why})", host_ms, est.flops, est.bytes, est.launches, "host")
@@ -336,7 +338,8 @@ def fused_attention(
         # Tiles straddling the diagonal are computed whole and masked: about one extra tile
         # column per row of tiles. On our H200 causal cuDNN ran at 0.75x (L=1k) to 0.93x (L=16k)
         # of its non-causal TFLOP/s, which this term reproduces within ~5%.
-        flops *= 1 + 2 * CAUSAL_DIAGONAL_TILE / max(lk, 1)
+        # Capped at the full square: below lk = 2 tiles the term would price causal above non-causal.
+        flops *= min(2.0, 1 + 2 * CAUSAL_DIAGONAL_TILE / max(lk, 1))
     est = roofline(hw, name or family, flops=flops, bytes_moved=moved, family=family)
     if not hw.is_gpu:
         return est

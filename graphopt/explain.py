@@ -19,7 +19,8 @@ class Report:
 
     @property
     def counts(self) -> dict[str, int]:
-        """Rewrites applied per pass (every enabled pass appears, with 0 when nothing applied)."""
+        """Rewrites applied per pass. A pass appears once it decided on some match (0 when it declined
+        them all); a pass that matched nothing is absent, so read it with counts.get(name, 0)."""
         return count_applied(self.decisions)
 
     @property
@@ -76,8 +77,10 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Rep
     exactly this model and these inputs."""
     from graphopt import backend as backend_module
     from graphopt.config import GraphOptConfig
+    from graphopt.logging_setup import configure_logging
 
     GraphOptConfig.from_options(options)  # fail early and clearly on bad options
+    configure_logging()  # and on a bad GRAPHOPT_LOG (inside the compile it would come wrapped by Dynamo)
     with backend_module.recording_decisions(reset=True) as sink:
         compiled = torch.compile(model, backend="graphopt", options=options or None)
         with torch.no_grad():

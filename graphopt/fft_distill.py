@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -184,7 +185,7 @@ def fit_layer(dense: nn.Linear, x_train: torch.Tensor, x_test: torch.Tensor, blo
     kept = "distilled"
     with torch.no_grad():
         distill_err = relative_error(layer(x_test), y_test)
-        if distill_err > proj_err:
+        if not distill_err <= proj_err:  # worse, or diverged to NaN
             layer.load_state_dict(projection)
             distill_err, kept = proj_err, "projection"
         train_err = relative_error(layer(x_train), y_train)
@@ -221,6 +222,9 @@ def distill(model: nn.Module, inputs: tuple, *, layer_start: int = 0, layer_end:
             x_test, x_train = x[order[:n_test]], x[order[n_test:]]
             progress.update(overall, description=f"{name} (B={block_size}, K={k})")
             layer, errs = fit_layer(mod, x_train, x_test, block_size, k, steps=steps, lr=lr, seed=seed, progress=progress, task=overall)
+            if not math.isfinite(errs["rel_error"]):
+                raise ValueError(f"fftchain distill: {name}'s held-out error is {errs['rel_error']} even for its "
+                                 f"projection; its weights or the calibration activations are not finite (or are all zero)")
             fitted[name] = layer
             results[name] = {"in_features": mod.in_features, "out_features": mod.out_features, "block_size": block_size, "k": k,
                              "seed": seed, "bias": mod.bias is not None, "compression": layer.compression,

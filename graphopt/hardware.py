@@ -17,9 +17,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("graphopt")
 
 DEFAULT_MATRIX_FRACTION = 0.76  # 756 / 989 TFLOP/s, H100 bf16 8192^3 (shared/DESIGN.md)
 DEFAULT_MEMORY_FRACTION = 0.89  # 2.97 / 3.35 TB/s, H100 device-to-device copy (shared/DESIGN.md)
@@ -41,6 +45,11 @@ class HardwareSpec:
     # were fitted on Hopper (9.0), whose TMA and wgmma our Triton kernels use: see
     # cost_model.HOPPER_FITTED_FAMILIES.
     compute_capability: tuple[int, int] | None = None
+    # Host time of one call of a one-kernel torch op (torch.add) called back to back: the unit the
+    # cost model prices graphopt ops' host paths in (cost_model.host_paced). Measured on the H100
+    # hosts: 11.8 us (session 21) and 19.5 us (session 26); a kernel launch seen from the GPU side
+    # (launch_overhead_s) is shorter. `graphopt calibrate` measures it (its launch figure is this).
+    host_op_s: float = 12e-6
     # Measured ceilings (None = not calibrated): filled from the calibration cache.
     measured_bf16_flops: float | None = None
     measured_memory_bandwidth: float | None = None
@@ -62,6 +71,10 @@ class HardwareSpec:
     @property
     def launch_overhead(self) -> float:
         return self.measured_launch_overhead_s or self.launch_overhead_s
+
+    @property
+    def host_op_overhead(self) -> float:
+        return self.measured_launch_overhead_s or self.host_op_s
 
     @property
     def calibrated(self) -> bool:
@@ -89,6 +102,8 @@ class HardwareSpec:
 SPECS: dict[str, HardwareSpec] = {
     "h100": HardwareSpec("NVIDIA H100 SXM5 80GB", 989e12, 1979e12, 67e12, 3.35e12, 50 * 2**20, 132, 228 * 1024, 4e-6,
                          compute_capability=(9, 0)),
+    "h100_pcie": HardwareSpec("NVIDIA H100 PCIe 80GB", 756e12, 1513e12, 51e12, 2.0e12, 50 * 2**20, 114, 228 * 1024,
+                              4e-6, compute_capability=(9, 0)),
     "h200": HardwareSpec("NVIDIA H200 SXM 141GB", 989e12, 1979e12, 67e12, 4.8e12, 50 * 2**20, 132, 228 * 1024, 4e-6,
                          compute_capability=(9, 0)),
     "a100": HardwareSpec("NVIDIA A100 SXM4 80GB", 312e12, 624e12, 19.5e12, 2.039e12, 40 * 2**20, 108, 164 * 1024, 4e-6,
@@ -103,6 +118,7 @@ SPECS: dict[str, HardwareSpec] = {
 # Substrings of torch.cuda.get_device_name() -> spec key. Order matters (H200 before H100).
 _NAME_PATTERNS: tuple[tuple[str, str], ...] = (
     ("H200", "h200"),
+    ("H100 PCIe", "h100_pcie"),
     ("H100", "h100"),
     ("A100", "a100"),
     ("3060", "rtx3060"),
@@ -128,9 +144,29 @@ def load_calibration(device_name: str) -> dict | None:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text()).get(device_name)
-    except (OSError, json.JSONDecodeError):
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):  # unreadable, or not JSON
+        table = None
+    entry = table.get(device_name) if isinstance(table, dict) else None
+    if entry is None:
         return None
+    # Only finite positive numbers count: a hand-edited or damaged file must not break a compile.
+    measured = {key: entry.get(key) for key in _CALIBRATED_KEYS} if isinstance(entry, dict) else {}
+    valid = {key: float(value) for key, value in measured.items()
+             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0}
+    dropped = sorted(set(_CALIBRATED_KEYS) - set(valid))
+    if dropped:
+        _warn_once(f"calibration file {path}: entry for {device_name!r} has no valid (finite, positive) "
+                   f"{', '.join(dropped)}; datasheet-based ceilings are used for those (rerun graphopt calibrate)")
+    return valid or None
+
+
+_CALIBRATED_KEYS = ("bf16_flops", "memory_bandwidth", "launch_overhead_s")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def save_calibration(device_name: str, measurement: dict) -> Path:
@@ -140,7 +176,9 @@ def save_calibration(device_name: str, measurement: dict) -> Path:
     if path.exists():
         try:
             table = json.loads(path.read_text())
-        except json.JSONDecodeError:
+        except (OSError, ValueError):
+            table = {}
+        if not isinstance(table, dict):  # a damaged file: start a new table
             table = {}
     table[device_name] = measurement
     path.write_text(json.dumps(table, indent=2, sort_keys=True))
@@ -184,12 +222,21 @@ def detect(device: "str | None" = None) -> HardwareSpec:
         props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
         spec = spec_for_device_name(props.name)
         if spec is None:
-            # Unknown GPU: read what the driver tells us; rates come only from calibration.
+            # Unknown GPU: read what the driver tells us; rates come only from calibration. Until
+            # then the rates are placeholders, and the spec's name (which decision reasons quote)
+            # says so.
             spec = HardwareSpec(
                 props.name, 100e12, 200e12, 20e12, 1e12, getattr(props, "L2_cache_size", 0),
                 props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 0), 4e-6,
                 compute_capability=(props.major, props.minor),
             )
+            spec = _with_calibration(spec, props.name)
+            if not spec.calibrated:
+                _warn_once(f"graphopt has no datasheet rates for {props.name!r}: its cost model uses placeholder "
+                           f"ceilings (100 TFLOP/s bf16, 1 TB/s) until `graphopt calibrate` measures this GPU, "
+                           f"or target= names a known one ({', '.join(k for k in SPECS if k != 'cpu')})")
+                spec = dataclasses.replace(spec, name=f"{props.name} (placeholder rates: run graphopt calibrate)")
+            return spec
         return _with_calibration(spec, props.name)
     return SPECS["cpu"]
 

@@ -12,6 +12,7 @@ section names by relative path.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,7 @@ _LAYER_FIELDS = {
     "fft_linear": {"in_features": ("a positive integer", _positive_int),
                    "out_features": ("a positive integer", _positive_int),
                    "block_size": ("a positive integer", _positive_int), "k": ("a positive integer", _positive_int),
-                   "rel_error": ("a number", _number)},
+                   "rel_error": ("a finite number >= 0", lambda v: _number(v) and math.isfinite(v) and v >= 0)},
 }
 
 

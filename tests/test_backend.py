@@ -165,6 +165,9 @@ def test_graphopt_log_turns_on_decision_logging(monkeypatch, caplog):
     monkeypatch.setenv("GRAPHOPT_LOG", "loud")
     with pytest.raises(ValueError, match="GRAPHOPT_LOG='loud'.*valid choices: info, debug, warning"):
         logging_setup.configure_logging()
+    # explain checks it before compiling: the error is the ValueError itself, not Dynamo's wrapper
+    with pytest.raises(ValueError, match="GRAPHOPT_LOG='loud'"):
+        graphopt.explain(nn.Linear(2, 2), torch.randn(1, 2))
     monkeypatch.setenv("GRAPHOPT_LOG", "")
     logging_setup.configure_logging()
     assert logging.getLogger("graphopt").level == logging.WARNING

@@ -10,7 +10,7 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
-    for command in ("explain", "demo", "ablate", "export", "calibrate", "tune", "explore-fft", "fftchain"):
+    for command in ("explain", "demo", "ablate", "export", "calibrate", "bench", "tune", "explore-fft", "fftchain"):
         assert command in text
 
 
@@ -54,6 +54,21 @@ def test_export_with_dynamic_dims(tmp_path, capsys):
     assert all(d[:2] == ["batch", "seq"] for d in dims), dims
     assert main(["export", "--dynamic", "batch", "--out", str(out)]) == 2
     assert "expected DIM=NAME" in capsys.readouterr().err
+    # a dim no input has used to be dropped silently, exporting a static model
+    assert main(["export", "--model", "tiny-llama", "--seq-len", "16", "--device", "cpu", "--dynamic", "2=foo",
+                 "--out", str(out)]) == 2
+    assert "names dim 2, which no tensor input has (input 0: 2-D)" in capsys.readouterr().err
+
+
+def test_bench_runs_the_checkouts_benchmark_scripts(capfd):
+    """`graphopt bench FAMILY ARGS...` runs bench/bench_FAMILY.py with ARGS (DESIGN.md's cli.py)."""
+    from graphopt.cli import bench_families
+
+    assert {"attention", "sparse_attention", "fp4", "q4", "fft_chain", "cost_model"} <= set(bench_families())
+    assert main(["bench", "fp4", "--help"]) == 0
+    assert "usage: bench_fp4.py" in capfd.readouterr().out
+    assert main(["bench", "fp5"]) == 2
+    assert "unknown benchmark 'fp5'; valid choices: attention" in capfd.readouterr().err
 
 
 def test_ablate_writes_table_json_and_plot(tmp_path, capsys):

@@ -97,6 +97,12 @@ def _sparse_layer(**changes):
     ({"fft_linear": {"file": "c.safetensors", "layers": {"fc": {"in_features": 64, "out_features": 64, "block_size": 16,
                                                                "k": "4", "rel_error": 0.01}}}},
      "layer 'fc': 'k' must be a positive integer, got '4'"),
+    ({"fft_linear": {"file": "c.safetensors", "layers": {"fc": {"in_features": 64, "out_features": 64, "block_size": 16,
+                                                               "k": 4, "rel_error": float("nan")}}}},
+     "'rel_error' must be a finite number >= 0"),  # NaN passed every budget check, then the model output NaN
+    ({"fft_linear": {"file": "c.safetensors", "layers": {"fc": {"in_features": 64, "out_features": 64, "block_size": 16,
+                                                               "k": 4, "rel_error": -0.5}}}},
+     "'rel_error' must be a finite number >= 0"),
 ])
 def test_malformed_plan_sections_are_errors_naming_the_field(tmp_path, section, fragment):
     """A section its pass would trip over (a missing or wrong-typed field) is an error when the

@@ -57,6 +57,19 @@ def test_causal_halves_attention_flops():
     assert cm.attention_flops(1, 1, 1024, 1024, 64, causal=True) == full / 2
 
 
+@pytest.mark.parametrize("spec", ["h100", "a100", "cpu"])
+@pytest.mark.parametrize("length", [1, 64, 128, 200, 256, 1024, 8192])
+def test_causal_fused_attention_is_never_priced_above_non_causal(spec, length):
+    """The diagonal-tile term (one extra tile column per row of tiles) used to grow without bound
+    at short lengths: 2.5x the non-causal FLOPs at L=64, so short causal attention was declined
+    where the same non-causal one was rewritten."""
+    hw = SPECS[spec]
+    for family in ("sdpa_flash", "triton_flash"):
+        full = cm.fused_attention(hw, 1, 8, length, length, 64, family=family)
+        causal = cm.fused_attention(hw, 1, 8, length, length, 64, family=family, causal=True)
+        assert causal.flops <= full.flops and causal.ms <= full.ms * (1 + 1e-9), (family, causal, full)
+
+
 def test_launch_bound_tiny_work():
     est = cm.roofline(H100, "tiny", flops=10, bytes_moved=100, launches=3, family="pointwise")
     assert est.bound == "launch"
@@ -100,7 +113,7 @@ def test_measured_table_round_trip(tmp_path, monkeypatch):
 
 def test_host_paced_estimate_takes_the_longer_of_gpu_and_host_time():
     hw = SPECS["h100"]
-    host_ms = 7.5 * hw.launch_overhead * 1e3
+    host_ms = 7.5 * hw.host_op_overhead * 1e3
     short = cm.Estimate("kernel", host_ms / 3, 1e6, 1e6, 1, "launch")
     paced = cm.host_paced(hw, short, 7.5, "op host path")
     assert paced.bound == "host" and paced.ms == pytest.approx(host_ms) and "op host path" in paced.name

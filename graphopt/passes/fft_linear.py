@@ -16,10 +16,11 @@ Two kinds of match, one Decision each:
    held-out calibration activations. The layer is rewritten only if that error is within
    `error_budget["fft_linear"]`, the shapes match, the weight can be frozen (inference), and the
    cost model predicts a win (`config.force` overrides only the last). Every other dense linear
-   is declined with its reason. Measured on an H200 (bench/results/fft_chain_h200_round2.*, CUDA
-   graph, bf16): an FFT chain beats cuBLAS only at ~16 tokens (1.1-1.2x, B=512 K=2), and loses
-   at 256 and 4096 tokens (0.31-0.64x), so at prefill sizes the pass declines; the estimates are
-   those of graphopt.kernels.fft_chain, fitted to those timings, and assume CUDA-graph replay.
+   is declined with its reason. Measured on an H100 (bench/RESULTS.md, both sides replayed from
+   CUDA graphs, bf16, B=512 K=2 on 5120<->13824): 3.0-3.9x cuBLAS at 1-16 tokens, 1.15-1.8x at
+   256, and at 4096 1.5-1.7x (up projection) and 0.97-1.06x (down). The estimates are those of
+   graphopt.kernels.fft_chain, fitted to the H100 runs; they assume CUDA-graph replay, and they
+   decide per token count (an H200-era fit had the chain losing at 256 and 4096 tokens).
 
 Plan section format:
     "fft_linear": {"file": "<name>.safetensors",
@@ -174,7 +175,7 @@ class FFTLinearPass(GraphPass):
             return
         budget = ctx.config.error_budget["fft_linear"]
         err = entry.get("rel_error")
-        if err is None or err > budget:
+        if err is None or not err <= budget:  # NaN never passes
             ctx.record(self.name, False, f"fitted error {err} exceeds error_budget['fft_linear']={budget}", node=m.node, rel_error=err)
             return
         if (entry.get("in_features"), entry.get("out_features")) != (m.in_features, m.out_features):

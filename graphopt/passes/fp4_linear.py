@@ -10,13 +10,14 @@ Conv1D, x @ W, x @ W.T; graphopt.passes.fx_utils.find_linears) in an inference g
   3. the weight is quantized once (option `fp4_format`, scale search on), and its SQNR in dB
      against the original weight must reach `error_budget["fp4_linear"]`;
   4. the linear becomes one `graphopt::fp4_linear` node reading the kernel-layout constants.
-Where it wins: nowhere yet on an H200. bench/results/fp4_h200_round2.json (NVFP4, LLaMA shapes,
-bf16 cuBLAS baseline, weights L2-cold for <= 16 tokens) measured 0.84-0.96x of cuBLAS at 1 token,
-0.29-0.46x at 4-16, 0.17-0.31x at 64, 0.2-0.3x at 256 and 0.67-0.71x at 4096 tokens. The cost model
-is fitted to that run (kernels/fp4.py, tests/test_cost_model_measured.py), so on an H200 the pass
-declines every linear unless `force=True` (memory savings, 3.6x smaller weights, are then the only
-gain). On targets with less bandwidth per CUDA-core FLOP (e.g. an uncalibrated H100 spec) the same
-model predicts a ~1.1-1.25x 1-token win; that extrapolation is unmeasured.
+Where it wins (bench/RESULTS.md, H100, NVFP4, LLaMA shapes, cuBLAS bf16 with weights L2-cold):
+decode. 2.34-2.72x cuBLAS at 1 token, 1.90-2.22x at 2 (sessions 16-17), 1.09-1.42x at 4-16;
+slower than cuBLAS at 64-256 tokens and about 0.91x at 4096. The decode constants of the cost
+model (kernels/fp4.py) are fitted to the H100 decode runs, so it predicts the one-token wins, and
+declines prefill sizes. Called directly (no CUDA-graph replay, `graph_replay=False`), the op's host
+path (cost_model.QUANT_LINEAR_OP_HOST_LAUNCHES) outlasts the GPU work of one-token layers smaller
+than about LLaMA-13B's MLP, and those are declined too. `force=True` rewrites anyway (memory
+savings, 3.6x smaller weights, are then the gain).
 Plans (options={"plan": path}; graphopt.plan): a "fp4_linear" section may supply pre-quantized
 weights per module path, e.g. GPTQ-style ones from graphopt.kernels.fp4.calibrate_fp4, written by
 `save_fp4_plan(path, {module_path: Fp4Tensor})`:

@@ -96,6 +96,20 @@ def test_dense_linear_not_in_plan_is_declined(tmp_path):
     assert by_loc["layers.1"].applied
 
 
+def test_a_fit_that_diverges_keeps_its_projection(tmp_path):
+    """A learning rate that drives training to NaN: the held-out error NaN is not 'better' than the
+    projection's, so the projection is kept and the plan records a finite error (it used to record
+    NaN, which passed the pass's budget check and made the model's output NaN)."""
+    torch.manual_seed(4)
+    model = TwoLayers().eval()
+    out = distill(model, (torch.randn(64, 32),), layer_start=1, layer_end=1, block_size=16, k=1, steps=5, lr=1e30,
+                  plan_path=tmp_path / "plan.json", show_progress=False)
+    (entry,) = out["layers"].values()
+    assert entry["kept"] == "projection" and entry["rel_error"] == entry["projection_rel_error"]
+    assert 0 <= entry["rel_error"] < float("inf")
+    assert torch.isfinite(out["modules"]["layers.1"].coeffs).all()
+
+
 @pytest.mark.parametrize("downstream", ["eager", "inductor"])
 def test_a_plan_fitted_to_other_weights_is_declined(tmp_path, downstream):
     """The plan records the weights it was fitted to. When they change under a compiled model (an
