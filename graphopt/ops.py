@@ -95,8 +95,14 @@ def _attention_check(q, k, v, bias, num_kv_groups: int, backend: str) -> None:
         raise ValueError(
             f"graphopt::attention: q has {q.shape[1]} heads, k {k.shape[1]}, v {v.shape[1]}, num_kv_groups={num_kv_groups}; "
             "need q heads == k heads * num_kv_groups and k heads == v heads")
-    if bias is not None and bias.dim() > 4:
-        raise ValueError(f"graphopt::attention: bias must broadcast to (B, H, Lq, Lk), got shape {tuple(bias.shape)}")
+    if bias is not None:
+        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        try:
+            fits = bias.dim() <= 4 and torch.broadcast_shapes(bias.shape, target) == target
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"graphopt::attention: bias must broadcast to (B, H, Lq, Lk) = {target}, got shape {tuple(bias.shape)}")
 
 
 def _attention_merge_causal(q, k, bias):
@@ -115,8 +121,11 @@ def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups:
 
     if bias is not None:
         if bias.is_floating_point() and bias.dtype != q.dtype:
-            # Clamp first: fp32's -3.4e38 (HF's finfo.min) would round to -inf in bf16/fp16.
-            bias = bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)
+            # Then clamp: fp32's -3.4e38 (HF's finfo.min) rounds to -inf in bf16/fp16. (Clamping
+            # first fails for a bias narrower than q: q's finfo.min does not fit the bias dtype.)
+            bias = bias.to(q.dtype).clamp(min=torch.finfo(q.dtype).min)
+        if bias.dim() < 2:  # SDPA takes masks of 2 dims or more; (Lk,) broadcasts as (1, Lk)
+            bias = bias.reshape((1,) * (2 - bias.dim()) + tuple(bias.shape))
         if is_causal:
             bias, is_causal = _attention_merge_causal(q, k, bias), False
     on_cpu = q.device.type == "cpu"
@@ -218,14 +227,17 @@ def attention_backward(
 
         _, lse = flash_attention_forward(q, k, v, bias, scale=scale, is_causal=is_causal)  # recompute LSE
         dq, dk, dv = flash_attention_backward(grad_out, q, k, v, bias, out, lse, scale=scale, is_causal=is_causal)
-        return dq, dk, dv, q.new_empty(0)
-    return _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0)
+    grads = _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad)
+    return tuple(g.contiguous() for g in grads)
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad):
-    dbias = torch.empty_like(bias) if bias_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    # Contiguous, as the real outputs are (empty_like would copy the strides of HF's transposed
+    # q/k/v views and of a broadcast bias, and Inductor asserts the real strides against these)
+    dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 class _AttentionFunction(torch.autograd.Function):

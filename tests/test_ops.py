@@ -77,3 +77,73 @@ def test_attention_op_records_autograd_only_when_a_gradient_is_needed():
             torch.testing.assert_close(g, w)
     with torch.no_grad():
         assert torch.ops.graphopt.attention(q.requires_grad_(True), k, v, bias, 0.3, False, 1, "math").grad_fn is None
+
+
+def _hf_views(b=2, h=3, length=5, d=8, dtype=torch.float32, seed=0):
+    """q, k, v as HF's attention builds them: proj(x).view(B, L, H, D).transpose(1, 2), strided."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, length, h, d, generator=g, dtype=dtype).transpose(1, 2) for _ in range(3))
+
+
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_attention_backward_fake_matches_the_real_strides(bias_grad):
+    """The fake used to return empty_like(q): the strides of a transposed view, where the real dq
+    is contiguous; Inductor then asserted on them and training with the Triton backend crashed."""
+    q, k, v = _hf_views()
+    bias = torch.randn(1, 1, 5, 5).expand(2, 3, 5, 5) if bias_grad else None  # broadcast: stride 0
+    out = torch.ops.graphopt.attention(q, k, v, bias, 0.3, False, 1, "sdpa_cpu")
+    args = (torch.randn_like(out), q, k, v, bias, out, 0.3, False, 1, bias_grad)
+    torch.library.opcheck(torch.ops.graphopt.attention_backward.default, args)
+    real = torch.ops.graphopt.attention_backward(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = torch.ops.graphopt.attention_backward(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                       for a in args))
+    assert [t.stride() for t in fake] == [t.stride() for t in real]
+
+
+@pytest.mark.parametrize("q_dtype, bias_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                                 (torch.float64, torch.float32), (torch.bfloat16, torch.float16),
+                                                 (torch.bfloat16, torch.float32)])
+def test_attention_op_takes_a_bias_of_another_float_dtype(q_dtype, bias_dtype):
+    """A bias narrower than q used to raise on CPU (q's finfo.min clamped in the bias dtype); one
+    wider than q keeps HF's finfo.min padding finite. Reference: SDPA on q's dtype with the bias
+    cast to it and clamped there."""
+    q, k, v = (t.to(q_dtype) for t in _hf_views(seed=1))
+    bias = torch.randn(2, 1, 5, 5).to(bias_dtype)
+    bias[..., -1] = torch.finfo(bias_dtype).min  # padding, as HF writes it
+    out = torch.ops.graphopt.attention(q, k, v, bias, 0.3, False, 1, "sdpa_cpu")
+    ref_bias = bias.to(q_dtype).clamp(min=torch.finfo(q_dtype).min)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ref_bias, scale=0.3)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected)
+
+
+def test_attention_op_bias_shapes():
+    """A (Lk,) bias broadcasts as documented (SDPA itself refuses masks under 2-D); a bias that
+    does not broadcast to (B, H, Lq, Lk) is a clear error, not an IndexError from inside SDPA."""
+    q, k, v = _hf_views(seed=2)
+    row = torch.randn(5)
+    out = torch.ops.graphopt.attention(q, k, v, row, 0.3, False, 1, "sdpa_cpu")
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=row.expand(2, 3, 5, 5), scale=0.3))
+    with pytest.raises(ValueError, match=r"bias must broadcast to \(B, H, Lq, Lk\) = \(2, 3, 5, 5\), got shape \(4,\)"):
+        torch.ops.graphopt.attention(q, k, v, torch.randn(4), 0.3, False, 1, "sdpa_cpu")
+
+
+def test_fft_chain_op_output_is_contiguous_and_empty_batches_run():
+    """Without a bias and with out_features not a multiple of the block, the op returned the
+    cropped (..., n_out * B) view; its fake says contiguous, and Inductor asserted on the strides.
+    An empty batch made MKL's FFT fail, forward and backward."""
+    from graphopt.kernels.fft_chain import FFTChainLinear
+
+    layer = FFTChainLinear(24, 20, 8, 2, bias=False, seed=0)
+    x = torch.randn(2, 3, 24)
+    y = layer(x)
+    assert y.is_contiguous()
+    torch.testing.assert_close(torch.compile(layer, backend="inductor")(x), y)
+    biased = FFTChainLinear(24, 20, 8, 2, bias=True, seed=0)
+    empty = torch.randn(0, 24, requires_grad=True)
+    out = biased(empty)
+    assert out.shape == (0, 20)
+    out.sum().backward()
+    assert empty.grad.shape == (0, 24) and not biased.bias.grad.any() and not biased.coeffs.grad.any()

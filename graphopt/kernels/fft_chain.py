@@ -214,6 +214,9 @@ def fft_chain_backward(grad_out: torch.Tensor, x: torch.Tensor, coeff_real: torc
     g2d = grad_out.reshape(-1, grad_out.shape[-1]).to(dt)
     x2d = x.reshape(-1, in_features).to(dt)
     t = x2d.shape[0]
+    if t == 0:  # no tokens (MKL's FFT refuses an empty batch): zero gradients
+        d_bias = grad_out.new_zeros(grad_out.shape[-1]) if has_bias else None
+        return x.new_zeros(x.shape), torch.zeros_like(coeff_real), torch.zeros_like(coeff_imag), d_bias
     w = _inverse_weights(block_size, freqs, dt, x.device)
     g_pad = torch.nn.functional.pad(g2d, (0, n_out * block_size - g2d.shape[-1]))
     gs = torch.fft.rfft(g_pad.reshape(t, n_out, block_size), dim=-1) * (w / block_size)  # (T, N, F)
@@ -1247,8 +1250,12 @@ def fft_chain_linear(x, coeff_real, coeff_imag, perms, bias, block_size: int, ou
     """Run the layer with one implementation ("auto": the cost model's choice for this shape).
     x (..., in) -> (..., out_features). On CPU every implementation name runs the torch path."""
     _check_inputs(x, coeff_real, coeff_imag, perms, bias, block_size, out_features, impl)
+    if x.numel() == 0 and x.shape[-1] > 0:  # no tokens (MKL's FFT refuses an empty batch)
+        return x.new_empty(*x.shape[:-1], out_features)
+    # .contiguous(): the paths crop (..., n_out * B) to out_features, a strided view the op's fake
+    # (and Inductor's stride assertions) take for contiguous
     if not x.is_cuda:  # CPU: the torch reference (the Triton launchers are tested directly)
-        return fft_chain_spectral_reference(x, coeff_real, coeff_imag, perms, bias, block_size, out_features)
+        return fft_chain_spectral_reference(x, coeff_real, coeff_imag, perms, bias, block_size, out_features).contiguous()
     lead, in_features = x.shape[:-1], x.shape[-1]
     x2d = x.reshape(-1, in_features)
     if impl == "auto":
@@ -1258,4 +1265,4 @@ def fft_chain_linear(x, coeff_real, coeff_imag, perms, bias, block_size: int, ou
             impl, _ = choose_implementation(device_spec(x.device.index), x2d.shape[0], in_features, out_features,
                                             block_size, k, device_type="cuda", dtype_bytes=x.element_size(), bias=bias is not None)
     y = _LAUNCHERS[impl](x2d, coeff_real, coeff_imag, perms, bias, block_size, out_features)
-    return y.reshape(*lead, out_features)
+    return y.reshape(*lead, out_features).contiguous()

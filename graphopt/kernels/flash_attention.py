@@ -32,7 +32,8 @@ Backward: `delta = rowsum(dO * O)` in a small kernel, then one kernel for dK/dV 
 key block and KV head, looping over the query heads of its GQA group and over query blocks, so dK/dV
 are summed over the group without atomics) and one kernel for dQ (one program per query block and
 head, looping over key blocks). The gradient with respect to `bias` is NOT computed: graphopt uses
-the bias as a constant mask; `flash_attention` raises if the bias requires grad.
+the bias as a constant mask; the backward of `flash_attention` raises if the bias requires grad
+(the forward runs).
 
 Caveats
 - No dropout. No TMA / tensor-descriptor path: plain pointer loads, software-pipelined by Triton

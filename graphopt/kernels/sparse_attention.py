@@ -137,6 +137,18 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     return H // k.shape[1], v.shape[3]
 
 
+def _no_blocks(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """No queries or no keys: no blocks to predict or visit (the predictor's "at least one block
+    per row" has nothing to keep, and the kernel would read a key block that is not there)."""
+    return q.shape[2] == 0 or k.shape[2] == 0
+
+
+def _empty_result(q: torch.Tensor, v: torch.Tensor, return_sparsity: bool):
+    """SDPA's answer without keys (an empty softmax times an empty V: zeros); nothing skipped."""
+    out = q.new_zeros(*q.shape[:3], v.shape[3])
+    return (out, 0.0) if return_sparsity else out
+
+
 def causal_block_geometry(n_q: int, n_k: int, lq: int, lk: int, block_m: int, block_n: int, device=None):
     """(allowed, diagonal) bool (nQ, nK): blocks with a (query, key) pair at/below the diagonal, and
     the blocks the diagonal crosses (some key after some query: token mask needed, always kept)."""
@@ -316,6 +328,8 @@ def reference_sparse_attention(
 ):
     """Plain-torch sparse attention with the semantics of `sparse_attention` (runs anywhere)."""
     _check_inputs(q, k, v, is_causal)
+    if _no_blocks(q, k):
+        return _empty_result(q, v, return_sparsity)
     mask = predict_block_mask(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
                               cdfthreshd=cdfthreshd, block_m=block_m, block_n=block_n)
     out = block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd,
@@ -1579,6 +1593,8 @@ def sparse_attention(
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not valid; valid choices: {', '.join(IMPLEMENTATIONS)}")
     _check_inputs(q, k, v, is_causal)
+    if _no_blocks(q, k):
+        return _empty_result(q, v, return_sparsity)
     use_triton = implementation == "triton" or (implementation == "auto" and q.is_cuda and triton is not None)
     if not use_triton:
         return reference_sparse_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,

@@ -388,6 +388,17 @@ def test_input_errors_name_the_problem():
         sa.predict_block_lut(qd, qd, variant="v4")
 
 
+@pytest.mark.parametrize("implementation", ["triton", "reference"])
+@pytest.mark.parametrize("lq, lk", [(70, 0), (0, 70), (0, 0)])
+def test_no_queries_or_no_keys_give_sdpas_answer(implementation, lq, lk):
+    """Lk = 0 used to read key block 0 in the Triton kernel (a segfault under the interpreter, an
+    illegal address on the GPU) and fail in the reference's top-cdf; now zeros, as SDPA returns."""
+    q, k, v = randn(1, 2, lq, 16, seed=33), randn(1, 2, lk, 16, seed=34), randn(1, 2, lk, 16, seed=35)
+    q, k, v = on_device(q, k, v) if implementation == "triton" else (q, k, v)
+    out, skipped = sa.sparse_attention(q, k, v, implementation=implementation, return_sparsity=True)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v)) and skipped == 0.0
+
+
 def test_single_loop_config_rejects_pv_skipping():
     # the single-loop body has no PV skipping: an explicit config asking for both is a clear error
     q, k, v = on_device(*(randn(1, 1, 256, 32, seed=s) for s in (70, 71, 72)))
