@@ -79,7 +79,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
         return compiled
 
     def recompile(args: list) -> tuple[Callable, PassContext]:
-        log.info("graphopt: a frozen parameter changed since compile; recompiling from the new values")
+        log.info("graphopt: a frozen parameter (or a module float the rewrite baked in) changed since compile; "
+                 "recompiling from the new values")
         fresh = copy.deepcopy(pristine)
         new_ctx = run_passes(fresh, args, config, hardware)
         for sink in _DECISION_SINKS:  # the new decisions (a plan may no longer fit the new weights)
@@ -102,7 +103,10 @@ class _FrozenWeightGuard:
     def _stale(self, args) -> bool:
         for index, frozen in self.frozen.items():
             current = args[index]
-            if frozen.tensor_ref() is not current or current._version != frozen.version:
+            if frozen.value is not None:  # a lifted module float (a new 0-d CPU tensor every call)
+                if float(current) != frozen.value:
+                    return True
+            elif frozen.tensor_ref() is not current or current._version != frozen.version:
                 return True
         return False
 

@@ -71,6 +71,26 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def _refuse_model_keywords(model: torch.nn.Module, options: dict) -> None:
+    """A keyword that is no graphopt option but an argument of model.forward (HF's input_ids=...):
+    say that model inputs go positionally, rather than "unknown graphopt option"."""
+    import dataclasses
+    import inspect
+
+    from graphopt.config import GraphOptConfig
+
+    valid = {f.name for f in dataclasses.fields(GraphOptConfig)}
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    inputs = [key for key in options if key not in valid and key in parameters]
+    if inputs:
+        raise ValueError(f"{', '.join(inputs)}: an input of {type(model).__name__}.forward, passed as a keyword; "
+                         f"model inputs go positionally (explain(model, *inputs, **options)), and keywords are "
+                         f"graphopt options")
+
+
 def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Report:
     """Compile `model` with graphopt (options as for torch.compile), run it once under no_grad,
     and return every decision. Dynamo's cache is reset before and after, so the report covers
@@ -79,6 +99,7 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Rep
     from graphopt.config import GraphOptConfig
     from graphopt.logging_setup import configure_logging
 
+    _refuse_model_keywords(model, options)
     GraphOptConfig.from_options(options)  # fail early and clearly on bad options
     configure_logging()  # and on a bad GRAPHOPT_LOG (inside the compile it would come wrapped by Dynamo)
     with backend_module.recording_decisions(reset=True) as sink:

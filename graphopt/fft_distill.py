@@ -86,13 +86,11 @@ def _minilm(batch: int = 32) -> tuple[nn.Module, tuple]:
 
 
 def _tiny_llama() -> tuple[nn.Module, tuple]:
-    from transformers import LlamaConfig, LlamaModel
+    """The same model (and module paths) as every other command's tiny-llama, with a larger
+    calibration batch: a plan distilled from it applies to `graphopt explain --model tiny-llama`."""
+    from graphopt.models import build
 
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=512, max_position_embeddings=128)
-    model = LlamaModel(config).eval()
-    return model, (torch.randint(0, 512, (8, 32)),)
+    return build("tiny-llama", batch=8, seq_len=32, device="cpu", dtype=torch.float32)
 
 
 _CALIBRATION_MODELS = {"minilm": _minilm, "tiny-llama": _tiny_llama}

@@ -91,6 +91,29 @@ def test_every_attention_layer_is_rewritten(family):
         assert all(d.details["num_kv_groups"] > 1 for d in decoders)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_dynamic_true_rewrites_attention_and_follows_a_changed_scale(family):
+    """Under dynamic=True Dynamo does not specialize floats: HF's `self.scaling` (GPT-2's constant
+    too) reaches the graph as a 0-d tensor input and `.item()`. The pass used to see a non-constant
+    scale and keep every attention. It now takes such module floats as constants guarded by value:
+    one graph serves every length, and a changed scale recompiles."""
+    from graphopt import backend as backend_module
+
+    model, n_attention = build(family)
+    with backend_module.recording_decisions(reset=True) as decisions, torch.no_grad():
+        compiled = torch.compile(model, backend="graphopt", options={"downstream": "eager"}, dynamic=True)
+        for length in (12, 17, 23):
+            ids = torch.randint(1, 97, (2, length), generator=torch.Generator().manual_seed(length))
+            torch.testing.assert_close(compiled(ids), model(ids), atol=2e-4, rtol=0)
+        applied = [d for d in decisions if d.pass_name == "attention" and d.applied]
+        assert len(applied) == n_attention, [d.reason for d in decisions]
+        if family == "llama":
+            attention = model.model.model.layers[0].self_attn
+            attention.scaling *= 3.0  # a module float graphopt baked into the graph
+            torch.testing.assert_close(compiled(ids), model(ids), atol=2e-4, rtol=0)
+            assert len([d for d in decisions if d.pass_name == "attention"]) > n_attention  # recompiled
+
+
 def test_inductor_downstream():
     model, n_attention = build("llama")
     args = inputs("llama")

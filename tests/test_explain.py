@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn as nn
 
@@ -62,3 +63,16 @@ def test_memory_saved_is_totalled_in_the_caption():
     assert report.memory_saved_bytes == 3 * 2**20
     assert "weight memory saved: 3.00 MiB" in str(report)
     assert "memory saved" not in str(Report([Decision("attention", True, "x")]))
+
+
+def test_model_inputs_passed_as_keywords_get_a_clear_error():
+    """HF users write model(input_ids=...): explain's keywords are graphopt options, and the error
+    used to be "unknown graphopt option 'input_ids'"."""
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids * 2
+
+    with pytest.raises(ValueError, match="input_ids: an input of Model.forward, passed as a keyword; model inputs go positionally"):
+        graphopt.explain(Model(), input_ids=torch.ones(2))
+    with pytest.raises(ValueError, match="unknown graphopt option 'fp4'"):
+        graphopt.explain(Model(), torch.ones(2), fp4=True)

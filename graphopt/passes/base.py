@@ -52,11 +52,21 @@ def count_applied(decisions: list[Decision]) -> dict[str, int]:
 
 @dataclass
 class FrozenWeight:
-    """A parameter whose value a pass baked into the compiled graph (see PassContext.freeze)."""
+    """A parameter whose value a pass baked into the compiled graph (see PassContext.freeze), or a
+    lifted module float (PassContext.is_lifted_scalar), guarded by its value instead: Dynamo hands
+    it over as a new tensor on every call."""
 
     placeholder_index: int
-    tensor_ref: "weakref.ref[torch.Tensor]"
+    tensor_ref: "weakref.ref[torch.Tensor] | None"
     version: int
+    value: float | None = None
+
+
+def placeholder_source(node: fx.Node) -> str:
+    """Dynamo's name for where a placeholder's value comes from, e.g. "L['self']._modules['attn'].scaling"."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(getattr(grapharg, "source", None), "name", "")
+    return source() if callable(source) else str(source)
 
 
 class PassContext:
@@ -112,6 +122,17 @@ class PassContext:
     def is_parameter(self, node: fx.Node) -> bool:
         return isinstance(self.example_value(node), torch.nn.Parameter)
 
+    def is_lifted_scalar(self, node: fx.Node) -> bool:
+        """A Python float attribute of the model (HF attention's `self.scaling`) that Dynamo passes
+        as a 0-d CPU tensor input when it does not specialize floats (`dynamic=True`). Dynamo does
+        not guard its value; guard_tensor guards it by value."""
+        value = self.example_value(node) if node.op == "placeholder" else None
+        if (not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or value.dim() != 0
+                or not value.is_floating_point() or value.device.type != "cpu"):
+            return False
+        source = placeholder_source(node)
+        return source.startswith("L['self']") and "._buffers[" not in source and "._parameters[" not in source
+
     def can_freeze(self, node: fx.Node) -> tuple[bool, str]:
         """Whether `node` is a weight whose value a pass may bake into the graph, and why not."""
         value = self.example_value(node)
@@ -153,7 +174,10 @@ class PassContext:
         if index is None or not isinstance(value, torch.Tensor):
             return None
         if index not in self.frozen:
-            self.frozen[index] = FrozenWeight(index, weakref.ref(value), value._version)
+            if self.is_lifted_scalar(node):
+                self.frozen[index] = FrozenWeight(index, None, 0, float(value))
+            else:
+                self.frozen[index] = FrozenWeight(index, weakref.ref(value), value._version)
         return value
 
     def add_constant(self, tensor: torch.Tensor, hint: str) -> fx.Node:

@@ -303,7 +303,7 @@ def _attention_sites(ctx: PassContext, pass_name: str) -> list[_Site]:
                        node=match.output if match.output is not None else match.softmax)
             continue
         if match.reason is not None:
-            if not attention_on:
+            if not attention_on or match.from_sdpa:  # (a hand-written one kept is recorded above)
                 ctx.record(pass_name, False, f"attention not matched: {match.reason}",
                            node=match.output if match.output is not None else match.softmax)
             continue

@@ -96,6 +96,31 @@ def test_dense_linear_not_in_plan_is_declined(tmp_path):
     assert by_loc["layers.1"].applied
 
 
+def test_distill_fits_the_same_tiny_llama_as_every_other_command():
+    """`graphopt fftchain distill --model tiny-llama` built its own, wider LlamaModel, so its plan
+    named layers (layers.0.mlp...) that `explain --model tiny-llama` (model.layers.0.mlp...) never has."""
+    from graphopt.fft_distill import resolve_model
+    from graphopt.models import build
+
+    def linears(model):
+        return {name: tuple(m.weight.shape) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+    distilled, (ids,) = resolve_model("tiny-llama")
+    built, _ = build("tiny-llama", device="cpu", dtype=torch.float32)
+    assert linears(distilled) == linears(built) and ids.shape[0] == 8
+
+
+def test_a_plan_that_matches_no_linear_says_so(tmp_path, caplog):
+    model = TwoLayers().eval()
+    plan = tmp_path / "plan.json"
+    distill(model, (torch.randn(64, 32),), layer_start=1, layer_end=1, block_size=16, k=1, steps=2, plan_path=plan,
+            show_progress=False)
+    other = torch.nn.Sequential(torch.nn.Linear(32, 32)).eval()
+    with caplog.at_level("WARNING", logger="graphopt"), torch.no_grad():
+        graphopt.explain(other, torch.randn(3, 32), passes={"fft_linear": True}, plan=str(plan), downstream="eager")
+    assert "the plan's layers (layers.1) match none of this graph's linears (0)" in caplog.text
+
+
 def test_a_fit_that_diverges_keeps_its_projection(tmp_path):
     """A learning rate that drives training to NaN: the held-out error NaN is not 'better' than the
     projection's, so the projection is kept and the plan records a finite error (it used to record

@@ -258,6 +258,20 @@ def test_declined_sdpa_call_is_left_untouched():
     assert torch.ops.graphopt.attention.default not in targets and torch.ops.graphopt.sparse_attention.default not in targets
 
 
+@pytest.mark.parametrize("attention_pass", [True, False])
+def test_an_sdpa_call_the_matcher_rejects_gets_a_decision(attention_pass):
+    """With the attention pass on, a rejected SDPA call used to get no sparse_attention decision
+    (explain then said nothing about why it stayed dense)."""
+    class Dropout(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+    q = torch.randn(1, 2, 256, 32)
+    report = explain(Dropout(), q, q, q, force=True, passes={"attention": attention_pass, "sparse_attention": True})
+    (decision,) = sparse_decisions(report)
+    assert not decision.applied and "attention not matched: SDPA with dropout_p=0.1" in decision.reason
+
+
 def test_cpu_target_declines_without_force():
     q, k, v = sa.local_sink_qkv(1, 1, 256, 32, seed=6)
     report = explain(HandWrittenAttention(256, 32), q, k, v, target="cpu")
