@@ -1078,15 +1078,22 @@ def fft_chain_dft(x2d, coeff_real, coeff_imag, perms, bias, block_size, out_feat
 # tensors' ids, validated by weak references and their version counters (an in-place update
 # rebuilds); an entry is dropped when its tensor dies, and the oldest goes first past 64 entries.
 # Caveat: a trainable FFTChainLinear recomputes its spectrum every forward, so on CUDA with dft2
-# each call rebuilds G (a few small torch ops).
+# each call rebuilds G (a few small torch ops). Inference tensors (made under
+# torch.inference_mode) have no version counter: an in-place write to one, which only inference
+# mode allows, is not seen, and the old operands stay in use until clear_operand_cache().
 _OPERAND_CACHE: dict = {}
 _OPERAND_CACHE_SIZE = 64
+
+
+def clear_operand_cache() -> None:
+    """Forget every cached dft2 operand table (needed only after an in-place write to an inference tensor)."""
+    _OPERAND_CACHE.clear()
 
 
 def _tensor_version(t: torch.Tensor) -> int:
     try:
         return t._version
-    except RuntimeError:  # inference tensors have no version counter (and cannot change outside inference mode)
+    except RuntimeError:  # inference tensors have no version counter (see the caveat above)
         return -1
 
 

@@ -1753,6 +1753,13 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
     if key in _TUNED:
         return _TUNED[key]
     candidates = DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS
+    if torch.cuda.is_current_stream_capturing():
+        # Inside a user's CUDA-graph capture, timing would launch, synchronize and capture graphs
+        # of its own, which invalidates the user's capture: the first valid candidate, untimed and
+        # not cached (the next call outside a capture tunes this shape), as the Q4 tuner does.
+        for cfg in candidates:
+            if _valid_config(cfg, path, m, out_features, k_padded, bs) and _worth_timing(cfg, path, m, k_padded):
+                return cfg
     time_config = _cold_decode_timer(args) if path == "gemv" else None
     if time_config is None:
         from triton.testing import do_bench
@@ -1801,6 +1808,8 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         decided = _DECIDED.get(key)
         if decided is not None and all(t is None if ref is None else ref() is t for ref, t in zip(decided[0], weights)):
             x2, out_dtype = _activation_rows(x, in_features)
+            if bias is not None and not bias.is_contiguous():  # as on the checked path below (the kernels read bias[n])
+                bias = bias.contiguous()
             out = _launch(decided[1], decided[2], x2, codes, scales.view(torch.uint8), global_scale, bias, out_features,
                           in_features, format, out_dtype)
             return out.reshape(*x.shape[:-1], out_features)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 
 import torch
 
@@ -134,6 +135,7 @@ def launch(kernel, grid: tuple, *args, **meta):
 # launch key of a call (with the autotuner in place of the kernel) -> (the compiled kernel of the
 # config that autotuner chose, the trailing arguments, the meta-parameters with that config's)
 _TUNED: dict[tuple, tuple] = {}
+_TUNER_LOCK = threading.RLock()  # around an autotuner call and the read of the config it chose
 
 
 def launch_tuned(tuner, grid, *args, **meta):
@@ -147,14 +149,18 @@ def launch_tuned(tuner, grid, *args, **meta):
     direct = DIRECT and not INTERPRET and isinstance(getattr(tuner, "fn", None), JITFunction)
     key = _key_or_none(tuner, args, meta) if direct else None
     if key is None:
-        return tuner[grid](*args, **meta)
+        with _TUNER_LOCK:
+            return tuner[grid](*args, **meta)
     entry = _TUNED.get(key)
     if entry is not None:
         compiled, trailing, launch_meta = entry
         compiled[_grid3(grid(launch_meta))](*args, *trailing)
         return compiled
-    compiled = tuner[grid](*args, **meta)
-    config = getattr(tuner, "best_config", None)
+    # The autotuner keeps its choice in one shared attribute (best_config): a second thread's call
+    # between this call and the read below would pair this kernel with the other call's config.
+    with _TUNER_LOCK:
+        compiled = tuner[grid](*args, **meta)
+        config = getattr(tuner, "best_config", None)
     if config is not None and config.pre_hook is None and compiled is not None and hasattr(compiled, "__getitem__"):
         launch_meta = {**meta, **config.all_kwargs()}
         trailing = _trailing_values(tuner.fn, len(args), launch_meta)

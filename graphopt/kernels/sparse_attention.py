@@ -726,6 +726,7 @@ if triton is not None:
         IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PV_PER_HEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFETCH_INDEX: tl.constexpr, USE_TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
         SINGLE_LOOP: tl.constexpr = False, PARTIAL_KEYS: tl.constexpr = False, HOST_DESCRIPTORS: tl.constexpr = False,
+        TMA_ELIGIBLE: tl.constexpr = 0,
     ):
         """1-D grid of nQ * B*H programs (order: tile_order.query_block_order): one query block of one
         head; visits the kept key blocks of its LUT row.
@@ -736,6 +737,10 @@ if triton is not None:
         PARTIAL_KEYS: Lk is not a multiple of BLOCK_N (the single loop's masked suffix).
         HOST_DESCRIPTORS: q_hdesc ... o_hdesc are the launcher's descriptors for the single loop
         (None otherwise; the default body never reads them).
+        TMA_ELIGIBLE (not read; an autotuning key): 0 no descriptors possible, 1 for K/V, 2 for all four
+        tensors and the single loop. The autotuner prunes USE_TMA / SINGLE_LOOP configs by alignment
+        only when it tunes a key, so alignment must be part of the key: else a config chosen for
+        aligned tensors would run on misaligned ones.
         The last dimension of q, k, v, o is contiguous (the launcher guarantees it). SEQ_BUCKET is
         only an autotuning key (the sequence length's power-of-two bucket)."""
         if SINGLE_LOOP:
@@ -825,7 +830,8 @@ if triton is not None:
 
     _sparse_attention_kernel_tuned = triton.autotune(
         configs=_attention_configs(),
-        key=["HEAD_DIM", "IS_CAUSAL", "PV_SKIP", "DOT_PRECISION", "SEQ_BUCKET", "PARTIAL_KEYS", "HOST_DESCRIPTORS"],
+        key=["HEAD_DIM", "IS_CAUSAL", "PV_SKIP", "DOT_PRECISION", "SEQ_BUCKET", "PARTIAL_KEYS", "HOST_DESCRIPTORS",
+             "TMA_ELIGIBLE"],
         prune_configs_by={"early_config_prune": _prune_attention_configs},
     )(_sparse_attention_kernel)
 
@@ -1560,6 +1566,7 @@ def block_sparse_attention(
                          "valid choice here: HOST_DESCRIPTORS=0")
     args += _host_descriptors(q, k, v, out, block_m, block_n) if host_descriptors else (None,) * 4
     meta["HOST_DESCRIPTORS"] = host_descriptors
+    meta["TMA_ELIGIBLE"] = 2 if single_ok else 1 if tma_kv else 0
     # through the compiled kernel once a call with the same key has compiled (or tuned) it: the
     # JIT's launch path re-derives the specialization of 33 arguments on every call
     if config is None:

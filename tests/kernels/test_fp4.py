@@ -256,6 +256,37 @@ def test_triton_fp32_activations_are_computed_from_bf16(fmt, path):
     assert (y.double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_a_strided_bias_stays_right_after_the_first_call(tokens):
+    """The first call copies a strided bias; repeated calls took a fast path (the call's checks
+    cached) that passed the caller's view to the kernels, which read bias[n] contiguously: from
+    the second call on, a stride-2 view gave wrong columns and an expanded one read past its end."""
+    x, kw, b, ref = _case("nvfp4", tokens, 40, 96, torch.bfloat16, True, seed=7)
+    wide = torch.stack([b, torch.full_like(b, 1e3)], dim=1).reshape(-1)
+    for _ in range(3):
+        _assert_close(fp4.fp4_linear(x, kw, wide[::2]), ref, torch.bfloat16)
+    scalar = torch.full((1,), 0.5, device=x.device, dtype=torch.bfloat16).expand(40)
+    ref_scalar = ref - b.double().cpu() + 0.5
+    for _ in range(3):
+        _assert_close(fp4.fp4_linear(x, kw, scalar), ref_scalar, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_first_call_inside_a_cuda_graph_capture():
+    """A token count first seen inside the user's CUDA-graph capture: the decode tuner would launch,
+    synchronize and capture graphs of its own (the capture then fails); it takes an untimed config."""
+    x, kw, b, ref = _case("nvfp4", 3, 256, 512, torch.bfloat16, True, seed=8)
+    fp4.fp4_linear(x[:1], kw, b)  # warm up another token count
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp4.fp4_linear(x, kw, b)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(y, ref, torch.bfloat16)
+
+
 def test_decode_tuner_times_each_call_over_its_own_weight_copy(monkeypatch):
     """The decode autotuner's cold timing: one call per weight copy (codes and scales both copied,
     up to 16), all equal to the original, each call computing the same result."""

@@ -496,6 +496,21 @@ def test_autotuned_kernel_launches_directly_once_tuned():
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+def test_a_tuned_descriptor_config_is_not_reused_on_misaligned_keys():
+    """The autotuner prunes descriptor (TMA) configs by alignment only when it tunes a key. Its key
+    lacked alignment, so after tuning on aligned K/V a call with the same shapes but K/V rows at a
+    264-byte stride ran a descriptor config anyway (0.36 max error on the H100)."""
+    B, H, L, D = 1, 8, 4000, 128
+    q, k, v = on_device(*(randn(B, H, L, D, seed=s, dtype=torch.bfloat16) for s in (95, 96, 97)))
+    lut, counts = sa.predict_block_lut(q, k)
+    aligned = sa.block_sparse_attention(q, k, v, lut, counts)
+    padded = [torch.cat([t, torch.zeros(B, H, L, 4, device=t.device, dtype=t.dtype)], -1)[..., :D] for t in (k, v)]
+    assert not sa.tma_loads_supported(*padded) and torch.equal(padded[0], k)
+    misaligned = sa.block_sparse_attention(q, *padded, lut, counts)
+    torch.testing.assert_close(misaligned.float(), aligned.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_host_descriptors_config_names_its_conditions():
     # a length that is not a whole number of query blocks cannot use descriptors over all heads' rows
     q, k, v = on_device(*(randn(1, 2, 200, 32, seed=s) for s in (84, 85, 86)))
