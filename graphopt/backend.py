@@ -17,6 +17,13 @@ compiled function is wrapped in a cheap guard: before each call it checks that e
 parameter is the same tensor at the same version counter, and recompiles from the new values if
 not. This keeps results correct after `optimizer.step()` or an in-place copy under no_grad;
 writes through `.data` do not bump the version counter and are not detected.
+
+Under dynamic=True, Dynamo hands over the model's Python floats (HF's `self.scaling`) as 0-d
+inputs read by `.item()`, without guarding their values; the attention pass bakes such a float
+and the guard checks its value. A graph that reads lifted floats cannot be recompiled here: the
+downstream compile runs outside Dynamo, and AOTAutograd cannot trace `.item()` on real inputs. So
+for such a graph the unrewritten graph is compiled too, up front, and when a guarded value changes
+the wrapper switches to it for good (correct for every value, no recompile per call).
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
     compiled = _downstream(gm, example_inputs, config, mode)
     if not ctx.frozen:
         return compiled
+    if ctx.reads_lifted_scalars():
+        fallback = _downstream(copy.deepcopy(pristine), example_inputs, config, mode)
+        return _FrozenWeightGuard(compiled, ctx, recompile=None, fallback=fallback)
 
     def recompile(args: list) -> tuple[Callable, PassContext]:
         log.info("graphopt: a frozen parameter (or a module float the rewrite baked in) changed since compile; "
@@ -93,10 +103,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
 class _FrozenWeightGuard:
     """Calls the compiled graph after checking that frozen parameters are unchanged."""
 
-    def __init__(self, compiled: Callable, ctx: PassContext, recompile: Callable):
+    def __init__(self, compiled: Callable, ctx: PassContext, recompile: Callable | None,
+                 fallback: Callable | None = None):
         self.compiled = compiled
         self.frozen = ctx.frozen
         self.recompile = recompile
+        self.fallback = fallback  # the unrewritten graph, compiled (graphs that read lifted floats)
         self.boxed = bool(getattr(compiled, "_boxed_call", False))
         self._boxed_call = self.boxed
 
@@ -116,9 +128,15 @@ class _FrozenWeightGuard:
         boxed = len(args) == 1 and isinstance(args[0], list)
         call_args = args[0] if boxed else args
         if self._stale(call_args):
-            # Same downstream as the first compile, so the same (boxed or not) calling convention.
-            compiled, ctx = self.recompile(list(call_args))
-            self.compiled, self.frozen = compiled, ctx.frozen
+            if self.recompile is None:
+                log.warning("graphopt: a value this graph's rewrites baked in (a model float or a frozen parameter) "
+                            "changed; it runs without graphopt's rewrites from now on (a graph that reads the model's "
+                            "floats as inputs, as under dynamic=True, cannot be recompiled outside Dynamo)")
+                self.compiled, self.frozen = self.fallback, {}
+            else:
+                # Same downstream as the first compile, so the same (boxed or not) calling convention.
+                compiled, ctx = self.recompile(list(call_args))
+                self.compiled, self.frozen = compiled, ctx.frozen
         return self.compiled(*args)
 
 

@@ -70,7 +70,7 @@ def _device(text: str) -> str:
 def _add_option_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", default=None, help="comma-separated passes to enable (others off)")
     parser.add_argument("--force", action="store_true", help="apply every match regardless of the cost model")
-    parser.add_argument("--target", default="auto", help="hardware for the cost model (auto, h100, h200, a100, rtx3060, rtx4090, cpu)")
+    parser.add_argument("--target", default="auto", help="hardware for the cost model (auto, h100, h100_pcie, h200, a100, rtx3060, rtx4090, cpu)")
     parser.add_argument("--downstream", default="inductor", help="inductor, eager or tensorrt")
     parser.add_argument("--plan", default=None, help="a tuned plan (JSON)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON",

@@ -31,7 +31,7 @@ DEFAULT_PASSES: dict[str, bool] = {
     "q4_linear": False,
     "fft_linear": False,
 }
-TARGETS: tuple[str, ...] = ("auto", "h100", "h200", "a100", "rtx3060", "rtx4090", "cpu")
+TARGETS: tuple[str, ...] = ("auto", "h100", "h100_pcie", "h200", "a100", "rtx3060", "rtx4090", "cpu")
 DOWNSTREAMS: tuple[str, ...] = ("inductor", "eager", "tensorrt")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "flash", "cudnn", "efficient", "math")
 FP4_FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")

@@ -25,6 +25,12 @@ def test_device_name_detection_prefers_h200_over_h100():
     assert spec_for_device_name("Some Other GPU") is None
 
 
+def test_every_spec_is_a_valid_target():
+    from graphopt.config import TARGETS
+
+    assert set(TARGETS) == {"auto", *SPECS}
+
+
 def test_target_overrides_detection_and_rejects_unknown():
     assert get_spec("rtx3060") is SPECS["rtx3060"]
     with pytest.raises(ValueError, match="valid choices"):

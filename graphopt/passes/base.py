@@ -122,6 +122,10 @@ class PassContext:
     def is_parameter(self, node: fx.Node) -> bool:
         return isinstance(self.example_value(node), torch.nn.Parameter)
 
+    def reads_lifted_scalars(self) -> bool:
+        """Whether any graph input is a lifted module float (see is_lifted_scalar)."""
+        return any(self.is_lifted_scalar(n) for n in self._placeholders)
+
     def is_lifted_scalar(self, node: fx.Node) -> bool:
         """A Python float attribute of the model (HF attention's `self.scaling`) that Dynamo passes
         as a 0-d CPU tensor input when it does not specialize floats (`dynamic=True`). Dynamo does

@@ -41,7 +41,7 @@ import torch.fx as fx
 from graphopt import cost_model
 from graphopt.kernels import fft_chain as fft
 from graphopt.onnx_export import register_onnx_translation
-from graphopt.passes.base import GraphPass, PassContext, log
+from graphopt.passes.base import GraphPass, PassContext
 from graphopt.passes.fx_utils import arg, bias_problem, device, dtype, find_linears, replace_with_call, shape, tokens
 from graphopt.plan import plan_section, same_weights
 
@@ -107,13 +107,7 @@ class FFTLinearPass(GraphPass):
         for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in (OP, torch.ops.graphopt.fft_chain_linear)]:
             self._lower_structured(ctx, node)
         section = plan_section(ctx, self.name)
-        matches = find_linears(ctx)
-        planned = (section or {}).get("layers", {})
-        if planned and matches and not any(m.location in planned for m in matches):
-            # a plan distilled from another model (or another wrapping of it): say so once
-            log.warning("fft_linear: the plan's layers (%s) match none of this graph's linears (%s); none is rewritten",
-                        ", ".join(sorted(planned)[:3]), ", ".join(m.location or "?" for m in matches[:3]))
-        for match in matches:
+        for match in find_linears(ctx):
             self._dense(ctx, match, section)
 
     # -- 1. FFTChainLinear: pick the kernel, fold the spectrum ------------------------------
@@ -177,7 +171,12 @@ class FFTLinearPass(GraphPass):
             return
         entry = section.get("layers", {}).get(location)
         if entry is None:
-            ctx.record(self.name, False, f"dense linear {location or '?'}: the plan has no fitted FFT-chain coefficients for it", node=m.node)
+            # name a few planned layers: a plan distilled from another model (or another wrapping
+            # of it, with other module paths) shows up here
+            planned = sorted(section.get("layers", {}))
+            named = ", ".join(planned[:3]) + (", ..." if len(planned) > 3 else "") if planned else "none"
+            ctx.record(self.name, False, f"dense linear {location or '?'}: the plan has no fitted FFT-chain coefficients "
+                       f"for it (its layers: {named})", node=m.node)
             return
         budget = ctx.config.error_budget["fft_linear"]
         err = entry.get("rel_error")

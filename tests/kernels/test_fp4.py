@@ -99,9 +99,10 @@ def test_scale_search_lowers_error(fmt, min_gain_db):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_scale_search_never_decodes_past_the_weights_dtype(fmt):
-    """fp16 weights near fp16's max: the search's larger scale candidates (MXFP4: the power of two
-    above; NVFP4: up to 1.5x) would decode a weight to 65536, inf once the kernels cast W to fp16.
-    They are skipped there; the amax rule's scale stays."""
+    """fp16 weights near fp16's max: MXFP4's larger search candidate (the power of two above) would
+    decode a weight to 65536, inf once the kernels cast W to fp16; it is skipped there. (NVFP4 cannot
+    overshoot: its e4m3 scale is capped at 448 times a global scale of amax / (6 * 448); the case
+    holds the property for it too.)"""
     w = (torch.randn(8, 64, generator=torch.Generator().manual_seed(5)) * 100).half()
     w[:, 0] = 60000.0
     q = quantize_fp4(w, fmt, scale_search=True)

@@ -110,15 +110,18 @@ def test_distill_fits_the_same_tiny_llama_as_every_other_command():
     assert linears(distilled) == linears(built) and ids.shape[0] == 8
 
 
-def test_a_plan_that_matches_no_linear_says_so(tmp_path, caplog):
+def test_a_layer_missing_from_the_plan_names_the_plans_layers(tmp_path):
+    """A plan from another model (or another wrapping of it) shows in the reason: the layers it has."""
     model = TwoLayers().eval()
     plan = tmp_path / "plan.json"
     distill(model, (torch.randn(64, 32),), layer_start=1, layer_end=1, block_size=16, k=1, steps=2, plan_path=plan,
             show_progress=False)
     other = torch.nn.Sequential(torch.nn.Linear(32, 32)).eval()
-    with caplog.at_level("WARNING", logger="graphopt"), torch.no_grad():
-        graphopt.explain(other, torch.randn(3, 32), passes={"fft_linear": True}, plan=str(plan), downstream="eager")
-    assert "the plan's layers (layers.1) match none of this graph's linears (0)" in caplog.text
+    with torch.no_grad():
+        report = graphopt.explain(other, torch.randn(3, 32), passes={"fft_linear": True}, plan=str(plan),
+                                  downstream="eager")
+    (decision,) = report.decisions
+    assert "the plan has no fitted FFT-chain coefficients for it (its layers: layers.1)" in decision.reason
 
 
 def test_a_fit_that_diverges_keeps_its_projection(tmp_path):
