@@ -68,13 +68,26 @@ def _device(text: str) -> str:
 
 
 def _add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    from graphopt.config import TARGETS
+
     parser.add_argument("--passes", default=None, help="comma-separated passes to enable (others off)")
     parser.add_argument("--force", action="store_true", help="apply every match regardless of the cost model")
-    parser.add_argument("--target", default="auto", help="hardware for the cost model (auto, h100, h100_pcie, h200, a100, rtx3060, rtx4090, cpu)")
+    parser.add_argument("--target", default="auto", help=f"hardware for the cost model ({', '.join(TARGETS)})")
     parser.add_argument("--downstream", default="inductor", help="inductor, eager or tensorrt")
     parser.add_argument("--plan", default=None, help="a tuned plan (JSON)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
                         help="any other GraphOptConfig field, e.g. --option fp4_format='\"mxfp4\"'")
+
+
+def _pass_names(text: str) -> list[str]:
+    """The passes of a --passes list, or ValueError naming an unknown one and the valid choices."""
+    from graphopt.config import PASS_NAMES
+
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    for p in names:
+        if p not in PASS_NAMES:
+            raise ValueError(f"unknown pass {p!r} in --passes; valid choices: {', '.join(PASS_NAMES)}")
+    return names
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -84,11 +97,8 @@ def _options(args: argparse.Namespace) -> dict:
     if args.plan:
         options["plan"] = args.plan
     if args.passes is not None:
-        wanted = [p.strip() for p in args.passes.split(",") if p.strip()]
+        wanted = _pass_names(args.passes)
         options["passes"] = {p: p in wanted for p in PASS_NAMES}
-        for p in wanted:
-            if p not in PASS_NAMES:
-                raise ValueError(f"unknown pass {p!r} in --passes; valid choices: {', '.join(PASS_NAMES)}")
     flags = {"force": "--force", "target": "--target", "downstream": "--downstream", "plan": "--plan",
              "passes": "--passes"}
     for item in args.option:
@@ -116,9 +126,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from graphopt.explain import explain
-    from graphopt.models import build
-
     from graphopt.logging_setup import configure_logging
+    from graphopt.models import build
 
     options = _options(args)
     configure_logging()  # a bad GRAPHOPT_LOG is an error here, before the model is built
@@ -132,13 +141,10 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     import os
 
     from graphopt.ablation import run_ablation
-    from graphopt.config import PASS_NAMES, GraphOptConfig
+    from graphopt.config import GraphOptConfig
     from graphopt.logging_setup import configure_logging
 
-    passes = [p.strip() for p in args.passes.split(",") if p.strip()]
-    for p in passes:
-        if p not in PASS_NAMES:
-            raise ValueError(f"unknown pass {p!r} in --passes; valid choices: {', '.join(PASS_NAMES)}")
+    passes = _pass_names(args.passes)
     variables = [v for v in ("GRAPHOPT_ENABLE", "GRAPHOPT_DISABLE") if os.environ.get(v)]
     if variables:  # they override every variant's passes, so the table's labels would be wrong
         raise ValueError(f"{' and '.join(variables)} would override the pass sets ablate compares; unset "

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from graphopt.hardware import SPECS
+
 # Registry order is also the order passes run in (see graphopt/passes/__init__.py).
 PASS_NAMES: tuple[str, ...] = ("attention", "sparse_attention", "fp4_linear", "q4_linear", "fft_linear")
 # Lossless passes are on by default; lossy ones change numerics within a budget and are opt-in.
@@ -31,7 +33,7 @@ DEFAULT_PASSES: dict[str, bool] = {
     "q4_linear": False,
     "fft_linear": False,
 }
-TARGETS: tuple[str, ...] = ("auto", "h100", "h100_pcie", "h200", "a100", "rtx3060", "rtx4090", "cpu")
+TARGETS: tuple[str, ...] = ("auto", *SPECS)  # every hardware table entry (a spec added there is a target)
 DOWNSTREAMS: tuple[str, ...] = ("inductor", "eager", "tensorrt")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "flash", "cudnn", "efficient", "math")
 FP4_FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")

@@ -341,10 +341,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name, values in (("--block-sizes", args.block_sizes), ("--ks", args.ks), ("--layers", args.layers)):
-        bad = [v for v in values or () if v < (0 if name == "--layers" else 1)]
+    for name, values, least in (("--block-sizes", args.block_sizes, 1), ("--ks", args.ks, 1), ("--layers", args.layers, 0)):
+        bad = [v for v in values or () if v < least]
         if bad:
-            raise ValueError(f"{name} takes {'non-negative' if name == '--layers' else 'positive'} integers, got {bad}")
+            raise ValueError(f"{name} takes {'positive' if least else 'non-negative'} integers, got {bad}")
     for name, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--hidden", args.hidden),
                         ("--intermediate", args.intermediate)):
         if value < 1:

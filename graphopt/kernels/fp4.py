@@ -377,6 +377,7 @@ def quantize_fp4_gptq(w: torch.Tensor, hessian: torch.Tensor, format: str = "nvf
         raise ValueError(f"quantize_fp4_gptq: damp must be > 0, got {damp}")
     blocks = _blocks(w, block_size)  # (N, B, bs), zero-padded along K
     global_scale = _global_scale(blocks, format)
+    finite_max = _finite_max(w)
     k_blocks = blocks.shape[1] * block_size
     weight = blocks.reshape(n, k_blocks).clone()  # (N, Kb) fp32, updated in place by the error feedback
     h = torch.eye(k_blocks, dtype=torch.float64, device=w.device)  # padded columns: identity, decoupled
@@ -400,7 +401,7 @@ def quantize_fp4_gptq(w: torch.Tensor, hessian: torch.Tensor, format: str = "nvf
                 block = chunk[:, j:j + block_size].unsqueeze(1)  # (N, 1, bs)
                 loss = column_loss[start + j:start + j + block_size]
                 _, stored, decode = _choose_block_scales(block, format, global_scale, scale_search, loss / loss.mean(),
-                                                         finite_max=_finite_max(w))
+                                                         finite_max=finite_max)
                 stored_scales.append(stored[:, 0])
                 decode_scale = decode[:, 0]  # (N,)
             column = chunk[:, j]

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from graphopt import cost_model
 from graphopt.cost_model import Estimate
 from graphopt.onnx_export import register_onnx_translation
-from graphopt.passes.base import GraphPass, PassContext, module_path, placeholder_source
+from graphopt.passes.base import GraphPass, PassContext, module_path
 from graphopt.passes.fx_utils import arg, canonical, device, dtype, erase_unused, fake, fix_symbolic_sizes, size_hints
 
 log = logging.getLogger("graphopt")
@@ -173,13 +173,6 @@ class _NotConstant(Exception):
     pass
 
 
-def _is_model_state(ctx: PassContext, node: fx.Node) -> bool:
-    """A placeholder that holds a parameter or buffer of the model, or a float attribute of it that
-    Dynamo lifted to an input (dynamic=True): not a user input."""
-    source = placeholder_source(node)
-    return "._buffers[" in source or "._parameters[" in source or ctx.is_lifted_scalar(node)
-
-
 # Why a mask built from symbolic sizes stays a bias: its value at the example sizes would prove
 # nothing about the others (a sliding window, for one, is plain causal below its width).
 SYMBOLIC_MASK_NOTE = ("the mask is built from symbolic sizes (dynamic shapes) and cannot be proven causal at "
@@ -255,7 +248,7 @@ def evaluate_constant(ctx: PassContext, node: Any, used_state: list[fx.Node] | N
             value = ctx.example_value(n)
             if isinstance(value, torch.SymInt | int) and not isinstance(value, bool):
                 raise _NotConstant(SYMBOLIC_MASK_NOTE)
-            if not isinstance(value, torch.Tensor) or not _is_model_state(ctx, n):
+            if not isinstance(value, torch.Tensor) or not ctx.is_model_state(n):
                 raise _NotConstant("depends on an input")
             if ctx.grad_enabled and value.requires_grad:  # a trainable bias must keep its gradient
                 raise _NotConstant("depends on a parameter being trained")

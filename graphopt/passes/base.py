@@ -62,6 +62,10 @@ class FrozenWeight:
     value: float | None = None
 
 
+def _is_parameter_or_buffer_source(source: str) -> bool:
+    return "._buffers[" in source or "._parameters[" in source
+
+
 def placeholder_source(node: fx.Node) -> str:
     """Dynamo's name for where a placeholder's value comes from, e.g. "L['self']._modules['attn'].scaling"."""
     grapharg = node.meta.get("grapharg")
@@ -122,6 +126,11 @@ class PassContext:
     def is_parameter(self, node: fx.Node) -> bool:
         return isinstance(self.example_value(node), torch.nn.Parameter)
 
+    def is_model_state(self, node: fx.Node) -> bool:
+        """A placeholder that holds a parameter or buffer of the model, or a float attribute of it that
+        Dynamo lifted to an input (dynamic=True): not a user input."""
+        return _is_parameter_or_buffer_source(placeholder_source(node)) or self.is_lifted_scalar(node)
+
     def reads_lifted_scalars(self) -> bool:
         """Whether any graph input is a lifted module float (see is_lifted_scalar)."""
         return any(self.is_lifted_scalar(n) for n in self._placeholders)
@@ -135,7 +144,7 @@ class PassContext:
                 or not value.is_floating_point() or value.device.type != "cpu"):
             return False
         source = placeholder_source(node)
-        return source.startswith("L['self']") and "._buffers[" not in source and "._parameters[" not in source
+        return source.startswith("L['self']") and not _is_parameter_or_buffer_source(source)
 
     def can_freeze(self, node: fx.Node) -> tuple[bool, str]:
         """Whether `node` is a weight whose value a pass may bake into the graph, and why not."""
