@@ -5,8 +5,10 @@ host path measures the host: at causal 8k, 10% density, eager 0.185 ms against 0
 graph (session 12). This script measures the host path on a problem whose GPU time is negligible
 (B=1, H=1, L=1024, one kept block per row): calls are issued back to back with no sync, so the
 time per call is the host's. Variants: the autotuned launcher, explicit single-loop configs with
-host-side and device-side descriptors, and the bare Triton launch with prebuilt arguments. A
-cProfile of the autotuned path lists the most expensive calls.
+host-side and device-side descriptors, the predictor (with graphopt's direct launches and with
+plain JIT launches), the whole `sparse_attention`, and the `graphopt::sparse_attention` op that
+compiled graphs call. cProfiles of the autotuned launcher and of the op list the most expensive
+calls.
 """
 from __future__ import annotations
 
@@ -20,9 +22,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import host_us, print_table, write_json  # noqa: E402
+import graphopt  # noqa: E402,F401  (registers graphopt::sparse_attention)
+from graphopt.kernels import launch as launch_module  # noqa: E402
 from graphopt.kernels import sparse_attention as sa  # noqa: E402
 
 CALLS = 400
+
+
+def without_direct_launch(fn):
+    """fn with graphopt's direct launches off (every `launch` a plain JIT launch), for an A/B."""
+    def run():
+        launch_module.DIRECT = False
+        try:
+            return fn()
+        finally:
+            launch_module.DIRECT = True
+    return run
 
 
 def main() -> int:
@@ -32,6 +47,9 @@ def main() -> int:
     mask = torch.zeros(1, 1, n_q, n_k, dtype=torch.bool, device="cuda")
     mask[..., 0] = True
     rows = []
+    op = torch.ops.graphopt.sparse_attention
+    sim, cdf = (torch.full((1,), t, device="cuda") for t in (sa.DEFAULT_SIMTHRESHD1, sa.DEFAULT_CDFTHRESHD))
+    no_pv = torch.empty(0, device="cuda")
     for causal in (False, True):
         m = mask.clone()
         if causal:
@@ -45,20 +63,27 @@ def main() -> int:
                 q, k, v, lut, counts, is_causal=causal, config={**single, "HOST_DESCRIPTORS": 1}),
             "single loop, device descriptors": lambda: sa.block_sparse_attention(
                 q, k, v, lut, counts, is_causal=causal, config={**single, "HOST_DESCRIPTORS": 0}),
+            "predictor (predict_block_lut)": lambda: sa.predict_block_lut(q, k, is_causal=causal),
+            "predictor, JIT launches (DIRECT off)": without_direct_launch(
+                lambda: sa.predict_block_lut(q, k, is_causal=causal)),
+            "sparse_attention (predictor + kernel)": lambda: sa.sparse_attention(q, k, v, is_causal=causal),
+            "graphopt::sparse_attention op (per-head threshold tensors)": lambda: op(
+                q, k, v, D**-0.5, causal, sim, cdf, no_pv, 0, "cudnn"),
             "torch.empty_like (one torch op)": lambda: torch.empty_like(q),
         }
         for name, fn in fns.items():
             rows.append({"causal": causal, "variant": name, "host_us_per_call": round(host_us(fn, CALLS), 1)})
             print(rows[-1], flush=True)
-        profile = cProfile.Profile()
-        fn = fns["autotuned (launcher default)"]
-        profile.enable()
-        for _ in range(CALLS):
-            fn()
-        profile.disable()
-        torch.cuda.synchronize()
-        print(f"\ncProfile of the autotuned launcher, causal={causal}, {CALLS} calls (cumulative time):")
-        pstats.Stats(profile).sort_stats("cumulative").print_stats(28)
+        for name in ("autotuned (launcher default)", "graphopt::sparse_attention op (per-head threshold tensors)"):
+            profile = cProfile.Profile()
+            fn = fns[name]
+            profile.enable()
+            for _ in range(CALLS):
+                fn()
+            profile.disable()
+            torch.cuda.synchronize()
+            print(f"\ncProfile of {name}, causal={causal}, {CALLS} calls (cumulative time):")
+            pstats.Stats(profile).sort_stats("cumulative").print_stats(28)
     write_json("sparse_host_overhead", rows)
     print_table("host time per launch (us), GPU time negligible", rows)
     return 0

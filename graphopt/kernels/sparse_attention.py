@@ -1316,7 +1316,8 @@ def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_
     # one program per block; a slice of SUB tokens is `slice_elements` elements
     n_q_programs = g["B"] * g["H"] * g["n_q"]
     sub = max(1, slice_elements // block_d)
-    _pool_blocks_kernel[(n_q_programs + g["B"] * g["Hkv"] * g["n_k"],)](
+    launch(
+        _pool_blocks_kernel, (n_q_programs + g["B"] * g["Hkv"] * g["n_k"],),
         q, k, work, *q.stride(), *k.stride(),
         g["H"], g["Hkv"], g["Lq"], g["Lk"], g["n_q"], g["n_k"], n_q_programs, *offsets,
         HEAD_DIM=g["D"], BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -1403,13 +1404,15 @@ def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, blo
     select_args = args[:13]  # the LUT kernels' arguments up to (not including) the scale
 
     def scores_v3():
-        _pooled_scores_kernel[(cdiv(n_q, score_rows), cdiv(n_k, score_cols), B * H)](
+        launch(
+            _pooled_scores_kernel, (cdiv(n_q, score_rows), cdiv(n_k, score_cols), B * H),
             work, H, H // g["Hkv"], n_q, n_k, scale, g["off_pooled_k"], g["off_scores"],
             HEAD_DIM=D, D_CHUNK=max(16, min(block_d, 4096 // score_cols)), BLOCK_D=block_d,
             ROWS=score_rows, COLS=score_cols, PRECISION=precision, num_warps=shape["score_warps"])
 
     def select_v3():
-        _select_blocks_kernel[(cdiv(n_q, shape["select_rows"]), B * H)](
+        launch(
+            _select_blocks_kernel, (cdiv(n_q, shape["select_rows"]), B * H),
             *select_args, g["off_sim_q"], g["off_sim_k"], g["off_scores"],
             BLOCK_M=block_m, BLOCK_N=block_n, ROWS=shape["select_rows"], N_K_POW2=n_k_pow2, IS_CAUSAL=is_causal,
             PER_HEAD=per_head_thresholds, PIVOTS=pivots, SEARCH_STEPS=16 if pivots == 3 else 31,
@@ -1499,12 +1502,9 @@ def block_sparse_attention(
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
     config: dict | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel over a given compact block list (lut, counts) from `block_mask_to_lut` or
     `predict_block_lut`. Under `is_causal` every diagonal-crossing block must be in the list.
-    out: where to write the (B, H, Lq, D) result (any strides with a unit last one, e.g. a head
-    slice of a larger output); None allocates it.
 
     config: None = autotuned on a GPU (the interpreter uses one fixed config); or an explicit
     {"PREFETCH_INDEX": 0/1, "USE_TMA": 0/1, "PAIR_BLOCKS": 0/1, "SINGLE_LOOP": 0/1, "num_warps": ...,
@@ -1534,11 +1534,7 @@ def block_sparse_attention(
     scale = D**-0.5 if scale is None else float(scale)
     pv_skip = pv_skipping_requested(pvthreshd)  # decided on the host, without a device sync
     pv_tensor, pv_value = _threshold_args(pvthreshd if pv_skip else None, H, "pvthreshd", q.device)
-    if out is None:
-        out = torch.empty(B, H, Lq, D, device=q.device, dtype=q.dtype)  # (B, H, Lq, D)
-    elif out.shape != (B, H, Lq, D) or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"out must be a {q.dtype} tensor of shape {(B, H, Lq, D)} on {q.device} with a unit last "
-                         f"stride; got {out.dtype} {tuple(out.shape)} on {out.device}, strides {out.stride()}")
+    out = torch.empty(B, H, Lq, D, device=q.device, dtype=q.dtype)  # (B, H, Lq, D)
     args = (q, k, v, out, lut, counts, pv_tensor if pv_tensor is not None else counts, pv_value if pv_skip else 0.0,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -1585,98 +1581,6 @@ def block_sparse_attention(
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# The predictor overlapped with the kernel
-# ---------------------------------------------------------------------------------------------
-# The predictor reads all of Q and K (memory-bound); the kernel is compute-bound. Split the heads
-# into chunks and the predictor of chunk c+1 runs on a side stream while the kernel of chunk c
-# runs, so only the first chunk's predictor is exposed. Chunks below PIPELINE_MIN_CHUNK_PROGRAMS
-# query-block programs would leave the kernel's launches short of the GPU's width.
-PIPELINE_CHUNKS = 4
-PIPELINE_MIN_CHUNK_PROGRAMS = 512
-_PREDICTOR_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def pipeline_chunk_count(batch: int, heads: int, kv_heads: int, lq: int, requested: int | None = None) -> int:
-    """How many head chunks `sparse_attention` pipelines: `requested` (1 = no overlap) capped at the
-    KV heads, or by default PIPELINE_CHUNKS while each chunk keeps PIPELINE_MIN_CHUNK_PROGRAMS."""
-    if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-            raise ValueError(f"pipeline_chunks={requested!r} is not valid; valid choices: None (automatic) or an int >= 1")
-        return min(requested, kv_heads)
-    programs = batch * heads * cdiv(lq, BLOCK_M)
-    return max(1, min(PIPELINE_CHUNKS, kv_heads, programs // PIPELINE_MIN_CHUNK_PROGRAMS))
-
-
-def head_chunks(heads: int, group: int, chunks: int) -> list[tuple[int, int]]:
-    """`chunks` contiguous ranges [h0, h1) of query heads, near-equal, each made of whole GQA
-    groups (so a chunk's K/V heads are the range [h0 // group, h1 // group))."""
-    kv_heads = heads // group
-    chunks = max(1, min(chunks, kv_heads))
-    bounds = [(i * kv_heads // chunks) * group for i in range(chunks + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _head_range(value, heads: int, h0: int, h1: int, name: str, device):
-    """A threshold for heads [h0, h1): floats and None unchanged, per-head tensors sliced."""
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return value
-    if isinstance(value, torch.Tensor) and value.numel() == 0:  # PV skipping off
-        return value
-    return per_head(value, heads, name, device)[h0:h1]
-
-
-def _predictor_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per GPU for the predictor, at high priority: its programs then take the
-    first free slots while the kernel of the previous chunk runs."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _PREDICTOR_STREAMS.get(index)
-    if stream is None:
-        stream = _PREDICTOR_STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
-    return stream
-
-
-def _sparse_attention_triton(q, k, v, *, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, chunks: int):
-    """The Triton path: per head chunk the predictor (pool + LUT launches) and the kernel. With
-    chunks > 1 on a GPU the predictors run on `_predictor_stream` and the kernel of chunk c waits
-    only for chunk c's predictor. Returns (out, [counts per chunk]). Every buffer is allocated on
-    the caller's stream, which has waited for the side stream before this returns (so it is
-    CUDA-graph capturable and the allocator never hands a buffer out while a side launch uses it)."""
-    B, H, Lq, D = q.shape
-    group = H // k.shape[1]
-    out = torch.empty(B, H, Lq, v.shape[-1], device=q.device, dtype=q.dtype)
-    parts = []
-    for h0, h1 in head_chunks(H, group, chunks):
-        kv = slice(h0 // group, h1 // group)
-        pool, lut_launch, work, lut, counts = _predictor_launchers(
-            q[:, h0:h1], k[:, kv], is_causal=is_causal, scale=scale, block_m=BLOCK_M, block_n=BLOCK_N, variant="v3",
-            simthreshd1=_head_range(simthreshd1, H, h0, h1, "simthreshd1", q.device),
-            cdfthreshd=_head_range(cdfthreshd, H, h0, h1, "cdfthreshd", q.device))
-        parts.append((h0, h1, kv, pool, lut_launch, work, lut, counts))
-    side = _predictor_stream(q.device) if len(parts) > 1 and q.is_cuda else None
-    if side is None:
-        for h0, h1, kv, pool, lut_launch, _, lut, counts in parts:
-            pool()
-            lut_launch()
-            block_sparse_attention(q[:, h0:h1], k[:, kv], v[:, kv], lut, counts, is_causal=is_causal, scale=scale,
-                                   pvthreshd=_head_range(pvthreshd, H, h0, h1, "pvthreshd", q.device),
-                                   out=out[:, h0:h1])
-        return out, [p[-1] for p in parts]
-    main = torch.cuda.current_stream(q.device)
-    side.wait_stream(main)  # q and k are written
-    ready = []
-    with torch.cuda.stream(side):
-        for part in parts:
-            part[3]()
-            part[4]()
-            ready.append(side.record_event())
-    for (h0, h1, kv, *_, lut, counts), event in zip(parts, ready):
-        main.wait_event(event)
-        block_sparse_attention(q[:, h0:h1], k[:, kv], v[:, kv], lut, counts, is_causal=is_causal, scale=scale,
-                               pvthreshd=_head_range(pvthreshd, H, h0, h1, "pvthreshd", q.device), out=out[:, h0:h1])
-    return out, [p[-1] for p in parts]
-
-
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1689,33 +1593,28 @@ def sparse_attention(
     pvthreshd=None,
     return_sparsity: bool = False,
     implementation: str = "auto",
-    pipeline_chunks: int | None = None,
 ):
     """Predicted block-sparse attention on (B, H, L, D) tensors (see the module docstring).
 
     implementation: "auto" (Triton on CUDA, the torch reference elsewhere), "triton" (also on CPU
-    under TRITON_INTERPRET=1), or "reference". The Triton path is 4 launches per head chunk (3
-    predictor + 1 attention) with no host synchronization unless `return_sparsity` is asked for.
-    pipeline_chunks: head chunks whose predictor overlaps the previous chunk's kernel on a GPU
-    (`pipeline_chunk_count`; None: automatic, 1: one predictor, then the kernel). Results do not
-    depend on it.
+    under TRITON_INTERPRET=1), or "reference". The Triton path is 3 launches (2 predictor + 1
+    attention) with no host synchronization unless `return_sparsity` is asked for.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not valid; valid choices: {', '.join(IMPLEMENTATIONS)}")
     _check_inputs(q, k, v, is_causal)
-    B, H, Lq, _ = q.shape
-    chunks = pipeline_chunk_count(B, H, k.shape[1], Lq, pipeline_chunks)
     if _no_blocks(q, k):
         return _empty_result(q, v, return_sparsity)
     use_triton = implementation == "triton" or (implementation == "auto" and q.is_cuda and triton is not None)
     if not use_triton:
         return reference_sparse_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
                                           cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, return_sparsity=return_sparsity)
-    out, counts = _sparse_attention_triton(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
-                                           cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, chunks=chunks)
+    lut, counts = predict_block_lut(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd)
+    out = block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd)
     if return_sparsity:
+        B, H, Lq, _ = q.shape
         total = allowed_block_count(B, H, Lq, k.shape[2], is_causal, BLOCK_M, BLOCK_N)
-        return out, 1.0 - int(sum(c.sum() for c in counts)) / total
+        return out, 1.0 - int(counts.sum()) / total
     return out
 
 

@@ -309,46 +309,6 @@ def test_triton_pv_skipping_matches_reference(is_causal):
     assert rel_l1(ref, dense) < 0.01  # skipped tiles weigh < 2^-8 of the row max each
 
 
-@pytest.mark.parametrize("chunks, is_causal", [(2, False), (3, True)])
-def test_head_chunked_pipeline_matches_one_chunk(chunks, is_causal):
-    """The overlapped path (a predictor per head chunk, each chunk's kernel writing its heads of one
-    output) gives the one-chunk answer: GQA groups stay whole, per-head thresholds and PV skipping
-    follow their heads, and the sparsity counts every chunk. On a GPU the chunks' predictors run on
-    a side stream; under the interpreter the same chunks run in order."""
-    # local+sink inputs (PV skipping triggers there), K/V of every other head: three GQA groups of two
-    q, k, v = sa.local_sink_qkv(2, 6, 384, 32, seed=40, noise=0.1, device=DEVICE)
-    k, v = k[:, ::2], v[:, ::2]
-    H = q.shape[1]
-    kwargs = dict(is_causal=is_causal, implementation="triton", return_sparsity=True,
-                  simthreshd1=torch.tensor([-1.0, 0.2, -1.0, -1.0, 0.3, -1.0], device=DEVICE),
-                  cdfthreshd=torch.linspace(0.5, 0.95, H, device=DEVICE),
-                  pvthreshd=torch.tensor([8.0, float("inf"), float("inf"), 8.0, 6.0, float("inf")], device=DEVICE))
-    no_skip, _ = sa.sparse_attention(q, k, v, pipeline_chunks=1, **{**kwargs, "pvthreshd": None})
-    one, skipped_one = sa.sparse_attention(q, k, v, pipeline_chunks=1, **kwargs)
-    many, skipped_many = sa.sparse_attention(q, k, v, pipeline_chunks=chunks, **kwargs)
-    assert 0.0 < skipped_one < 1.0, "test needs a sparse mask"
-    assert not torch.equal(one, no_skip), "PV skipping never triggered"
-    assert skipped_many == skipped_one
-    torch.testing.assert_close(many, one, atol=0, rtol=0)
-    mask = sa.predict_block_mask(q, k, is_causal=is_causal, simthreshd1=kwargs["simthreshd1"],
-                                 cdfthreshd=kwargs["cdfthreshd"])
-    ref = sa.block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal, pvthreshd=kwargs["pvthreshd"])
-    torch.testing.assert_close(many, ref, atol=1e-5, rtol=1e-4)  # as the PV-skipping test
-
-
-def test_head_chunks_keep_gqa_groups_whole():
-    assert sa.head_chunks(32, 1, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
-    assert sa.head_chunks(6, 2, 2) == [(0, 2), (2, 6)]  # three groups: 1 + 2
-    assert sa.head_chunks(8, 4, 4) == [(0, 4), (4, 8)]  # at most one chunk per KV head
-    assert sa.head_chunks(5, 1, 1) == [(0, 5)]
-    # the automatic count: PIPELINE_CHUNKS while each chunk keeps enough query-block programs
-    assert sa.pipeline_chunk_count(1, 32, 32, 8192) == sa.PIPELINE_CHUNKS
-    assert sa.pipeline_chunk_count(1, 12, 12, 512) == 1  # 48 programs: one launch
-    assert sa.pipeline_chunk_count(1, 32, 8, 8192, requested=16) == 8
-    with pytest.raises(ValueError, match="valid choices"):
-        sa.sparse_attention(*(randn(1, 2, 64, 16, seed=43),) * 3, pipeline_chunks=0)
-
-
 def test_triton_half_precision_matches_reference():
     q, k, v = (t.to(device=DEVICE, dtype=torch.float16) for t in sa.local_sink_qkv(1, 2, 256, 32, seed=25))
     mask = sa.predict_block_mask(q, k, cdfthreshd=0.9)
