@@ -180,6 +180,12 @@ ATTENTION_OP_HOST_LAUNCHES = {"sdpa": 7.5, "triton": 7.5}
 # one unit, so a layer whose quantized GPU work is shorter than this is not worth the rewrite in a
 # step called directly (it is, replayed from a CUDA graph).
 QUANT_LINEAR_OP_HOST_LAUNCHES = 3.5
+# graphopt::sparse_attention: four launches (the predictor's three, the kernel's one) behind the
+# op's dispatch. Called back to back on negligible GPU work on the H100 host of session 29
+# (bench/sparse_host_overhead.py): 226 us per call non-causal, 374 us causal in a stretch where
+# the same run's other calls also took 1.6-2x longer; the predictor alone 98 / 127 us, the
+# kernel's launcher 94 / 157 us. About 19 units of the 12 us torch op.
+SPARSE_ATTENTION_OP_HOST_LAUNCHES = 19.0
 
 
 def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) -> Estimate:

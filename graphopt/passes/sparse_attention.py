@@ -20,7 +20,10 @@ the constants below). Where the kernel currently wins there (bf16, D=128, B=1, H
 included, against cuDNN): from L=8k at 50% of the blocks skipped (1.09-1.15x at 8k, 1.24-1.40x
 at 16k-32k), 75% skipped 1.6-2.6x, 90% skipped 2.3-5.4x; at L=4k only from ~75% skipped
 (1.08-1.5x); never at density 1 (the kernel alone is 0.64-0.80x cuDNN). Short sequences and
-low sparsity are declined with the reason.
+low sparsity are declined with the reason. Unless the step replays from a CUDA graph
+(`cuda_graphs` / `graph_replay`), each side is priced at least at its op's host launch path
+(`priced_host_launches`: about 230 us for graphopt::sparse_attention on the H100 hosts, session 29),
+which moves the flip to longer sequences.
 
 Symbolic sequence lengths (torch.compile(dynamic=True), the automatic dynamic shapes Dynamo
 turns on after a second length, or an ONNX export with dynamic axes): one graph then serves every
@@ -143,20 +146,37 @@ def estimate_sparse_kernel(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: in
 
 
 def estimate_sparse_attention(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
-                              dtype_bytes: int = 2) -> Estimate:
-    """Predictor + block-sparse flash kernel keeping (1 - sparsity) of the tiles dense attention computes."""
+                              dtype_bytes: int = 2, host_launches: float = 0.0) -> Estimate:
+    """Predictor + block-sparse flash kernel keeping (1 - sparsity) of the tiles dense attention
+    computes; with `host_launches` (units of `cost_model.host_paced`), at least the op's host path."""
     kernel = estimate_sparse_kernel(hw, b, h, hkv, lq, lk, d, causal=causal, sparsity=sparsity, dtype_bytes=dtype_bytes)
     predictor = estimate_predictor(hw, b, h, hkv, lq, lk, d, dtype_bytes=dtype_bytes)
-    return cost_model.chain(f"sparse attention ({sparsity:.0%} of blocks skipped)", predictor, kernel)
+    est = cost_model.chain(f"sparse attention ({sparsity:.0%} of blocks skipped)", predictor, kernel)
+    return cost_model.host_paced(hw, est, host_launches, "graphopt::sparse_attention host path") if host_launches else est
 
 
-def estimate_dense(hw, backend: str, b, h, hkv, lq, lk, d, *, causal: bool, dtype_bytes: int = 2) -> Estimate:
-    """The dense attention the attention pass chose (its op's `backend` argument)."""
+def estimate_dense(hw, backend: str, b, h, hkv, lq, lk, d, *, causal: bool, dtype_bytes: int = 2,
+                   host_launches: float = 0.0) -> Estimate:
+    """The dense attention the attention pass chose (its op's `backend` argument); with
+    `host_launches`, at least its op's host path."""
     if backend == "triton":
-        return cost_model.fused_attention(hw, b, h, lq, lk, d, family="triton_flash", causal=causal,
-                                          dtype_bytes=dtype_bytes, kv_heads=hkv, name="Triton flash (dense)")
-    sdpa_backend = backend if backend in cost_model.SDPA_BACKENDS else "cudnn"
-    return cost_model.sdpa(hw, b, h, lq, lk, d, backend=sdpa_backend, causal=causal, dtype_bytes=dtype_bytes, kv_heads=hkv)
+        est = cost_model.fused_attention(hw, b, h, lq, lk, d, family="triton_flash", causal=causal,
+                                         dtype_bytes=dtype_bytes, kv_heads=hkv, name="Triton flash (dense)")
+    else:
+        sdpa_backend = backend if backend in cost_model.SDPA_BACKENDS else "cudnn"
+        est = cost_model.sdpa(hw, b, h, lq, lk, d, backend=sdpa_backend, causal=causal, dtype_bytes=dtype_bytes,
+                              kv_heads=hkv)
+    return cost_model.host_paced(hw, est, host_launches, "graphopt::attention host path") if host_launches else est
+
+
+def priced_host_launches(ctx, backend: str, dense_is_op: bool) -> tuple[float, float]:
+    """(sparse, dense) host-path units for the estimates: zero where the host path is not priced
+    (CUDA-graph replay, or not a GPU); the dense side only where it is a graphopt::attention node
+    (a plain SDPA call's host path, about 1.6 units, is left out)."""
+    if not (ctx.config.prices_host_path and ctx.hardware.is_gpu):
+        return 0.0, 0.0
+    return (cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES,
+            cost_model.ATTENTION_OP_HOST_LAUNCHES["triton" if backend == "triton" else "sdpa"] if dense_is_op else 0.0)
 
 
 # The longest sequence the break-even search below considers, and its scan step (tokens).
@@ -165,7 +185,8 @@ BREAK_EVEN_SCAN_STEP = 8
 
 
 def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, causal: bool, sparsity: float,
-                      dtype_bytes: int = 2, limit: int = BREAK_EVEN_SEARCH_LIMIT) -> int | None:
+                      dtype_bytes: int = 2, limit: int = BREAK_EVEN_SEARCH_LIMIT,
+                      host_launches: tuple[float, float] = (0.0, 0.0)) -> int | None:
     """The self-attention length L (Lq = Lk = L) from which predictor + sparse kernel are estimated
     faster than dense `backend`, or None if not even at `limit`. The sparse estimate's fixed parts
     (predictor launches, a row cost per query block) fall behind dense attention's L^2 as L grows,
@@ -174,11 +195,13 @@ def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, cau
     binary search finds a winning length; a scan in steps of BREAK_EVEN_SCAN_STEP tokens up to
     twice it moves the answer past the last loss it samples. Losses narrower than the step can
     remain: over the hardware table, backends and a range of shapes, up to 7 lengths, estimated at
-    most 2% slower (tests/passes/test_sparse_attention.py checks this)."""
+    most 2% slower (tests/passes/test_sparse_attention.py checks this). host_launches: the (sparse,
+    dense) host-path units of `priced_host_launches`, which only move the flip to longer lengths."""
     def wins(length: int) -> bool:
-        dense = estimate_dense(hw, backend, b, h, hkv, length, length, d, causal=causal, dtype_bytes=dtype_bytes)
+        dense = estimate_dense(hw, backend, b, h, hkv, length, length, d, causal=causal, dtype_bytes=dtype_bytes,
+                               host_launches=host_launches[1])
         sparse = estimate_sparse_attention(hw, b, h, hkv, length, length, d, causal=causal, sparsity=sparsity,
-                                           dtype_bytes=dtype_bytes)
+                                           dtype_bytes=dtype_bytes, host_launches=host_launches[0])
         return sparse.ms < dense.ms
 
     if not wins(limit):
@@ -389,9 +412,11 @@ class SparseAttentionPass(GraphPass):
         if assumed:
             sparsity = ASSUMED_SPARSITY_WITHOUT_PLAN
         nbytes = _dtype_bytes(dt)
-        before = estimate_dense(ctx.hardware, backend, b, h, hkv, lq, lk, d, causal=bool(is_causal), dtype_bytes=nbytes)
+        host = priced_host_launches(ctx, backend, dense_is_op=site.match is None)
+        before = estimate_dense(ctx.hardware, backend, b, h, hkv, lq, lk, d, causal=bool(is_causal), dtype_bytes=nbytes,
+                                host_launches=host[1])
         after = estimate_sparse_attention(ctx.hardware, b, h, hkv, lq, lk, d, causal=bool(is_causal),
-                                          sparsity=sparsity, dtype_bytes=nbytes)
+                                          sparsity=sparsity, dtype_bytes=nbytes, host_launches=host[0])
         ok, why = self.accept(ctx, before, after)
         at = f"{sparsity:.0%} sparsity ({'assumed, no measurement' if assumed else 'measured by the tuner'})"
         # static lengths: the decision above is the one for every call. Forced with a symbolic
@@ -401,7 +426,7 @@ class SparseAttentionPass(GraphPass):
             # One graph serves every length: sparse from the cost model's break-even length on,
             # the dense backend below it (the op compares at run time).
             dense_below = break_even_length(ctx.hardware, backend, b, h, hkv, d, causal=bool(is_causal),
-                                            sparsity=sparsity, dtype_bytes=nbytes)
+                                            sparsity=sparsity, dtype_bytes=nbytes, host_launches=host)
             if dense_below is None:
                 raise _Decline(f"symbolic sequence length: the cost model predicts no win at any L up to "
                                f"{BREAK_EVEN_SEARCH_LIMIT} at {at}", before, after)
@@ -421,7 +446,7 @@ class SparseAttentionPass(GraphPass):
                    implementation="triton_sparse", layer=key, sparsity=sparsity, sparsity_assumed=assumed,
                    simthreshd1=sim, cdfthreshd=cdf, pvthreshd=pv, dense_backend=backend,
                    l1=None if layer is None else layer.get("l1"), heldout_l1=None if layer is None else layer.get("heldout_l1"),
-                   location_key=module_path(node), dense_below=dense_below)
+                   location_key=module_path(node), dense_below=dense_below, host_launches=host)
         q, k, v = node.args[:3]
         return replace_with_call(ctx, node, torch.ops.graphopt.sparse_attention.default,
                                  (q, k, v, float(scale), bool(is_causal), *consts, dense_below, backend))

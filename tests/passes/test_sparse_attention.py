@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import graphopt
+from graphopt import cost_model
 from graphopt.hardware import SPECS, get_spec
 from graphopt.kernels import sparse_attention as sa
 from graphopt.passes import sparse_attention as sp
@@ -74,6 +75,34 @@ def test_cost_model_prefers_sparse_only_at_length():
         dense = sp.estimate_dense(hw, "cudnn", 1, 16, 16, length, length, 128, causal=False)
         sparse = sp.estimate_sparse_attention(hw, 1, 16, 16, length, length, 128, causal=False, sparsity=0.5)
         assert (sparse.ms < dense.ms) == wins, (length, dense, sparse)
+
+
+def test_host_path_is_priced_unless_the_step_replays_from_a_cuda_graph():
+    """Called directly, graphopt::sparse_attention costs about 19 one-kernel torch ops of host time
+    (four launches; session 29 on the H100): where the GPU work is shorter, that sets the pace. At
+    75% sparsity, B=1, H=32, D=128, non-causal, against cuDNN: 2k tokens win on GPU time alone and
+    lose once the host path is priced; 8k tokens win either way."""
+    from types import SimpleNamespace
+
+    from graphopt.config import GraphOptConfig
+
+    hw = get_spec("h100")
+    for replay, expected in ((False, (cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES, 0.0)), (True, (0.0, 0.0))):
+        ctx = SimpleNamespace(config=GraphOptConfig(graph_replay=replay), hardware=hw)
+        assert sp.priced_host_launches(ctx, "cudnn", dense_is_op=False) == expected
+    ctx = SimpleNamespace(config=GraphOptConfig(), hardware=hw)
+    assert sp.priced_host_launches(ctx, "triton", dense_is_op=True)[1] == cost_model.ATTENTION_OP_HOST_LAUNCHES["triton"]
+    ctx = SimpleNamespace(config=GraphOptConfig(), hardware=get_spec("cpu"))
+    assert sp.priced_host_launches(ctx, "cudnn", dense_is_op=True) == (0.0, 0.0)
+    units = cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES
+    for length, wins_on_gpu, wins_called_directly in ((2048, True, False), (8192, True, True)):
+        dense = sp.estimate_dense(hw, "cudnn", 1, 32, 32, length, length, 128, causal=False)
+        gpu = sp.estimate_sparse_attention(hw, 1, 32, 32, length, length, 128, causal=False, sparsity=0.75)
+        direct = sp.estimate_sparse_attention(hw, 1, 32, 32, length, length, 128, causal=False, sparsity=0.75,
+                                              host_launches=units)
+        assert (gpu.ms < dense.ms, direct.ms < dense.ms) == (wins_on_gpu, wins_called_directly), (length, dense, gpu, direct)
+        assert direct.ms == max(gpu.ms, units * hw.host_op_overhead * 1e3)
+        assert ("host path" in direct.name) == (direct.ms > gpu.ms)
 
 
 PREDICTOR_H100 = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_predictor_h100_session23.json"
@@ -320,16 +349,22 @@ def _compile_dynamic(model, lengths, **options):
     return outs, [d for d in sink if d.pass_name == "sparse_attention"], inputs
 
 
-@pytest.mark.parametrize("attention_pass", [False, True])
-def test_symbolic_length_gets_the_break_even_length_as_its_gate(attention_pass):
+@pytest.mark.parametrize("attention_pass, graph_replay", [(False, False), (True, False), (True, True)])
+def test_symbolic_length_gets_the_break_even_length_as_its_gate(attention_pass, graph_replay):
     """Under dynamic shapes one graph serves every length: the rewrite is taken with the cost
-    model's break-even length as the op's dense_below, and shorter calls run dense."""
-    outs, decisions, inputs = _compile_dynamic(SdpaAttention(), (256, 320), target="h100",
+    model's break-even length as the op's dense_below, and shorter calls run dense. Without CUDA-graph
+    replay the estimates include the ops' host paths, which moves the gate to a longer length."""
+    outs, decisions, inputs = _compile_dynamic(SdpaAttention(), (256, 320), target="h100", graph_replay=graph_replay,
                                                passes={"attention": attention_pass, "sparse_attention": True})
     (decision,) = decisions  # one compile for both lengths
-    gate = sp.break_even_length(get_spec("h100"), decision.details["dense_backend"], 1, 2, 2, 32, causal=True,
-                                sparsity=sp.ASSUMED_SPARSITY_WITHOUT_PLAN, dtype_bytes=4)  # float32 inputs
+    host = decision.details["host_launches"]
+    assert host[0] == (0.0 if graph_replay else cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES)
+    args = (get_spec("h100"), decision.details["dense_backend"], 1, 2, 2, 32)
+    kwargs = dict(causal=True, sparsity=sp.ASSUMED_SPARSITY_WITHOUT_PLAN, dtype_bytes=4)  # float32 inputs
+    gate = sp.break_even_length(*args, **kwargs, host_launches=host)
     assert decision.applied and gate is not None and decision.details["dense_below"] == gate > 320
+    if not graph_replay:
+        assert gate > sp.break_even_length(*args, **kwargs)
     assert f"sparse for L >= {gate}" in decision.reason and "at the example L=" in decision.reason
     for out, (q, k, v) in zip(outs, inputs):  # below the gate: dense, as SDPA computes it
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6, rtol=1e-5)
