@@ -170,6 +170,13 @@ def chain(name: str, *parts: Estimate) -> Estimate:
 # priced alike. Where a call's GPU work is shorter than its host path, the host path sets the pace
 # of a stream of such calls (unless they replay from a CUDA graph).
 ATTENTION_OP_HOST_LAUNCHES = {"sdpa": 7.5, "triton": 7.5}
+
+
+def attention_op_host_launches(backend: str) -> float:
+    """graphopt::attention's host-path units for one of its backends (the Triton kernel or an SDPA one)."""
+    return ATTENTION_OP_HOST_LAUNCHES["triton" if backend == "triton" else "sdpa"]
+
+
 # graphopt::fp4_linear and graphopt::q4_linear (torch.library ops without an autograd layer, their
 # kernels launched through graphopt.kernels.launch): 40.7-55.5 and 39.9-42.7 us per one-token call
 # on the H100 host of session 22 (bench/tools/probe_op_host_ab.py). That run did not time the

@@ -1113,8 +1113,7 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
         native = native_sdpa_backend(ctx, match)
         for name, e in candidates.items():
             if name != native:  # emitted as graphopt::attention: its host path
-                path = "triton" if name == "triton" else "sdpa"
-                candidates[name] = cost_model.host_paced(hw, e, cost_model.ATTENTION_OP_HOST_LAUNCHES[path],
+                candidates[name] = cost_model.host_paced(hw, e, cost_model.attention_op_host_launches(name),
                                                          "graphopt::attention host path")
     return before, candidates, rejected, note
 

@@ -152,7 +152,7 @@ def estimate_sparse_attention(hw, b: int, h: int, hkv: int, lq: int, lk: int, d:
     kernel = estimate_sparse_kernel(hw, b, h, hkv, lq, lk, d, causal=causal, sparsity=sparsity, dtype_bytes=dtype_bytes)
     predictor = estimate_predictor(hw, b, h, hkv, lq, lk, d, dtype_bytes=dtype_bytes)
     est = cost_model.chain(f"sparse attention ({sparsity:.0%} of blocks skipped)", predictor, kernel)
-    return cost_model.host_paced(hw, est, host_launches, "graphopt::sparse_attention host path") if host_launches else est
+    return cost_model.host_paced(hw, est, host_launches, "graphopt::sparse_attention host path")
 
 
 def estimate_dense(hw, backend: str, b, h, hkv, lq, lk, d, *, causal: bool, dtype_bytes: int = 2,
@@ -166,7 +166,7 @@ def estimate_dense(hw, backend: str, b, h, hkv, lq, lk, d, *, causal: bool, dtyp
         sdpa_backend = backend if backend in cost_model.SDPA_BACKENDS else "cudnn"
         est = cost_model.sdpa(hw, b, h, lq, lk, d, backend=sdpa_backend, causal=causal, dtype_bytes=dtype_bytes,
                               kv_heads=hkv)
-    return cost_model.host_paced(hw, est, host_launches, "graphopt::attention host path") if host_launches else est
+    return cost_model.host_paced(hw, est, host_launches, "graphopt::attention host path")
 
 
 def priced_host_launches(ctx, backend: str, dense_is_op: bool) -> tuple[float, float]:
@@ -176,7 +176,7 @@ def priced_host_launches(ctx, backend: str, dense_is_op: bool) -> tuple[float, f
     if not (ctx.config.prices_host_path and ctx.hardware.is_gpu):
         return 0.0, 0.0
     return (cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES,
-            cost_model.ATTENTION_OP_HOST_LAUNCHES["triton" if backend == "triton" else "sdpa"] if dense_is_op else 0.0)
+            cost_model.attention_op_host_launches(backend) if dense_is_op else 0.0)
 
 
 # The longest sequence the break-even search below considers, and its scan step (tokens).
