@@ -8,8 +8,7 @@ copies, >= 120 MB per graph), the way a model's layers read them.
 
 Kernels: "word" is the CUDA-core decode kernel (1-4 tokens per program), "word-mma" the
 tensor-core one (16 tokens per program), "word-int" the kernel with integer dot products
-(int16 activations x int8 codes, dp2a; 1, 2 or 4 tokens per program), and "production" the
-tiles the launcher's tuner chooses among (DECODE_CONFIGS). Both tile the weight as (rows x int32 code words); the
+(int16 activations x int8 codes, dp2a; 1, 2 or 4 tokens per program). Both tile the weight as (rows x int32 code words); the
 CUDA-core one reads each word's eight activations as two vector loads shared by the tile's rows,
 the tensor-core one loads the tile's activations once and runs one MMA per shift of the words. The scale-block kernels they replaced are in the first sweep's JSON
 (bench/results/fp4_decode_h100_round1.json, "block" / "block-mma"). bench_fp4.py times the path
@@ -31,8 +30,6 @@ ARGS.add_argument("--kernels", default="word,word-mma")
 ARGS.add_argument("--wide", action="store_true", help="narrow row tiles, 1-2 warps, K tiles to 1024, MMA stages")
 ARGS.add_argument("--profile-best", default=None, help="JSON from a previous run: run each best config once")
 ARGS.add_argument("--shapes", default=None, help="comma-separated KxN shapes (default 5120x13824,13824x5120)")
-ARGS.add_argument("--l2-prefetch", default="0",
-                  help="comma-separated L2 prefetch distances in K steps; every tile is timed at each (0: none)")
 ARGS.add_argument("--int-wide", action="store_true",
                   help="word-int: every tile of 16-64 rows x 256-2048 elements at 16 or 32 code words per thread")
 OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
@@ -51,7 +48,6 @@ SHAPES = ([tuple(int(v) for v in shape.split("x")) for shape in OPTS.shapes.spli
           else [(5120, 13824), (13824, 5120)]) if GPU else [(256, 48)]
 TOKENS = [int(t) for t in OPTS.tokens.split(",")] if OPTS.tokens else ([1, 4, 16] if GPU else [1, 3])
 KERNELS = [k.strip() for k in OPTS.kernels.split(",") if k.strip()]
-L2_PREFETCH = [int(d) for d in OPTS.l2_prefetch.split(",")] if GPU else [0]  # the interpreter runs no PTX
 
 
 def _int_tiles(bm: int, block_ns, block_ks, words_per_thread, warp_counts, splits) -> list[KernelConfig]:
@@ -68,14 +64,7 @@ def _int_tiles(bm: int, block_ns, block_ks, words_per_thread, warp_counts, split
 
 
 def candidates(kernel: str, m: int) -> list[KernelConfig]:
-    """`kernel`'s tiles for m tokens, each at every --l2-prefetch distance."""
-    return [dataclasses.replace(cfg, l2_prefetch=d) for cfg in _tiles(kernel, m) for d in L2_PREFETCH]
-
-
-def _tiles(kernel: str, m: int) -> list[KernelConfig]:
     mma = kernel == "word-mma"
-    if kernel == "production":
-        return list(fp4.DECODE_CONFIGS) if GPU else [fp4.INTERPRET_DECODE_CONFIG]
     if kernel == "word-int":  # _fp4_gemv_int_kernel, 1, 2 or 4 tokens per program
         if m > 4:
             return []  # more tokens per program than it takes: W re-read per 4 tokens
@@ -111,8 +100,7 @@ def _tiles(kernel: str, m: int) -> list[KernelConfig]:
 
 
 def config_name(cfg: KernelConfig) -> str:
-    name = f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}"
-    return name + (" int" if cfg.int_dots else "") + (f" pf{cfg.l2_prefetch}" if cfg.l2_prefetch else "")
+    return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}"
 
 
 def weights(k: int, n: int):
@@ -159,12 +147,9 @@ def main() -> None:
             rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": "cuBLAS bf16", "ms": cublas, "vs_cublas": 1.0,
                          "gbps": gbps(2 * n * k, cublas)})
             for kernel in KERNELS:
-                best = {}  # per L2 prefetch distance
+                best = None
                 for cfg in candidates(kernel, m):
-                    k_padded = kw.codes.shape[1] * 2
-                    if not fp4._valid_config(cfg, "gemv", m, n, k_padded, fp4.BLOCK_SIZES[FORMAT]):
-                        continue
-                    if kernel == "production" and not fp4._worth_timing(cfg, "gemv", m, k_padded):
+                    if not fp4._valid_config(cfg, "gemv", m, n, kw.codes.shape[1] * 2, fp4.BLOCK_SIZES[FORMAT]):
                         continue
                     try:
                         y = run(x, kw, cfg)
@@ -178,18 +163,19 @@ def main() -> None:
                               f"{str(exc)[:100]}", flush=True)
                         continue
                     print(f"  {k}->{n} m={m} {kernel} {config_name(cfg)}: {ms * 1e3:.1f} us", flush=True)
-                    if cfg.l2_prefetch not in best or ms < best[cfg.l2_prefetch][0]:
-                        best[cfg.l2_prefetch] = (ms, cfg, err)
-                for distance, (ms, cfg, err) in sorted(best.items()):
-                    rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": kernel, "l2_prefetch": distance,
-                                 "config": cfg.__dict__, "tile": config_name(cfg), "ms": ms, "vs_cublas": cublas / ms,
-                                 "rel_err": err, "gbps": gbps(fp4.fp4_weight_bytes(k, n, FORMAT), ms)})
-                    print({key: v for key, v in rows[-1].items() if key != "config"}, flush=True)
+                    if best is None or ms < best[0]:
+                        best = (ms, cfg, err)
+                if best is None:
+                    continue
+                ms, cfg, err = best
+                rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": kernel, "config": cfg.__dict__,
+                             "tile": config_name(cfg), "ms": ms, "vs_cublas": cublas / ms, "rel_err": err,
+                             "gbps": gbps(fp4.fp4_weight_bytes(k, n, FORMAT), ms)})
+                print({key: v for key, v in rows[-1].items() if key != "config"}, flush=True)
     path = write_json("bench_fp4_decode", rows)
     print(f"wrote {path}")
-    print_table("NVFP4 decode, best config per kernel and L2 prefetch distance (CUDA graph, L2-cold; "
-                "vs_cublas = cuBLAS ms / ms)", rows, ["shape", "tokens", "kernel", "l2_prefetch", "tile", "ms",
-                                                      "vs_cublas", "gbps", "rel_err"])
+    print_table("NVFP4 decode, best config per kernel (CUDA graph, L2-cold; vs_cublas = cuBLAS ms / ms)", rows,
+                ["shape", "tokens", "kernel", "tile", "ms", "vs_cublas", "gbps", "rel_err"])
 
 
 if __name__ == "__main__":

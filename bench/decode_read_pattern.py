@@ -8,9 +8,7 @@ Patterns, all reading the same bytes with 16-byte loads:
 - "tiles": the same programs and steps, over a layout where each (BLOCK_N rows x STEP_BYTES) tile
   is one contiguous block, so each program reads one contiguous range (a layout a decode kernel
   could be given offline).
-A torch.sum over the same bytes (as fp32) is timed too, for scale. With --prefetch D1,D2,.. every
-tile is also timed with each step's lines requested into L2 D steps ahead (prefetch.global.L2, as
-graphopt.kernels.l2_prefetch; 0 = none).
+A torch.sum over the same bytes (as fp32) is timed too, for scale.
 
     python bench/decode_read_pattern.py               # one H100/H200, under a minute
     python bench/decode_read_pattern.py --cpu-smoke   # tiny sizes through the Triton interpreter
@@ -21,7 +19,6 @@ from __future__ import annotations
 from script_args import bench_arguments, parse_bench_arguments  # a sibling: bench/ is sys.path[0]
 
 ARGS = bench_arguments(__doc__)
-ARGS.add_argument("--prefetch", default="0", help="comma-separated L2 prefetch distances in steps (0: none)")
 OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import numpy as np  # noqa: E402
@@ -30,7 +27,6 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench.common import gbps, print_table, write_json  # noqa: E402
-from graphopt.kernels.l2_prefetch import prefetch_lines  # noqa: E402
 from graphopt.timing import cold_graph_ms, copies_for  # noqa: E402
 
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
@@ -40,45 +36,26 @@ SHAPES = [(5120, 13824), (13824, 5120)] if GPU else [(256, 64)]
 # tiles of bench/results/q4_decode_h100_splits.* and wider variants
 TILES = [(32, 128, 1, 4), (16, 128, 1, 8), (16, 256, 1, 2), (32, 256, 1, 4), (64, 256, 4, 4),
          (64, 1024, 4, 1), (64, 512, 4, 1), (128, 512, 8, 1), (32, 512, 4, 2), (64, 256, 4, 1), (128, 256, 8, 1)] if GPU else [(16, 64, 1, 2)]
-PREFETCH = [int(d) for d in OPTS.prefetch.split(",")]
-
-
-@triton.jit
-def _step_ptrs(w_ptr, pid_n, s, row_words, n_steps, offs_n, offs_w, PATTERN: tl.constexpr, BLOCK_N: tl.constexpr,
-               STEP_WORDS: tl.constexpr):
-    """Addresses of step s's (BLOCK_N, len(offs_w)) words: offs_w indexes words within a row's step."""
-    if PATTERN == 0:
-        return w_ptr + (pid_n * BLOCK_N + offs_n)[:, None].to(tl.int64) * row_words + s * STEP_WORDS + offs_w[None, :]
-    else:  # tile (pid_n, s) is one contiguous block
-        tile = pid_n.to(tl.int64) * n_steps + s
-        return w_ptr + tile * (BLOCK_N * STEP_WORDS) + offs_n[:, None] * STEP_WORDS + offs_w[None, :]
 
 
 @triton.jit
 def _read_kernel(w_ptr, out_ptr, row_words, steps_per_split, n_steps,
-                 PATTERN: tl.constexpr, BLOCK_N: tl.constexpr, STEP_WORDS: tl.constexpr, PREFETCH: tl.constexpr):
-    """PATTERN 0 rows, 1 tiles (see the module docstring); one int32 out per program. PREFETCH > 0:
-    each step's 128-byte lines are requested into L2 that many steps ahead."""
+                 PATTERN: tl.constexpr, BLOCK_N: tl.constexpr, STEP_WORDS: tl.constexpr):
+    """PATTERN 0 rows, 1 tiles (see the module docstring); one int32 out per program."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, STEP_WORDS)
-    LINE_WORDS: tl.constexpr = 32 if STEP_WORDS >= 32 else STEP_WORDS
-    offs_line = tl.arange(0, STEP_WORDS // LINE_WORDS) * LINE_WORDS
     acc = tl.zeros((BLOCK_N, STEP_WORDS), dtype=tl.int32)
     s_begin = pid_k * steps_per_split
     s_end = tl.minimum(s_begin + steps_per_split, n_steps)
-    if PREFETCH > 0:
-        for d in tl.static_range(1, PREFETCH):
-            if s_begin + d < s_end:
-                prefetch_lines(_step_ptrs(w_ptr, pid_n, s_begin + d, row_words, n_steps, offs_n, offs_line, PATTERN,
-                                          BLOCK_N, STEP_WORDS), True)
     for s in range(s_begin, s_end):
-        if PREFETCH > 0:
-            if s + PREFETCH < s_end:
-                prefetch_lines(_step_ptrs(w_ptr, pid_n, s + PREFETCH, row_words, n_steps, offs_n, offs_line, PATTERN,
-                                          BLOCK_N, STEP_WORDS), True)
-        acc ^= tl.load(_step_ptrs(w_ptr, pid_n, s, row_words, n_steps, offs_n, offs_w, PATTERN, BLOCK_N, STEP_WORDS))
+        if PATTERN == 0:
+            ptrs = w_ptr + (pid_n * BLOCK_N + offs_n)[:, None].to(tl.int64) * row_words + s * STEP_WORDS + offs_w[None, :]
+        else:  # tile (pid_n, s) is one contiguous block
+            tile = pid_n.to(tl.int64) * n_steps + s
+            ptrs = w_ptr + tile * (BLOCK_N * STEP_WORDS) + offs_n[:, None] * STEP_WORDS + offs_w[None, :]
+        acc ^= tl.load(ptrs)
     tl.store(out_ptr + pid_n * tl.num_programs(1) + pid_k, tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
 
 
@@ -102,29 +79,26 @@ def main() -> None:
             per_split = triton.cdiv(n_steps, split)
             grid = (n // block_n, triton.cdiv(n_steps, per_split))
             out = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=DEVICE)
-            for (pattern, name), distance in ((p, d) for p in ((0, "rows"), (1, "tiles")) for d in PREFETCH):
-                if distance and not GPU:
-                    continue  # the interpreter cannot run the prefetch's PTX
+            for pattern, name in ((0, "rows"), (1, "tiles")):
                 def layout(w):  # tiles: (N / BN, steps, BN, step words)
                     return w if pattern == 0 else \
                         w.reshape(n // block_n, block_n, n_steps, step_words).transpose(1, 2).contiguous()
                 arranged = [layout(w) for w in copies]
 
-                def run(w, pattern=pattern, distance=distance):
+                def run(w):
                     _read_kernel[grid](w, out, k // 8, per_split, n_steps, PATTERN=pattern, BLOCK_N=block_n,
-                                       STEP_WORDS=step_words, PREFETCH=distance, num_warps=warps)
+                                       STEP_WORDS=step_words, num_warps=warps)
                 run(arranged[0])
                 value = int(np.bitwise_xor.reduce(out.cpu().numpy()))
                 assert value == expected, f"{name}: XOR {value} != {expected} (words skipped or read twice)"
                 ms = cold_graph_ms([lambda w=w: run(w) for w in arranged])
                 rows.append({"shape": f"{k}->{n}", "tile": f"{block_n}x{step_bytes}B w{warps} split{split}",
-                             "programs": grid[0] * grid[1], "pattern": name, "l2_prefetch": distance, "us": ms * 1e3,
-                             "gbps": gbps(nbytes, ms)})
+                             "programs": grid[0] * grid[1], "pattern": name, "us": ms * 1e3, "gbps": gbps(nbytes, ms)})
                 print(rows[-1], flush=True)
     path = write_json("decode_read_pattern", rows)
     print(f"wrote {path}")
     print_table("Reading Q4 weight bytes in the decode kernel's tiling (CUDA graph, L2-cold)", rows,
-                ["shape", "tile", "programs", "pattern", "l2_prefetch", "us", "gbps"])
+                ["shape", "tile", "programs", "pattern", "us", "gbps"])
 
 
 if __name__ == "__main__":

@@ -831,7 +831,6 @@ from graphopt.kernels.launch import INTERPRET, cdiv, launch  # noqa: E402
 from graphopt.kernels.split_k import split_buffers  # noqa: E402
 
 if triton is not None:
-    from graphopt.kernels.l2_prefetch import prefetch_lines
     from graphopt.kernels.split_k import finish_split_tile
 
 
@@ -847,7 +846,6 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     int_dots: bool = False  # decode, BLOCK_M 1-4: _fp4_gemv_int_kernel (int16 activations, dp2a)
-    l2_prefetch: int = 0  # decode: K steps of each row's weights requested into L2 ahead (0: none)
 
 
 FMA_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # decode BLOCK_M values of the CUDA-core kernel
@@ -1082,38 +1080,13 @@ if triton is not None:
         return offs_n, offs_n < N, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end
 
     @triton.jit
-    def _prefetch_step(words_ptr, scales_ptr, rows, stride_wn, stride_sn, step,
-                       WORDS_PER_ITER: tl.constexpr, SCALES_PER_ITER: tl.constexpr, USE_ASM: tl.constexpr):
-        """Ask L2 for K step `step` of every row of a word tile: each 128-byte line of its code
-        words, and the line of its scales."""
-        LINE_WORDS: tl.constexpr = 32  # int32 words per 128-byte line
-        LINES: tl.constexpr = (WORDS_PER_ITER + LINE_WORDS - 1) // LINE_WORDS
-        first = words_ptr + rows * stride_wn + step * WORDS_PER_ITER
-        if LINES == 1:
-            prefetch_lines(first, USE_ASM)
-        else:
-            prefetch_lines(first[:, None] + tl.arange(0, LINES)[None, :] * LINE_WORDS, USE_ASM)
-        prefetch_lines(scales_ptr + rows * stride_sn + step * SCALES_PER_ITER, USE_ASM)
-
-    @triton.jit
-    def _prefetch_first(words_ptr, scales_ptr, rows, stride_wn, stride_sn, it_start, it_end,
-                        WORDS_PER_ITER: tl.constexpr, SCALES_PER_ITER: tl.constexpr, DISTANCE: tl.constexpr,
-                        USE_ASM: tl.constexpr):
-        """Before the K loop: request steps it_start + 1 .. it_start + DISTANCE - 1 into L2 (the loop
-        requests step it + DISTANCE in iteration it; the first step is loaded at once anyway)."""
-        for d in tl.static_range(1, DISTANCE):
-            if it_start + d < it_end:
-                _prefetch_step(words_ptr, scales_ptr, rows, stride_wn, stride_sn, it_start + d, WORDS_PER_ITER,
-                               SCALES_PER_ITER, USE_ASM)
-
-    @triton.jit
     def _fp4_gemv_words_kernel(
         x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
         M, N, K, K_PADDED,
         stride_xm, stride_wn, stride_sn, stride_om,
         IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
-        USE_ASM: tl.constexpr, L2_PREFETCH: tl.constexpr = 0,
+        USE_ASM: tl.constexpr,
     ):
         """Decode on CUDA cores, 1-4 tokens per program: out[M, N] = x[M, K] @ W[N, K]^T.
         Grid: (N / BLOCK_N, SPLIT_K, M / BLOCK_M); every split owns >= 1 K iteration.
@@ -1146,14 +1119,7 @@ if triton is not None:
 
         words = tl.load(word_ptrs + it_start * WORDS_PER_ITER)
         scale_bytes = tl.load(scale_ptrs + it_start * (WORDS_PER_ITER // WPB))
-        if L2_PREFETCH > 0:
-            _prefetch_first(words_ptr, scales_ptr, rows, stride_wn, stride_sn, it_start, it_end, WORDS_PER_ITER, WORDS_PER_ITER // WPB,
-                            L2_PREFETCH, USE_ASM)
         for it in range(it_start, it_end):
-            if L2_PREFETCH > 0:
-                if it + L2_PREFETCH < it_end:
-                    _prefetch_step(words_ptr, scales_ptr, rows, stride_wn, stride_sn, it + L2_PREFETCH, WORDS_PER_ITER, WORDS_PER_ITER // WPB,
-                                   USE_ASM)
             nxt = tl.minimum(it + 1, it_end - 1)  # prefetch; the last iteration re-reads its own tile
             next_words = tl.load(word_ptrs + nxt * WORDS_PER_ITER)
             next_scale_bytes = tl.load(scale_ptrs + nxt * (WORDS_PER_ITER // WPB))
@@ -1312,7 +1278,6 @@ if triton is not None:
         stride_xm, stride_wn, stride_sn, stride_om,
         IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
-        L2_PREFETCH: tl.constexpr = 0,
     ):
         """Decode on CUDA cores with integer dot products, BLOCK_M (1, 2 or 4) tokens per program
         (grid as _fp4_gemv_words_kernel's). Each word's eight codes become int8 lanes once
@@ -1341,14 +1306,7 @@ if triton is not None:
 
         words = tl.load(word_ptrs + it_start * WORDS_PER_ITER)
         scale_bytes = tl.load(scale_ptrs + it_start * NB)
-        if L2_PREFETCH > 0:
-            _prefetch_first(words_ptr, scales_ptr, rows, stride_wn, stride_sn, it_start, it_end, WORDS_PER_ITER, NB,
-                            L2_PREFETCH, USE_ASM)
         for it in range(it_start, it_end):
-            if L2_PREFETCH > 0:
-                if it + L2_PREFETCH < it_end:
-                    _prefetch_step(words_ptr, scales_ptr, rows, stride_wn, stride_sn, it + L2_PREFETCH, WORDS_PER_ITER, NB,
-                                   USE_ASM)
             nxt = tl.minimum(it + 1, it_end - 1)  # prefetch; the last iteration re-reads its own tile
             next_words = tl.load(word_ptrs + nxt * WORDS_PER_ITER)
             next_scale_bytes = tl.load(scale_ptrs + nxt * NB)
@@ -1448,7 +1406,6 @@ if triton is not None:
         IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
         UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr,
-        L2_PREFETCH: tl.constexpr = 0,
     ):
         """Decode on tensor cores, up to BLOCK_M (16) tokens per program, on the word tile of
         _fp4_gemv_words_kernel. Per shift of the words, the two decoded codes of each word are one
@@ -1472,14 +1429,7 @@ if triton is not None:
         dtype: tl.constexpr = x_ptr.dtype.element_ty
 
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if L2_PREFETCH > 0:
-            _prefetch_first(words_ptr, scales_ptr, rows, stride_wn, stride_sn, it_start, it_end, W, W // WPB,
-                            L2_PREFETCH, USE_ASM)
         for it in range(it_start, it_end):
-            if L2_PREFETCH > 0:
-                if it + L2_PREFETCH < it_end:
-                    _prefetch_step(words_ptr, scales_ptr, rows, stride_wn, stride_sn, it + L2_PREFETCH, W, W // WPB,
-                                   USE_ASM)
             k0 = it * (8 * W)
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (offs_k[None, :] + k0 < K), other=0.0)
             x0, x1, x2, x3, x4, x5, x6, x7 = _split_positions(x, BLOCK_SIZE)
@@ -1735,7 +1685,7 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
                 k_padded, x2.stride(0), k_padded // 8, scales.stride(0), out.stride(0))
         common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, WORDS_PER_ITER=cfg.block_k // 8, SPLIT_K=split_k,
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, L2_PREFETCH=cfg.l2_prefetch)
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.int_dots:
             launch(_fp4_gemv_int_kernel, grid, *args, USE_ASM=not INTERPRET, **common)
         elif cfg.block_m in FMA_BLOCK_M:
