@@ -21,6 +21,8 @@ ARGS.add_argument("--wide", action="store_true", help="also narrow dp4a tiles: 8
 ARGS.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,4,16)")
 ARGS.add_argument("--swap-sweep", action="store_true", help="also more swap tiles: 64/128 rows, 1-4 pairs, the --swap-stages depths, split-K auto or 16")
 ARGS.add_argument("--swap-stages", default="1,3", help="pipeline depths of the --swap-sweep tiles (default 1,3)")
+ARGS.add_argument("--swap-m", default="", help="also swap tiles with these comma-separated token blocks (wgmma N "
+                  "side, e.g. 32,64 for 64 tokens): 128/256 rows, 1-2 pairs, 3 stages, split-K auto or 4")
 ARGS.add_argument("--print-all", action="store_true", help="print every config's time (always on with --swap-sweep)")
 ARGS.add_argument("--dp4a-splits", default="", help="also one-warp dp4a tiles (16/32 rows, 4/8 pairs, reduce 'last') "
                   "with these comma-separated split-K counts")
@@ -40,6 +42,8 @@ WIDE_DP4A = [q4.TileConfig("dp4a", 0, bn, p, w, 1, sk) for bn in (8, 16, 32) for
              for sk in (0, 1, 2, 4)] if OPTS.wide and GPU else []
 SPLIT_DP4A = [q4.TileConfig("dp4a", 0, bn, p, 1, 1, int(sk), "last") for bn in (16, 32) for p in (4, 8)
               for sk in OPTS.dp4a_splits.split(",") if sk] if GPU else []
+SWAP_WIDE_M = [q4.TileConfig("swap", int(bm), bn, p, 4, 3, sk, "last") for bm in OPTS.swap_m.split(",") if bm
+               for bn in (128, 256) for p in (1, 2) for sk in (0, 4)] if GPU else []
 SWAP_SWEEP = [(bn, p, w, s, "last", sk) for bn, w in ((64, 4), (128, 8), (128, 4)) for p in (1, 2, 4)
               for s in (int(x) for x in OPTS.swap_stages.split(",")) for sk in (0, 16)] if OPTS.swap_sweep and GPU else []
 
@@ -62,7 +66,8 @@ def main() -> None:
             rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": "cuBLAS bf16", "ms": cublas, "vs_cublas": 1.0,
                          "gbps": gbps(2 * n * k, cublas)})
             best: dict[str, tuple[float, q4.TileConfig]] = {}
-            sweep = list(dict.fromkeys(q4.candidate_configs(m, fused=True) + WIDE_DP4A + SPLIT_DP4A + q4.swap_configs(m, SWAP_SWEEP)))
+            sweep = list(dict.fromkeys(q4.candidate_configs(m, fused=True) + WIDE_DP4A + SPLIT_DP4A + q4.swap_configs(m, SWAP_SWEEP)
+                                       + SWAP_WIDE_M))
             for cfg in sweep:
                 try:
                     y = q4.q4_linear_triton(x, qweight, scales, None, "fused", config=cfg)
@@ -77,8 +82,9 @@ def main() -> None:
                     continue
                 if OPTS.swap_sweep or OPTS.print_all:  # every config's time in the log, to read the sweep
                     print(f"  {k}->{n} m={m} {cfg.name}: {ms * 1e3:.1f} us", flush=True)
-                if cfg.kernel not in best or ms < best[cfg.kernel][0]:
-                    best[cfg.kernel] = (ms, cfg)
+                label = f"swap m{cfg.block_m}" if cfg in SWAP_WIDE_M else cfg.kernel
+                if label not in best or ms < best[label][0]:
+                    best[label] = (ms, cfg)
             for kernel, (_, cfg) in list(best.items()):
                 if kernel == "gemv":  # quantizes its own input: no separate path
                     continue

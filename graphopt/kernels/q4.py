@@ -347,8 +347,9 @@ class TileConfig:
     kernel "gemm": tensor-core int8 tl.dot; a BLOCK_M x BLOCK_N output tile, PAIRS block pairs
       (64 K values, one 32-deep dot per block) per K step.
     kernel "swap": the same kernel with the operands swapped for few tokens (SWAP_AB): BLOCK_N
-      weight rows on the MMA's M side (64 per warpgroup of num_warps), BLOCK_M (8 or 16) tokens on
-      its N side, the unpacked weights in registers as wgmma's A operand.
+      weight rows on the MMA's M side (64 per warpgroup of num_warps), BLOCK_M tokens on its N
+      side (8 or 16 for decode, 32 for 17-64 tokens), the unpacked weights in registers as
+      wgmma's A operand.
     kernel "dp4a": the decode kernel with integer dot products: the Q8_1 activations packed four
       int8 per word in registers and dp4a (4 MACs per instruction) against the nibbles of each
       weight word; same tiling fields as "gemv".
@@ -454,6 +455,11 @@ _WIDE_N_CONFIGS = [TileConfig("gemm", 64, 256, p, 8, 3, 0) for p in (1, 2)]
 _MID_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s, sk) for bm, bn, p, w, s, sk in (
     (32, 64, 2, 4, 3, 0), (64, 64, 2, 4, 3, 0), (32, 128, 2, 4, 3, 0), (64, 128, 2, 8, 3, 1),
     (32, 64, 1, 4, 4, 1))] + _WIDE_N_CONFIGS
+# 17-64 tokens: the operand-swapped kernel on blocks of 32 tokens (two at 64 tokens; the second
+# block's programs run next to the first's, so its read of W mostly hits L2). H100, 64 tokens,
+# fused (bench/results/q4_decode_h100_session30_swap_m32.*): 90.6 / 95.1 us on 5120->13824 /
+# 13824->5120 against 118.9 / 116.1 us for the best "gemm" tile; 64-token blocks took 113-119 us.
+_MID_SWAP_CONFIGS = [TileConfig("swap", 32, bn, 1, 4, 3, 0, "last") for bn in (128, 256)]
 _LARGE_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in (
     (128, 128, 1, 8, 3), (128, 128, 2, 8, 3), (128, 128, 2, 8, 4), (128, 64, 2, 4, 4), (64, 128, 2, 4, 4))
     ] + _WIDE_N_CONFIGS
@@ -469,7 +475,7 @@ def candidate_configs(m: int, fused: bool) -> list[TileConfig]:
             decode = [c for c in _GEMV_CONFIGS if c.kernel == "dp4a"]
         return decode + _DECODE_GEMM_CONFIGS + swap_configs(m)
     if m <= 64:
-        return _MID_CONFIGS
+        return _MID_CONFIGS + _MID_SWAP_CONFIGS
     return _LARGE_CONFIGS
 
 

@@ -279,6 +279,24 @@ def test_separate_integer_gemm_equals_dequantize_then_matmul(config, m, k):
     _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
 
 
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+def test_swap_kernel_on_32_token_blocks(mode):
+    """17-64 tokens: the operand-swapped kernel with 32 tokens on the MMA's N side (two token blocks,
+    the second partial), split along K, bf16 in and out with bias."""
+    config = q4.TileConfig("swap", 32, 16, 1, 4, 1, split_k=2, reduce="last")
+    x, qweight, scales, bias = _problem(45, 24, 160, torch.bfloat16, seed=12)
+    y = q4.q4_linear_triton(x, qweight, scales, bias, mode, config=config)
+    assert y.dtype == torch.bfloat16 and y.shape == (45, 24)
+    _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.bfloat16)
+
+
+def test_swap_tiles_are_candidates_from_17_to_64_tokens():
+    for m in (17, 64):
+        assert any(c.kernel == "swap" and c.block_m == 32 for c in q4.candidate_configs(m, fused=True))
+        assert any(c.kernel == "swap" and c.block_m == 32 for c in q4.candidate_configs(m, fused=False))
+    assert not any(c.kernel == "swap" for c in q4.candidate_configs(65, fused=True))
+
+
 def test_bf16_activations_through_the_fused_kernel():
     x, qweight, scales, _ = _problem(4, 32, 64, torch.bfloat16, seed=4)
     y = q4.q4_linear_triton(x, qweight, scales, None, "fused", config=GEMM_CONFIGS[0])
