@@ -233,35 +233,36 @@ def _choose_block_scales(blocks: torch.Tensor, format: str, global_scale: torch.
     if format == "mxfp4":
         _, exponent = torch.frexp(amax)  # amax = m * 2^e with m in [0.5, 1): floor(log2 amax) = e - 1
         base = torch.where(amax > 0, exponent - 1 - 2, torch.full_like(exponent, E8M0_MIN_EXP))
-        offsets = _MXFP4_SEARCH_EXPONENTS if scale_search else (0,)
-        best_codes = best_err = best_exp = None
-        for offset in offsets:
-            exp = (base + offset).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
-            scale = torch.exp2(exp.to(torch.float32))
-            codes, err = _quantize_blocks(blocks, scale, error_weights)
-            if best_err is None:
-                best_codes, best_err, best_exp = codes, err, exp
-            else:
-                better = (err < best_err) & (_decoded_peak(codes, scale) <= finite_max)
-                best_codes = torch.where(better[..., None], codes, best_codes)
-                best_exp = torch.where(better, exp, best_exp)
-                best_err = torch.minimum(err, best_err)
-        return best_codes, (best_exp + 127).to(torch.uint8), torch.exp2(best_exp.to(torch.float32))
+        exponents = ((base + offset).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+                     for offset in (_MXFP4_SEARCH_EXPONENTS if scale_search else (0,)))
+        candidates = (((exp + 127).to(torch.uint8), torch.exp2(exp.to(torch.float32))) for exp in exponents)
+        return _best_scale_candidate(blocks, candidates, error_weights, finite_max)
     target = amax / E2M1_MAX / global_scale  # block scale in units of global_scale, <= 448
-    factors = _NVFP4_SEARCH_FACTORS if scale_search else (1.0,)
-    best_codes = best_err = best_s8 = None
-    for factor in factors:
-        s8 = (target * factor).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-        scale = s8.to(torch.float32) * global_scale
+    e4m3 = ((target * factor).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+            for factor in (_NVFP4_SEARCH_FACTORS if scale_search else (1.0,)))
+    candidates = ((s8.view(torch.uint8), s8.to(torch.float32) * global_scale) for s8 in e4m3)
+    codes, stored, decode = _best_scale_candidate(blocks, candidates, error_weights, finite_max)
+    return codes, stored.view(torch.float8_e4m3fn), decode
+
+
+def _best_scale_candidate(blocks: torch.Tensor, candidates, error_weights: torch.Tensor | None, finite_max: float
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block, the best of the candidate scales: (codes (N, B, bs), stored bytes (N, B) uint8,
+    decode scales (N, B)). candidates yields (stored bytes, decode scales); the first is the plain
+    rule and always eligible; a later one replaces the current choice where its weighted error is
+    lower and it decodes no weight of the block beyond finite_max."""
+    best_codes = best_err = best_stored = best_scale = None
+    for stored, scale in candidates:
         codes, err = _quantize_blocks(blocks, scale, error_weights)
         if best_err is None:
-            best_codes, best_err, best_s8 = codes, err, s8
-        else:
-            better = (err < best_err) & (_decoded_peak(codes, scale) <= finite_max)
-            best_codes = torch.where(better[..., None], codes, best_codes)
-            best_s8 = torch.where(better, s8.view(torch.uint8), best_s8.view(torch.uint8)).view(torch.float8_e4m3fn)
-            best_err = torch.minimum(err, best_err)
-    return best_codes, best_s8, best_s8.to(torch.float32) * global_scale
+            best_codes, best_err, best_stored, best_scale = codes, err, stored, scale
+            continue
+        better = (err < best_err) & (_decoded_peak(codes, scale) <= finite_max)
+        best_codes = torch.where(better[..., None], codes, best_codes)
+        best_err = torch.where(better, err, best_err)  # the chosen candidate's error, not a rejected one's
+        best_stored = torch.where(better, stored, best_stored)
+        best_scale = torch.where(better, scale, best_scale)
+    return best_codes, best_stored, best_scale
 
 
 def _decoded_peak(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

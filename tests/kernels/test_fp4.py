@@ -110,6 +110,18 @@ def test_scale_search_never_decodes_past_the_weights_dtype(fmt):
     assert dequantize_fp4(q).abs().max() <= torch.finfo(torch.float16).max
 
 
+def test_scale_search_compares_with_the_chosen_candidate_not_a_rejected_one():
+    """A block of 3.0s and three candidate scales in search order: 0.37 (the plain rule: 6 * 0.37
+    = 2.22), 0.5 (exact, but decodes to 3.0, past finite_max 2.9: rejected) and 0.7 (4 * 0.7 = 2.8,
+    within it). The third is better than the kept first and must win, although the rejected second
+    had a lower error still."""
+    blocks = torch.full((1, 1, 16), 3.0)
+    candidates = [(torch.tensor([[b]], dtype=torch.uint8), torch.tensor([[s]])) for b, s in ((1, 0.37), (2, 0.5), (3, 0.7))]
+    codes, stored, scale = fp4._best_scale_candidate(blocks, iter(candidates), None, finite_max=2.9)
+    assert stored.item() == 3 and scale.item() == pytest.approx(0.7)
+    assert torch.equal(fp4.e2m1_values(codes) * scale[..., None], torch.full((1, 1, 16), 4 * scale.item()))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(0, 5), (0, 64), (3, 0)])
 def test_empty_weights_roundtrip(fmt, shape):
