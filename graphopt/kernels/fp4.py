@@ -1754,14 +1754,13 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
     key = _tuned_key(path, args)
     if key in _TUNED:
         return _TUNED[key]
-    candidates = DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS
-    if torch.cuda.is_current_stream_capturing():
+    candidates = [cfg for cfg in (DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS)
+                  if _valid_config(cfg, path, m, out_features, k_padded, bs) and _worth_timing(cfg, path, m, k_padded)]
+    if candidates and torch.cuda.is_current_stream_capturing():
         # Inside a user's CUDA-graph capture, timing would launch, synchronize and capture graphs
         # of its own, which invalidates the user's capture: the first valid candidate, untimed and
         # not cached (the next call outside a capture tunes this shape), as the Q4 tuner does.
-        for cfg in candidates:
-            if _valid_config(cfg, path, m, out_features, k_padded, bs) and _worth_timing(cfg, path, m, k_padded):
-                return cfg
+        return candidates[0]
     time_config = _cold_decode_timer(args) if path == "gemv" else None
     if time_config is None:
         from triton.testing import do_bench
@@ -1770,8 +1769,6 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
             return do_bench(lambda: _launch(path, cfg, *args), warmup=5, rep=20, return_mode="median")
     best, best_ms, first_out = None, math.inf, None
     for cfg in candidates:
-        if not (_valid_config(cfg, path, m, out_features, k_padded, bs) and _worth_timing(cfg, path, m, k_padded)):
-            continue
         try:
             out = _launch(path, cfg, *args).float()
             if first_out is None:
