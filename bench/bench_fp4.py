@@ -9,13 +9,13 @@ dequantize-then-matmul in fp32 (PASS/FAIL with the relative error) and reports t
 against the bf16 linear with the original weights. Then it times cuBLAS bf16 (F.linear) and the
 FP4 kernel the cost model picks (gemv = decode/split-K, gemm = fused prefill, dequant = Triton
 decode of W to bf16 + cuBLAS); >= 64 tokens also time every path (gemv_ms, gemm_ms, dequant_ms).
-<= 16 tokens are timed as CUDA-graph replays for both (launch gaps would otherwise dominate), twice:
+<= 64 tokens are timed as CUDA-graph replays for both (launch gaps would otherwise dominate), twice:
 `*_ms` replays one call (its weights may stay in the 50 MB L2 between replays: the FP4 weights of
 every shape here fit), `*_cold_ms` replays a graph of calls over enough distinct weight copies
 (>= 120 MB) that every call reads its weights from HBM, as the layers of a real model do. GB/s
 (from the cold time where there is one) counts the fewest bytes each must move (weights + scales
 + activations + outputs) and is compared with a device-to-device copy measured in the same run.
-More than 16 tokens: cuBLAS and the FP4 path are timed in 7 interleaved rounds (median of the
+More than 64 tokens: cuBLAS and the FP4 path are timed in 7 interleaved rounds (median of the
 rounds), because a long bf16 GEMM runs the GPU at its power limit and whichever is timed first
 would otherwise run on cooler, faster clocks (measured: 0.73-0.89 ms across rounds for one
 cuBLAS shape at 4096 tokens on an H100). Tile configs are tuned on the first call of each shape (not timed).
@@ -61,7 +61,9 @@ if OPTS.shapes:
     SHAPES = [tuple(int(v) for v in s.lower().split("x")) for s in OPTS.shapes.split(",")]
 if OPTS.tokens:
     TOKENS = [int(t) for t in OPTS.tokens.split(",")]
-DECODE_TOKENS = 16
+# up to this many tokens the layers are memory-bound steps (decode, small batches): CUDA-graph replays,
+# hot and L2-cold (until session 30 only up to 16; 17-64 tokens were timed eagerly, interleaved)
+GRAPH_TOKENS = 64
 
 
 def time_ms(fn, tokens: int) -> float:
@@ -69,7 +71,7 @@ def time_ms(fn, tokens: int) -> float:
         return median_ms(fn, rep_ms=5)
     fn()  # compile / tune outside the capture
     torch.cuda.synchronize()
-    if tokens <= DECODE_TOKENS:
+    if tokens <= GRAPH_TOKENS:
         return cuda_graph_ms(fn, rep_ms=50)
     # best of three medians: single 50 ms medians of the dequant path (which allocates W per call)
     # were up to 2.6x slow on a different shape in each of two session-9 runs at 64 tokens
@@ -102,7 +104,7 @@ def kernel_rows(copy_bw: float) -> list[dict]:
                 try:
                     x = torch.randn(m, k, generator=gen).to(DEVICE, DTYPE)
                     path = fp4.choose_fp4_path(device_spec(0), m, k, n, fmt) if GPU else (
-                        "gemv" if m <= DECODE_TOKENS else "gemm")
+                        "gemv" if m <= fp4.INTERPRET_DECODE_CONFIG.block_m else "gemm")
                     run = lambda: fp4.fp4_linear_triton(x, kw.codes, kw.scales, kw.global_scale, None, n, k, fmt, path=path)  # noqa: E731
                     y = run()
                     ref = F.linear(x.float(), w_deq)
@@ -111,7 +113,7 @@ def kernel_rows(copy_bw: float) -> list[dict]:
                     row.update(path=path, check="PASS" if rel < 2e-2 else "FAIL", rel_err=rel, out_sqnr_db=sqnr(dense, y))
                     print(f"[{row['check']}] {fmt} {k}->{n} M={m} {path}: rel err {rel:.2e}, "
                           f"output SQNR vs bf16 {row['out_sqnr_db']:.2f} dB", flush=True)
-                    if GPU and m > DECODE_TOKENS:  # GEMM-bound: interleaved rounds (see interleaved_ms)
+                    if GPU and m > GRAPH_TOKENS:  # GEMM-bound: interleaved rounds (see interleaved_ms)
                         run()
                         rounds = interleaved_ms({"cublas": lambda: F.linear(x, w), "fp4": run})
                         cublas_ms, fp4_ms = statistics.median(rounds["cublas"]), statistics.median(rounds["fp4"])
@@ -122,7 +124,7 @@ def kernel_rows(copy_bw: float) -> list[dict]:
                     dense_bytes = 2 * (n * k + m * (k + n))
                     row.update(cublas_ms=cublas_ms, fp4_ms=fp4_ms, speedup=cublas_ms / fp4_ms)
                     cublas_t, fp4_t = cublas_ms, fp4_ms
-                    if GPU and m <= DECODE_TOKENS:
+                    if GPU and m <= GRAPH_TOKENS:
                         dense_copies = [w] + [w.clone() for _ in range(copies_for(dense_bytes) - 1)]
                         cublas_cold = cold_graph_ms([lambda wc=wc: F.linear(x, wc) for wc in dense_copies])
                         del dense_copies

@@ -7,7 +7,7 @@ copies, >= 120 MB per graph), the way a model's layers read them.
     python bench/bench_fp4_decode.py --profile-best bench_fp4_decode.json   # run each best config once (for ncu)
 
 Kernels: "word" is the CUDA-core decode kernel (1-4 tokens per program), "word-mma" the
-tensor-core one (16 tokens per program), "word-int" the kernel with integer dot products
+tensor-core one (16 tokens per program; --mma-m 16,32,64 sweeps 32 and 64 too), "word-int" the kernel with integer dot products
 (int16 activations x int8 codes, dp2a; 1, 2 or 4 tokens per program). Both tile the weight as (rows x int32 code words); the
 CUDA-core one reads each word's eight activations as two vector loads shared by the tile's rows,
 the tensor-core one loads the tile's activations once and runs one MMA per shift of the words. The scale-block kernels they replaced are in the first sweep's JSON
@@ -32,6 +32,8 @@ ARGS.add_argument("--profile-best", default=None, help="JSON from a previous run
 ARGS.add_argument("--shapes", default=None, help="comma-separated KxN shapes (default 5120x13824,13824x5120)")
 ARGS.add_argument("--int-wide", action="store_true",
                   help="word-int: every tile of 16-64 rows x 256-2048 elements at 16 or 32 code words per thread")
+ARGS.add_argument("--mma-m", default=None,
+                  help="word-mma: comma-separated tokens per program (16, 32, 64) to sweep, each up to the token count")
 OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import torch  # noqa: E402
@@ -90,6 +92,11 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
                     for bn in (8, 16, 32) for bk in (256, 512, 1024) for w in (1, 2, 4) for sk in (1, 2, 4)]
         return [KernelConfig(bn, fp4._token_bucket(m), bk, sk, num_warps=w, num_stages=1)
                 for bn in (16, 64, 128) for bk in (256, 512) for w in (4, 8) for sk in (1, 2, 4, 8)]
+    if mma and OPTS.mma_m:  # 16, 32 or 64 tokens per program (the MMA's N), at most the token bucket
+        block_ms = [bm for bm in (int(v) for v in OPTS.mma_m.split(",")) if bm == 16 or bm <= fp4._token_bucket(m)]
+        return [KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
+                for bm in block_ms for bn in (64, 128, 256) for bk in (128, 256) for sk in (2, 4, 8)
+                for w in ((4,) if bm == 16 else (4, 8))]
     if mma:  # num_stages 1: see _fp4_gemv_words_mma_kernel
         if OPTS.wide:
             return [KernelConfig(bn, 16, bk, sk, num_warps=w, num_stages=1)

@@ -9,8 +9,9 @@ each variant against dequantize-then-matmul (PASS/FAIL with the error), then tim
 decode GEMV, autotuned), pre-quantized activations + GEMM (the case where fusion cannot pay), and,
 on the two target shapes of the issue, every fused candidate config on its own.
 
-Decode sizes (<= 16 tokens) are timed as CUDA-graph replays for every variant, cuBLAS included (a
-Python launch costs more than these kernels). Graph replays do not flush L2, and a Q4 weight of
+Decode and small-batch sizes (<= 64 tokens) are timed as CUDA-graph replays for every variant, cuBLAS
+included (a Python launch costs about as much as these kernels; until session 30, 17-64 tokens were
+timed eagerly, and the two-launch separate path swung 30-45% between runs there). Graph replays do not flush L2, and a Q4 weight of
 these shapes (8-40 MB) fits in the 50 MB L2, so each replay runs the variant over enough copies of
 its weights to exceed 3x the L2 size and the time is divided by the number of copies: weights come
 from HBM, as in a real decode step. Larger sizes use CUDA events with an L2 flush per run.
@@ -53,7 +54,7 @@ if OPTS.tokens:
     TOKENS = [int(t) for t in OPTS.tokens.split(",")]
 if OPTS.shapes:
     SHAPES = [tuple(int(v) for v in s.lower().split("x")) for s in OPTS.shapes.split(",")]
-DECODE_TOKENS = 16
+GRAPH_TOKENS = 64  # up to this many tokens: CUDA-graph replays over weight copies (see the docstring)
 SWEEP_SHAPES = {(5120, 13824), (13824, 5120)} if GPU else set(SHAPES)  # the issue's target shapes
 
 
@@ -76,7 +77,7 @@ def time_ms(fn, copies: int, tokens: int) -> float:
     """fn(i) runs the variant on weight copy i."""
     if not GPU:
         return median_ms(lambda: fn(0), rep_ms=5)
-    if tokens <= DECODE_TOKENS:
+    if tokens <= GRAPH_TOKENS:
         return cuda_graph_ms(lambda: [fn(i) for i in range(copies)], rep_ms=40) / copies
     return median_ms(lambda: fn(0), warmup_ms=10, rep_ms=40)
 

@@ -51,7 +51,7 @@ Kernels (CUDA; on CPU they run under TRITON_INTERPRET=1 for tests):
     across threads once at the end. Split-K adds into a persistent zeroed fp32 workspace; the split that
     finishes a tile last (atomic counter) writes the output with bias and re-zeroes the
     workspace: one launch per call, no memset or cast kernels.
-  * `_fp4_gemv_words_mma_kernel`, decode on tensor cores, up to 16 tokens per program: the same
+  * `_fp4_gemv_words_mma_kernel`, decode on tensor cores, 16, 32 or 64 tokens per program: the same
     word tiles, one MMA per code position of a word (tokens are the narrow MMA dimension: out^T
     = W x^T), so no shuffles build a contiguous K tile; split-K as above.
   * `_fp4_gemm_kernel`, prefill (fused): tiles of the weight are dequantized to bf16/fp16 in
@@ -668,7 +668,7 @@ def reference_fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
 # 0.2-0.3x, 4096 tokens (dequant + cuBLAS) 0.67-0.71x there. The decode kernels that run was made
 # with (0.84-0.96x at 1 token, L2-cold) are replaced; see below for the current ones.
 # tests/test_cost_model_measured.py checks the faster/slower call against both files.
-DECODE_TOKENS_PER_PASS = 16  # the tensor-core decode kernel re-reads the weights once per 16 tokens
+MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-core decode kernel (its MMA's N)
 
 # The decode (gemv) kernels were rewritten around word tiles in session 5; their constants are
 # fitted to bench/results/fp4_h100_session9_mma_decode.json (H100, NVFP4, L2-cold, the six LLaMA
@@ -690,10 +690,15 @@ INT_GEMV_DECODE_OPS_PER_WEIGHT = 1.8
 # predicted / measured 0.98-1.05 (the one-token rows of that run: 1.10-1.20, not refit).
 INT_GEMV_OPS_PER_EXTRA_ROW = 0.9
 INT_GEMV_MAX_ROWS = 2  # the integer-dot tiles in DECODE_CONFIGS take 1 or 2 tokens per program
-# Tensor-core _fp4_gemv_words_mma_kernel: decode ops per weight per pass of 16 tokens; measured
+# Tensor-core _fp4_gemv_words_mma_kernel: decode ops per weight per program of 16 tokens; measured
 # 0.58-0.67 ps per weight at 4-16 tokens on the four 45-71 M weight layers (0.75-0.84 on the
 # smaller two) in the same run; predicted 0.57 + launch.
 GEMV_MMA_DECODE_OPS_PER_WEIGHT = 5.0
+# Programs of 32 or 64 tokens (session 31, bench/results/fp4_decode_h100_session31_mma_m*: 50-55 us
+# at 32 tokens, 71-80 us at 64 on the two 70.8 M weight layers, against 41-45 us for 16): each
+# token row past 16 adds this many ops per weight (the activation tile's shuffle and its trip
+# through shared memory, the wider MMA); 5.0 + 0.085 * 48 predicts 74 us at 64 tokens.
+GEMV_MMA_OPS_PER_EXTRA_ROW = 0.085
 # The fused prefill GEMM (_fp4_gemm_kernel) decodes every weight to bf16 in registers once per
 # BLOCK_M token rows: CUDA-core ops per decoded weight, fitted on the H200
 # (bench/results/fp4_h200_round2.json): 0.55-0.6e12 decoded weights/s at 4096 tokens with every
@@ -749,12 +754,13 @@ def _gemv_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes
             hw, f"FP4 GEMV (Triton, CUDA cores, integer dots, {tokens} row(s))", "fp4_gemv",
             decode_ops=weights * (INT_GEMV_DECODE_OPS_PER_WEIGHT + INT_GEMV_OPS_PER_EXTRA_ROW * (tokens - 1)),
             bytes_moved=w_bytes + act_bytes))
-    passes = -(-tokens // DECODE_TOKENS_PER_PASS)
-    candidates.append(_fp4_kernel_estimate(
-        hw, f"FP4 GEMV (Triton, tensor cores, {passes} pass(es) of 16 tokens)", "fp4_gemv",
-        decode_ops=weights * passes * GEMV_MMA_DECODE_OPS_PER_WEIGHT,
-        mma_flops=2.0 * DECODE_TOKENS_PER_PASS * passes * weights,
-        bytes_moved=w_bytes * passes + act_bytes))
+    for block_m in MMA_BLOCK_M:  # tensor cores: W is read and decoded once per block_m tokens
+        passes = -(-tokens // block_m)
+        ops_per_weight = GEMV_MMA_DECODE_OPS_PER_WEIGHT + GEMV_MMA_OPS_PER_EXTRA_ROW * (block_m - MMA_BLOCK_M[0])
+        candidates.append(_fp4_kernel_estimate(
+            hw, f"FP4 GEMV (Triton, tensor cores, {passes} pass(es) of {block_m} tokens)", "fp4_gemv",
+            decode_ops=weights * passes * ops_per_weight, mma_flops=2.0 * block_m * passes * weights,
+            bytes_moved=w_bytes * passes + act_bytes))
     return min(candidates, key=lambda e: e.ms)
 
 
@@ -779,7 +785,7 @@ def estimate_fp4_linear(hw, tokens: int, in_features: int, out_features: int, fm
     """Predicted time of graphopt::fp4_linear (the cheapest path unless `path` names one).
 
     GPU: `gemv` is the better of the CUDA-core kernel (<= 4 tokens: W read once, bound by its
-    per-weight decode + FMA work) and the tensor-core one (W decoded once per 16 tokens); `gemm`
+    per-weight decode + FMA work) and the tensor-core one (W decoded once per 16, 32 or 64 tokens); `gemm`
     decodes W once per BLOCK_M token rows and leaves SMs idle when it has fewer tiles than SMs;
     `dequant` writes W in bf16 once (DEQUANT_COPY_FRACTION of the copy bandwidth) and runs the
     cuBLAS linear on it. CPU: the op dequantizes to fp32 and runs a dense fp32 linear, which is
@@ -854,8 +860,8 @@ INT_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # and of the integer-dot one
 MIN_DECODE_BLOCK_N = 8  # narrowest decode tile; sizes the split-K counters (one per tile)
 # Candidates the launcher times once per (path, token bucket, N, K, format, dtype, bias, device) on a GPU. Kept
 # short: every distinct tile compiles once (~1 s). Decode: BLOCK_M 1, 2 or 4 is the CUDA-core
-# kernel (_fp4_gemv_words_kernel, that many tokens per program), 16 the tensor-core one
-# (_fp4_gemv_words_mma_kernel, up to 16 tokens per program). From the H100 sweeps of
+# kernel (_fp4_gemv_words_kernel, that many tokens per program), 16, 32 or 64 the tensor-core one
+# (_fp4_gemv_words_mma_kernel, up to that many tokens per program). From the H100 sweeps of
 # bench/bench_fp4_decode.py (bench/results/fp4_decode_h100_*): the CUDA-core kernel is fastest
 # with narrow tiles, 8-16 rows of 256-1024 elements (1 token: 8x1024 with 4 warps, 0.030 ms on
 # 5120->13824; 8x256 with 1 warp and a split of 4, 0.028 ms on 13824->5120), the tensor-core one
@@ -871,6 +877,15 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     + tuple(KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
             for bn, bk, sk in ((64, 128, 4), (64, 128, 8), (64, 128, 16), (128, 256, 4), (128, 256, 8),
                                (128, 256, 16)))
+    # the tensor-core kernel at 32 and 64 tokens per program: the best tiles of the H100 sweeps
+    # (bench/results/fp4_decode_h100_session31_mma_m*): 32 tokens 128 x 128 elements, split 8 (49.9 /
+    # 55.2 us on 13824->5120 / 5120->13824; 16-token programs 76-82 us); 64 tokens 128 x 256, split 8
+    # (70.9 / 79.5 us; 32-token programs 86-94 us, 16-token 135-153 us); unsplit 128-element tiles
+    # keep a candidate for layers with K <= 128
+    + tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
+            for bn, bm, bk, sk, w in ((128, 32, 128, 8, 4), (128, 32, 128, 4, 4), (256, 32, 128, 4, 8),
+                                      (128, 32, 128, 1, 4), (128, 64, 256, 8, 4), (128, 64, 128, 8, 4),
+                                      (128, 64, 128, 4, 4), (128, 64, 128, 2, 4), (128, 64, 128, 1, 4)))
     # one token, integer dot products (_fp4_gemv_int_kernel): the best tiles of the H100 sweeps
     # (bench/results/fp4_decode_h100_int_dots.*): 16 x 512 elements with 4 warps (20.7 us on
     # 5120->13824) and 16 x 256 with 1 warp and a split of 8 (20.6 us on 13824->5120), against
@@ -1408,7 +1423,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
         UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr,
     ):
-        """Decode on tensor cores, up to BLOCK_M (16) tokens per program, on the word tile of
+        """Decode on tensor cores, up to BLOCK_M (16, 32 or 64) tokens per program, on the word tile of
         _fp4_gemv_words_kernel. Per shift of the words, the two decoded codes of each word are one
         MMA operand register (_pair_dot): four MMAs per tile, each with K = 2 WORDS_PER_ITER. The
         activations are loaded once per tile, contiguous, and split into the matching pieces in
@@ -1576,12 +1591,12 @@ _TUNED: dict[tuple, KernelConfig] = {}
 def _device_path(device_index: int | None, tokens: int, in_features: int, out_features: int, fmt: str) -> str:
     """The launcher's path: choose_fp4_path for CUDA device `device_index`, cached (the estimate
     costs ~40 us of Python, and the launcher asks on every call); without a GPU (None: the
-    interpreter) decode up to DECODE_TOKENS_PER_PASS tokens, else the tiled GEMM."""
+    interpreter) decode up to 16 tokens (its one decode tile), else the tiled GEMM."""
     from graphopt.hardware import device_spec
 
     hw = None if device_index is None else device_spec(device_index)
     if hw is None or not hw.is_gpu:
-        return "gemv" if tokens <= DECODE_TOKENS_PER_PASS else "gemm"
+        return "gemv" if tokens <= INTERPRET_DECODE_CONFIG.block_m else "gemm"
     return choose_fp4_path(hw, tokens, in_features, out_features, fmt)
 
 
@@ -1604,23 +1619,31 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
     if path == "gemv":
         if cfg.block_n < MIN_DECODE_BLOCK_N:
             return False  # the split-K arrival counters are sized for this many rows per tile
-        if cfg.block_m == 16 and (cfg.block_k // 8 < 16 or cfg.block_n < 16):
+        if cfg.block_m in MMA_BLOCK_M and (cfg.block_k // 8 < 16 or cfg.block_n < 16):
             # 16 words per row (the MMAs' K is 32; with 8 words, K 16, the H100 results were wrong
             # although the interpreter's were right), and N >= 16
             return False
         if cfg.int_dots and cfg.block_m not in INT_BLOCK_M:
             return False
-        return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + (16,)
+        return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + MMA_BLOCK_M
     return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
 
 
 def _worth_timing(cfg: KernelConfig, path: str, m: int, k_padded: int) -> bool:
     """Tuning filter. 1-4 tokens: the CUDA-core kernels (FMA or integer dots) with BLOCK_M = the
     token bucket, or the tensor-core kernel; 5-16 tokens: CUDA-core with 4 tokens per program or
-    the tensor-core kernel. A K split keeps at least two K tiles per program."""
+    the tensor-core kernel; 17-32: the tensor-core kernel with 32 tokens per program; more: 32 or
+    64 (on the H100, 16-token programs took 1.5-2x as long at 32 and 64 tokens). A K split keeps at
+    least two K tiles per program."""
     if path != "gemv":
         return True
-    if cfg.block_m not in ((_token_bucket(m), 16) if m <= 4 else (4, 16)):
+    if m <= 4:
+        block_ms = (_token_bucket(m), 16)
+    elif m <= 16:
+        block_ms = (4, 16)
+    else:
+        block_ms = (32,) if m <= 32 else (32, 64)
+    if cfg.block_m not in block_ms:
         return False
     return cfg.split_k == 1 or (k_padded // cfg.block_k) // cfg.split_k >= 2
 
@@ -1754,8 +1777,10 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
     key = _tuned_key(path, args)
     if key in _TUNED:
         return _TUNED[key]
-    candidates = [cfg for cfg in (DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS)
-                  if _valid_config(cfg, path, m, out_features, k_padded, bs) and _worth_timing(cfg, path, m, k_padded)]
+    valid = [cfg for cfg in (DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS)
+             if _valid_config(cfg, path, m, out_features, k_padded, bs)]
+    # the tuning filter's picks, or every valid tile where it leaves none (a short K, say)
+    candidates = [cfg for cfg in valid if _worth_timing(cfg, path, m, k_padded)] or valid
     if candidates and torch.cuda.is_current_stream_capturing():
         # Inside a user's CUDA-graph capture, timing would launch, synchronize and capture graphs
         # of its own, which invalidates the user's capture: the first valid candidate, untimed and
@@ -1846,7 +1871,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"fp4_linear: config {cfg} is not valid for path {path} with M={m}, K_padded={k_padded}, "
                          f"block {bs} (BLOCK_N and BLOCK_K powers of two; BLOCK_K must divide K_padded, be a multiple "
                          f"of the block and give MMA K >= 16; 1 <= SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, "
-                         f"4 or 16 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 128, for BLOCK_M 16), and 1, 2 or 4 for "
+                         f"4, 16, 32 or 64 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 128, for BLOCK_M >= 16), and 1, 2 or 4 for "
                          f"int_dots configs; prefill tiles >= 16 without split)")
     out = _launch(path, cfg, *args)
     if key is not None and x.is_cuda and (_TUNED.get(_tuned_key(path, args)) == cfg or path == "dequant"):

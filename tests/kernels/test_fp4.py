@@ -196,6 +196,8 @@ def _assert_close(y, ref, dtype):
         (5, 37, 600, "gemv", KernelConfig(32, 16, 128, split_k=4), torch.bfloat16, False),  # MMA, uneven split
         (16, 24, 128, "gemv", KernelConfig(16, 16, 128, split_k=1), torch.float16, True),  # MMA path, direct store
         (20, 40, 380, "gemv", KernelConfig(16, 16, 128, split_k=3), torch.bfloat16, True),  # MMA, 2 token tiles, split
+        (45, 40, 380, "gemv", KernelConfig(16, 32, 128, split_k=3), torch.bfloat16, True),  # 32-token MMA tiles
+        (70, 37, 384, "gemv", KernelConfig(32, 64, 128, split_k=2), torch.float16, False),  # 64-token tiles, odd N
         (1, 40, 100, "gemv", KernelConfig(16, 1, 64, split_k=1, int_dots=True), torch.bfloat16, True),  # int dots
         (1, 37, 600, "gemv", KernelConfig(8, 1, 128, split_k=4, num_warps=1, int_dots=True), torch.float16,
          False),  # int dots, uneven split, odd N
@@ -340,8 +342,11 @@ def test_launcher_rejects_bad_arguments():
         fp4.fp4_linear_triton(x, kw.codes[:, :16].contiguous(), *args[1:])
     with pytest.raises(ValueError, match="BLOCK_K must divide"):
         fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 128))
-    with pytest.raises(ValueError, match="BLOCK_K >= 128, for BLOCK_M 16"):  # tensor-core decode: 16 words per row
-        fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 64))
+    for block_m in (16, 32, 64):  # tensor-core decode: 16 words per row
+        with pytest.raises(ValueError, match="BLOCK_K >= 128, for BLOCK_M >= 16"):
+            fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, block_m, 64))
+    with pytest.raises(ValueError, match="1, 2, 4, 16, 32 or 64"):  # no 8- or 128-token decode program
+        fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 8, 64))
     for bad in (KernelConfig(24, 1, 64), KernelConfig(16, 1, 64, split_k=0), KernelConfig(8, 16, 128)):
         with pytest.raises(ValueError, match="powers of two"):  # non-power-of-two tile, no split, narrow MMA tile
             fp4.fp4_linear_triton(x, *args, path="gemv", config=bad)
@@ -349,6 +354,23 @@ def test_launcher_rejects_bad_arguments():
         fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 128, int_dots=True))
     with pytest.raises(ValueError, match="activations must be"):
         fp4.fp4_linear_triton(x.to(torch.int32), *args)
+
+
+@pytest.mark.parametrize("k_padded", [128, 4096, 5120, 11008, 13824, 14336])
+def test_decode_candidates_by_token_count(k_padded):
+    """What the decode tuner times: 1-4 tokens the CUDA-core kernels at the token bucket and
+    16-token tensor-core programs, 5-16 four-token and 16-token ones, 17-32 tokens 32-token
+    programs, more 32 or 64 (16-token ones re-read W: 1.5-2x slower on the H100). Every LLaMA K
+    and the GPU tests' short K keep a candidate: one 128-element tile has unsplit 32- and 64-token
+    tiles (the 16-token ones are all split)."""
+    expected = {1: {1, 16}, 2: {2, 16}, 4: {4, 16}, 16: {4, 16}, 17: {32}, 32: {32}, 33: {32, 64}, 64: {32, 64},
+                100: {32, 64}}
+    for m, block_ms in expected.items():
+        worth = [c for c in fp4.DECODE_CONFIGS if fp4._valid_config(c, "gemv", m, 40, k_padded, 16)
+                 and fp4._worth_timing(c, "gemv", m, k_padded)]
+        if k_padded == 128:
+            block_ms -= {16}
+        assert {c.block_m for c in worth} == block_ms, (m, k_padded)
 
 
 def test_launcher_path_choice_is_the_cost_models_and_cached(monkeypatch):
