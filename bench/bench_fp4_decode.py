@@ -34,6 +34,8 @@ ARGS.add_argument("--int-wide", action="store_true",
                   help="word-int: every tile of 16-64 rows x 256-2048 elements at 16 or 32 code words per thread")
 ARGS.add_argument("--mma-m", default=None,
                   help="word-mma: comma-separated tokens per program (16, 32, 64) to sweep, each up to the token count")
+ARGS.add_argument("--permute-x", action="store_true",
+                  help="word-mma: also time every tile on pre-permuted activations (the permutation's launch included)")
 OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import torch  # noqa: E402
@@ -93,10 +95,11 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
         return [KernelConfig(bn, fp4._token_bucket(m), bk, sk, num_warps=w, num_stages=1)
                 for bn in (16, 64, 128) for bk in (256, 512) for w in (4, 8) for sk in (1, 2, 4, 8)]
     if mma and OPTS.mma_m:  # 16, 32 or 64 tokens per program (the MMA's N), at most the token bucket
-        block_ms = [bm for bm in (int(v) for v in OPTS.mma_m.split(",")) if bm == 16 or bm <= fp4._token_bucket(m)]
-        return [KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
-                for bm in block_ms for bn in (64, 128, 256) for bk in (128, 256) for sk in (2, 4, 8)
-                for w in ((4,) if bm == 16 else (4, 8))]
+        block_ms = [bm for bm in (int(v) for v in OPTS.mma_m.split(",")) if bm <= max(16, fp4._token_bucket(m))]
+        tiles = [KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
+                 for bm in block_ms for bn in (64, 128, 256) for bk in (128, 256) for sk in (2, 4, 8)
+                 for w in ((4,) if bm == 16 else (4, 8))]
+        return tiles + [dataclasses.replace(c, permute_x=True) for c in tiles] if OPTS.permute_x else tiles
     if mma:  # num_stages 1: see _fp4_gemv_words_mma_kernel
         if OPTS.wide:
             return [KernelConfig(bn, 16, bk, sk, num_warps=w, num_stages=1)
@@ -107,7 +110,8 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
 
 
 def config_name(cfg: KernelConfig) -> str:
-    return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}"
+    permuted = " px" if cfg.permute_x else ""
+    return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}{permuted}"
 
 
 def weights(k: int, n: int):

@@ -4,7 +4,7 @@ registers, stack (spills), shared memory and the instructions of the hot loop.
     python bench/offline_sm90.py sparse [--causal] [--partial-keys] [--host-descriptors] [--stages 2] [--warps 4] [--sequence] [--prologue]
     python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
     python bench/offline_sm90.py q4gemv ROWS BLOCK_N PAIRS WARPS {fused,separate}
-    python bench/offline_sm90.py fp4gemv {fma,mma,int} BLOCK_M BLOCK_N BLOCK_K WARPS [--mxfp4]
+    python bench/offline_sm90.py fp4gemv {fma,mma,int} BLOCK_M BLOCK_N BLOCK_K WARPS [--mxfp4] [--permute-x]
     python bench/offline_sm90.py pool SLICE_ELEMENTS WARPS LOOP_STAGES
 
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
@@ -203,7 +203,7 @@ def fp4gemv(args) -> None:
     nvfp4 = not args.mxfp4
     consts = dict(IS_NVFP4=nvfp4, HAS_BIAS=False, BLOCK_SIZE=16 if nvfp4 else 32, BLOCK_M=args.block_m,
                   BLOCK_N=args.block_n, WORDS_PER_ITER=args.block_k // 8, SPLIT_K=2, USE_ASM=True,
-                  UPCAST_DOT=False, DIRECT_BF16=nvfp4)
+                  UPCAST_DOT=False, DIRECT_BF16=nvfp4, X_PERMUTED=args.permute_x)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     div16 = ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "ws_ptr", "K", "K_PADDED", "N", "stride_xm", "stride_wn",
              "stride_sn", "stride_om"]
@@ -256,6 +256,7 @@ def main() -> int:
     for name in ("block_m", "block_n", "block_k", "warps"):
         p.add_argument(name, type=int)
     p.add_argument("--mxfp4", action="store_true")
+    p.add_argument("--permute-x", action="store_true", help="mma: activations pre-permuted (X_PERMUTED)")
     p = sub.add_parser("pool")
     for name in ("slice_elements", "warps", "loop_stages"):
         p.add_argument(name, type=int)

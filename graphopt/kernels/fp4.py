@@ -694,11 +694,12 @@ INT_GEMV_MAX_ROWS = 2  # the integer-dot tiles in DECODE_CONFIGS take 1 or 2 tok
 # 0.58-0.67 ps per weight at 4-16 tokens on the four 45-71 M weight layers (0.75-0.84 on the
 # smaller two) in the same run; predicted 0.57 + launch.
 GEMV_MMA_DECODE_OPS_PER_WEIGHT = 5.0
-# Programs of 32 or 64 tokens (session 31, bench/results/fp4_decode_h100_session31_mma_m*: 50-55 us
-# at 32 tokens, 71-80 us at 64 on the two 70.8 M weight layers, against 41-45 us for 16): each
-# token row past 16 adds this many ops per weight (the activation tile's shuffle and its trip
-# through shared memory, the wider MMA); 5.0 + 0.085 * 48 predicts 74 us at 64 tokens.
-GEMV_MMA_OPS_PER_EXTRA_ROW = 0.085
+# Programs of 32 or 64 tokens (session 31): each token row past 16 adds this many ops per weight
+# (the activation tile's trip through shared memory, the wider MMA). Fitted to the L2-cold rows of
+# bench/results/fp4_h100_session31_final.json, pre-permuted activations: 48-50 us at 32
+# tokens and 57-60 us at 64 on the two 70.8 M weight layers (5.0 + 0.05 * 48 predicts 64 us there).
+# Without the permutation the activation tile's shuffle made it 0.085 (71-80 us at 64 tokens).
+GEMV_MMA_OPS_PER_EXTRA_ROW = 0.05
 # The fused prefill GEMM (_fp4_gemm_kernel) decodes every weight to bf16 in registers once per
 # BLOCK_M token rows: CUDA-core ops per decoded weight, fitted on the H200
 # (bench/results/fp4_h200_round2.json): 0.55-0.6e12 decoded weights/s at 4096 tokens with every
@@ -853,6 +854,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     int_dots: bool = False  # decode, BLOCK_M 1-4: _fp4_gemv_int_kernel (int16 activations, dp2a)
+    permute_x: bool = False  # tensor-core decode: activations pre-permuted (permuted_activations, X_PERMUTED)
 
 
 FMA_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # decode BLOCK_M values of the CUDA-core kernel
@@ -884,8 +886,9 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     # keep a candidate for layers with K <= 128
     + tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
             for bn, bm, bk, sk, w in ((128, 32, 128, 8, 4), (128, 32, 128, 4, 4), (256, 32, 128, 4, 8),
-                                      (128, 32, 128, 1, 4), (128, 64, 256, 8, 4), (128, 64, 128, 8, 4),
-                                      (128, 64, 128, 4, 4), (128, 64, 128, 2, 4), (128, 64, 128, 1, 4)))
+                                      (64, 32, 256, 8, 4), (64, 32, 256, 4, 4), (128, 32, 128, 1, 4),
+                                      (128, 64, 256, 8, 4), (128, 64, 128, 8, 4), (128, 64, 128, 4, 4),
+                                      (128, 64, 128, 2, 4), (128, 64, 128, 1, 4)))
     # one token, integer dot products (_fp4_gemv_int_kernel): the best tiles of the H100 sweeps
     # (bench/results/fp4_decode_h100_int_dots.*): 16 x 512 elements with 4 warps (20.7 us on
     # 5120->13824) and 16 x 256 with 1 warp and a split of 8 (20.6 us on 13824->5120), against
@@ -905,6 +908,14 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     + tuple(KernelConfig(bn, 2, bk, sk, num_warps=1, num_stages=1, int_dots=True)
             for bn, bk, sk in ((16, 256, 4), (16, 256, 8), (16, 256, 2), (32, 128, 4), (8, 512, 1), (8, 512, 2)))
 )
+# Every tensor-core tile also on pre-permuted activations (permute_x: one more launch per call,
+# and no shuffle of the activation tile in the kernel; offline sm_90 at 64 x 128 x 256: 1125
+# instead of 1682 instructions per K step, no spills instead of 328 bytes). H100, L2-cold, with the
+# permutation's launch (bench/results/fp4_decode_h100_session31_px_*): best permuted / plain tile
+# 41.2 / 45.6 and 40.8 / 44.7 us at 16 tokens on 5120->13824 / 13824->5120, 45.5 / 53.6 and
+# 47.6 / 50.6 at 32, 57.8 / 70.9 and 61.0 / 80.9 at 64. The tuner still times both.
+DECODE_CONFIGS += tuple(dataclasses.replace(c, permute_x=True) for c in DECODE_CONFIGS
+                        if c.block_m in MMA_BLOCK_M and not c.int_dots)
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
     KernelConfig(128, 128, 128, num_warps=8, num_stages=3),
@@ -1407,12 +1418,30 @@ if triton is not None:
     def _pair_dot(lo, hi, x_lo, x_hi, acc, UPCAST_DOT: tl.constexpr):
         """acc += [lo | hi] @ [x_lo | x_hi]^T with lo and hi interleaved along K: the two halves of
         one bf16x2 register stay one register of the MMA operand (the K order of a dot is free)."""
-        BN: tl.constexpr = lo.shape[0]
         BM: tl.constexpr = x_lo.shape[0]
         W: tl.constexpr = lo.shape[1]
-        w = tl.reshape(tl.join(lo, hi), (BN, 2 * W))
-        x = tl.reshape(tl.join(x_lo, x_hi), (BM, 2 * W))
-        return _mma(w, x, acc, UPCAST_DOT)
+        return _joined_pair_dot(lo, hi, tl.reshape(tl.join(x_lo, x_hi), (BM, 2 * W)), acc, UPCAST_DOT)
+
+    @triton.jit
+    def _scaled_code_pairs(words, SHIFT: tl.constexpr, block_scale, IS_NVFP4: tl.constexpr,
+                           DIRECT_BF16: tl.constexpr, dtype: tl.constexpr, USE_ASM: tl.constexpr):
+        """The (low, high) codes of _decode_shift(words, SHIFT) times their block scale in the
+        activation dtype, as the tensor-core kernel's two decodes compute them (DIRECT_BF16: times
+        2^-7, which the kernel undoes on the sums)."""
+        if DIRECT_BF16:
+            return _bf16_scaled_pair(words, SHIFT, _bf16_scale_pair(block_scale), USE_ASM)
+        else:
+            scale = block_scale * _decode_power(IS_NVFP4)
+            lo, hi = _decode_shift(words, SHIFT, USE_ASM)
+            return (lo * scale).to(dtype), (hi * scale).to(dtype)
+
+    @triton.jit
+    def _joined_pair_dot(lo, hi, x, acc, UPCAST_DOT: tl.constexpr):
+        """_pair_dot with the activations already interleaved: x (BM, 2W), column 2w + j meeting
+        word w's low (j = 0) or high (j = 1) code."""
+        BN: tl.constexpr = lo.shape[0]
+        W: tl.constexpr = lo.shape[1]
+        return _mma(tl.reshape(tl.join(lo, hi), (BN, 2 * W)), x, acc, UPCAST_DOT)
 
     @triton.jit
     def _fp4_gemv_words_mma_kernel(
@@ -1421,7 +1450,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_sn, stride_om,
         IS_NVFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
-        UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr,
+        UPCAST_DOT: tl.constexpr, USE_ASM: tl.constexpr, DIRECT_BF16: tl.constexpr, X_PERMUTED: tl.constexpr = False,
     ):
         """Decode on tensor cores, up to BLOCK_M (16, 32 or 64) tokens per program, on the word tile of
         _fp4_gemv_words_kernel. Per shift of the words, the two decoded codes of each word are one
@@ -1431,7 +1460,10 @@ if triton is not None:
         multiply (_bf16_scaled_pair), otherwise fp32 products rounded to the activation dtype.
         The weights are decoded in the MMA's register layout; num_stages must stay 1, since
         Triton's pipeliner would stage the decoded tile through shared memory (H100: 0.92-0.96x
-        cuBLAS at 1-16 tokens against 1.18-1.40x). Split-K as in _fp4_gemv_words_kernel."""
+        cuBLAS at 1-16 tokens against 1.18-1.40x). Split-K as in _fp4_gemv_words_kernel.
+        X_PERMUTED: x_ptr holds permuted_activations(x) (zero-padded to K_PADDED, each tile's four
+        MMA operands contiguous), loaded as they are: no split in registers, whose 2-byte shared
+        stores and shuffles grow with BLOCK_M."""
         WPB: tl.constexpr = BLOCK_SIZE // 8
         W: tl.constexpr = WORDS_PER_ITER
         pid_n = tl.program_id(0)
@@ -1444,14 +1476,32 @@ if triton is not None:
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # (BM, 8W)
         dtype: tl.constexpr = x_ptr.dtype.element_ty
 
+        # permuted: rows >= M read row M - 1 (never stored), so the loads need no mask
+        xp_ptrs = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + tl.arange(0, 2 * W)[None, :]  # (BM, 2W)
+
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for it in range(it_start, it_end):
             k0 = it * (8 * W)
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (offs_k[None, :] + k0 < K), other=0.0)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _split_positions(x, BLOCK_SIZE)
+            if X_PERMUTED:  # the four operands of the tile, one per shift of the words
+                xs0 = tl.load(xp_ptrs + k0)
+                xs4 = tl.load(xp_ptrs + k0 + 2 * W)
+                xs8 = tl.load(xp_ptrs + k0 + 4 * W)
+                xs12 = tl.load(xp_ptrs + k0 + 6 * W)
+            else:
+                x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (offs_k[None, :] + k0 < K), other=0.0)
+                x0, x1, x2, x3, x4, x5, x6, x7 = _split_positions(x, BLOCK_SIZE)
             words = tl.load(word_ptrs + it * W)
             block_scale = _block_scales(tl.load(scale_ptrs + it * (W // WPB)), IS_NVFP4)
-            if DIRECT_BF16:
+            if X_PERMUTED:
+                lo, hi = _scaled_code_pairs(words, 0, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
+                acc = _joined_pair_dot(lo, hi, xs0, acc, UPCAST_DOT)
+                lo, hi = _scaled_code_pairs(words, 4, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
+                acc = _joined_pair_dot(lo, hi, xs4, acc, UPCAST_DOT)
+                lo, hi = _scaled_code_pairs(words, 8, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
+                acc = _joined_pair_dot(lo, hi, xs8, acc, UPCAST_DOT)
+                lo, hi = _scaled_code_pairs(words, 12, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
+                acc = _joined_pair_dot(lo, hi, xs12, acc, UPCAST_DOT)
+            elif DIRECT_BF16:
                 scale_pair = _bf16_scale_pair(block_scale)
                 lo, hi = _bf16_scaled_pair(words, 0, scale_pair, USE_ASM)
                 acc = _pair_dot(lo, hi, x0, x1, acc, UPCAST_DOT)
@@ -1625,6 +1675,8 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
             return False
         if cfg.int_dots and cfg.block_m not in INT_BLOCK_M:
             return False
+        if cfg.permute_x and (cfg.int_dots or cfg.block_m not in MMA_BLOCK_M):
+            return False  # only the tensor-core kernel reads permuted activations
         return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + MMA_BLOCK_M
     return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
 
@@ -1715,8 +1767,11 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         elif cfg.block_m in FMA_BLOCK_M:
             launch(_fp4_gemv_words_kernel, grid, *args, USE_ASM=not INTERPRET, **common)
         else:
+            if cfg.permute_x:  # x's tiles rearranged once per call, read by every program as they are
+                xp = permuted_activations(x2, k_padded, cfg.block_k // 8, bs)
+                args = (xp, *args[1:12], xp.stride(0), *args[13:])
             launch(_fp4_gemv_words_mma_kernel, grid, *args, UPCAST_DOT=INTERPRET, USE_ASM=not INTERPRET,
-                   DIRECT_BF16=format == "nvfp4" and x2.dtype == torch.bfloat16, **common)
+                   DIRECT_BF16=format == "nvfp4" and x2.dtype == torch.bfloat16, X_PERMUTED=cfg.permute_x, **common)
         return out
     common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.block_k // bs,
@@ -1728,6 +1783,22 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         x2.stride(0), codes.stride(0), scales.stride(0), out.stride(0), GROUP_M=cfg.group_m, **common,
     )
     return out
+
+
+def permuted_activations(x2: torch.Tensor, k_padded: int, words_per_iter: int, block_size: int) -> torch.Tensor:
+    """x (M, K) -> (M, k_padded), zero-padded, each K tile of 8 * words_per_iter elements
+    rearranged for _fp4_gemv_words_mma_kernel's X_PERMUTED: the tile's four MMA operands (one per
+    shift s = 0, 4, 8, 12 of the code words) one after another, each 2 * words_per_iter long, with
+    column 2w + j the element that word w's code at bit s + 16 j multiplies. In a scale block,
+    element h * BS/2 + 4q + 2 r1 + r0 sits at bit 8 r0 + 4 h + 16 r1 of word q (the kernel
+    layout), so the operand of shift 8 r0 + 4 h holds (block, q, r1) in that order."""
+    m, k = x2.shape
+    if k_padded > k:
+        x2 = F.pad(x2, (0, k_padded - k))
+    wpb = block_size // 8
+    tiles, blocks = k_padded // (8 * words_per_iter), 8 * words_per_iter // block_size
+    # (m, tile, block, h, q, r1, r0) -> (m, tile, r0, h, block, q, r1)
+    return x2.reshape(m, tiles, blocks, 2, wpb, 2, 2).permute(0, 1, 6, 3, 2, 4, 5).reshape(m, k_padded)
 
 
 DEQUANT_CONFIG = KernelConfig(64, 1, KERNEL_K_MULTIPLE)  # placeholder: the dequant path has no tile choice

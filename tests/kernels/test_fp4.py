@@ -198,6 +198,9 @@ def _assert_close(y, ref, dtype):
         (20, 40, 380, "gemv", KernelConfig(16, 16, 128, split_k=3), torch.bfloat16, True),  # MMA, 2 token tiles, split
         (45, 40, 380, "gemv", KernelConfig(16, 32, 128, split_k=3), torch.bfloat16, True),  # 32-token MMA tiles
         (70, 37, 384, "gemv", KernelConfig(32, 64, 128, split_k=2), torch.float16, False),  # 64-token tiles, odd N
+        (45, 40, 380, "gemv", KernelConfig(16, 32, 128, split_k=3, permute_x=True), torch.bfloat16, True),  # permuted x
+        (70, 37, 384, "gemv", KernelConfig(32, 64, 128, split_k=2, permute_x=True), torch.float16, False),
+        (5, 24, 200, "gemv", KernelConfig(16, 16, 256, split_k=1, permute_x=True), torch.bfloat16, True),  # 32 words
         (1, 40, 100, "gemv", KernelConfig(16, 1, 64, split_k=1, int_dots=True), torch.bfloat16, True),  # int dots
         (1, 37, 600, "gemv", KernelConfig(8, 1, 128, split_k=4, num_warps=1, int_dots=True), torch.float16,
          False),  # int dots, uneven split, odd N
