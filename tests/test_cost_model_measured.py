@@ -110,29 +110,34 @@ def test_fp4_pass_declines_every_linear_measured_slower_than_cublas(source, hw):
             f"{cublas_ms / paths[path]:.2f}x of cuBLAS on path {path}")
 
 
-def test_fp4_at_32_and_64_tokens_on_h100():
-    """bench/results/fp4_h100_session31_tokens_16_64.json: the tensor-core decode kernel with 32 and
-    64 tokens per program (session 31), all six shapes, CUDA-graph replays (the per-path columns hot,
-    the chosen path also L2-cold). At 64 tokens the model's path is within 1.15x of the fastest
-    measured one; its decode estimate is within 0.75-1.3x of the L2-cold time at 32 and 64 tokens;
-    and a layer the pass declines is measured at most 1.2x faster in FP4 (13824->5120 and
-    11008->4096 at 32 tokens, 1.18-1.19x cold, are the declined wins; the model predicts 1.05x)."""
-    rows = [r for r in json.loads((RESULTS / "fp4_h100_session31_tokens_16_64.json").read_text())["rows"]
-            if r.get("check") == "PASS" and r["tokens"] in (32, 64)]
-    assert len(rows) == 12
+def test_fp4_at_32_to_256_tokens_on_h100():
+    """bench/results/fp4_h100_session31_final.json: the tensor-core decode kernel with 32 and 64
+    tokens per program on pre-permuted activations (session 31), all six shapes, CUDA-graph replays
+    up to 64 tokens (the chosen path also L2-cold), interleaved eager timing at 256. At 64 and 256
+    tokens, where every path was timed, the model's path is within 1.15x of the fastest; its
+    decode estimate is within 0.75-1.3x of the L2-cold time at 32 and 64 tokens; a layer the pass
+    rewrites is measured no more than 5% slower than cuBLAS (4096x4096 at 32 tokens: 0.97x), and one
+    it declines at most 1.2x faster (11008->4096 at 64 tokens: 1.10x)."""
+    rows = [r for r in json.loads((RESULTS / "fp4_h100_session31_final.json").read_text())["rows"]
+            if r.get("check") == "PASS" and r["tokens"] in (32, 64, 256)]
+    assert len(rows) == 18
     for r in rows:
         k, n = _shape(r["shape"])
         tokens = r["tokens"]
-        if tokens == 64:
+        if tokens >= 64:
             measured = {p: r[f"{p}_ms"] for p in fp4k.PATHS}
             chosen = fp4k.choose_fp4_path(H100, tokens, k, n, "nvfp4")
-            assert measured[chosen] <= 1.15 * min(measured.values()), (k, n, chosen, measured)
-        assert r["path"] == "gemv"
-        predicted = fp4k.estimate_fp4_linear(H100, tokens, k, n, "nvfp4", path="gemv").ms
-        assert 0.75 <= predicted / r["fp4_cold_ms"] <= 1.3, (k, n, tokens, predicted, r["fp4_cold_ms"])
+            assert measured[chosen] <= 1.15 * min(measured.values()), (k, n, tokens, chosen, measured)
+        speedup = r.get("cold_speedup", r["speedup"])
+        if tokens <= 64:
+            assert r["path"] == "gemv"
+            predicted = fp4k.estimate_fp4_linear(H100, tokens, k, n, "nvfp4", path="gemv").ms
+            assert 0.75 <= predicted / r["fp4_cold_ms"] <= 1.3, (k, n, tokens, predicted, r["fp4_cold_ms"])
         before, after = fp4_linear.predict(H100, tokens, k, n, "nvfp4")
-        if not fp4_linear.worth_rewriting(before, after):
-            assert r["cold_speedup"] <= 1.2, (k, n, tokens, r["cold_speedup"])
+        if fp4_linear.worth_rewriting(before, after):
+            assert speedup >= SLOWER_TOLERANCE, (k, n, tokens, speedup)
+        else:
+            assert speedup <= 1.2, (k, n, tokens, speedup)
 
 
 def test_fp4_decode_rewritten_where_measured_clearly_faster_on_h100():

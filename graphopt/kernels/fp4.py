@@ -696,8 +696,9 @@ INT_GEMV_MAX_ROWS = 2  # the integer-dot tiles in DECODE_CONFIGS take 1 or 2 tok
 GEMV_MMA_DECODE_OPS_PER_WEIGHT = 5.0
 # Programs of 32 or 64 tokens (session 31): each token row past 16 adds this many ops per weight
 # (the activation tile's trip through shared memory, the wider MMA). Fitted to the L2-cold rows of
-# bench/results/fp4_h100_session31_final.json, pre-permuted activations: 48-50 us at 32
-# tokens and 57-60 us at 64 on the two 70.8 M weight layers (5.0 + 0.05 * 48 predicts 64 us there).
+# bench/results/fp4_h100_session31_final.json, pre-permuted activations: 44-47 us at 32
+# tokens and 57-59 us at 64 on the two 70.8 M weight layers (5.0 + 0.05 * 48 predicts 64 us there;
+# predicted / measured 0.82-1.16 on the twelve 32- and 64-token rows).
 # Without the permutation the activation tile's shuffle made it 0.085 (71-80 us at 64 tokens).
 GEMV_MMA_OPS_PER_EXTRA_ROW = 0.05
 # The fused prefill GEMM (_fp4_gemm_kernel) decodes every weight to bf16 in registers once per
