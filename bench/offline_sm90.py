@@ -207,9 +207,9 @@ def fp4gemv(args) -> None:
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     div16 = ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "ws_ptr", "K", "K_PADDED", "N", "stride_xm", "stride_wn",
              "stride_sn", "stride_om"]
-    kernel = compile_sm90(fn, types, consts, div16, args.warps, 1)
+    kernel = compile_sm90(fn, types, consts, div16, args.warps, args.stages)
     sass, resources = sass_and_resources(kernel)
-    print(f"fp4 {args.variant} {'nvfp4' if nvfp4 else 'mxfp4'} block_m={args.block_m} block_n={args.block_n} "
+    print(f"fp4 stages={args.stages} {args.variant} {'nvfp4' if nvfp4 else 'mxfp4'} block_m={args.block_m} block_n={args.block_n} "
           f"block_k={args.block_k} warps={args.warps}: {resources}")
     print_word_loop(sass, args.block_n * args.block_k / 8 / (32 * args.warps))
 
@@ -257,6 +257,7 @@ def main() -> int:
         p.add_argument(name, type=int)
     p.add_argument("--mxfp4", action="store_true")
     p.add_argument("--permute-x", action="store_true", help="mma: activations pre-permuted (X_PERMUTED)")
+    p.add_argument("--stages", type=int, default=1, help="num_stages (the launcher uses 1)")
     p = sub.add_parser("pool")
     for name in ("slice_elements", "warps", "loop_stages"):
         p.add_argument(name, type=int)
