@@ -1944,7 +1944,8 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                          f"block {bs} (BLOCK_N and BLOCK_K powers of two; BLOCK_K must divide K_padded, be a multiple "
                          f"of the block and give MMA K >= 16; 1 <= SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, "
                          f"4, 16, 32 or 64 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 128, for BLOCK_M >= 16), and 1, 2 or 4 for "
-                         f"int_dots configs; prefill tiles >= 16 without split)")
+                         f"int_dots configs; permute_x only on the tensor-core tiles (BLOCK_M 16, 32 or 64); prefill "
+                         f"tiles >= 16 without split)")
     out = _launch(path, cfg, *args)
     if key is not None and x.is_cuda and (_TUNED.get(_tuned_key(path, args)) == cfg or path == "dequant"):
         if len(_DECIDED) >= 4096:

@@ -353,6 +353,8 @@ def test_launcher_rejects_bad_arguments():
     for bad in (KernelConfig(24, 1, 64), KernelConfig(16, 1, 64, split_k=0), KernelConfig(8, 16, 128)):
         with pytest.raises(ValueError, match="powers of two"):  # non-power-of-two tile, no split, narrow MMA tile
             fp4.fp4_linear_triton(x, *args, path="gemv", config=bad)
+    with pytest.raises(ValueError, match="permute_x only on the tensor-core tiles"):  # a CUDA-core tile
+        fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 2, 64, permute_x=True))
     with pytest.raises(ValueError, match="1, 2 or 4 for int_dots configs"):  # integer dots: up to 4 tokens
         fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 128, int_dots=True))
     with pytest.raises(ValueError, match="activations must be"):
