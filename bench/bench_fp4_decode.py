@@ -34,6 +34,8 @@ ARGS.add_argument("--int-wide", action="store_true",
                   help="word-int: every tile of 16-64 rows x 256-2048 elements at 16 or 32 code words per thread")
 ARGS.add_argument("--mma-m", default=None,
                   help="word-mma: comma-separated tokens per program (16, 32, 64) to sweep, each up to the token count")
+ARGS.add_argument("--mma-bn", default="64,128,256", help="word-mma --mma-m sweep: rows per program")
+ARGS.add_argument("--mma-bk", default="128,256", help="word-mma --mma-m sweep: K elements per step")
 ARGS.add_argument("--permute-x", action="store_true",
                   help="word-mma: also time every tile on pre-permuted activations (the permutation's launch included)")
 OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
@@ -67,6 +69,10 @@ def _int_tiles(bm: int, block_ns, block_ks, words_per_thread, warp_counts, split
     return tiles
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
 def candidates(kernel: str, m: int) -> list[KernelConfig]:
     mma = kernel == "word-mma"
     if kernel == "word-int":  # _fp4_gemv_int_kernel, 1, 2 or 4 tokens per program
@@ -97,8 +103,8 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
     if mma and OPTS.mma_m:  # 16, 32 or 64 tokens per program (the MMA's N), at most the token bucket
         block_ms = [bm for bm in (int(v) for v in OPTS.mma_m.split(",")) if bm <= max(16, fp4._token_bucket(m))]
         tiles = [KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
-                 for bm in block_ms for bn in (64, 128, 256) for bk in (128, 256) for sk in (2, 4, 8)
-                 for w in ((4,) if bm == 16 else (4, 8))]
+                 for bm in block_ms for bn in _ints(OPTS.mma_bn) for bk in _ints(OPTS.mma_bk) for sk in (2, 4, 8)
+                 for w in ((4,) if bm == 16 and bk < 512 else (4, 8))]
         return tiles + [dataclasses.replace(c, permute_x=True) for c in tiles] if OPTS.permute_x else tiles
     if mma:  # num_stages 1: see _fp4_gemv_words_mma_kernel
         if OPTS.wide:
