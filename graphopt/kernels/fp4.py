@@ -1416,19 +1416,19 @@ if triton is not None:
         return s0_lo, s0_hi, s4_lo, s4_hi, s8_lo, s8_hi, s12_lo, s12_hi
 
     @triton.jit
-    def _pair_dot(lo, hi, x_lo, x_hi, acc, UPCAST_DOT: tl.constexpr):
-        """acc += [lo | hi] @ [x_lo | x_hi]^T with lo and hi interleaved along K: the two halves of
-        one bf16x2 register stay one register of the MMA operand (the K order of a dot is free)."""
-        BM: tl.constexpr = x_lo.shape[0]
-        W: tl.constexpr = lo.shape[1]
-        return _joined_pair_dot(lo, hi, tl.reshape(tl.join(x_lo, x_hi), (BM, 2 * W)), acc, UPCAST_DOT)
+    def _interleaved(x_lo, x_hi):
+        """(BM, W) pieces of the activations -> (BM, 2W), column 2w + j from x_lo (j = 0) or x_hi."""
+        return tl.reshape(tl.join(x_lo, x_hi), (x_lo.shape[0], 2 * x_lo.shape[1]))
 
     @triton.jit
     def _scaled_code_pairs(words, SHIFT: tl.constexpr, block_scale, IS_NVFP4: tl.constexpr,
                            DIRECT_BF16: tl.constexpr, dtype: tl.constexpr, USE_ASM: tl.constexpr):
         """The (low, high) codes of _decode_shift(words, SHIFT) times their block scale in the
         activation dtype, as the tensor-core kernel's two decodes compute them (DIRECT_BF16: times
-        2^-7, which the kernel undoes on the sums)."""
+        2^-7, which the kernel undoes on the sums). DIRECT_BF16: one bf16x2 multiply per code pair
+        (_bf16_scaled_pair); otherwise fp32 products rounded to the activation dtype, with the power
+        of two in the scale before the rounding, so code * e4m3 (NVFP4) is exact in fp16 and MXFP4
+        weights keep their size."""
         if DIRECT_BF16:
             return _bf16_scaled_pair(words, SHIFT, _bf16_scale_pair(block_scale), USE_ASM)
         else:
@@ -1438,8 +1438,9 @@ if triton is not None:
 
     @triton.jit
     def _joined_pair_dot(lo, hi, x, acc, UPCAST_DOT: tl.constexpr):
-        """_pair_dot with the activations already interleaved: x (BM, 2W), column 2w + j meeting
-        word w's low (j = 0) or high (j = 1) code."""
+        """acc += [lo | hi] @ x^T with lo and hi interleaved along K, x (BM, 2W) column 2w + j meeting
+        word w's low (j = 0) or high (j = 1) code: the two halves of one bf16x2 register stay one
+        register of the MMA operand (the K order of a dot is free)."""
         BN: tl.constexpr = lo.shape[0]
         W: tl.constexpr = lo.shape[1]
         return _mma(tl.reshape(tl.join(lo, hi), (BN, 2 * W)), x, acc, UPCAST_DOT)
@@ -1455,7 +1456,7 @@ if triton is not None:
     ):
         """Decode on tensor cores, up to BLOCK_M (16, 32 or 64) tokens per program, on the word tile of
         _fp4_gemv_words_kernel. Per shift of the words, the two decoded codes of each word are one
-        MMA operand register (_pair_dot): four MMAs per tile, each with K = 2 WORDS_PER_ITER. The
+        MMA operand register (_joined_pair_dot): four MMAs per tile, each with K = 2 WORDS_PER_ITER. The
         activations are loaded once per tile, contiguous, and split into the matching pieces in
         registers. DIRECT_BF16 (NVFP4, bf16 activations): codes times block scale in one bf16x2
         multiply (_bf16_scaled_pair), otherwise fp32 products rounded to the activation dtype.
@@ -1473,57 +1474,37 @@ if triton is not None:
             words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
-        offs_k = tl.arange(0, 8 * W)
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # (BM, 8W)
         dtype: tl.constexpr = x_ptr.dtype.element_ty
-
-        # permuted: rows >= M read row M - 1 (never stored), so the loads need no mask
-        xp_ptrs = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + tl.arange(0, 2 * W)[None, :]  # (BM, 2W)
+        if X_PERMUTED:  # rows >= M read row M - 1 (never stored), so the loads need no mask
+            x_ptrs = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + tl.arange(0, 2 * W)[None, :]  # (BM, 2W)
+        else:
+            offs_k = tl.arange(0, 8 * W)
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # (BM, 8W)
 
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for it in range(it_start, it_end):
             k0 = it * (8 * W)
-            if X_PERMUTED:  # the four operands of the tile, one per shift of the words
-                xs0 = tl.load(xp_ptrs + k0)
-                xs4 = tl.load(xp_ptrs + k0 + 2 * W)
-                xs8 = tl.load(xp_ptrs + k0 + 4 * W)
-                xs12 = tl.load(xp_ptrs + k0 + 6 * W)
+            # the tile's four MMA operands of activations, one per shift of the words
+            if X_PERMUTED:
+                xs0 = tl.load(x_ptrs + k0)
+                xs4 = tl.load(x_ptrs + k0 + 2 * W)
+                xs8 = tl.load(x_ptrs + k0 + 4 * W)
+                xs12 = tl.load(x_ptrs + k0 + 6 * W)
             else:
                 x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (offs_k[None, :] + k0 < K), other=0.0)
                 x0, x1, x2, x3, x4, x5, x6, x7 = _split_positions(x, BLOCK_SIZE)
             words = tl.load(word_ptrs + it * W)
             block_scale = _block_scales(tl.load(scale_ptrs + it * (W // WPB)), IS_NVFP4)
-            if X_PERMUTED:
-                lo, hi = _scaled_code_pairs(words, 0, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
-                acc = _joined_pair_dot(lo, hi, xs0, acc, UPCAST_DOT)
-                lo, hi = _scaled_code_pairs(words, 4, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
-                acc = _joined_pair_dot(lo, hi, xs4, acc, UPCAST_DOT)
-                lo, hi = _scaled_code_pairs(words, 8, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
-                acc = _joined_pair_dot(lo, hi, xs8, acc, UPCAST_DOT)
-                lo, hi = _scaled_code_pairs(words, 12, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
-                acc = _joined_pair_dot(lo, hi, xs12, acc, UPCAST_DOT)
-            elif DIRECT_BF16:
-                scale_pair = _bf16_scale_pair(block_scale)
-                lo, hi = _bf16_scaled_pair(words, 0, scale_pair, USE_ASM)
-                acc = _pair_dot(lo, hi, x0, x1, acc, UPCAST_DOT)
-                lo, hi = _bf16_scaled_pair(words, 4, scale_pair, USE_ASM)
-                acc = _pair_dot(lo, hi, x2, x3, acc, UPCAST_DOT)
-                lo, hi = _bf16_scaled_pair(words, 8, scale_pair, USE_ASM)
-                acc = _pair_dot(lo, hi, x4, x5, acc, UPCAST_DOT)
-                lo, hi = _bf16_scaled_pair(words, 12, scale_pair, USE_ASM)
-                acc = _pair_dot(lo, hi, x6, x7, acc, UPCAST_DOT)
-            else:
-                # the power of two goes into the scale before the weights are rounded to the
-                # activation dtype: code * e4m3 (NVFP4) is then exact in fp16, and MXFP4 weights keep their size
-                scale = block_scale * _decode_power(IS_NVFP4)
-                lo, hi = _decode_shift(words, 0, USE_ASM)
-                acc = _pair_dot((lo * scale).to(dtype), (hi * scale).to(dtype), x0, x1, acc, UPCAST_DOT)
-                lo, hi = _decode_shift(words, 4, USE_ASM)
-                acc = _pair_dot((lo * scale).to(dtype), (hi * scale).to(dtype), x2, x3, acc, UPCAST_DOT)
-                lo, hi = _decode_shift(words, 8, USE_ASM)
-                acc = _pair_dot((lo * scale).to(dtype), (hi * scale).to(dtype), x4, x5, acc, UPCAST_DOT)
-                lo, hi = _decode_shift(words, 12, USE_ASM)
-                acc = _pair_dot((lo * scale).to(dtype), (hi * scale).to(dtype), x6, x7, acc, UPCAST_DOT)
+            # split pieces are interleaved at their dot: all four up front, the 16-token bf16 build
+            # took 22 more instructions per step (offline sm_90)
+            lo, hi = _scaled_code_pairs(words, 0, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
+            acc = _joined_pair_dot(lo, hi, xs0 if X_PERMUTED else _interleaved(x0, x1), acc, UPCAST_DOT)
+            lo, hi = _scaled_code_pairs(words, 4, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
+            acc = _joined_pair_dot(lo, hi, xs4 if X_PERMUTED else _interleaved(x2, x3), acc, UPCAST_DOT)
+            lo, hi = _scaled_code_pairs(words, 8, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
+            acc = _joined_pair_dot(lo, hi, xs8 if X_PERMUTED else _interleaved(x4, x5), acc, UPCAST_DOT)
+            lo, hi = _scaled_code_pairs(words, 12, block_scale, IS_NVFP4, DIRECT_BF16, dtype, USE_ASM)
+            acc = _joined_pair_dot(lo, hi, xs12 if X_PERMUTED else _interleaved(x6, x7), acc, UPCAST_DOT)
         acc = acc * (tl.load(global_scale_ptr) * (128.0 if DIRECT_BF16 else 1.0))  # DIRECT_BF16: undo 2^-7
 
         _store_token_tile(acc, offs_n, n_mask, rows, offs_m, m_mask, pid_m, pid_n, N, stride_om, out_ptr, ws_ptr,
@@ -1749,7 +1730,10 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         w = dequantize_triton(codes, scales, global_scale, n, in_features, format, compute_dtype)
         out = F.linear(x2.to(compute_dtype), w, None if bias is None else bias.to(compute_dtype))
         return out.to(out_dtype) if out.dtype != out_dtype else out
-    if path == "gemv":  # decode: CUDA cores (BLOCK_M 1-4) or tensor cores (BLOCK_M 16), word tiles
+    if path == "gemv":  # decode: CUDA cores (BLOCK_M 1-4) or tensor cores (BLOCK_M 16-64), word tiles
+        # permute_x (tensor-core tiles only, _valid_config): x's tiles rearranged once per call, read
+        # by every program as they are
+        x_arg = permuted_activations(x2, k_padded, cfg.block_k // 8, bs) if cfg.permute_x else x2
         n_iters = k_padded // cfg.block_k
         split_k = cdiv(n_iters, cdiv(n_iters, cfg.split_k))  # every split owns >= 1 tile
         out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
@@ -1758,8 +1742,8 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
             split_k, buffers = 1, (out, out)
         ws, counters = buffers
         grid = (cdiv(n, cfg.block_n), split_k, cdiv(m, cfg.block_m))
-        args = (x2, codes.view(torch.int32), scales, global_scale, bias_arg, out, ws, counters, m, n, in_features,
-                k_padded, x2.stride(0), k_padded // 8, scales.stride(0), out.stride(0))
+        args = (x_arg, codes.view(torch.int32), scales, global_scale, bias_arg, out, ws, counters, m, n, in_features,
+                k_padded, x_arg.stride(0), k_padded // 8, scales.stride(0), out.stride(0))
         common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, WORDS_PER_ITER=cfg.block_k // 8, SPLIT_K=split_k,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -1768,9 +1752,6 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         elif cfg.block_m in FMA_BLOCK_M:
             launch(_fp4_gemv_words_kernel, grid, *args, USE_ASM=not INTERPRET, **common)
         else:
-            if cfg.permute_x:  # x's tiles rearranged once per call, read by every program as they are
-                xp = permuted_activations(x2, k_padded, cfg.block_k // 8, bs)
-                args = (xp, *args[1:12], xp.stride(0), *args[13:])
             launch(_fp4_gemv_words_mma_kernel, grid, *args, UPCAST_DOT=INTERPRET, USE_ASM=not INTERPRET,
                    DIRECT_BF16=format == "nvfp4" and x2.dtype == torch.bfloat16, X_PERMUTED=cfg.permute_x, **common)
         return out
