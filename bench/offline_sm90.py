@@ -116,7 +116,8 @@ def sparse(args) -> None:
 
     consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, IS_CAUSAL=args.causal, PV_SKIP=False,
                   PV_PER_HEAD=False, DOT_PRECISION="tf32", PREFETCH_INDEX=1, USE_TMA=1, PAIR_BLOCKS=0, SINGLE_LOOP=True,
-                  PARTIAL_KEYS=args.partial_keys, HOST_DESCRIPTORS=args.host_descriptors)
+                  PARTIAL_KEYS=args.partial_keys, HOST_DESCRIPTORS=args.host_descriptors,
+                  MERGED_SUFFIX=args.merged_suffix)
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", lut_ptr="*i32", count_ptr="*i32",
                  pv_thresh_ptr="*fp32", pv_thresh="fp32", qk_scale="fp32")
     if args.host_descriptors:  # the launcher's descriptors over all heads' rows
@@ -242,6 +243,7 @@ def main() -> int:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--sequence", action="store_true")
     p.add_argument("--prologue", action="store_true", help="the loads and waits before the first MMA")
+    p.add_argument("--merged-suffix", action="store_true", help="masked tiles in the main loop (MERGED_SUFFIX)")
     p = sub.add_parser("q4gemm")
     for name in ("block_m", "block_n", "pairs", "warps", "stages"):
         p.add_argument(name, type=int)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -51,37 +52,50 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--fixed-config", action="store_true", help="both modules run FIXED_CONFIG, no autotuning")
     parser.add_argument("--lengths", default="8192,16384")
+    parser.add_argument("--densities", default="0.5,0.25")
+    parser.add_argument("--causal", default="0,1", help="comma-separated 0/1")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME=JSON",
+                        help='the current module again under FIXED_CONFIG updated with these keys, e.g. '
+                             'merged=\'{"MERGED_SUFFIX": 1}\' (needs --fixed-config)')
     args = parser.parse_args()
     baselines = {("baseline" if i == 0 else f"baseline{i + 1}"): load_module(path) for i, path in enumerate(args.baseline)}
     config = FIXED_CONFIG if args.fixed_config else None
+    variants = {}
+    for item in args.variants:
+        name, _, overrides = item.partition("=")
+        if config is None:
+            parser.error("--variants needs --fixed-config")
+        variants[name] = {**config, **json.loads(overrides)}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
     for length in [int(x) for x in args.lengths.split(",")]:
         q, k, v = (torch.randn(1, args.heads, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for causal in (False, True):
-            for density in (0.5, 0.25):
+        for causal in [bool(int(c)) for c in args.causal.split(",")]:
+            for density in [float(d) for d in args.densities.split(",")]:
                 mask128 = random_block_mask(args.heads, length, density, causal, seed=3, block=current.BLOCK_M)
                 lut, counts = current.block_mask_to_lut(split_key_blocks(mask128, length, current.BLOCK_M,
                                                                          current.BLOCK_N).cuda())
 
-                def run(module, causal=causal, lut=lut, counts=counts):
+                def run(module, causal=causal, lut=lut, counts=counts, config=config):
                     return lambda: module.block_sparse_attention(q, k, v, lut, counts, is_causal=causal, config=config)
-                fns = {**{name: run(module) for name, module in baselines.items()}, "current": run(current),
+                others = {**baselines, **{name: current for name in variants}}
+                fns = {**{name: run(module, config=variants.get(name, config)) for name, module in others.items()},
+                       "current": run(current),
                        "cudnn": lambda causal=causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
                 current_out = fns["current"]().float()
-                diffs = {f"max_abs_diff_{name}": (fns[name]().float() - current_out).abs().max().item() for name in baselines}
+                diffs = {f"max_abs_diff_{name}": (fns[name]().float() - current_out).abs().max().item() for name in others}
                 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                     times = interleaved_ms(fns, rounds=args.rounds, rotate=True)
                 ms = {name: statistics.median(t) for name, t in times.items()}
                 row = {"L": length, "causal": causal, "density": density, **{f"{n}_ms": round(t, 4) for n, t in ms.items()}}
-                for name in baselines:
+                for name in others:
                     row[f"current_vs_{name}"] = round(ms[name] / ms["current"], 3)
                     row[f"{name}_vs_cudnn"] = round(ms["cudnn"] / ms[name], 3)
                 row["current_vs_cudnn"] = round(ms["cudnn"] / ms["current"], 3)
                 rows.append({**row, **diffs})
                 print(rows[-1], flush=True)
-    write_json("sparse_kernel_ab", rows, baseline=args.baseline, fixed_config=config, heads=args.heads)
+    write_json("sparse_kernel_ab", rows, baseline=args.baseline, fixed_config=config, variants=variants, heads=args.heads)
     print_table("sparse kernel A/B, one process, interleaved (speedups: > 1 is current faster)", rows)
     return 0
 

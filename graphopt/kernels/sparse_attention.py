@@ -362,9 +362,10 @@ def _attention_configs():
                 for w, s in ((8, 2), (8, 3), (8, 4), (4, 3))]
     configs += [triton.Config({"PREFETCH_INDEX": 1, "USE_TMA": t, "PAIR_BLOCKS": 1}, num_warps=8, num_stages=s)
                 for t in (1,) for s in (2, 3)]  # with pointer loads the pair spills (sm_90, 8 warps)
-    # one loop over the whole list in one warp group (252 registers at D=128 on sm_90, no spills)
-    configs += [triton.Config({"PREFETCH_INDEX": 1, "USE_TMA": 1, "PAIR_BLOCKS": 0, "SINGLE_LOOP": 1},
-                              num_warps=4, num_stages=s) for s in (2, 3)]
+    # one loop over the whole list in one warp group (252 registers at D=128 on sm_90, no spills);
+    # at 2 stages with the masked suffix merged into it (MERGED_SUFFIX), at 3 in a loop of its own
+    configs += [triton.Config({"PREFETCH_INDEX": 1, "USE_TMA": 1, "PAIR_BLOCKS": 0, "SINGLE_LOOP": 1,
+                               "MERGED_SUFFIX": int(s == 2)}, num_warps=4, num_stages=s) for s in (2, 3)]
     return configs
 
 
@@ -542,6 +543,27 @@ if triton is not None:
         return acc, l_i, m_i
 
     @triton.jit
+    def _attend_tile_branch(acc, l_i, m_i, q, k_desc, v_desc, start_n, desc_row0, offs_m, offs_n, masked, Lk, qk_scale,
+                            IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """_attend_tile through tensor descriptors with the token mask under a uniform runtime
+        branch (`masked`), so masked and unmasked tiles share one pipelined loop."""
+        keys = start_n + offs_n
+        kt = tl.trans(k_desc.load([desc_row0 + start_n, 0]))
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        if masked:
+            if IS_CAUSAL:
+                qk = tl.where(keys[None, :] <= offs_m[:, None], qk, float("-inf"))
+            else:
+                qk = tl.where(keys[None, :] < Lk, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v_desc.load([desc_row0 + start_n, 0])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        return acc, l_i, m_new
+
+    @triton.jit
     def _attend_list(
         acc, l_i, m_i, q, kt_ptrs, v_ptrs, k_desc, v_desc, lut_row, lo, hi, next_index, offs_m, offs_n, offs_d,
         neg_pv_thresh, stride_kn, stride_vn, Lq, Lk, qk_scale,
@@ -644,6 +666,7 @@ if triton is not None:
         H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP, q_hdesc, k_hdesc, v_hdesc, o_hdesc,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, PARTIAL_KEYS: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
+        MERGED_SUFFIX: tl.constexpr = False,
     ):
         """The row's unmasked blocks in one branch-free loop, in one warp group, after its masked
         suffix (diagonal or partial blocks, at most BLOCK_M // BLOCK_N + 1) in a short loop of its
@@ -655,7 +678,11 @@ if triton is not None:
         HOST_DESCRIPTORS: the launcher built the four descriptors (q_hdesc ...) over all heads'
         rows, (B*H*L, D), when whole blocks tile every head; else each program builds its own on
         the device, four global writes and a proxy fence before its first load. On the H100 at 8k
-        tokens that made up about 2.5 of a program's 10 us of fixed cost (bench/sparse_fixed_cost.py)."""
+        tokens that made up about 2.5 of a program's 10 us of fixed cost (bench/sparse_fixed_cost.py).
+
+        MERGED_SUFFIX (causal or a partial last key block): the masked suffix joins the main loop
+        instead, its mask under a branch (_attend_tile_branch). Only at 2 stages: at 3 the merged
+        loop spills 120 bytes (sm_90, triton 3.9; 1.16-1.2x slower on the H100)."""
         pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, N_Q_BLOCKS, HEAD_GROUP, IS_CAUSAL)
         if HOST_DESCRIPTORS:
             q_desc, k_desc, v_desc, o_desc = q_hdesc, k_hdesc, v_hdesc, o_hdesc
@@ -692,24 +719,38 @@ if triton is not None:
         # n_plain before the suffix loop: computed after it, the causal build spilled 8 more bytes
         # (sm_90, triton 3.9)
         n_plain = tl.maximum(count - n_masked, 0)
-        if IS_CAUSAL or PARTIAL_KEYS:
-            # The masked suffix first, in a loop of its own (at most BLOCK_M // BLOCK_N + 1 tiles):
-            # pipelined, so a tile's K and V loads are in flight together and the next tile's load
-            # overlaps this one. As straight-line code each load waited on its own, K then V, tile
-            # after tile (1-4% slower on the H100's causal rows, session 12). Its blocks come from
-            # _masked_suffix, not the list, so its first loads wait on Q only.
-            for j in tl.range(0, n_masked, num_stages=2):
-                start_n = (first_masked + j) * BLOCK_N
+        if (IS_CAUSAL or PARTIAL_KEYS) and MERGED_SUFFIX:
+            # The whole list in one pipelined loop, the masked suffix (its last n_masked entries) last,
+            # its token mask under a uniform branch: the suffix's own loop fills its pipeline once
+            # more before the first MMA. On the H100 (causal, 8k and 16k, 32 heads) 1.2-3.7% faster
+            # at 10-25% density, -2.3% to +0.9% at 50%, 0.5-1% slower at 100% (session 32). No row
+            # sees only masked keys, so the max needs no -inf guard: the list holds every block the
+            # diagonal crosses (the launcher's precondition), and the first of them starts at the
+            # query block's first token; a partial last key block starts below Lk.
+            for it in range(0, count):
+                start_n = tl.load(lut_row + it, eviction_policy="evict_last") * BLOCK_N
+                acc, l_i, m_i = _attend_tile_branch(
+                    acc, l_i, m_i, q, k_desc, v_desc, start_n, kv_row0, offs_m, offs_n, it >= n_plain, Lk, qk_scale,
+                    IS_CAUSAL, DOT_PRECISION)
+        else:
+            if IS_CAUSAL or PARTIAL_KEYS:
+                # The masked suffix first, in a loop of its own (at most BLOCK_M // BLOCK_N + 1 tiles):
+                # pipelined, so a tile's K and V loads are in flight together and the next tile's load
+                # overlaps this one. As straight-line code each load waited on its own, K then V, tile
+                # after tile (1-4% slower on the H100's causal rows, session 12). Its blocks come from
+                # _masked_suffix, not the list, so its first loads wait on Q only.
+                for j in tl.range(0, n_masked, num_stages=2):
+                    start_n = (first_masked + j) * BLOCK_N
+                    acc, l_i, m_i = _attend_tile(
+                        acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, kv_row0, offs_m, offs_n, offs_d, 0.0,
+                        stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, True, IS_CAUSAL, False,
+                        DOT_PRECISION, True)
+            for it in range(0, n_plain):
+                start_n = tl.load(lut_row + it, eviction_policy="evict_last") * BLOCK_N
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, kv_row0, offs_m, offs_n, offs_d, 0.0,
-                    stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, True, IS_CAUSAL, False,
+                    stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, False, IS_CAUSAL, False,
                     DOT_PRECISION, True)
-        for it in range(0, n_plain):
-            start_n = tl.load(lut_row + it, eviction_policy="evict_last") * BLOCK_N
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, start_n, kv_row0, offs_m, offs_n, offs_d, 0.0,
-                stride_kn, stride_vn, Lq, Lk, qk_scale, HEAD_DIM, False, False, IS_CAUSAL, False,
-                DOT_PRECISION, True)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty row (count 0) gives 0
         o_desc.store([q_row0 + pid_m * BLOCK_M, 0], out.to(o_desc.dtype))  # rows past Lq are clipped
 
@@ -726,14 +767,15 @@ if triton is not None:
         IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PV_PER_HEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFETCH_INDEX: tl.constexpr, USE_TMA: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
         SINGLE_LOOP: tl.constexpr = False, PARTIAL_KEYS: tl.constexpr = False, HOST_DESCRIPTORS: tl.constexpr = False,
-        TMA_ELIGIBLE: tl.constexpr = 0,
+        TMA_ELIGIBLE: tl.constexpr = 0, MERGED_SUFFIX: tl.constexpr = False,
     ):
         """1-D grid of nQ * B*H programs (order: tile_order.query_block_order): one query block of one
         head; visits the kept key blocks of its LUT row.
         PAIR_BLOCKS (without PV skipping): unmasked blocks two per step (_attend_pairs).
         USE_TMA: K/V tiles through device-side tensor descriptors (Hopper TMA; the launcher
         checks alignment), else pointer loads.
-        SINGLE_LOOP: the masked suffix, then the unmasked blocks in one loop (_attend_single_loop);
+        SINGLE_LOOP: the masked suffix, then the unmasked blocks in one loop (_attend_single_loop;
+        MERGED_SUFFIX: both in one loop);
         PARTIAL_KEYS: Lk is not a multiple of BLOCK_N (the single loop's masked suffix).
         HOST_DESCRIPTORS: q_hdesc ... o_hdesc are the launcher's descriptors for the single loop
         (None otherwise; the default body never reads them).
@@ -748,7 +790,7 @@ if triton is not None:
                 q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                 stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, H, KV_GROUP, Lq, Lk,
                 N_Q_BLOCKS, N_K_BLOCKS, qk_scale, HEAD_GROUP, q_hdesc, k_hdesc, v_hdesc, o_hdesc, HEAD_DIM, BLOCK_M,
-                BLOCK_N, IS_CAUSAL, DOT_PRECISION, PARTIAL_KEYS, HOST_DESCRIPTORS)
+                BLOCK_N, IS_CAUSAL, DOT_PRECISION, PARTIAL_KEYS, HOST_DESCRIPTORS, MERGED_SUFFIX)
         else:
             _attend_block_lists(
                 q_ptr, k_ptr, v_ptr, o_ptr, lut_ptr, count_ptr, pv_thresh_ptr, pv_thresh, stride_qb, stride_qh,
@@ -1507,8 +1549,8 @@ def block_sparse_attention(
     `predict_block_lut`. Under `is_causal` every diagonal-crossing block must be in the list.
 
     config: None = autotuned on a GPU (the interpreter uses one fixed config); or an explicit
-    {"PREFETCH_INDEX": 0/1, "USE_TMA": 0/1, "PAIR_BLOCKS": 0/1, "SINGLE_LOOP": 0/1, "num_warps": ...,
-    "num_stages": ..., "HOST_DESCRIPTORS": 0/1}
+    {"PREFETCH_INDEX": 0/1, "USE_TMA": 0/1, "PAIR_BLOCKS": 0/1, "SINGLE_LOOP": 0/1, "MERGED_SUFFIX": 0/1,
+    "num_warps": ..., "num_stages": ..., "HOST_DESCRIPTORS": 0/1}
     (tests, ablations). HOST_DESCRIPTORS (single loop only) defaults to 1 wherever
     `host_descriptors_supported` holds."""
     _require_triton(q, k, v)
@@ -1577,6 +1619,7 @@ def block_sparse_attention(
     else:
         launch(_sparse_attention_kernel, grid, *args, **meta, PREFETCH_INDEX=int(config.get("PREFETCH_INDEX", 1)),
                USE_TMA=use_tma, PAIR_BLOCKS=int(config.get("PAIR_BLOCKS", 0)), SINGLE_LOOP=single_loop,
+               MERGED_SUFFIX=int(config.get("MERGED_SUFFIX", 0)),
                num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 3))
     return out
 

@@ -261,7 +261,7 @@ def test_triton_predictor_ties_at_the_cdf_boundary():
 
 @pytest.mark.parametrize("prefetch_index,use_tma,pair_blocks,single_loop,length", [
     (0, 0, 0, 0, 450), (1, 0, 0, 0, 450), (1, 1, 0, 0, 450), (1, 0, 1, 0, 450), (1, 1, 1, 0, 450),
-    (1, 1, 0, 1, 450), (1, 1, 0, 1, 448)])
+    (1, 1, 0, 1, 450), (1, 1, 0, 1, 448), (1, 1, 0, "merged", 450), (1, 1, 0, "merged", 448)])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_triton_kernel_loop_variants(prefetch_index, use_tma, pair_blocks, single_loop, length, is_causal):
     # the loop variants the GPU autotuner chooses between (index prefetch; K/V through pointers or
@@ -284,7 +284,8 @@ def test_triton_kernel_loop_variants(prefetch_index, use_tma, pair_blocks, singl
     lut, counts = sa.block_mask_to_lut(mask)
     assert {c % 2 for c in counts.flatten().tolist()} == {0, 1}
     ref = sa.block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal)
-    config = {"PREFETCH_INDEX": prefetch_index, "USE_TMA": use_tma, "PAIR_BLOCKS": pair_blocks, "SINGLE_LOOP": single_loop,
+    config = {"PREFETCH_INDEX": prefetch_index, "USE_TMA": use_tma, "PAIR_BLOCKS": pair_blocks,
+              "SINGLE_LOOP": int(bool(single_loop)), "MERGED_SUFFIX": int(single_loop == "merged"),
               "num_warps": 4, "num_stages": 1 if DEVICE == "cpu" else 3}
     out = sa.block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal, config=config)
     torch.testing.assert_close(out, ref, **FP32_TOL)

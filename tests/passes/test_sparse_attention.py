@@ -15,6 +15,7 @@ from graphopt import cost_model
 from graphopt.hardware import SPECS, get_spec
 from graphopt.kernels import sparse_attention as sa
 from graphopt.passes import sparse_attention as sp
+from graphopt.plan import save_plan
 
 
 class HandWrittenAttention(torch.nn.Module):
@@ -204,8 +205,8 @@ def _plan(tmp_path, key, *, heads=2, dense=(False, False), cdf=(0.9, 1.0), l1=0.
              "simthreshd1": [0.6, -1.0], "cdfthreshd": list(cdf), "pvthreshd": [None, None], "dense": list(dense),
              "sparsity": [0.6, 0.0], "l1": [0.03, 0.0], "pv_l1": [0.03, 0.0], "heldout_l1": [0.04, 0.0]}
     path = tmp_path / "plan.json"
-    graphopt.plan.save_plan(path, {"sparse_attention": {"version": 1, "block_m": 128, "block_n": 64, "l1": l1,
-                                                        "pv_l1": 0.07, "layers": {key: layer}}})
+    save_plan(path, {"sparse_attention": {"version": 1, "block_m": 128, "block_n": 64, "l1": l1,
+                                          "pv_l1": 0.07, "layers": {key: layer}}})
     return str(path)
 
 
