@@ -36,6 +36,10 @@ ARGS.add_argument("--mma-m", default=None,
                   help="word-mma: comma-separated tokens per program (16, 32, 64) to sweep, each up to the token count")
 ARGS.add_argument("--mma-bn", default="64,128,256", help="word-mma --mma-m sweep: rows per program")
 ARGS.add_argument("--mma-bk", default="128,256", help="word-mma --mma-m sweep: K elements per step")
+ARGS.add_argument("--mma-warps", default=None,
+                  help="word-mma --mma-m sweep: comma-separated warp counts (default: 4, and 8 too above 16 tokens "
+                       "or 256-element steps)")
+ARGS.add_argument("--permuted-only", action="store_true", help="with --permute-x: time only the permuted tiles")
 ARGS.add_argument("--permute-x", action="store_true",
                   help="word-mma: also time every tile on pre-permuted activations (the permutation's launch included)")
 OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
@@ -104,8 +108,11 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
         block_ms = [bm for bm in (int(v) for v in OPTS.mma_m.split(",")) if bm <= max(16, fp4._token_bucket(m))]
         tiles = [KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
                  for bm in block_ms for bn in _ints(OPTS.mma_bn) for bk in _ints(OPTS.mma_bk) for sk in (2, 4, 8)
-                 for w in ((4,) if bm == 16 and bk < 512 else (4, 8))]
-        return tiles + [dataclasses.replace(c, permute_x=True) for c in tiles] if OPTS.permute_x else tiles
+                 for w in (_ints(OPTS.mma_warps) if OPTS.mma_warps else (4,) if bm == 16 and bk < 512 else (4, 8))]
+        if not OPTS.permute_x:
+            return tiles
+        permuted = [dataclasses.replace(c, permute_x=True) for c in tiles]
+        return permuted if OPTS.permuted_only else tiles + permuted
     if mma:  # num_stages 1: see _fp4_gemv_words_mma_kernel
         if OPTS.wide:
             return [KernelConfig(bn, 16, bk, sk, num_warps=w, num_stages=1)
