@@ -39,6 +39,8 @@ ARGS.add_argument("--mma-bk", default="128,256", help="word-mma --mma-m sweep: K
 ARGS.add_argument("--mma-warps", default=None,
                   help="word-mma --mma-m sweep: comma-separated warp counts (default: 4, and 8 too above 16 tokens "
                        "or 256-element steps)")
+ARGS.add_argument("--mma-stages", default="1", help="word-mma --mma-m sweep: comma-separated num_stages (the "
+                                                     "launcher's tiles use 1)")
 ARGS.add_argument("--permuted-only", action="store_true", help="with --permute-x: time only the permuted tiles")
 ARGS.add_argument("--permute-x", action="store_true",
                   help="word-mma: also time every tile on pre-permuted activations (the permutation's launch included)")
@@ -106,9 +108,10 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
                 for bn in (16, 64, 128) for bk in (256, 512) for w in (4, 8) for sk in (1, 2, 4, 8)]
     if mma and OPTS.mma_m:  # 16, 32 or 64 tokens per program (the MMA's N), at most the token bucket
         block_ms = [bm for bm in (int(v) for v in OPTS.mma_m.split(",")) if bm <= max(16, fp4._token_bucket(m))]
-        tiles = [KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
+        tiles = [KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=st)
                  for bm in block_ms for bn in _ints(OPTS.mma_bn) for bk in _ints(OPTS.mma_bk) for sk in (2, 4, 8)
-                 for w in (_ints(OPTS.mma_warps) if OPTS.mma_warps else (4,) if bm == 16 and bk < 512 else (4, 8))]
+                 for w in (_ints(OPTS.mma_warps) if OPTS.mma_warps else (4,) if bm == 16 and bk < 512 else (4, 8))
+                 for st in _ints(OPTS.mma_stages)]
         if not OPTS.permute_x:
             return tiles
         permuted = [dataclasses.replace(c, permute_x=True) for c in tiles]
