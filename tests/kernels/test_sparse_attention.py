@@ -513,6 +513,21 @@ def test_a_tuned_descriptor_config_is_not_reused_on_misaligned_keys():
     torch.testing.assert_close(misaligned.float(), aligned.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_tuning_space_runs_the_merged_single_loop_at_two_stages_from_head_dim_128():
+    # from head dim 128 the single loop is tuned at 2 stages only, with the masked suffix merged (the
+    # 3-stage loop lost on the H100 yet was picked when tuned at full density); smaller heads keep both
+    q = on_device(randn(1, 1, 128, 128, seed=87))[0]
+    if not sa.tma_loads_supported(q):
+        pytest.skip("tensor descriptors need a Hopper+ GPU (or the interpreter) and a Triton that has them")
+    named = {"q_ptr": q, "k_ptr": q, "v_ptr": q, "o_ptr": q}
+
+    def single_loops(head_dim):
+        kept = sa._prune_attention_configs(sa._attention_configs(), named, HEAD_DIM=head_dim, PV_SKIP=False)
+        return sorted((c.num_stages, c.kwargs["MERGED_SUFFIX"]) for c in kept if c.kwargs.get("SINGLE_LOOP"))
+    assert single_loops(128) == [(2, 1)]
+    assert single_loops(64) == [(2, 1), (3, 0)]
+
+
 def test_host_descriptors_config_names_its_conditions():
     # a length that is not a whole number of query blocks cannot use descriptors over all heads' rows
     q, k, v = on_device(*(randn(1, 2, 200, 32, seed=s) for s in (84, 85, 86)))
