@@ -38,7 +38,7 @@ ARGS.add_argument("--mma-bn", default="64,128,256", help="word-mma --mma-m sweep
 ARGS.add_argument("--mma-bk", default="128,256", help="word-mma --mma-m sweep: K elements per step")
 ARGS.add_argument("--mma-warps", default=None,
                   help="word-mma --mma-m sweep: comma-separated warp counts (default: 4, and 8 too above 16 tokens "
-                       "or 256-element steps)")
+                       "or at 512-element steps)")
 ARGS.add_argument("--mma-stages", default="1", help="word-mma --mma-m sweep: comma-separated num_stages (the "
                                                      "launcher's tiles use 1)")
 ARGS.add_argument("--permuted-only", action="store_true", help="with --permute-x: time only the permuted tiles")
@@ -49,7 +49,7 @@ OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import cold_graph_ms, copies_for, gbps, print_table, write_json  # noqa: E402
+from bench.common import cold_graph_ms, comma_ints, copies_for, gbps, print_table, write_json  # noqa: E402
 from graphopt.kernels import fp4  # noqa: E402
 from graphopt.kernels.fp4 import KernelConfig  # noqa: E402
 
@@ -73,10 +73,6 @@ def _int_tiles(bm: int, block_ns, block_ks, words_per_thread, warp_counts, split
                 if warps in warp_counts:
                     tiles += [KernelConfig(bn, bm, bk, sk, num_warps=warps, num_stages=1, int_dots=True) for sk in splits]
     return tiles
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def candidates(kernel: str, m: int) -> list[KernelConfig]:
@@ -107,11 +103,12 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
         return [KernelConfig(bn, fp4._token_bucket(m), bk, sk, num_warps=w, num_stages=1)
                 for bn in (16, 64, 128) for bk in (256, 512) for w in (4, 8) for sk in (1, 2, 4, 8)]
     if mma and OPTS.mma_m:  # 16, 32 or 64 tokens per program (the MMA's N), at most the token bucket
-        block_ms = [bm for bm in (int(v) for v in OPTS.mma_m.split(",")) if bm <= max(16, fp4._token_bucket(m))]
+        block_ms = [bm for bm in comma_ints(OPTS.mma_m) if bm <= max(16, fp4._token_bucket(m))]
         tiles = [KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=st)
-                 for bm in block_ms for bn in _ints(OPTS.mma_bn) for bk in _ints(OPTS.mma_bk) for sk in (2, 4, 8)
-                 for w in (_ints(OPTS.mma_warps) if OPTS.mma_warps else (4,) if bm == 16 and bk < 512 else (4, 8))
-                 for st in _ints(OPTS.mma_stages)]
+                 for bm in block_ms for bn in comma_ints(OPTS.mma_bn) for bk in comma_ints(OPTS.mma_bk)
+                 for sk in (2, 4, 8)
+                 for w in (comma_ints(OPTS.mma_warps) if OPTS.mma_warps else (4,) if bm == 16 and bk < 512 else (4, 8))
+                 for st in comma_ints(OPTS.mma_stages)]
         if not OPTS.permute_x:
             return tiles
         permuted = [dataclasses.replace(c, permute_x=True) for c in tiles]

@@ -133,6 +133,11 @@ def gbps(nbytes: float, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
+def comma_ints(text: str) -> list[int]:
+    """A command-line list such as "16,32,64"."""
+    return [int(v) for v in text.split(",")]
+
+
 def out_dir() -> Path:
     path = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
     path.mkdir(parents=True, exist_ok=True)

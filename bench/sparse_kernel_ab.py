@@ -60,12 +60,11 @@ def main() -> int:
     args = parser.parse_args()
     baselines = {("baseline" if i == 0 else f"baseline{i + 1}"): load_module(path) for i, path in enumerate(args.baseline)}
     config = FIXED_CONFIG if args.fixed_config else None
-    variants = {}
-    for item in args.variants:
-        name, _, overrides = item.partition("=")
-        if config is None:
-            parser.error("--variants needs --fixed-config")
-        variants[name] = {**config, **json.loads(overrides)}
+    if args.variants and config is None:
+        parser.error("--variants needs --fixed-config")
+    variants = {name: {**config, **json.loads(overrides)}
+                for name, _, overrides in (item.partition("=") for item in args.variants)}
+    others = {**baselines, **{name: current for name in variants}}  # every module run next to "current"
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
@@ -79,7 +78,6 @@ def main() -> int:
 
                 def run(module, causal=causal, lut=lut, counts=counts, config=config):
                     return lambda: module.block_sparse_attention(q, k, v, lut, counts, is_causal=causal, config=config)
-                others = {**baselines, **{name: current for name in variants}}
                 fns = {**{name: run(module, config=variants.get(name, config)) for name, module in others.items()},
                        "current": run(current),
                        "cudnn": lambda causal=causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}

@@ -22,7 +22,7 @@ OPTS = parse_bench_arguments(ARGS)  # before any kernel module is imported
 
 import torch  # noqa: E402
 
-from bench.common import cuda_graph_ms, gbps, median_ms, print_table, write_json  # noqa: E402
+from bench.common import comma_ints, cuda_graph_ms, gbps, median_ms, print_table, write_json  # noqa: E402
 from graphopt.kernels import sparse_attention as sa  # noqa: E402
 
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
@@ -31,11 +31,8 @@ LENGTHS = [int(v) for v in OPTS.lengths.split(",")] if GPU else [200]
 HEADS, HEAD_DIM = (OPTS.heads, 128) if GPU else (2, 32)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
-
-
-CONFIGS = ([(e, w, st) for e in _ints(OPTS.slices) for w in _ints(OPTS.warps) for st in _ints(OPTS.stages)] if GPU
+CONFIGS = ([(e, w, st) for e in comma_ints(OPTS.slices) for w in comma_ints(OPTS.warps)
+            for st in comma_ints(OPTS.stages)] if GPU
            else [(128, 1, 0), (256, 2, 2), (1024, 4, 0)])
 
 
