@@ -1595,6 +1595,9 @@ def block_sparse_attention(
         config = {"PREFETCH_INDEX": 1, "PAIR_BLOCKS": 1, "num_warps": 4, "num_stages": 1}
     use_tma = int(config.get("USE_TMA", 0)) if config is not None else None
     single_loop = int(config.get("SINGLE_LOOP", 0)) if config is not None else 0
+    if config is not None and int(config.get("MERGED_SUFFIX", 0)) and not single_loop:
+        raise ValueError("config MERGED_SUFFIX=1 merges the single loop's masked suffix and needs SINGLE_LOOP=1; "
+                         "valid choices: SINGLE_LOOP=1, or MERGED_SUFFIX=0")
     # the launcher's checks run on every call: each tensor is checked once
     tma_kv = tma_loads_supported(k, v)
     tma_all = tma_kv and tma_loads_supported(q, out)

@@ -401,6 +401,16 @@ def test_no_queries_or_no_keys_give_sdpas_answer(implementation, lq, lk):
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v)) and skipped == 0.0
 
 
+def test_merged_suffix_config_needs_the_single_loop():
+    # the merged masked suffix is a form of the single loop: asked for without it, a clear error
+    q, k, v = on_device(*(randn(1, 1, 256, 32, seed=s) for s in (73, 74, 75)))
+    lut, counts = sa.block_mask_to_lut(torch.ones(1, 1, 2, 4, dtype=torch.bool, device=q.device))
+    with pytest.raises(ValueError, match="MERGED_SUFFIX=1 .* needs SINGLE_LOOP=1; valid choices: SINGLE_LOOP=1, or "
+                                         "MERGED_SUFFIX=0"):
+        sa.block_sparse_attention(q, k, v, lut, counts, is_causal=True,
+                                  config={"MERGED_SUFFIX": 1, "num_warps": 4, "num_stages": 1})
+
+
 def test_single_loop_config_rejects_pv_skipping():
     # the single-loop body has no PV skipping: an explicit config asking for both is a clear error
     q, k, v = on_device(*(randn(1, 1, 256, 32, seed=s) for s in (70, 71, 72)))
