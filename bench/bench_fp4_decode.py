@@ -51,7 +51,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.common import cold_graph_ms, comma_ints, copies_for, gbps, print_table, write_json  # noqa: E402
 from graphopt.kernels import fp4  # noqa: E402
+from graphopt.kernels import fp4_tma  # noqa: E402
 from graphopt.kernels.fp4 import KernelConfig  # noqa: E402
+from graphopt.kernels.fp4_tma import TmaDecodeConfig  # noqa: E402
 
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
 DEVICE = "cuda" if GPU else "cpu"
@@ -75,8 +77,15 @@ def _int_tiles(bm: int, block_ns, block_ks, words_per_thread, warp_counts, split
     return tiles
 
 
-def candidates(kernel: str, m: int) -> list[KernelConfig]:
+def candidates(kernel: str, m: int) -> list:
     mma = kernel == "word-mma"
+    if kernel == "tma":  # fp4_tma._fp4_decode_tma_kernel (Gluon, sm_90+): 16, 32 or 64 tokens per program
+        if not GPU:
+            return []
+        bm = max(16, fp4._token_bucket(m))
+        return [TmaDecodeConfig(bn, bm, bk, sk, st, num_warps=4)
+                for bn in (64, 128) for bk in (128, 256) for sk in (1, 2, 4, 8) for st in (2, 4)
+                if not (bk == 128 and sk == 1)]
     if kernel == "word-int":  # _fp4_gemv_int_kernel, 1, 2 or 4 tokens per program
         if m > 4:
             return []  # more tokens per program than it takes: W re-read per 4 tokens
@@ -119,10 +128,12 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
                     for bn in (64, 128, 256) for bk in (64, 128, 256) for w in (4, 8) for sk in (4, 8, 16)]
         return [KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
                 for bn in (64, 128) for bk in (128, 256) for sk in (4, 8, 16)]
-    raise ValueError(f"unknown kernel {kernel!r}; valid choices: word, word-mma, word-int")
+    raise ValueError(f"unknown kernel {kernel!r}; valid choices: word, word-mma, word-int, tma")
 
 
-def config_name(cfg: KernelConfig) -> str:
+def config_name(cfg) -> str:
+    if isinstance(cfg, TmaDecodeConfig):
+        return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} stages{cfg.stages} tma"
     permuted = " px" if cfg.permute_x else ""
     return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}{permuted}"
 
@@ -135,6 +146,8 @@ def weights(k: int, n: int):
 
 
 def run(x, kw, cfg):
+    if isinstance(cfg, TmaDecodeConfig):
+        return fp4_tma.fp4_linear_tma(x, kw.codes, kw.scales, kw.global_scale, None, kw.out_features, cfg)
     return fp4.fp4_linear_triton(x, kw.codes, kw.scales, kw.global_scale, None, kw.out_features, kw.in_features,
                                  FORMAT, path="gemv", config=cfg)
 
@@ -173,7 +186,10 @@ def main() -> None:
             for kernel in KERNELS:
                 best = None
                 for cfg in candidates(kernel, m):
-                    if not fp4._valid_config(cfg, "gemv", m, n, kw.codes.shape[1] * 2, fp4.BLOCK_SIZES[FORMAT]):
+                    if isinstance(cfg, TmaDecodeConfig):
+                        if not fp4_tma.supports(x, kw.codes.shape[1] * 2, FORMAT, cfg):
+                            continue
+                    elif not fp4._valid_config(cfg, "gemv", m, n, kw.codes.shape[1] * 2, fp4.BLOCK_SIZES[FORMAT]):
                         continue
                     try:
                         y = run(x, kw, cfg)

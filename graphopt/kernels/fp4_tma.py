@@ -1,0 +1,248 @@
+"""NVFP4 decode (1-64 tokens) on Hopper: TMA-fed weight words, decoded in the tensor cores' register layout.
+
+The Triton decode kernel (`fp4._fp4_gemv_words_mma_kernel`) loads its weight words with plain loads
+and cannot be software-pipelined: Triton's pipeliner would send the decoded tile through shared
+memory. Each program then waits on one K step's loads at a time, and on an H100 the 4-16-token
+decode ran at about 40% of the bandwidth a pure read reaches. This kernel is written in Gluon,
+where layouts and shared memory are explicit:
+
+- the packed words and the (pre-permuted) activations of up to STAGES K steps are fetched by TMA
+  into a ring of shared-memory buffers, all issued up front, so a program's whole K range can be
+  in flight at once, at no register cost;
+- each step's words are read from shared memory straight into the layout whose decode (two codes
+  per 32-bit register, `fp4._e2m1_pair_bits`) is the warpgroup MMA's register operand A; the
+  activations stay in shared memory as its operand B;
+- the block scales, one byte per 16 weights, are gathered one step ahead in registers.
+
+The math is the Triton kernel's (NVFP4, bf16 activations, DIRECT_BF16): codes times block scale
+in one bf16x2 multiply, exact, fp32 accumulation, split-K with the same single-launch reduction
+(`split_k.finish_split_tile`). Reference: `fp4.reference_fp4_linear`. Gluon runs only on a GPU
+(sm_90+): on the CPU and under TRITON_INTERPRET=1 the launcher is never chosen, and the kernel is
+built offline for sm_90 by the tests instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - no Gluon in this Triton
+    gluon = None
+else:  # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 only async_load
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # renamed after 3.6
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaDecodeConfig:
+    """One launch's tiling: BLOCK_N weight rows (the MMA's M, 64 per warpgroup), BLOCK_M tokens
+    (the MMA's N), BLOCK_K elements per K step (8 per word), SPLIT_K programs along K, STAGES
+    shared-memory buffers."""
+
+    block_n: int = 128
+    block_m: int = 16
+    block_k: int = 256
+    split_k: int = 4
+    stages: int = 4
+    num_warps: int = 4
+
+    @property
+    def words(self) -> int:
+        return self.block_k // 8
+
+
+def word_layout(block_n: int, words: int, num_warps: int):
+    """The (BLOCK_N, W) distributed layout of the packed words whose two-codes-per-register decode,
+    joined along K, is exactly the warpgroup MMA's A operand (DotOperandLayout k_width 2, warps
+    along M): per thread, rows r and r + 8 of a 16-row slab, words 4 apart along K; lanes cover 4
+    consecutive words of 8 rows."""
+    reg = [[8, 0]] + [[0, c] for c in _powers(4, words)] + [[r, 0] for r in _powers(16 * num_warps, block_n)]
+    lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    warp = [[16 * (1 << i), 0] for i in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, words])
+
+
+def _powers(start: int, stop: int) -> list[int]:
+    out, v = [], start
+    while v < stop:
+        out.append(v)
+        v *= 2
+    return out
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _pair_bits(words, SHIFT: gl.constexpr):
+        """fp4._e2m1_pair_bits at bf16 placement: the codes at bits SHIFT and SHIFT + 16 as
+        sign << 15 | magnitude << 6 in each 16-bit half (value * 2^-126, exact)."""
+        if SHIFT <= 6:
+            magnitude = words << (6 - SHIFT)
+        else:
+            magnitude = words >> (SHIFT - 6)
+        if SHIFT == 12:
+            sign = words
+        else:
+            sign = words << (12 - SHIFT)
+        return (magnitude & 29360576) | (sign & -2147450880)  # 0x01C001C0, 0x80008000
+
+    @gluon.jit
+    def _scale_pairs(scale_bytes):
+        """e4m3 block-scale bytes -> int32 with the bf16 of e4m3 value * 2^119 in both halves
+        (fp4._block_scales then fp4._bf16_scale_pair)."""
+        b16 = scale_bytes.to(gl.uint16)
+        bits = ((b16 & 0x7F) << 7) | ((b16 & 0x80) << 8)
+        scale = bits.to(gl.float16, bitcast=True).to(gl.float32)  # e4m3 value * 2^-8
+        high = (scale * 1.7014118346046923e38).to(gl.int32, bitcast=True)  # * 2^127
+        return high | (high.to(gl.uint32, bitcast=True) >> 16).to(gl.int32, bitcast=True)
+
+    @gluon.jit
+    def _operand(words, SHIFT: gl.constexpr, scale_pair, A_LAYOUT: gl.constexpr):
+        """The MMA's A operand for one shift of the words: (BN, 2W) bf16, codes * scale * 2^-7."""
+        lo, hi = gl.inline_asm_elementwise(
+            "{ .reg .b32 t; mul.rn.bf16x2 t, $2, $3; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r", [_pair_bits(words, SHIFT), scale_pair], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+            pack=1)
+        joined = gl.reshape(gl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+        return gl.convert_layout(joined, A_LAYOUT)
+
+    @gluon.jit
+    def _issue_step(w_desc, x_desc, bar, w_buf, x_smem, stage, row0, token0, it, W: gl.constexpr, pred):
+        """TMA loads of K step `it` into ring slot `stage`: the words tile and the four activation
+        operands (one per shift), all signalling `bar`."""
+        mbarrier.expect(bar, w_desc.block_type.nbytes + 4 * x_desc.block_type.nbytes, pred=pred)
+        _tma_load(w_desc, [row0, it * W], bar, w_buf, pred=pred)
+        for j in gl.static_range(4):
+            _tma_load(x_desc, [token0, it * (8 * W) + j * (2 * W)], bar,
+                                            x_smem.index(stage * 4 + j), pred=pred)
+
+    @gluon.jit
+    def _fp4_decode_tma_kernel(
+        x_desc, w_desc, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
+        M, N, K_PADDED, stride_sn, stride_om,
+        HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
+        SPLIT_K: gl.constexpr, STAGES: gl.constexpr, WORD_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        WPB: gl.constexpr = 2  # NVFP4: 16-element scale blocks, two words each
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BLOCK_M, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        pid_m = gl.program_id(2)
+        row0 = pid_n * BLOCK_N
+        token0 = pid_m * BLOCK_M
+        n_iters = K_PADDED // (8 * W)
+        per_split = gl.cdiv(n_iters, SPLIT_K)
+        it_start = pid_k * per_split
+        n_local = gl.minimum(per_split, n_iters - it_start)
+
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, BLOCK_M, 2 * W], x_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        for s in gl.static_range(STAGES):
+            _issue_step(w_desc, x_desc, bars.index(s), w_smem.index(s), x_smem, s, row0, token0, it_start + s, W,
+                        s < n_local)
+
+        # block scales: one byte per two words, gathered per word (rows clamped, no masks)
+        offs_r = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
+        offs_w = gl.arange(0, W, layout=gl.SliceLayout(0, WORD_LAYOUT))
+        scale_ptrs = (scales_ptr + gl.minimum(offs_r, N - 1)[:, None] * stride_sn
+                      + (offs_w // WPB)[None, :] + it_start * (W // WPB))
+        scale_bytes = gl.load(scale_ptrs)
+
+        acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        for i in range(n_local):
+            stage = i % STAGES
+            next_scales = gl.load(scale_ptrs + gl.minimum(i + 1, n_local - 1) * (W // WPB))
+            scale_pair = _scale_pairs(scale_bytes)
+            mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+            words = w_smem.index(stage).load(WORD_LAYOUT)
+            for j in gl.static_range(4):
+                a = _operand(words, 4 * j, scale_pair, a_layout)
+                acc = warpgroup_mma(a, x_smem.index(stage * 4 + j).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _cta_barrier()  # every warp has read this slot before TMA refills it
+            fence_async_shared()  # (those reads were generic-proxy, TMA writes are async-proxy)
+            nxt = i + STAGES
+            _issue_step(w_desc, x_desc, bars.index(stage), w_smem.index(stage), x_smem, stage, row0, token0,
+                        it_start + nxt, W, nxt < n_local)
+            scale_bytes = next_scales
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+
+        acc = acc * (gl.load(global_scale_ptr) * 128.0)  # undo the decode's 2^-7
+        offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+        offs_m = token0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+        n_mask = offs_n < N
+        mask = n_mask[:, None] & (offs_m < M)[None, :]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
+            gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            sums_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+            counter = counter_ptr + pid_m * gl.num_programs(0) + pid_n
+            gl.atomic_add(sums_ptrs, acc, mask=mask, sem="relaxed")
+            _cta_barrier()  # every thread's adds precede the counter's release
+            arrived = gl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # the last split of this tile: copy out, re-arm
+                zero = gl.zeros_like(acc)
+                total = gl.atomic_add(sums_ptrs, zero, mask=mask, sem="relaxed")
+                gl.store(sums_ptrs, zero, mask=mask)
+                if HAS_BIAS:
+                    total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
+                gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(counter, 0)
+
+
+def supports(x2: torch.Tensor, k_padded: int, fmt: str, cfg: TmaDecodeConfig) -> bool:
+    """Whether this kernel can take the call: NVFP4, bf16 activations on an sm_90+ GPU, K steps that
+    tile the padded K, and 16-byte aligned rows of scales (a TMA and gather requirement)."""
+    return (gluon is not None and fmt == "nvfp4" and x2.dtype == torch.bfloat16 and x2.is_cuda
+            and torch.cuda.get_device_capability(x2.device)[0] >= 9 and k_padded % cfg.block_k == 0
+            and (k_padded // 16) % 16 == 0 and cfg.block_n % (16 * cfg.num_warps) == 0)
+
+
+def fp4_linear_tma(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                   bias: torch.Tensor | None, out_features: int, cfg: TmaDecodeConfig) -> torch.Tensor:
+    """x2 (M, K) bf16 @ W^T (+ bias) for a kernel-layout NVFP4 weight (fp4.Fp4KernelWeight's codes,
+    scales, global_scale): (M, out_features) bf16. Callers check `supports` first."""
+    from graphopt.kernels import fp4
+    from graphopt.kernels.split_k import split_buffers
+
+    m = x2.shape[0]
+    n, k_padded = out_features, codes.shape[1] * 2
+    w = cfg.words
+    x_perm = fp4.permuted_activations(x2, k_padded, w, 16)
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 2 * w], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, w], gl.int32)
+    x_desc = TensorDescriptor(x_perm, [m, k_padded], [k_padded, 1], [cfg.block_m, 2 * w], x_layout)
+    words = codes.view(torch.int32)
+    w_desc = TensorDescriptor(words, [n, k_padded // 8], [k_padded // 8, 1], [cfg.block_n, w], w_layout)
+    out = torch.empty((m, n), device=x2.device, dtype=torch.bfloat16)
+    tiles = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
+    ws = counters = out  # unread unless split
+    if cfg.split_k > 1:
+        buffers = split_buffers("fp4_tma", x2.device, m, n, triton.cdiv(n, 64) * triton.cdiv(m, 16))  # any tiling
+        if buffers is None:
+            raise RuntimeError("fp4_linear_tma: split-K buffers must exist before a CUDA-graph capture")
+        ws, counters = buffers
+    scale_bytes = scales.view(torch.uint8)
+    _fp4_decode_tma_kernel[tiles](
+        x_desc, w_desc, scale_bytes, global_scale, bias if bias is not None else out, out, ws, counters,
+        m, n, k_padded, scale_bytes.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, W=w, SPLIT_K=cfg.split_k,
+        STAGES=cfg.stages, WORD_LAYOUT=word_layout(cfg.block_n, w, cfg.num_warps), num_warps=cfg.num_warps)
+    return out
