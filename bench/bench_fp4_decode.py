@@ -83,9 +83,11 @@ def candidates(kernel: str, m: int) -> list:
         if not GPU:
             return []
         bm = max(16, fp4._token_bucket(m))
-        return [TmaDecodeConfig(bn, bm, bk, sk, st, num_warps=4)
-                for bn in (64, 128) for bk in (128, 256) for sk in (1, 2, 4, 8) for st in (2, 4)
-                if not (bk == 128 and sk == 1)]
+        tiles = [TmaDecodeConfig(bn, bm, bk, sk, st, num_warps=w)
+                 for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (128, 256) for sk in (1, 2, 4, 8) for st in (2, 3)
+                 if not (bk == 128 and sk == 1)]
+        return tiles + [TmaDecodeConfig(bn, bm, 256, sk, 2, num_warps=w, mma_wait_each=True)
+                        for bn, w in ((64, 4), (128, 8)) for sk in (1, 4)]
     if kernel == "word-int":  # _fp4_gemv_int_kernel, 1, 2 or 4 tokens per program
         if m > 4:
             return []  # more tokens per program than it takes: W re-read per 4 tokens
@@ -133,7 +135,8 @@ def candidates(kernel: str, m: int) -> list:
 
 def config_name(cfg) -> str:
     if isinstance(cfg, TmaDecodeConfig):
-        return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} stages{cfg.stages} tma"
+        each = " wait-each" if cfg.mma_wait_each else ""
+        return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} stages{cfg.stages} tma{each}"
     permuted = " px" if cfg.permute_x else ""
     return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}{permuted}"
 

@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - no Gluon in this Triton
 else:  # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 only async_load
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # renamed after 3.6
+    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # 3.6: _reinterpret
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class TmaDecodeConfig:
     split_k: int = 4
     stages: int = 4
     num_warps: int = 4
+    mma_wait_each: bool = False  # wait for each shift's MMA before the next is issued (fewer registers)
 
     @property
     def words(self) -> int:
@@ -68,6 +70,14 @@ def word_layout(block_n: int, words: int, num_warps: int):
     lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
     warp = [[16 * (1 << i), 0] for i in range(num_warps.bit_length() - 1)]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, words])
+
+
+def activation_layouts(cfg: TmaDecodeConfig):
+    """Shared layouts of one (BLOCK_M, 2W) activation operand tile (the MMA's B) and of the 3-D TMA
+    box of a step's four: the same swizzle, so the box is the four tiles back to back."""
+    tile = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 2 * cfg.words], gl.bfloat16)
+    box = gl.NVMMASharedLayout(tile.swizzle_byte_width, 16, rank=3)
+    return tile, box
 
 
 def _powers(start: int, stop: int) -> list[int]:
@@ -115,21 +125,29 @@ if gluon is not None:
         return gl.convert_layout(joined, A_LAYOUT)
 
     @gluon.jit
-    def _issue_step(w_desc, x_desc, bar, w_buf, x_smem, stage, row0, token0, it, W: gl.constexpr, pred):
-        """TMA loads of K step `it` into ring slot `stage`: the words tile and the four activation
-        operands (one per shift), all signalling `bar`."""
-        mbarrier.expect(bar, w_desc.block_type.nbytes + 4 * x_desc.block_type.nbytes, pred=pred)
+    def _issue_step(w_desc, x_desc, bar, w_buf, x_buf, row0, token0, it, W: gl.constexpr, pred):
+        """TMA loads of K step `it` into one ring slot: the words tile and the step's four activation
+        operands (one 3-D box: operand, token, element), both signalling `bar`."""
+        mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=pred)
         _tma_load(w_desc, [row0, it * W], bar, w_buf, pred=pred)
-        for j in gl.static_range(4):
-            _tma_load(x_desc, [token0, it * (8 * W) + j * (2 * W)], bar,
-                                            x_smem.index(stage * 4 + j), pred=pred)
+        _tma_load(x_desc, [it * 4, token0, 0], bar, x_buf, pred=pred)
+
+    @gluon.jit
+    def _as_boxes(x_smem, x_desc, STAGES: gl.constexpr):
+        """The (STAGES * 4, BLOCK_M, 2W) activation tiles seen as STAGES 3-D TMA boxes of four."""
+        shape: gl.constexpr = [STAGES] + x_desc.block_type.shape
+        if _PUBLIC_REINTERPRET:
+            return x_smem.reinterpret(gl.bfloat16, shape, x_desc.layout)
+        else:
+            return x_smem._reinterpret(gl.bfloat16, shape, x_desc.layout)
 
     @gluon.jit
     def _fp4_decode_tma_kernel(
         x_desc, w_desc, scales_ptr, global_scale_ptr, bias_ptr, out_ptr, ws_ptr, counter_ptr,
         M, N, K_PADDED, stride_sn, stride_om,
         HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
-        SPLIT_K: gl.constexpr, STAGES: gl.constexpr, WORD_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+        SPLIT_K: gl.constexpr, STAGES: gl.constexpr, WORD_LAYOUT: gl.constexpr, X_TILE_LAYOUT: gl.constexpr,
+        MMA_WAIT_EACH: gl.constexpr, num_warps: gl.constexpr,
     ):
         WPB: gl.constexpr = 2  # NVFP4: 16-element scale blocks, two words each
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -146,13 +164,15 @@ if gluon is not None:
         n_local = gl.minimum(per_split, n_iters - it_start)
 
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, BLOCK_M, 2 * W], x_desc.layout)
+        # four (BLOCK_M, 2W) operand tiles per slot; TMA fills a slot's four as one 3-D box
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, BLOCK_M, 2 * W], X_TILE_LAYOUT)
+        x_boxes = _as_boxes(x_smem, x_desc, STAGES)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
         for s in gl.static_range(STAGES):
-            _issue_step(w_desc, x_desc, bars.index(s), w_smem.index(s), x_smem, s, row0, token0, it_start + s, W,
-                        s < n_local)
+            _issue_step(w_desc, x_desc, bars.index(s), w_smem.index(s), x_boxes.index(s), row0, token0,
+                        it_start + s, W, s < n_local)
 
         # block scales: one byte per two words, gathered per word (rows clamped, no masks)
         offs_r = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WORD_LAYOUT))
@@ -171,12 +191,14 @@ if gluon is not None:
             for j in gl.static_range(4):
                 a = _operand(words, 4 * j, scale_pair, a_layout)
                 acc = warpgroup_mma(a, x_smem.index(stage * 4 + j).permute((1, 0)), acc, is_async=True)
+                if MMA_WAIT_EACH:  # one MMA in flight while the next shift decodes: half the operand registers
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             _cta_barrier()  # every warp has read this slot before TMA refills it
             fence_async_shared()  # (those reads were generic-proxy, TMA writes are async-proxy)
             nxt = i + STAGES
-            _issue_step(w_desc, x_desc, bars.index(stage), w_smem.index(stage), x_smem, stage, row0, token0,
-                        it_start + nxt, W, nxt < n_local)
+            _issue_step(w_desc, x_desc, bars.index(stage), w_smem.index(stage), x_boxes.index(stage), row0,
+                        token0, it_start + nxt, W, nxt < n_local)
             scale_bytes = next_scales
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
@@ -226,9 +248,12 @@ def fp4_linear_tma(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     n, k_padded = out_features, codes.shape[1] * 2
     w = cfg.words
     x_perm = fp4.permuted_activations(x2, k_padded, w, 16)
-    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 2 * w], gl.bfloat16)
+    x_tile_layout, x_box_layout = activation_layouts(cfg)
     w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, w], gl.int32)
-    x_desc = TensorDescriptor(x_perm, [m, k_padded], [k_padded, 1], [cfg.block_m, 2 * w], x_layout)
+    # x_perm (M, k_padded) seen as (operand chunk, token, element): each K step's four operands
+    # are four consecutive 2W-element chunks
+    x_desc = TensorDescriptor(x_perm, [k_padded // (2 * w), m, 2 * w], [2 * w, k_padded, 1], [4, cfg.block_m, 2 * w],
+                              x_box_layout)
     words = codes.view(torch.int32)
     w_desc = TensorDescriptor(words, [n, k_padded // 8], [k_padded // 8, 1], [cfg.block_n, w], w_layout)
     out = torch.empty((m, n), device=x2.device, dtype=torch.bfloat16)
@@ -244,5 +269,6 @@ def fp4_linear_tma(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
         x_desc, w_desc, scale_bytes, global_scale, bias if bias is not None else out, out, ws, counters,
         m, n, k_padded, scale_bytes.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, W=w, SPLIT_K=cfg.split_k,
-        STAGES=cfg.stages, WORD_LAYOUT=word_layout(cfg.block_n, w, cfg.num_warps), num_warps=cfg.num_warps)
+        STAGES=cfg.stages, WORD_LAYOUT=word_layout(cfg.block_n, w, cfg.num_warps), X_TILE_LAYOUT=x_tile_layout,
+        MMA_WAIT_EACH=cfg.mma_wait_each, num_warps=cfg.num_warps)
     return out

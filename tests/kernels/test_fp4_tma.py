@@ -27,15 +27,15 @@ def _sm90_build(cfg: TmaDecodeConfig):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     w = cfg.words
-    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 2 * w], gl.bfloat16)
+    x_tile_layout, x_box_layout = fp4_tma.activation_layouts(cfg)
     w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, w], gl.int32)
     fn = fp4_tma._fp4_decode_tma_kernel
-    types = dict(x_desc=f"tensordesc<bf16[{cfg.block_m},{2 * w}],{x_layout!r}>",
+    types = dict(x_desc=f"tensordesc<bf16[4,{cfg.block_m},{2 * w}],{x_box_layout!r}>",
                  w_desc=f"tensordesc<i32[{cfg.block_n},{w}],{w_layout!r}>", scales_ptr="*u8",
                  global_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
     consts = dict(HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, W=w, SPLIT_K=cfg.split_k,
                   STAGES=cfg.stages, WORD_LAYOUT=fp4_tma.word_layout(cfg.block_n, w, cfg.num_warps),
-                  num_warps=cfg.num_warps)
+                  X_TILE_LAYOUT=x_tile_layout, MMA_WAIT_EACH=cfg.mma_wait_each, num_warps=cfg.num_warps)
     names = fn.arg_names
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     source = GluonASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
@@ -46,7 +46,9 @@ def _sm90_build(cfg: TmaDecodeConfig):
 
 @needs_gluon
 @pytest.mark.parametrize("cfg", [TmaDecodeConfig(128, 16, 256, split_k=4, stages=4),
-                                 TmaDecodeConfig(64, 32, 128, split_k=1, stages=2)], ids=str)
+                                 TmaDecodeConfig(64, 32, 128, split_k=1, stages=2),
+                                 TmaDecodeConfig(128, 16, 256, split_k=2, stages=3, num_warps=8, mma_wait_each=True)],
+                         ids=str)
 def test_builds_for_sm90_with_the_words_as_the_mma_register_operand(cfg):
     import triton
 
@@ -97,8 +99,9 @@ def test_matches_the_dequantized_reference_on_the_gpu(n, k, tokens, split_k, sta
     codes, scales, gscale = kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda()
     x = torch.randn(tokens, k, generator=gen).to("cuda", torch.bfloat16)
     bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16) if with_bias else None
-    for block_n, block_k in ((128, 256), (64, 128)):
-        cfg = TmaDecodeConfig(block_n, 16 if tokens <= 16 else 64, block_k, split_k, stages)
+    for block_n, block_k, warps in ((128, 256, 4), (64, 128, 4), (128, 256, 8)):
+        cfg = TmaDecodeConfig(block_n, 16 if tokens <= 16 else 64, block_k, split_k, stages, warps,
+                              mma_wait_each=warps == 8)
         assert fp4_tma.supports(x, codes.shape[1] * 2, "nvfp4", cfg)
         got = fp4_tma.fp4_linear_tma(x, codes, scales, gscale, bias, n, cfg).float()
         ref = fp4.reference_fp4_linear(x.double(), codes, scales, gscale, None if bias is None else bias.double(),
