@@ -190,7 +190,7 @@ def main() -> None:
                 best = None
                 for cfg in candidates(kernel, m):
                     if isinstance(cfg, TmaDecodeConfig):
-                        if not fp4_tma.supports(x, kw.codes.shape[1] * 2, FORMAT, cfg):
+                        if not (fp4_tma.supports(x) and fp4_tma.tiles_k(kw.codes.shape[1] * 2, cfg.block_k)):
                             continue
                     elif not fp4._valid_config(cfg, "gemv", m, n, kw.codes.shape[1] * 2, fp4.BLOCK_SIZES[FORMAT]):
                         continue

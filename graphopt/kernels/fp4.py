@@ -76,6 +76,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from graphopt.kernels import fp4_tma
+
 FORMATS: tuple[str, ...] = ("mxfp4", "nvfp4")
 BLOCK_SIZES: dict[str, int] = {"mxfp4": 32, "nvfp4": 16}
 E2M1_MAX = 6.0
@@ -856,6 +858,7 @@ class KernelConfig:
     num_stages: int = 3
     int_dots: bool = False  # decode, BLOCK_M 1-4: _fp4_gemv_int_kernel (int16 activations, dp2a)
     permute_x: bool = False  # tensor-core decode: activations pre-permuted (permuted_activations, X_PERMUTED)
+    tma: bool = False  # decode on fp4_tma's Gluon kernel (NVFP4, bf16, sm_90+); num_stages = its TMA ring slots
 
 
 FMA_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # decode BLOCK_M values of the CUDA-core kernel
@@ -917,6 +920,13 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
 # 47.6 / 50.6 at 32, 57.8 / 70.9 and 61.0 / 80.9 at 64. The tuner still times both.
 DECODE_CONFIGS += tuple(dataclasses.replace(c, permute_x=True) for c in DECODE_CONFIGS
                         if c.block_m in MMA_BLOCK_M and not c.int_dots)
+# fp4_tma's Gluon kernel (TMA-fed words and activations, sm_90+, NVFP4 with bf16 activations): the
+# best tiles of the H100 sweep (bench/results/fp4_decode_h100_session33_tma.*): 64 rows x 256
+# elements, 4 warps, 2 ring slots, unsplit on 5120->13824 and split 4-8 on 13824->5120: 28-30 us at
+# 1-16 tokens (tensor-core kernel above: 38-41 us), 30-33 us at 32 tokens (54-66), 34-46 us at 64
+# (58-66). The tuner keeps the integer-dot kernel where it is faster (one token, 20-21 us).
+DECODE_CONFIGS += tuple(KernelConfig(64, bm, bk, sk, num_warps=4, num_stages=2, tma=True)
+                        for bm in MMA_BLOCK_M for bk, splits in ((256, (1, 2, 4, 8)), (128, (4, 8))) for sk in splits)
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
     KernelConfig(128, 128, 128, num_warps=8, num_stages=3),
@@ -1659,8 +1669,17 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
             return False
         if cfg.permute_x and (cfg.int_dots or cfg.block_m not in MMA_BLOCK_M):
             return False  # only the tensor-core kernel reads permuted activations
+        if cfg.tma and not (block_size == 16 and cfg.block_m in MMA_BLOCK_M and not (cfg.int_dots or cfg.permute_x)
+                            and fp4_tma.tiles_k(k_padded, cfg.block_k) and cfg.block_n % (16 * cfg.num_warps) == 0):
+            return False  # NVFP4 only; the Gluon kernel's own tile and K rules (fp4_tma.tiles_k)
         return cfg.split_k <= k_padded // cfg.block_k and cfg.block_m in FMA_BLOCK_M + MMA_BLOCK_M
-    return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1
+    return cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.split_k == 1 and not cfg.tma
+
+
+def _runs_here(cfg: KernelConfig, x2: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether this call's device and dtypes can run the config's kernel: fp4_tma's Gluon kernel
+    needs an sm_90+ GPU (never the interpreter) and bf16 in and out; the Triton kernels run anywhere."""
+    return not cfg.tma or (not INTERPRET and out_dtype == torch.bfloat16 and fp4_tma.supports(x2))
 
 
 def _worth_timing(cfg: KernelConfig, path: str, m: int, k_padded: int) -> bool:
@@ -1730,6 +1749,9 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         w = dequantize_triton(codes, scales, global_scale, n, in_features, format, compute_dtype)
         out = F.linear(x2.to(compute_dtype), w, None if bias is None else bias.to(compute_dtype))
         return out.to(out_dtype) if out.dtype != out_dtype else out
+    if path == "gemv" and cfg.tma:  # the Gluon kernel (NVFP4, bf16; _runs_here)
+        return fp4_tma.fp4_linear_tma(x2, codes, scales, global_scale, bias, n, fp4_tma.TmaDecodeConfig(
+            cfg.block_n, cfg.block_m, cfg.block_k, cfg.split_k, cfg.num_stages, cfg.num_warps))
     if path == "gemv":  # decode: CUDA cores (BLOCK_M 1-4) or tensor cores (BLOCK_M 16-64), word tiles
         # permute_x (tensor-core tiles only, _valid_config): x's tiles rearranged once per call, read
         # by every program as they are
@@ -1831,7 +1853,7 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
     if key in _TUNED:
         return _TUNED[key]
     valid = [cfg for cfg in (DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS)
-             if _valid_config(cfg, path, m, out_features, k_padded, bs)]
+             if _valid_config(cfg, path, m, out_features, k_padded, bs) and _runs_here(cfg, x2, out_dtype)]
     # the tuning filter's picks, or every valid tile where it leaves none (a short K, say)
     candidates = [cfg for cfg in valid if _worth_timing(cfg, path, m, k_padded)] or valid
     if candidates and torch.cuda.is_current_stream_capturing():
@@ -1920,13 +1942,17 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         path = _device_path(x.device.index if x.is_cuda else None, m, in_features, out_features, format)
     args = (x2, codes, scales.view(torch.uint8), global_scale, bias, out_features, in_features, format, out_dtype)
     cfg = config or _pick_config(path, args)
+    if cfg.tma and not _runs_here(cfg, x2, out_dtype):
+        raise ValueError(f"fp4_linear: a tma config needs an sm_90+ GPU (not the interpreter) and bfloat16 activations "
+                         f"and output; this call has {x2.device.type} {x.dtype}")
     if not _valid_config(cfg, path, m, out_features, k_padded, bs):
         raise ValueError(f"fp4_linear: config {cfg} is not valid for path {path} with M={m}, K_padded={k_padded}, "
                          f"block {bs} (BLOCK_N and BLOCK_K powers of two; BLOCK_K must divide K_padded, be a multiple "
                          f"of the block and give MMA K >= 16; 1 <= SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, "
                          f"4, 16, 32 or 64 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 128, for BLOCK_M >= 16), and 1, 2 or 4 for "
-                         f"int_dots configs; permute_x only on the tensor-core tiles (BLOCK_M 16, 32 or 64); prefill "
-                         f"tiles >= 16 without split)")
+                         f"int_dots configs; permute_x only on the tensor-core tiles (BLOCK_M 16, 32 or 64); tma tiles: NVFP4, "
+                         f"BLOCK_M 16, 32 or 64, BLOCK_K 128 or 256 dividing K_padded, K_padded a multiple of 256, "
+                         f"BLOCK_N a multiple of 16 x num_warps; prefill tiles >= 16 without split)")
     out = _launch(path, cfg, *args)
     if key is not None and x.is_cuda and (_TUNED.get(_tuned_key(path, args)) == cfg or path == "dequant"):
         if len(_DECIDED) >= 4096:

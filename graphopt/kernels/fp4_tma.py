@@ -229,18 +229,23 @@ if gluon is not None:
                 gl.atomic_xchg(counter, 0)
 
 
-def supports(x2: torch.Tensor, k_padded: int, fmt: str, cfg: TmaDecodeConfig) -> bool:
-    """Whether this kernel can take the call: NVFP4, bf16 activations on an sm_90+ GPU, K steps that
-    tile the padded K, and 16-byte aligned rows of scales (a TMA and gather requirement)."""
-    return (gluon is not None and fmt == "nvfp4" and x2.dtype == torch.bfloat16 and x2.is_cuda
-            and torch.cuda.get_device_capability(x2.device)[0] >= 9 and k_padded % cfg.block_k == 0
-            and (k_padded // 16) % 16 == 0 and cfg.block_n % (16 * cfg.num_warps) == 0)
+def supports(x2: torch.Tensor) -> bool:
+    """Whether this Triton has Gluon and x2 is bf16 on an sm_90+ GPU (the kernel's tile and K rules
+    are `tiles_k` and fp4._valid_config's)."""
+    return (gluon is not None and x2.dtype == torch.bfloat16 and x2.is_cuda
+            and torch.cuda.get_device_capability(x2.device)[0] >= 9)
+
+
+def tiles_k(k_padded: int, block_k: int) -> bool:
+    """K steps of 128 or 256 elements that tile the padded K, and rows of NVFP4 scales (K / 16
+    bytes) 16-byte aligned for the scale gathers' vector width."""
+    return block_k in (128, 256) and k_padded % block_k == 0 and k_padded % 256 == 0
 
 
 def fp4_linear_tma(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                    bias: torch.Tensor | None, out_features: int, cfg: TmaDecodeConfig) -> torch.Tensor:
     """x2 (M, K) bf16 @ W^T (+ bias) for a kernel-layout NVFP4 weight (fp4.Fp4KernelWeight's codes,
-    scales, global_scale): (M, out_features) bf16. Callers check `supports` first."""
+    scales, global_scale): (M, out_features) bf16. Callers check `supports` and `tiles_k` first."""
     from graphopt.kernels import fp4
     from graphopt.kernels.split_k import split_buffers
 
@@ -257,18 +262,21 @@ def fp4_linear_tma(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     words = codes.view(torch.int32)
     w_desc = TensorDescriptor(words, [n, k_padded // 8], [k_padded // 8, 1], [cfg.block_n, w], w_layout)
     out = torch.empty((m, n), device=x2.device, dtype=torch.bfloat16)
-    tiles = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
+    n_iters = k_padded // cfg.block_k
+    split_k = triton.cdiv(n_iters, triton.cdiv(n_iters, cfg.split_k))  # every split owns >= 1 K step
     ws = counters = out  # unread unless split
-    if cfg.split_k > 1:
-        buffers = split_buffers("fp4_tma", x2.device, m, n, triton.cdiv(n, 64) * triton.cdiv(m, 16))  # any tiling
-        if buffers is None:
-            raise RuntimeError("fp4_linear_tma: split-K buffers must exist before a CUDA-graph capture")
-        ws, counters = buffers
+    if split_k > 1:
+        buffers = split_buffers("fp4_tma", x2.device, m, n, triton.cdiv(n, 64) * triton.cdiv(m, 16))  # any tile
+        if buffers is None:  # first use inside a CUDA-graph capture: one split
+            split_k = 1
+        else:
+            ws, counters = buffers
+    tiles = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))
     scale_bytes = scales.view(torch.uint8)
     _fp4_decode_tma_kernel[tiles](
         x_desc, w_desc, scale_bytes, global_scale, bias if bias is not None else out, out, ws, counters,
         m, n, k_padded, scale_bytes.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, W=w, SPLIT_K=cfg.split_k,
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, W=w, SPLIT_K=split_k,
         STAGES=cfg.stages, WORD_LAYOUT=word_layout(cfg.block_n, w, cfg.num_warps), X_TILE_LAYOUT=x_tile_layout,
         MMA_WAIT_EACH=cfg.mma_wait_each, num_warps=cfg.num_warps)
     return out

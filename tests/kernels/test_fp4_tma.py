@@ -5,6 +5,7 @@ words are the MMA's register operand (no trip through shared memory), and that n
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import tempfile
@@ -102,7 +103,7 @@ def test_matches_the_dequantized_reference_on_the_gpu(n, k, tokens, split_k, sta
     for block_n, block_k, warps in ((128, 256, 4), (64, 128, 4), (128, 256, 8)):
         cfg = TmaDecodeConfig(block_n, 16 if tokens <= 16 else 64, block_k, split_k, stages, warps,
                               mma_wait_each=warps == 8)
-        assert fp4_tma.supports(x, codes.shape[1] * 2, "nvfp4", cfg)
+        assert fp4_tma.supports(x) and fp4_tma.tiles_k(codes.shape[1] * 2, block_k)
         got = fp4_tma.fp4_linear_tma(x, codes, scales, gscale, bias, n, cfg).float()
         ref = fp4.reference_fp4_linear(x.double(), codes, scales, gscale, None if bias is None else bias.double(),
                                        n, k, "nvfp4").double()
@@ -111,3 +112,43 @@ def test_matches_the_dequantized_reference_on_the_gpu(n, k, tokens, split_k, sta
         # twice more: the split-K buffers and counters are left re-armed
         again = fp4_tma.fp4_linear_tma(x, codes, scales, gscale, bias, n, cfg).float()
         assert torch.equal(again, got) or split_k > 1 and (again - got).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_tma_tiles_are_valid_only_for_nvfp4_with_aligned_k():
+    cfg = next(c for c in fp4.DECODE_CONFIGS if c.tma and c.block_k == 256)
+    assert fp4._valid_config(cfg, "gemv", 16, 4096, 4096, 16)
+    assert not fp4._valid_config(cfg, "gemv", 16, 4096, 4096, 32)  # MXFP4
+    assert not fp4._valid_config(cfg, "gemv", 16, 4096, 4160, 16)  # K steps do not tile K
+    assert not fp4._valid_config(cfg, "gemm", 16, 4096, 4096, 16)
+
+
+def test_tma_tiles_never_run_without_a_hopper_gpu():
+    x2 = torch.randn(4, 512, dtype=torch.bfloat16)
+    cfg = next(c for c in fp4.DECODE_CONFIGS if c.tma)
+    assert not fp4._runs_here(cfg, x2, torch.bfloat16)
+    assert fp4._runs_here(dataclasses.replace(cfg, tma=False), x2, torch.bfloat16)
+    if torch.cuda.is_available():
+        return
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(64, 512), "nvfp4"))
+    with pytest.raises(ValueError, match="sm_90"):
+        fp4.fp4_linear_triton(x2, kw.codes, kw.scales, kw.global_scale, None, 64, 512, "nvfp4", path="gemv",
+                              config=cfg)
+
+
+@pytest.mark.skipif(not HOPPER or fp4_tma.gluon is None, reason="Gluon's TMA kernel runs on sm_90+ GPUs")
+@pytest.mark.parametrize("tokens", [2, 16, 40])
+def test_the_launcher_runs_the_tma_tiles_and_its_tuner_may_pick_them(tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    n, k = 320, 1024
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(n, k, generator=gen) * 0.05, "nvfp4"))
+    codes, scales, gscale = kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda()
+    x = torch.randn(tokens, k, generator=gen).to("cuda", torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
+    ref = fp4.reference_fp4_linear(x, codes, scales, gscale, bias, n, k, "nvfp4").float()
+    tiles = [c for c in fp4.DECODE_CONFIGS if c.tma and fp4._valid_config(c, "gemv", tokens, n, k, 16)]
+    assert tiles
+    for cfg in tiles:
+        got = fp4.fp4_linear_triton(x, codes, scales, gscale, bias, n, k, "nvfp4", path="gemv", config=cfg).float()
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-2, cfg
+    picked = fp4._pick_config("gemv", (x, codes, scales.view(torch.uint8), gscale, bias, n, k, "nvfp4", torch.bfloat16))
+    assert fp4._runs_here(picked, x, torch.bfloat16)
