@@ -34,6 +34,8 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from graphopt.kernels.split_k import finish_split_tile
 except ImportError:  # pragma: no cover - no Gluon in this Triton
     gluon = None
 else:  # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 only async_load
@@ -214,19 +216,9 @@ if gluon is not None:
                 acc += gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
             gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            sums_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
-            counter = counter_ptr + pid_m * gl.num_programs(0) + pid_n
-            gl.atomic_add(sums_ptrs, acc, mask=mask, sem="relaxed")
-            _cta_barrier()  # every thread's adds precede the counter's release
-            arrived = gl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:  # the last split of this tile: copy out, re-arm
-                zero = gl.zeros_like(acc)
-                total = gl.atomic_add(sums_ptrs, zero, mask=mask, sem="relaxed")
-                gl.store(sums_ptrs, zero, mask=mask)
-                if HAS_BIAS:
-                    total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
-                gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(counter, 0)
+            finish_split_tile(acc, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, mask,
+                              bias_ptr + offs_n[:, None], n_mask[:, None],
+                              counter_ptr + pid_m * gl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
 
 
 def supports(x2: torch.Tensor) -> bool:
