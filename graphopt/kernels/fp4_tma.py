@@ -50,13 +50,13 @@ class TmaDecodeConfig:
     (the MMA's N), BLOCK_K elements per K step (8 per word), SPLIT_K programs along K, STAGES
     shared-memory buffers."""
 
-    block_n: int = 128
+    block_n: int = 64  # the defaults: the H100 sweep's best tile at 1-16 tokens (bench/results/fp4_decode_h100_session33_tma.*)
     block_m: int = 16
     block_k: int = 256
     split_k: int = 4
-    stages: int = 4
+    stages: int = 2
     num_warps: int = 4
-    mma_wait_each: bool = False  # wait for each shift's MMA before the next is issued (fewer registers)
+    mma_wait_each: bool = False  # wait for each shift's MMA before issuing the next (timed: a tie)
 
     @property
     def words(self) -> int:
