@@ -16,7 +16,7 @@ where layouts and shared memory are explicit:
 
 The math is the Triton kernel's (NVFP4, bf16 activations, DIRECT_BF16): codes times block scale
 in one bf16x2 multiply, exact, fp32 accumulation, split-K with the same single-launch reduction
-(`split_k.finish_split_tile`). Reference: `fp4.reference_fp4_linear`. Gluon runs only on a GPU
+(`split_k.finish_split_tile`'s steps). Reference: `fp4.reference_fp4_linear`. Gluon runs only on a GPU
 (sm_90+): on the CPU and under TRITON_INTERPRET=1 the launcher is never chosen, and the kernel is
 built offline for sm_90 by the tests instead.
 """
@@ -34,8 +34,6 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from graphopt.kernels.split_k import finish_split_tile
 except ImportError:  # pragma: no cover - no Gluon in this Triton
     gluon = None
 else:  # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 only async_load
@@ -216,9 +214,21 @@ if gluon is not None:
                 acc += gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
             gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            finish_split_tile(acc, ws_ptr + offs_m[None, :] * N + offs_n[:, None], out_ptrs, mask,
-                              bias_ptr + offs_n[:, None], n_mask[:, None],
-                              counter_ptr + pid_m * gl.num_programs(0) + pid_n, SPLIT_K, HAS_BIAS)
+            # split_k.finish_split_tile's steps: a Gluon kernel cannot call it, since without a GPU the
+            # tests run @triton.jit functions in the interpreter and Gluon's build rejects those
+            sums_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+            counter = counter_ptr + pid_m * gl.num_programs(0) + pid_n
+            gl.atomic_add(sums_ptrs, acc, mask=mask, sem="relaxed")
+            _cta_barrier()  # every thread's adds precede the counter's release
+            arrived = gl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # the last split of this tile: copy out, re-arm
+                zero = gl.zeros_like(acc)
+                total = gl.atomic_add(sums_ptrs, zero, mask=mask, sem="relaxed")
+                gl.store(sums_ptrs, zero, mask=mask)
+                if HAS_BIAS:
+                    total += gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
+                gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(counter, 0)
 
 
 def supports(x2: torch.Tensor) -> bool:

@@ -51,7 +51,7 @@ if triton is not None:
         tl.debug_barrier()  # every thread's adds precede the counter's release
         arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:  # the last split of this tile: copy out, re-arm
-            zero = tl.where(mask, 0.0, 0.0)  # (not zeros_like: Gluon callers need a layout)
+            zero = tl.zeros_like(acc)
             total = tl.atomic_add(sums_ptrs, zero, mask=mask, sem="relaxed")
             tl.store(sums_ptrs, zero, mask=mask)
             if HAS_BIAS:
