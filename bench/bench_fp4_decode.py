@@ -52,9 +52,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.common import cold_graph_ms, comma_ints, copies_for, gbps, print_table, write_json  # noqa: E402
 from graphopt.kernels import fp4  # noqa: E402
-from graphopt.kernels import fp4_tma  # noqa: E402
 from graphopt.kernels.fp4 import KernelConfig  # noqa: E402
-from graphopt.kernels.fp4_tma import TmaDecodeConfig  # noqa: E402
 
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
 DEVICE = "cuda" if GPU else "cpu"
@@ -78,17 +76,15 @@ def _int_tiles(bm: int, block_ns, block_ks, words_per_thread, warp_counts, split
     return tiles
 
 
-def candidates(kernel: str, m: int) -> list:
+def candidates(kernel: str, m: int) -> list[KernelConfig]:
     mma = kernel == "word-mma"
     if kernel == "tma":  # fp4_tma._fp4_decode_tma_kernel (Gluon, sm_90+): 16, 32 or 64 tokens per program
         if not GPU:
             return []
         bm = max(16, fp4._token_bucket(m))
-        tiles = [TmaDecodeConfig(bn, bm, bk, sk, st, num_warps=w)
-                 for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (128, 256) for sk in (1, 2, 4, 8) for st in (2, 3)
-                 if not (bk == 128 and sk == 1)]
-        return tiles + [TmaDecodeConfig(bn, bm, 256, sk, 2, num_warps=w, mma_wait_each=True)
-                        for bn, w in ((64, 4), (128, 8)) for sk in (1, 4)]
+        return [KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=st, tma=True)
+                for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (128, 256) for sk in (1, 2, 4, 8) for st in (2, 3)
+                if not (bk == 128 and sk == 1)]
     if kernel == "word-int":  # _fp4_gemv_int_kernel, 1, 2 or 4 tokens per program
         if m > 4:
             return []  # more tokens per program than it takes: W re-read per 4 tokens
@@ -134,12 +130,9 @@ def candidates(kernel: str, m: int) -> list:
     raise ValueError(f"unknown kernel {kernel!r}; valid choices: word, word-mma, word-int, tma")
 
 
-def config_name(cfg) -> str:
-    if isinstance(cfg, TmaDecodeConfig):
-        each = " wait-each" if cfg.mma_wait_each else ""
-        return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} stages{cfg.stages} tma{each}"
-    permuted = " px" if cfg.permute_x else ""
-    return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}{permuted}"
+def config_name(cfg: KernelConfig) -> str:
+    layout = " px" if cfg.permute_x else " tma" if cfg.tma else ""
+    return f"{cfg.block_n}x{cfg.block_m}x{cfg.block_k} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}{layout}"
 
 
 def weights(k: int, n: int):
@@ -150,8 +143,6 @@ def weights(k: int, n: int):
 
 
 def run(x, kw, cfg):
-    if isinstance(cfg, TmaDecodeConfig):
-        return fp4_tma.fp4_linear_tma(x, kw.codes, kw.scales, kw.global_scale, None, kw.out_features, cfg)
     return fp4.fp4_linear_triton(x, kw.codes, kw.scales, kw.global_scale, None, kw.out_features, kw.in_features,
                                  FORMAT, path="gemv", config=cfg)
 
@@ -190,10 +181,8 @@ def main() -> None:
             for kernel in KERNELS:
                 best = None
                 for cfg in candidates(kernel, m):
-                    if isinstance(cfg, TmaDecodeConfig):
-                        if not (fp4_tma.supports(x) and fp4_tma.tiles_k(kw.codes.shape[1] * 2, cfg.block_k)):
-                            continue
-                    elif not fp4._valid_config(cfg, "gemv", m, n, kw.codes.shape[1] * 2, fp4.BLOCK_SIZES[FORMAT]):
+                    if not (fp4._valid_config(cfg, "gemv", m, n, kw.codes.shape[1] * 2, fp4.BLOCK_SIZES[FORMAT])
+                            and fp4._runs_here(cfg, x, x.dtype)):
                         continue
                     try:
                         y = run(x, kw, cfg)

@@ -1749,13 +1749,10 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         w = dequantize_triton(codes, scales, global_scale, n, in_features, format, compute_dtype)
         out = F.linear(x2.to(compute_dtype), w, None if bias is None else bias.to(compute_dtype))
         return out.to(out_dtype) if out.dtype != out_dtype else out
-    if path == "gemv" and cfg.tma:  # the Gluon kernel (NVFP4, bf16; _runs_here)
-        return fp4_tma.fp4_linear_tma(x2, codes, scales, global_scale, bias, n, fp4_tma.TmaDecodeConfig(
-            cfg.block_n, cfg.block_m, cfg.block_k, cfg.split_k, cfg.num_stages, cfg.num_warps))
-    if path == "gemv":  # decode: CUDA cores (BLOCK_M 1-4) or tensor cores (BLOCK_M 16-64), word tiles
-        # permute_x (tensor-core tiles only, _valid_config): x's tiles rearranged once per call, read
-        # by every program as they are
-        x_arg = permuted_activations(x2, k_padded, cfg.block_k // 8, bs) if cfg.permute_x else x2
+    if path == "gemv":  # decode: CUDA cores (BLOCK_M 1-4), tensor cores (BLOCK_M 16-64) or fp4_tma's kernel
+        # permute_x (tensor-core tiles only, _valid_config) and tma: x's tiles rearranged once per
+        # call, read by every program as they are
+        x_arg = permuted_activations(x2, k_padded, cfg.block_k // 8, bs) if cfg.permute_x or cfg.tma else x2
         n_iters = k_padded // cfg.block_k
         split_k = cdiv(n_iters, cdiv(n_iters, cfg.split_k))  # every split owns >= 1 tile
         out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
@@ -1763,6 +1760,9 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         if buffers is None:  # no split, or first use inside a CUDA-graph capture: one split
             split_k, buffers = 1, (out, out)
         ws, counters = buffers
+        if cfg.tma:  # the Gluon kernel (NVFP4, bf16 in and out: _runs_here)
+            fp4_tma.launch_decode(x_arg, codes, scales, global_scale, bias, out, ws, counters, split_k, cfg)
+            return out
         grid = (cdiv(n, cfg.block_n), split_k, cdiv(m, cfg.block_m))
         args = (x_arg, codes.view(torch.int32), scales, global_scale, bias_arg, out, ws, counters, m, n, in_features,
                 k_padded, x_arg.stride(0), k_padded // 8, scales.stride(0), out.stride(0))

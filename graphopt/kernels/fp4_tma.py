@@ -23,7 +23,7 @@ built offline for sm_90 by the tests instead.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import torch
 
@@ -42,25 +42,7 @@ else:  # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 only asy
     _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # 3.6: _reinterpret
 
 
-@dataclasses.dataclass(frozen=True)
-class TmaDecodeConfig:
-    """One launch's tiling: BLOCK_N weight rows (the MMA's M, 64 per warpgroup), BLOCK_M tokens
-    (the MMA's N), BLOCK_K elements per K step (8 per word), SPLIT_K programs along K, STAGES
-    shared-memory buffers."""
-
-    block_n: int = 64  # the defaults: the H100 sweep's best tile at 1-16 tokens (bench/results/fp4_decode_h100_session33_tma.*)
-    block_m: int = 16
-    block_k: int = 256
-    split_k: int = 4
-    stages: int = 2
-    num_warps: int = 4
-    mma_wait_each: bool = False  # wait for each shift's MMA before issuing the next (timed: a tie)
-
-    @property
-    def words(self) -> int:
-        return self.block_k // 8
-
-
+@functools.lru_cache(maxsize=None)
 def word_layout(block_n: int, words: int, num_warps: int):
     """The (BLOCK_N, W) distributed layout of the packed words whose two-codes-per-register decode,
     joined along K, is exactly the warpgroup MMA's A operand (DotOperandLayout k_width 2, warps
@@ -72,12 +54,14 @@ def word_layout(block_n: int, words: int, num_warps: int):
     return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, words])
 
 
-def activation_layouts(cfg: TmaDecodeConfig):
-    """Shared layouts of one (BLOCK_M, 2W) activation operand tile (the MMA's B) and of the 3-D TMA
-    box of a step's four: the same swizzle, so the box is the four tiles back to back."""
-    tile = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 2 * cfg.words], gl.bfloat16)
+@functools.lru_cache(maxsize=None)
+def shared_layouts(block_n: int, block_m: int, words: int):
+    """Shared layouts of the (BLOCK_N, W) words tile, of one (BLOCK_M, 2W) activation operand tile
+    (the MMA's B) and of the 3-D TMA box of a step's four operands: the box has the tile's swizzle,
+    so it is the four tiles back to back."""
+    tile = gl.NVMMASharedLayout.get_default_for([block_m, 2 * words], gl.bfloat16)
     box = gl.NVMMASharedLayout(tile.swizzle_byte_width, 16, rank=3)
-    return tile, box
+    return gl.NVMMASharedLayout.get_default_for([block_n, words], gl.int32), tile, box
 
 
 def _powers(start: int, stop: int) -> list[int]:
@@ -147,7 +131,7 @@ if gluon is not None:
         M, N, K_PADDED, stride_sn, stride_om,
         HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr,
         SPLIT_K: gl.constexpr, STAGES: gl.constexpr, WORD_LAYOUT: gl.constexpr, X_TILE_LAYOUT: gl.constexpr,
-        MMA_WAIT_EACH: gl.constexpr, num_warps: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         WPB: gl.constexpr = 2  # NVFP4: 16-element scale blocks, two words each
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -191,8 +175,6 @@ if gluon is not None:
             for j in gl.static_range(4):
                 a = _operand(words, 4 * j, scale_pair, a_layout)
                 acc = warpgroup_mma(a, x_smem.index(stage * 4 + j).permute((1, 0)), acc, is_async=True)
-                if MMA_WAIT_EACH:  # one MMA in flight while the next shift decodes: half the operand registers
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             _cta_barrier()  # every warp has read this slot before TMA refills it
             fence_async_shared()  # (those reads were generic-proxy, TMA writes are async-proxy)
@@ -244,41 +226,26 @@ def tiles_k(k_padded: int, block_k: int) -> bool:
     return block_k in (128, 256) and k_padded % block_k == 0 and k_padded % 256 == 0
 
 
-def fp4_linear_tma(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                   bias: torch.Tensor | None, out_features: int, cfg: TmaDecodeConfig) -> torch.Tensor:
-    """x2 (M, K) bf16 @ W^T (+ bias) for a kernel-layout NVFP4 weight (fp4.Fp4KernelWeight's codes,
-    scales, global_scale): (M, out_features) bf16. Callers check `supports` and `tiles_k` first."""
-    from graphopt.kernels import fp4
-    from graphopt.kernels.split_k import split_buffers
-
-    m = x2.shape[0]
-    n, k_padded = out_features, codes.shape[1] * 2
-    w = cfg.words
-    x_perm = fp4.permuted_activations(x2, k_padded, w, 16)
-    x_tile_layout, x_box_layout = activation_layouts(cfg)
-    w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, w], gl.int32)
+def launch_decode(x_perm: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out: torch.Tensor, ws: torch.Tensor, counters: torch.Tensor, split_k: int,
+                  cfg) -> None:
+    """out (M, N) bf16 = x @ W^T (+ bias) for a kernel-layout NVFP4 weight, from fp4._launch: x_perm is
+    fp4.permuted_activations(x, K_padded, BLOCK_K / 8, 16) in bf16; ws / counters / split_k its
+    split-K buffers and split; cfg an fp4.KernelConfig with tma=True (num_stages = ring slots).
+    Callers check `supports` and `tiles_k` first."""
+    m, n, k_padded = x_perm.shape[0], out.shape[1], codes.shape[1] * 2
+    w = cfg.block_k // 8
+    w_layout, x_tile_layout, x_box_layout = shared_layouts(cfg.block_n, cfg.block_m, w)
     # x_perm (M, k_padded) seen as (operand chunk, token, element): each K step's four operands
     # are four consecutive 2W-element chunks
     x_desc = TensorDescriptor(x_perm, [k_padded // (2 * w), m, 2 * w], [2 * w, k_padded, 1], [4, cfg.block_m, 2 * w],
                               x_box_layout)
-    words = codes.view(torch.int32)
-    w_desc = TensorDescriptor(words, [n, k_padded // 8], [k_padded // 8, 1], [cfg.block_n, w], w_layout)
-    out = torch.empty((m, n), device=x2.device, dtype=torch.bfloat16)
-    n_iters = k_padded // cfg.block_k
-    split_k = triton.cdiv(n_iters, triton.cdiv(n_iters, cfg.split_k))  # every split owns >= 1 K step
-    ws = counters = out  # unread unless split
-    if split_k > 1:
-        buffers = split_buffers("fp4_tma", x2.device, m, n, triton.cdiv(n, 64) * triton.cdiv(m, 16))  # any tile
-        if buffers is None:  # first use inside a CUDA-graph capture: one split
-            split_k = 1
-        else:
-            ws, counters = buffers
-    tiles = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))
-    scale_bytes = scales.view(torch.uint8)
-    _fp4_decode_tma_kernel[tiles](
-        x_desc, w_desc, scale_bytes, global_scale, bias if bias is not None else out, out, ws, counters,
-        m, n, k_padded, scale_bytes.stride(0), out.stride(0),
+    w_desc = TensorDescriptor(codes.view(torch.int32), [n, k_padded // 8], [k_padded // 8, 1], [cfg.block_n, w],
+                              w_layout)
+    grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))
+    _fp4_decode_tma_kernel[grid](
+        x_desc, w_desc, scales, global_scale, bias if bias is not None else out, out, ws, counters,
+        m, n, k_padded, scales.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, W=w, SPLIT_K=split_k,
-        STAGES=cfg.stages, WORD_LAYOUT=word_layout(cfg.block_n, w, cfg.num_warps), X_TILE_LAYOUT=x_tile_layout,
-        MMA_WAIT_EACH=cfg.mma_wait_each, num_warps=cfg.num_warps)
-    return out
+        STAGES=cfg.num_stages, WORD_LAYOUT=word_layout(cfg.block_n, w, cfg.num_warps), X_TILE_LAYOUT=x_tile_layout,
+        num_warps=cfg.num_warps)

@@ -15,28 +15,30 @@ import pytest
 import torch
 
 from graphopt.kernels import fp4, fp4_tma
-from graphopt.kernels.fp4_tma import TmaDecodeConfig
+from graphopt.kernels.fp4 import KernelConfig
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 needs_gluon = pytest.mark.skipif(fp4_tma.gluon is None, reason="this Triton has no Gluon")
 
 
-def _sm90_build(cfg: TmaDecodeConfig):
+def _tile(block_n, block_m, block_k, split_k, stages, num_warps=4) -> KernelConfig:
+    return KernelConfig(block_n, block_m, block_k, split_k, num_warps=num_warps, num_stages=stages, tma=True)
+
+
+def _sm90_build(cfg: KernelConfig):
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    w = cfg.words
-    x_tile_layout, x_box_layout = fp4_tma.activation_layouts(cfg)
-    w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, w], gl.int32)
+    w = cfg.block_k // 8
+    w_layout, x_tile_layout, x_box_layout = fp4_tma.shared_layouts(cfg.block_n, cfg.block_m, w)
     fn = fp4_tma._fp4_decode_tma_kernel
     types = dict(x_desc=f"tensordesc<bf16[4,{cfg.block_m},{2 * w}],{x_box_layout!r}>",
                  w_desc=f"tensordesc<i32[{cfg.block_n},{w}],{w_layout!r}>", scales_ptr="*u8",
                  global_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
     consts = dict(HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, W=w, SPLIT_K=cfg.split_k,
-                  STAGES=cfg.stages, WORD_LAYOUT=fp4_tma.word_layout(cfg.block_n, w, cfg.num_warps),
-                  X_TILE_LAYOUT=x_tile_layout, MMA_WAIT_EACH=cfg.mma_wait_each, num_warps=cfg.num_warps)
+                  STAGES=cfg.num_stages, WORD_LAYOUT=fp4_tma.word_layout(cfg.block_n, w, cfg.num_warps),
+                  X_TILE_LAYOUT=x_tile_layout, num_warps=cfg.num_warps)
     names = fn.arg_names
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     source = GluonASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
@@ -46,10 +48,8 @@ def _sm90_build(cfg: TmaDecodeConfig):
 
 
 @needs_gluon
-@pytest.mark.parametrize("cfg", [TmaDecodeConfig(128, 16, 256, split_k=4, stages=4),
-                                 TmaDecodeConfig(64, 32, 128, split_k=1, stages=2),
-                                 TmaDecodeConfig(128, 16, 256, split_k=2, stages=3, num_warps=8, mma_wait_each=True)],
-                         ids=str)
+@pytest.mark.parametrize("cfg", [_tile(128, 16, 256, split_k=4, stages=4), _tile(64, 32, 128, split_k=1, stages=2),
+                                 _tile(128, 16, 256, split_k=2, stages=3, num_warps=8)], ids=str)
 def test_builds_for_sm90_with_the_words_as_the_mma_register_operand(cfg):
     import triton
 
@@ -101,16 +101,16 @@ def test_matches_the_dequantized_reference_on_the_gpu(n, k, tokens, split_k, sta
     x = torch.randn(tokens, k, generator=gen).to("cuda", torch.bfloat16)
     bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16) if with_bias else None
     for block_n, block_k, warps in ((128, 256, 4), (64, 128, 4), (128, 256, 8)):
-        cfg = TmaDecodeConfig(block_n, 16 if tokens <= 16 else 64, block_k, split_k, stages, warps,
-                              mma_wait_each=warps == 8)
+        # a split past the K steps is clamped, as the tuner's tiles are (_valid_config)
+        cfg = _tile(block_n, 16 if tokens <= 16 else 64, block_k, min(split_k, k // block_k), stages, warps)
         assert fp4_tma.supports(x) and fp4_tma.tiles_k(codes.shape[1] * 2, block_k)
-        got = fp4_tma.fp4_linear_tma(x, codes, scales, gscale, bias, n, cfg).float()
+        got = fp4.fp4_linear_triton(x, codes, scales, gscale, bias, n, k, "nvfp4", path="gemv", config=cfg).float()
         ref = fp4.reference_fp4_linear(x.double(), codes, scales, gscale, None if bias is None else bias.double(),
                                        n, k, "nvfp4").double()
         err = (got.double() - ref).abs().max() / ref.abs().max()
         assert err < 8e-3, (cfg, err.item())
         # twice more: the split-K buffers and counters are left re-armed
-        again = fp4_tma.fp4_linear_tma(x, codes, scales, gscale, bias, n, cfg).float()
+        again = fp4.fp4_linear_triton(x, codes, scales, gscale, bias, n, k, "nvfp4", path="gemv", config=cfg).float()
         assert torch.equal(again, got) or split_k > 1 and (again - got).abs().max() <= 2e-2 * ref.abs().max()
 
 
