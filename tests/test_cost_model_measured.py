@@ -6,13 +6,13 @@ on that machine. Two checks per family:
   (a) predicted faster/slower than cuBLAS agrees with the measurement on >= 90% of the rows;
   (b) the pass's own decision rule declines every (shape, tokens) whose chosen kernel was measured
       more than 5% slower than cuBLAS (a rewrite predicted faster but measured slower is a bug).
-FP4 rows with an L2-cold measurement (<= 16 tokens: weights rotated through copies, as in a real
+FP4 rows with an L2-cold measurement (<= 64 tokens: weights rotated through copies, as in a real
 forward pass where each layer's weights come from DRAM) are judged on it; the hot number of a
 4096x4096 layer (33.5 MB of bf16 weights) is largely served from the 50 MB L2.
-The FP4 decode kernels (<= 16 tokens) were replaced after that H200 run; their rows come from
-bench/results/fp4_h100_session9_mma_decode.json (H100, the word-tile kernels: session 8's PTX
-conversions, session 9's tensor-core kernel; L2-cold) and are judged with the H100 spec and the
-copy bandwidth measured in that run.
+The FP4 decode kernels (<= 64 tokens) were replaced after that H200 run, so only its 256- and
+4096-token rows are used; the decode rows come from bench/results/fp4_h100_session33_tma.json
+(H100, the kernels that run now: integer dots at 1 token, the Gluon TMA kernel at 4-64; L2-cold)
+and are judged with the H100 spec and the copy bandwidth measured in that run.
 """
 
 import dataclasses
@@ -39,14 +39,14 @@ def _shape(text: str) -> tuple[int, int]:
     return int(k), int(n)
 
 
-DECODE_TOKENS = 16
+DECODE_TOKENS = 64  # the gemv path's largest token count (fp4.MMA_BLOCK_M)
 
 
 def _fp4_rows(source: str = "h200"):
     """(k, n, tokens, cuBLAS ms, {path: measured ms}) per measured linear: the H200 run's prefill
-    rows (> 16 tokens) or the H100 run's decode rows (source "h100")."""
+    rows (> 64 tokens) or the H100 run's decode rows (source "h100", 1-64 tokens)."""
     rows = []
-    name = "fp4_h200_round2.json" if source == "h200" else "fp4_h100_session9_mma_decode.json"
+    name = "fp4_h200_round2.json" if source == "h200" else "fp4_h100_session33_tma.json"
     for r in json.loads((RESULTS / name).read_text())["rows"]:
         if "->" not in r["shape"] or r.get("check") != "PASS" or "cublas_ms" not in r:
             continue
@@ -80,8 +80,9 @@ def _q4_rows(source: str = "h200"):
 
 def test_recorded_rows_cover_decode_and_prefill():
     fp4_rows, q4_rows = _fp4_rows() + _fp4_rows("h100"), _q4_rows()
-    assert len(fp4_rows) == 36 and len(q4_rows) == 36  # 6 LLaMA shapes x 6 token counts each
-    assert {t for *_, t, _, _ in fp4_rows} == {t for *_, t, _ in q4_rows} == {1, 4, 16, 64, 256, 4096}
+    assert len(fp4_rows) == 42 and len(q4_rows) == 36  # 6 LLaMA shapes x 7 (FP4) or 6 (Q4) token counts
+    assert {t for *_, t, _, _ in fp4_rows} == {1, 4, 16, 32, 64, 256, 4096}
+    assert {t for *_, t, _ in q4_rows} == {1, 4, 16, 64, 256, 4096}
 
 
 def test_fp4_predicted_faster_or_slower_agrees_with_h200():
@@ -111,15 +112,17 @@ def test_fp4_pass_declines_every_linear_measured_slower_than_cublas(source, hw):
 
 
 def test_fp4_at_32_to_256_tokens_on_h100():
-    """bench/results/fp4_h100_session31_final.json: the tensor-core decode kernel with 32 and 64
-    tokens per program on pre-permuted activations (session 31), all six shapes, CUDA-graph replays
-    up to 64 tokens (the chosen path also L2-cold), interleaved eager timing at 256. At 64 and 256
-    tokens, where every path was timed, the model's path is within 1.15x of the fastest; its
-    decode estimate is within 0.75-1.3x of the L2-cold time at 32 and 64 tokens; a layer the pass
-    rewrites is measured no more than 5% slower than cuBLAS (4096x4096 at 32 tokens: 0.97x), and one
-    it declines at most 1.2x faster (11008->4096 at 64 tokens: 1.10x)."""
-    rows = [r for r in json.loads((RESULTS / "fp4_h100_session31_final.json").read_text())["rows"]
-            if r.get("check") == "PASS" and r["tokens"] in (32, 64, 256)]
+    """Past 16 tokens on the H100, all six shapes: 32 and 64 tokens from
+    bench/results/fp4_h100_session33_tma.json (the TMA decode kernel; CUDA-graph replays, the chosen
+    path also L2-cold), 256 tokens from fp4_h100_session31_final.json (interleaved eager timing).
+    At 64 and 256 tokens, where every path was timed, the model's path is within 1.15x of the
+    fastest; a layer the pass rewrites is measured no more than 5% slower than cuBLAS, and one it
+    declines at most 1.2x faster (the decode estimates themselves: the test below)."""
+    def rows_of(name, token_counts):
+        return [r for r in json.loads((RESULTS / name).read_text())["rows"]
+                if r.get("check") == "PASS" and r["tokens"] in token_counts]
+
+    rows = rows_of("fp4_h100_session33_tma.json", (32, 64)) + rows_of("fp4_h100_session31_final.json", (256,))
     assert len(rows) == 18
     for r in rows:
         k, n = _shape(r["shape"])
@@ -129,10 +132,6 @@ def test_fp4_at_32_to_256_tokens_on_h100():
             chosen = fp4k.choose_fp4_path(H100, tokens, k, n, "nvfp4")
             assert measured[chosen] <= 1.15 * min(measured.values()), (k, n, tokens, chosen, measured)
         speedup = r.get("cold_speedup", r["speedup"])
-        if tokens <= 64:
-            assert r["path"] == "gemv"
-            predicted = fp4k.estimate_fp4_linear(H100, tokens, k, n, "nvfp4", path="gemv").ms
-            assert 0.75 <= predicted / r["fp4_cold_ms"] <= 1.3, (k, n, tokens, predicted, r["fp4_cold_ms"])
         before, after = fp4_linear.predict(H100, tokens, k, n, "nvfp4")
         if fp4_linear.worth_rewriting(before, after):
             assert speedup >= SLOWER_TOLERANCE, (k, n, tokens, speedup)
@@ -141,9 +140,9 @@ def test_fp4_at_32_to_256_tokens_on_h100():
 
 
 def test_fp4_decode_rewritten_where_measured_clearly_faster_on_h100():
-    """The word-tile decode kernels on the H100: every row measured >= 1.25x cuBLAS (the six
-    1-token rows, 1.85-2.12x, and six of the 4-16 token rows, 1.26-1.42x) is rewritten, and
-    the predicted time is within 35% of the measured one on every row."""
+    """The decode kernels on the H100 (1-64 tokens, session 33): every row measured >= 1.25x cuBLAS
+    (1 token 2.35-2.70x, 4-16 tokens 1.32-1.99x, most 32- and 64-token rows) is rewritten, and the
+    predicted time is within 35% of the measured one on every row."""
     clear_wins = 0
     for k, n, tokens, cublas_ms, paths in _fp4_rows("h100"):
         before, after = fp4_linear.predict(H100, tokens, k, n, "nvfp4")
@@ -151,7 +150,7 @@ def test_fp4_decode_rewritten_where_measured_clearly_faster_on_h100():
         if cublas_ms / paths["gemv"] >= 1.25:
             clear_wins += 1
             assert after.ms < before.ms and fp4_linear.worth_rewriting(before, after), (k, n, tokens)
-    assert clear_wins >= 12
+    assert clear_wins >= 26  # of 30 rows (measured 28)
 
 
 def test_q4_predicted_faster_or_slower_agrees_with_h200():
@@ -221,9 +220,10 @@ def test_q4_fused_or_separate_choice_matches_the_measurement_at_64_tokens_and_mo
     assert checked == (18 if source == "h200" else 6)
 
 
-@pytest.mark.parametrize("tokens", [64, 256, 4096])
+@pytest.mark.parametrize("tokens", [256, 4096])
 def test_fp4_not_rewritten_on_h200_at_any_measured_token_count(tokens):
-    """The H200 measurement has no prefill (shape, tokens) where FP4 is >5% faster than cuBLAS."""
+    """The H200 measurement has no prefill (shape, tokens) where FP4 is >5% faster than cuBLAS (its
+    64-token rows timed decode kernels replaced since; the TMA kernel there is measured on the H100)."""
     before, after = fp4_linear.predict(H200, tokens, 4096, 11008, "nvfp4")
     assert not fp4_linear.worth_rewriting(before, after)
 

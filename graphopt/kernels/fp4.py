@@ -703,6 +703,16 @@ GEMV_MMA_DECODE_OPS_PER_WEIGHT = 5.0
 # predicted / measured 0.82-1.16 on the twelve 32- and 64-token rows).
 # Without the permutation the activation tile's shuffle made it 0.085 (71-80 us at 64 tokens).
 GEMV_MMA_OPS_PER_EXTRA_ROW = 0.05
+# The Gluon decode kernel fed by TMA (kernels/fp4_tma.py, session 33; sm_90+, NVFP4, bf16
+# activations, K padded to a multiple of 256), with the same 16/32/64 tokens per program. Fitted to
+# the 24 rows of 4-64 tokens in bench/results/fp4_h100_session33_tma.json (L2-cold, the tuned tile
+# on each): 0.287 ps per weight (these ops at the fp4_gemv efficiency) after a fixed latency that
+# the launch alone does not explain (the ring's first loads and the split-K epilogue: 4.7 us over the
+# launch at 16 tokens, 0.11 us more per token row past 16). Predicted / measured 0.91-1.06 on 23
+# rows; 13824->5120 at 64 tokens measured 1.26x the prediction (80 row tiles for 132 SMs).
+TMA_DECODE_OPS_PER_WEIGHT = 2.5
+TMA_DECODE_LATENCY_S = 4.7e-6
+TMA_DECODE_LATENCY_S_PER_EXTRA_ROW = 0.11e-6
 # The fused prefill GEMM (_fp4_gemm_kernel) decodes every weight to bf16 in registers once per
 # BLOCK_M token rows: CUDA-core ops per decoded weight, fitted on the H200
 # (bench/results/fp4_h200_round2.json): 0.55-0.6e12 decoded weights/s at 4096 tokens with every
@@ -726,10 +736,10 @@ def fp4_weight_bytes(in_features: int, out_features: int, format: str) -> int:
 
 def _fp4_kernel_estimate(hw, name: str, family: str, *, decode_ops: float = 0.0, mma_flops: float = 0.0,
                          bytes_moved: float = 0.0, sm_fill: float = 1.0, launches: int = 1,
-                         memory_fraction: float | None = None):
+                         memory_fraction: float | None = None, latency_s: float = 0.0):
     """One kernel: CUDA-core decode ops and bytes at `family`'s efficiencies (or `memory_fraction`
     of the copy bandwidth), tensor-core FLOPs at cuBLAS's; the slowest of the three, divided by the
-    fraction of SMs its grid fills, plus its launches."""
+    fraction of SMs its grid fills, plus a fixed `latency_s` and its launches."""
     from graphopt.cost_model import KERNEL_EFFICIENCY, Estimate
 
     compute_eff, memory_eff = KERNEL_EFFICIENCY[family]
@@ -737,14 +747,24 @@ def _fp4_kernel_estimate(hw, name: str, family: str, *, decode_ops: float = 0.0,
     decode_s = decode_ops / (hw.fp32_flops * compute_eff)
     mma_s = mma_flops / (hw.matrix_ceiling * KERNEL_EFFICIENCY["cublas_gemm"][0])
     memory_s = bytes_moved / (hw.memory_ceiling * memory_eff)
-    body = max(decode_s, mma_s, memory_s) / max(sm_fill, 1e-9)
+    body = max(decode_s, mma_s, memory_s) / max(sm_fill, 1e-9) + latency_s
     launch_s = launches * hw.launch_overhead
     bound = "launch" if launch_s > body else ("memory" if memory_s >= max(decode_s, mma_s) else "compute")
     return Estimate(name, (body + launch_s) * 1e3, decode_ops + mma_flops, bytes_moved, launches, bound)
 
 
-def _gemv_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes: int, act_bytes: float):
-    """Best of the two decode kernels the autotuner chooses between."""
+def tma_decode_applies(hw, in_features: int, fmt: str, act_dtype: torch.dtype) -> bool:
+    """Whether the decode tuner has fp4_tma's Gluon kernel to pick on `hw` (the cost-model side of
+    _runs_here and _valid_config's tma rules): Gluon in this Triton, an sm_90+ GPU, NVFP4, bf16
+    activations, and K steps of 256 that tile the padded K."""
+    cc = hw.compute_capability
+    return (fp4_tma.gluon is not None and hw.is_gpu and cc is not None and cc >= (9, 0) and fmt == "nvfp4"
+            and act_dtype == torch.bfloat16 and fp4_tma.tiles_k(_padded_k(in_features), 256))
+
+
+def _gemv_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes: int, act_bytes: float,
+                   tma: bool = False):
+    """Best of the decode kernels the autotuner chooses between (`tma`: fp4_tma's kernel too)."""
     weights = _padded_k(in_features) * out_features
     candidates = []
     fma_rows = next((bm for bm in FMA_BLOCK_M if bm >= tokens), None)
@@ -765,6 +785,13 @@ def _gemv_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes
             hw, f"FP4 GEMV (Triton, tensor cores, {passes} pass(es) of {block_m} tokens)", "fp4_gemv",
             decode_ops=weights * passes * ops_per_weight, mma_flops=2.0 * block_m * passes * weights,
             bytes_moved=w_bytes * passes + act_bytes))
+        if tma and passes == 1:  # the same tiles through TMA: fewer ops per weight, a longer fixed
+            # latency; fitted and measured up to 64 tokens (one pass), so not predicted past that
+            candidates.append(_fp4_kernel_estimate(
+                hw, f"FP4 GEMV (Gluon, TMA + tensor cores, {passes} pass(es) of {block_m} tokens)", "fp4_gemv",
+                decode_ops=weights * passes * TMA_DECODE_OPS_PER_WEIGHT, mma_flops=2.0 * block_m * passes * weights,
+                bytes_moved=w_bytes * passes + act_bytes,
+                latency_s=TMA_DECODE_LATENCY_S + TMA_DECODE_LATENCY_S_PER_EXTRA_ROW * (block_m - MMA_BLOCK_M[0])))
     return min(candidates, key=lambda e: e.ms)
 
 
@@ -785,11 +812,13 @@ def _gemm_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes
 
 
 def estimate_fp4_linear(hw, tokens: int, in_features: int, out_features: int, fmt: str = "nvfp4", *,
-                        dtype_bytes: int = 2, bias: bool = False, path: str | None = None):
+                        dtype_bytes: int = 2, bias: bool = False, path: str | None = None,
+                        act_dtype: torch.dtype = torch.bfloat16):
     """Predicted time of graphopt::fp4_linear (the cheapest path unless `path` names one).
 
-    GPU: `gemv` is the better of the CUDA-core kernel (<= 4 tokens: W read once, bound by its
-    per-weight decode + FMA work) and the tensor-core one (W decoded once per 16, 32 or 64 tokens); `gemm`
+    GPU: `gemv` is the best of the CUDA-core kernel (<= 4 tokens: W read once, bound by its
+    per-weight decode + FMA work) and the tensor-core ones (W decoded once per 16, 32 or 64 tokens;
+    the TMA-fed one where tma_decode_applies for `act_dtype`); `gemm`
     decodes W once per BLOCK_M token rows and leaves SMs idle when it has fewer tiles than SMs;
     `dequant` writes W in bf16 once (DEQUANT_COPY_FRACTION of the copy bandwidth) and runs the
     cuBLAS linear on it. CPU: the op dequantizes to fp32 and runs a dense fp32 linear, which is
@@ -806,7 +835,8 @@ def estimate_fp4_linear(hw, tokens: int, in_features: int, out_features: int, fm
         dense = linear(hw, tokens, in_features, out_features, dtype_bytes=4, bias=bias)
         return chain("FP4 reference (dequantize + fp32 linear)", dequant, dense)
     builders = {
-        "gemv": lambda: _gemv_estimate(hw, tokens, in_features, out_features, w_bytes, act_bytes),
+        "gemv": lambda: _gemv_estimate(hw, tokens, in_features, out_features, w_bytes, act_bytes,
+                                       tma=tma_decode_applies(hw, in_features, fmt, act_dtype)),
         "gemm": lambda: _gemm_estimate(hw, tokens, in_features, out_features, w_bytes, act_bytes),
         "dequant": lambda: chain(
             "FP4 dequantize (Triton) + cuBLAS bf16",
@@ -823,9 +853,11 @@ def estimate_fp4_linear(hw, tokens: int, in_features: int, out_features: int, fm
     return min((build() for build in builders.values()), key=lambda e: e.ms)
 
 
-def choose_fp4_path(hw, tokens: int, in_features: int, out_features: int, fmt: str = "nvfp4") -> str:
+def choose_fp4_path(hw, tokens: int, in_features: int, out_features: int, fmt: str = "nvfp4",
+                    act_dtype: torch.dtype = torch.bfloat16) -> str:
     """'gemv', 'gemm' or 'dequant', whichever the cost model predicts fastest for this token count."""
-    times = {p: estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, path=p).ms for p in PATHS}
+    times = {p: estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, path=p, act_dtype=act_dtype).ms
+             for p in PATHS}
     return min(times, key=times.get)
 
 
@@ -1630,7 +1662,8 @@ _TUNED: dict[tuple, KernelConfig] = {}
 
 
 @functools.lru_cache(maxsize=4096)
-def _device_path(device_index: int | None, tokens: int, in_features: int, out_features: int, fmt: str) -> str:
+def _device_path(device_index: int | None, tokens: int, in_features: int, out_features: int, fmt: str,
+                 act_dtype: torch.dtype) -> str:
     """The launcher's path: choose_fp4_path for CUDA device `device_index`, cached (the estimate
     costs ~40 us of Python, and the launcher asks on every call); without a GPU (None: the
     interpreter) decode up to 16 tokens (its one decode tile), else the tiled GEMM."""
@@ -1639,7 +1672,7 @@ def _device_path(device_index: int | None, tokens: int, in_features: int, out_fe
     hw = None if device_index is None else device_spec(device_index)
     if hw is None or not hw.is_gpu:
         return "gemv" if tokens <= INTERPRET_DECODE_CONFIG.block_m else "gemm"
-    return choose_fp4_path(hw, tokens, in_features, out_features, fmt)
+    return choose_fp4_path(hw, tokens, in_features, out_features, fmt, act_dtype)
 
 
 def _token_bucket(m: int) -> int:
@@ -1939,7 +1972,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     if m == 0:
         return x.new_empty((*x.shape[:-1], out_features))
     if path is None:
-        path = _device_path(x.device.index if x.is_cuda else None, m, in_features, out_features, format)
+        path = _device_path(x.device.index if x.is_cuda else None, m, in_features, out_features, format, x.dtype)
     args = (x2, codes, scales.view(torch.uint8), global_scale, bias, out_features, in_features, format, out_dtype)
     cfg = config or _pick_config(path, args)
     if cfg.tma and not _runs_here(cfg, x2, out_dtype):

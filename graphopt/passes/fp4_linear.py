@@ -11,10 +11,11 @@ Conv1D, x @ W, x @ W.T; graphopt.passes.fx_utils.find_linears) in an inference g
      against the original weight must reach `error_budget["fp4_linear"]`;
   4. the linear becomes one `graphopt::fp4_linear` node reading the kernel-layout constants.
 Where it wins (bench/RESULTS.md, H100, NVFP4, LLaMA shapes, cuBLAS bf16 with weights L2-cold):
-decode. 2.34-2.72x cuBLAS at 1 token, 1.90-2.22x at 2 (sessions 16-17), 1.09-1.42x at 4-16;
-slower than cuBLAS at 64-256 tokens and about 0.91x at 4096. The decode constants of the cost
-model (kernels/fp4.py) are fitted to the H100 decode runs, so it predicts the one-token wins, and
-declines prefill sizes. Called directly (no CUDA-graph replay, `graph_replay=False`), the op's host
+decode. 2.35-2.70x cuBLAS at 1 token, 1.90-2.22x at 2 (sessions 16-17), 1.32-1.99x at 4-16 and
+0.92-1.61x at 64 (session 33's TMA kernel, bf16 activations); slower than cuBLAS at 256 tokens and
+about 0.91x at 4096. The decode constants of the cost model (kernels/fp4.py) are fitted to the H100
+decode runs, so it predicts those wins, declines the 64-token layer that measured slower
+(4096x4096), and declines prefill sizes. Called directly (no CUDA-graph replay, `graph_replay=False`), the op's host
 path (cost_model.QUANT_LINEAR_OP_HOST_LAUNCHES) outlasts the GPU work of one-token layers smaller
 than about LLaMA-13B's MLP, and those are declined too. `force=True` rewrites anyway (memory
 savings, 3.6x smaller weights, are then the gain).
@@ -65,21 +66,20 @@ SCALE_SEARCH = True
 MIN_PREDICTED_SPEEDUP = 1.05
 
 
-def predict(hw, tokens: int, in_features: int, out_features: int, fmt: str, *, dtype_bytes: int = 2,
+def predict(hw, tokens: int, in_features: int, out_features: int, fmt: str, *, act_dtype: torch.dtype = torch.bfloat16,
             bias: bool = False) -> tuple[cost_model.Estimate, cost_model.Estimate]:
-    """(dense linear, graphopt::fp4_linear) predicted on `hw`: what the pass compares."""
+    """(dense linear, graphopt::fp4_linear) predicted on `hw` for activations of `act_dtype`: what the
+    pass compares."""
+    dtype_bytes = act_dtype.itemsize
     before = cost_model.linear(hw, tokens, in_features, out_features, dtype_bytes=dtype_bytes, bias=bias)
-    after = fp4k.estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, dtype_bytes=dtype_bytes, bias=bias)
+    after = fp4k.estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, dtype_bytes=dtype_bytes, bias=bias,
+                                     act_dtype=act_dtype)
     return before, after
 
 
 def worth_rewriting(before: cost_model.Estimate, after: cost_model.Estimate) -> bool:
     """The unforced rule: predicted faster by at least MIN_PREDICTED_SPEEDUP."""
     return before.ms >= MIN_PREDICTED_SPEEDUP * after.ms
-
-
-def _dtype_bytes(dt: torch.dtype | None) -> int:
-    return torch.empty((), dtype=dt).element_size() if dt is not None else 2
 
 
 class Fp4LinearPass(GraphPass):
@@ -125,12 +125,11 @@ class Fp4LinearPass(GraphPass):
         tokens_note = ""
         if tokens is None:
             tokens, tokens_note = 1, " (dynamic token count: costed at 1 token)"
-        dtype_bytes = _dtype_bytes(x_dtype)
-        before, after = predict(ctx.hardware, tokens, m.in_features, m.out_features, fmt, dtype_bytes=dtype_bytes,
+        before, after = predict(ctx.hardware, tokens, m.in_features, m.out_features, fmt, act_dtype=x_dtype,
                                 bias=m.bias_node is not None)
         after, host_note = cost_model.quant_linear_host_paced(ctx.hardware, after, "fp4_linear",
                                                               ctx.config.prices_host_path)
-        info = dict(before=before, after=after, tokens=tokens, note=tokens_note, dtype_bytes=dtype_bytes)
+        info = dict(before=before, after=after, tokens=tokens, note=tokens_note, act_dtype=x_dtype)
         accepted, reason = self.accept(ctx, before, after)
         if accepted and not ctx.config.force and not worth_rewriting(before, after):
             accepted, reason = False, (f"predicted gain {before.ms / after.ms:.2f}x is below {MIN_PREDICTED_SPEEDUP:.2f}x, "
@@ -176,7 +175,8 @@ class Fp4LinearPass(GraphPass):
 
         m.weight(ctx)  # freeze: the compiled graph now depends on this parameter's value
         kw = fp4k.to_kernel_layout(q)
-        path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_f, fmt) if ctx.hardware.is_gpu else "reference")
+        path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_f, fmt, info["act_dtype"]) if ctx.hardware.is_gpu
+                else "reference")
         dense_bytes = weight.numel() * weight.element_size()
         if first_use is not None:
             constants, saved, fp4_bytes = first_use["constants"], 0, 0
@@ -218,8 +218,9 @@ class Fp4LinearPass(GraphPass):
             m.weight(ctx)  # freeze
         kw = fp4k.to_kernel_layout(q)
         in_f, out_total, tokens = group[0].in_features, sum(w.shape[0] for w in weights), infos[0]["tokens"]
-        path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_total, fmt) if ctx.hardware.is_gpu else "reference")
-        _, fused_after = predict(ctx.hardware, tokens, in_f, out_total, fmt, dtype_bytes=infos[0]["dtype_bytes"])
+        path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_total, fmt, infos[0]["act_dtype"])
+                if ctx.hardware.is_gpu else "reference")
+        _, fused_after = predict(ctx.hardware, tokens, in_f, out_total, fmt, act_dtype=infos[0]["act_dtype"])
         names = ", ".join(m.location or m.node.name for m in group)
         for m, info, w, sqnr in zip(group, infos, weights, sqnrs):
             dense_bytes = w.numel() * w.element_size()

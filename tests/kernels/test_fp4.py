@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from graphopt.hardware import SPECS
-from graphopt.kernels import fp4, split_k
+from graphopt.kernels import fp4, fp4_tma, split_k
 from graphopt.kernels.fp4 import (
     E2M1_VALUES, FORMATS, KernelConfig, dequantize_fp4, from_kernel_layout, quantize_fp4, round_to_e2m1_codes,
     sqnr_db, to_kernel_layout,
@@ -389,16 +389,38 @@ def test_launcher_path_choice_is_the_cost_models_and_cached(monkeypatch):
     real = fp4.choose_fp4_path
     monkeypatch.setattr(fp4, "choose_fp4_path", lambda *a: calls.append(a) or real(*a))
     try:
+        bf16 = torch.bfloat16
         for tokens in (1, 1, 4096, 4096, 1):
-            assert fp4._device_path(0, tokens, 5120, 13824, "nvfp4") == real(SPECS["h100"], tokens, 5120, 13824, "nvfp4")
+            assert (fp4._device_path(0, tokens, 5120, 13824, "nvfp4", bf16)
+                    == real(SPECS["h100"], tokens, 5120, 13824, "nvfp4", bf16))
         assert [c[1] for c in calls] == [1, 4096]
         monkeypatch.setattr(hardware, "device_spec", lambda index: SPECS["cpu"])  # no GPU: by token count
-        assert fp4._device_path(1, 1, 64, 64, "nvfp4") == "gemv"
-        assert fp4._device_path(1, 4096, 64, 64, "nvfp4") == "gemm"
-        assert fp4._device_path(None, 16, 64, 64, "nvfp4") == "gemv"  # the interpreter, no device
-        assert fp4._device_path(None, 17, 64, 64, "nvfp4") == "gemm"
+        assert fp4._device_path(1, 1, 64, 64, "nvfp4", bf16) == "gemv"
+        assert fp4._device_path(1, 4096, 64, 64, "nvfp4", bf16) == "gemm"
+        assert fp4._device_path(None, 16, 64, 64, "nvfp4", bf16) == "gemv"  # the interpreter, no device
+        assert fp4._device_path(None, 17, 64, 64, "nvfp4", bf16) == "gemm"
     finally:
         fp4._device_path.cache_clear()
+
+
+def test_tma_decode_is_costed_only_where_the_tuner_can_pick_it():
+    """The TMA kernel's estimate (sm_90+, NVFP4, bf16, K steps of 256) enters the gemv path's
+    choice only where fp4._runs_here / _valid_config would let the tuner time it; elsewhere the
+    Triton kernels' estimate stands, and on the H100 at 16 tokens it is the slower one."""
+    h100, a100, bf16 = SPECS["h100"], SPECS["a100"], torch.bfloat16
+    assert fp4.tma_decode_applies(h100, 5120, "nvfp4", bf16) == (fp4_tma.gluon is not None)
+    assert not fp4.tma_decode_applies(h100, 5120, "nvfp4", torch.float16)
+    assert not fp4.tma_decode_applies(h100, 5120, "mxfp4", bf16)
+    assert not fp4.tma_decode_applies(a100, 5120, "nvfp4", bf16)
+    assert not fp4.tma_decode_applies(SPECS["cpu"], 5120, "nvfp4", bf16)
+    assert not fp4.tma_decode_applies(h100, 5120 + 128, "nvfp4", bf16)  # padded K not a multiple of 256
+    if fp4_tma.gluon is None:
+        return
+    tma = fp4.estimate_fp4_linear(h100, 16, 5120, 13824, "nvfp4", path="gemv")
+    triton_only = fp4.estimate_fp4_linear(h100, 16, 5120, 13824, "nvfp4", path="gemv", act_dtype=torch.float16)
+    assert "TMA" in tma.name and "TMA" not in triton_only.name
+    # session 33, L2-cold: 28.6 us on the TMA kernel, 40.4 us on the Triton one
+    assert 0.025 < tma.ms < 0.032 < 0.036 < triton_only.ms < 0.045
 
 
 def test_cost_model_picks_decode_for_few_tokens_and_prefill_for_many():
