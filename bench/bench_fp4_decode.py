@@ -42,6 +42,7 @@ ARGS.add_argument("--mma-warps", default=None,
                        "or at 512-element steps)")
 ARGS.add_argument("--mma-stages", default="1", help="word-mma --mma-m sweep: comma-separated num_stages (the "
                                                      "launcher's tiles use 1)")
+ARGS.add_argument("--tma-quick", action="store_true", help="tma: only 64-row, 4-warp tiles")
 ARGS.add_argument("--permuted-only", action="store_true", help="with --permute-x: time only the permuted tiles")
 ARGS.add_argument("--permute-x", action="store_true",
                   help="word-mma: also time every tile on pre-permuted activations (the permutation's launch included)")
@@ -82,9 +83,11 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
         if not GPU:
             return []
         bm = max(16, fp4._token_bucket(m))
-        return [KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=st, tma=True)
-                for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (128, 256) for sk in (1, 2, 4, 8) for st in (2, 3)
-                if not (bk == 128 and sk == 1)]
+        if OPTS.tma_quick:  # the shapes that won the session-33 sweep
+            return [KernelConfig(64, bm, 256, sk, num_warps=4, num_stages=st, tma=True)
+                    for sk in (1, 2, 4, 8) for st in (2, 3)]
+        return [KernelConfig(bn, bm, 256, sk, num_warps=w, num_stages=st, tma=True)
+                for bn, w in ((64, 4), (128, 4), (128, 8)) for sk in (1, 2, 4, 8) for st in (2, 3)]
     if kernel == "word-int":  # _fp4_gemv_int_kernel, 1, 2 or 4 tokens per program
         if m > 4:
             return []  # more tokens per program than it takes: W re-read per 4 tokens

@@ -703,16 +703,17 @@ GEMV_MMA_DECODE_OPS_PER_WEIGHT = 5.0
 # predicted / measured 0.82-1.16 on the twelve 32- and 64-token rows).
 # Without the permutation the activation tile's shuffle made it 0.085 (71-80 us at 64 tokens).
 GEMV_MMA_OPS_PER_EXTRA_ROW = 0.05
-# The Gluon decode kernel fed by TMA (kernels/fp4_tma.py, session 33; sm_90+, NVFP4, bf16
+# The Gluon decode kernel fed by TMA (kernels/fp4_tma.py, sessions 33-34; sm_90+, NVFP4, bf16
 # activations, K padded to a multiple of 256), with the same 16/32/64 tokens per program. Fitted to
-# the 24 rows of 4-64 tokens in bench/results/fp4_h100_session33_tma.json (L2-cold, the tuned tile
-# on each): 0.287 ps per weight (these ops at the fp4_gemv efficiency) after a fixed latency that
-# the launch alone does not explain (the ring's first loads and the split-K epilogue: 4.7 us over the
-# launch at 16 tokens, 0.11 us more per token row past 16). Predicted / measured 0.91-1.06 on 23
-# rows; 13824->5120 at 64 tokens measured 1.26x the prediction (80 row tiles for 132 SMs).
-TMA_DECODE_OPS_PER_WEIGHT = 2.5
-TMA_DECODE_LATENCY_S = 4.7e-6
-TMA_DECODE_LATENCY_S_PER_EXTRA_ROW = 0.11e-6
+# the 24 rows of 4-64 tokens in bench/results/fp4_h100_session34.json (L2-cold, the tuned tile on
+# each; the scales by TMA, converted in hardware): 0.264 ps per weight (these ops at the fp4_gemv
+# efficiency) after a fixed latency that the launch alone does not explain (the ring's first loads
+# and the split-K epilogue: 3.2 us over the launch at 16 tokens, 0.1 us more per token row past 16).
+# Predicted / measured 0.91-1.09 on 23 rows; 13824->5120 at 64 tokens measured 1.36x the prediction
+# (80 row tiles for 132 SMs). (Session 33's kernel, scales gathered by plain loads: 2.5, 4.7 us, 0.11.)
+TMA_DECODE_OPS_PER_WEIGHT = 2.3
+TMA_DECODE_LATENCY_S = 3.2e-6
+TMA_DECODE_LATENCY_S_PER_EXTRA_ROW = 0.1e-6
 # The fused prefill GEMM (_fp4_gemm_kernel) decodes every weight to bf16 in registers once per
 # BLOCK_M token rows: CUDA-core ops per decoded weight, fitted on the H200
 # (bench/results/fp4_h200_round2.json): 0.55-0.6e12 decoded weights/s at 4096 tokens with every
@@ -952,13 +953,15 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
 # 47.6 / 50.6 at 32, 57.8 / 70.9 and 61.0 / 80.9 at 64. The tuner still times both.
 DECODE_CONFIGS += tuple(dataclasses.replace(c, permute_x=True) for c in DECODE_CONFIGS
                         if c.block_m in MMA_BLOCK_M and not c.int_dots)
-# fp4_tma's Gluon kernel (TMA-fed words and activations, sm_90+, NVFP4 with bf16 activations): the
-# best tiles of the H100 sweep (bench/results/fp4_decode_h100_session33_tma.*): 64 rows x 256
-# elements, 4 warps, 2 ring slots, unsplit on 5120->13824 and split 4-8 on 13824->5120: 28-30 us at
-# 1-16 tokens (tensor-core kernel above: 38-41 us), 30-33 us at 32 tokens (54-66), 34-46 us at 64
-# (58-66). The tuner keeps the integer-dot kernel where it is faster (one token, 20-21 us).
-DECODE_CONFIGS += tuple(KernelConfig(64, bm, bk, sk, num_warps=4, num_stages=2, tma=True)
-                        for bm in MMA_BLOCK_M for bk, splits in ((256, (1, 2, 4, 8)), (128, (4, 8))) for sk in splits)
+# fp4_tma's Gluon kernel (TMA-fed words, activations and scales, sm_90+, NVFP4 with bf16
+# activations): the best tiles of the H100 sweep (bench/results/fp4_decode_h100_session33_tma.*):
+# 64 rows x 256 elements, 4 warps, 2 ring slots, unsplit on 5120->13824 and split 4-8 on
+# 13824->5120: 28-30 us at 1-16 tokens (tensor-core kernel above: 38-41 us), 30-33 us at 32 tokens
+# (54-66), 34-46 us at 64 (58-66); 27-29 us at 4-16 tokens once the scales came by TMA (session 34).
+# No 128-element steps: none won the sweep, and their 8 scale bytes per row are below a TMA box's
+# 16. The tuner keeps the integer-dot kernel where it is faster (one token, 20-21 us).
+DECODE_CONFIGS += tuple(KernelConfig(64, bm, 256, sk, num_warps=4, num_stages=2, tma=True)
+                        for bm in MMA_BLOCK_M for sk in (1, 2, 4, 8))
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
     KernelConfig(128, 128, 128, num_warps=8, num_stages=3),

@@ -33,22 +33,25 @@ def _sm90_build(cfg: KernelConfig):
     w = cfg.block_k // 8
     w_layout, x_tile_layout, x_box_layout = fp4_tma.shared_layouts(cfg.block_n, cfg.block_m, w)
     fn = fp4_tma._fp4_decode_tma_kernel
+    s_layout = fp4_tma.scale_shared_layout(cfg.block_n, w)
     types = dict(x_desc=f"tensordesc<bf16[4,{cfg.block_m},{2 * w}],{x_box_layout!r}>",
-                 w_desc=f"tensordesc<i32[{cfg.block_n},{w}],{w_layout!r}>", scales_ptr="*u8",
+                 w_desc=f"tensordesc<i32[{cfg.block_n},{w}],{w_layout!r}>",
+                 s_desc=f"tensordesc<u8[{cfg.block_n},{w // 2}],{s_layout!r}>",
                  global_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
     consts = dict(HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, W=w, SPLIT_K=cfg.split_k,
                   STAGES=cfg.num_stages, WORD_LAYOUT=fp4_tma.word_layout(cfg.block_n, w, cfg.num_warps),
-                  X_TILE_LAYOUT=x_tile_layout, num_warps=cfg.num_warps)
+                  X_TILE_LAYOUT=x_tile_layout, PAIR_LAYOUT=fp4_tma.word_pair_layout(cfg.block_n, w, cfg.num_warps),
+                  num_warps=cfg.num_warps)
     names = fn.arg_names
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     source = GluonASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
                             attrs={(names.index(n),): [["tt.divisibility", 16]]
-                                   for n in ("scales_ptr", "out_ptr", "ws_ptr", "N", "K_PADDED", "stride_sn")})
+                                   for n in ("out_ptr", "ws_ptr", "N", "K_PADDED")})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
 
 
 @needs_gluon
-@pytest.mark.parametrize("cfg", [_tile(128, 16, 256, split_k=4, stages=4), _tile(64, 32, 128, split_k=1, stages=2),
+@pytest.mark.parametrize("cfg", [_tile(128, 16, 256, split_k=4, stages=4), _tile(64, 32, 256, split_k=1, stages=2),
                                  _tile(128, 16, 256, split_k=2, stages=3, num_warps=8)], ids=str)
 def test_builds_for_sm90_with_the_words_as_the_mma_register_operand(cfg):
     import triton
@@ -60,6 +63,9 @@ def test_builds_for_sm90_with_the_words_as_the_mma_register_operand(cfg):
     assert re.search(r"ttg\.local_load .* -> tensor<\d+x\d+xi32, #linear", ttgir)
     assert "ttng.warp_group_dot" in ttgir and "tensor<" in ttgir.split("ttng.warp_group_dot")[1].split("*")[0]
     assert not re.search(r"ttg\.local_alloc %\S+ : \(tensor<\d+x\d+xbf16", ttgir)
+    # the block scales come by TMA too, and each thread reads its own words' bytes from shared memory
+    assert re.search(r"ttg\.local_load .*xi8, .* -> tensor<\d+x\d+xi8, #ttg\.slice<\{dim = 2", ttgir)
+    assert len(re.findall(r"ttng\.async_tma_copy_global_to_local", ttgir)) == 3 * (cfg.num_stages + 1)
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
@@ -100,7 +106,7 @@ def test_matches_the_dequantized_reference_on_the_gpu(n, k, tokens, split_k, sta
     codes, scales, gscale = kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda()
     x = torch.randn(tokens, k, generator=gen).to("cuda", torch.bfloat16)
     bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16) if with_bias else None
-    for block_n, block_k, warps in ((128, 256, 4), (64, 128, 4), (128, 256, 8)):
+    for block_n, block_k, warps in ((128, 256, 4), (64, 256, 4), (128, 256, 8)):
         # a split past the K steps is clamped, as the tuner's tiles are (_valid_config)
         cfg = _tile(block_n, 16 if tokens <= 16 else 64, block_k, min(split_k, k // block_k), stages, warps)
         assert fp4_tma.supports(x) and fp4_tma.tiles_k(codes.shape[1] * 2, block_k)
@@ -119,6 +125,7 @@ def test_tma_tiles_are_valid_only_for_nvfp4_with_aligned_k():
     assert fp4._valid_config(cfg, "gemv", 16, 4096, 4096, 16)
     assert not fp4._valid_config(cfg, "gemv", 16, 4096, 4096, 32)  # MXFP4
     assert not fp4._valid_config(cfg, "gemv", 16, 4096, 4160, 16)  # K steps do not tile K
+    assert not fp4._valid_config(dataclasses.replace(cfg, block_k=128), "gemv", 16, 4096, 4096, 16)  # 8 scale bytes
     assert not fp4._valid_config(cfg, "gemm", 16, 4096, 4096, 16)
 
 
