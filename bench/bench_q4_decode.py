@@ -1,6 +1,7 @@
 """Q4_0 x Q8_1 decode kernels only (1-16 tokens, the issue's two shapes): the best config of each
 decode kernel ("gemv" fp32 FMAs, "dp4a" integer dots, "gemm" int8 tensor cores with the tokens on
-the MMA's M side, "swap" with the weights there) vs cuBLAS bf16, all timed as CUDA-graph replays
+the MMA's M side, "swap" with the weights there; "tma separate": q4_tma's Gluon decode after a
+quantize launch) vs cuBLAS bf16, all timed as CUDA-graph replays
 with weights cold in L2 (rotated copies, >= 120 MB per graph). The best fused config of each kernel
 that also reads Q8_1 blocks is timed once more on the separate path (Q8_1 quantize launch + GEMM,
 both in the graph), as "<kernel> separate".
@@ -96,6 +97,22 @@ def main() -> None:
                 best[f"{kernel} separate"] = (cold_graph_ms([
                     lambda qw=qw, sc=sc, cfg=cfg: q4.q4_linear_triton(x, qw, sc, None, "separate", config=cfg)
                     for qw, sc in q_copies]), cfg)
+            for cfg in q4.tma_configs(m) if GPU else []:  # q4_tma's Gluon decode: the separate path only
+                try:
+                    y = q4.q4_linear_triton(x, qweight, scales, None, "separate", config=cfg)
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    if err > 2e-2:
+                        print(f"[FAIL] {k}->{n} m={m} {cfg.name}: rel err {err:.2e}", flush=True)
+                        continue
+                    ms = cold_graph_ms([lambda qw=qw, sc=sc, cfg=cfg: q4.q4_linear_triton(x, qw, sc, None, "separate",
+                                                                                          config=cfg)
+                                        for qw, sc in q_copies])
+                except Exception as exc:  # noqa: BLE001 - no Gluon / not sm_90+: skipped
+                    print(f"[skip] {k}->{n} m={m} {cfg.name}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                    continue
+                print(f"  {k}->{n} m={m} {cfg.name} separate: {ms * 1e3:.1f} us", flush=True)
+                if "tma separate" not in best or ms < best["tma separate"][0]:
+                    best["tma separate"] = (ms, cfg)
             for kernel, (ms, cfg) in sorted(best.items()):
                 rows.append({"shape": f"{k}->{n}", "tokens": m, "kernel": kernel, "config": cfg.name, "ms": ms,
                              "vs_cublas": cublas / ms, "gbps": gbps(q_bytes, ms)})

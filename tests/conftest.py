@@ -9,6 +9,29 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton.language as _tl  # noqa: E402
+
+
+def _language_members():
+    """(object, name, value) of every attribute the interpreter patches (triton.runtime.interpreter
+    ._patch_lang): the language modules' builtins and the tensor class's."""
+    owners = (_tl, _tl.core, _tl.math, _tl.core.tensor, _tl.core.tensor_descriptor_base)
+    return [(owner, name, value) for owner in owners for name, value in vars(owner).items()]
+
+
+_PRISTINE_LANGUAGE = _language_members()
+
+
+@pytest.fixture
+def pristine_triton_language():
+    """triton.language as imported. The interpreter patches it for every @triton.jit helper that a
+    kernel calls (InterpretedFunction.__call__) and never restores that patch, so after an
+    interpreted kernel, a real compile in the same process (the offline sm_90 builds) can run its
+    front end on the interpreter's builtins. This puts the originals back first."""
+    for owner, name, value in _PRISTINE_LANGUAGE:
+        if vars(owner).get(name) is not value:
+            setattr(owner, name, value)
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -208,8 +208,19 @@ if gluon is not None:
             mbarrier.invalidate(bars.index(s))
 
         acc = acc * (gl.load(global_scale_ptr) * 128.0)  # undo the decode's 2^-7
-        offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
-        offs_m = token0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+        _store_tile(acc, bias_ptr, out_ptr, ws_ptr, counter_ptr, row0, token0, M, N, stride_om, HAS_BIAS, SPLIT_K)
+
+    @gluon.jit
+    def _store_tile(acc, bias_ptr, out_ptr, ws_ptr, counter_ptr, row0, token0, M, N, stride_om,
+                    HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):
+        """Write a program's (weight rows, tokens) fp32 tile of out (M, N) (+ bias). Split along K
+        (grid axis 1), the splits add into the fp32 sums ws (M, N) and the last to arrive at the
+        tile's counter writes out and re-arms both: split_k.finish_split_tile's steps. (A Gluon
+        kernel cannot call that @triton.jit function: without a GPU the tests run those in the
+        interpreter, and Gluon's build rejects them.) Shared by the FP4 and Q4 TMA decodes."""
+        layout: gl.constexpr = acc.type.layout
+        offs_n = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+        offs_m = token0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
         n_mask = offs_n < N
         mask = n_mask[:, None] & (offs_m < M)[None, :]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -218,10 +229,8 @@ if gluon is not None:
                 acc += gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
             gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            # split_k.finish_split_tile's steps: a Gluon kernel cannot call it, since without a GPU the
-            # tests run @triton.jit functions in the interpreter and Gluon's build rejects those
             sums_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
-            counter = counter_ptr + pid_m * gl.num_programs(0) + pid_n
+            counter = counter_ptr + gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
             gl.atomic_add(sums_ptrs, acc, mask=mask, sem="relaxed")
             _cta_barrier()  # every thread's adds precede the counter's release
             arrived = gl.atomic_add(counter, 1, sem="acq_rel")
@@ -256,6 +265,8 @@ def launch_decode(x_perm: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     split-K buffers and split; cfg an fp4.KernelConfig with tma=True (num_stages = ring slots).
     Callers check `supports` and `tiles_k` first."""
     m, n, k_padded = x_perm.shape[0], out.shape[1], codes.shape[1] * 2
+    # TMA reads from 16-byte-aligned bases: a weight that is a view at an odd offset is copied
+    codes, scales = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (codes, scales))
     w = cfg.block_k // 8
     w_layout, x_tile_layout, x_box_layout = shared_layouts(cfg.block_n, cfg.block_m, w)
     # x_perm (M, k_padded) seen as (operand chunk, token, element): each K step's four operands

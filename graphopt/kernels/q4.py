@@ -337,7 +337,7 @@ def reference_q4_linear_static(x: torch.Tensor, act_scale: torch.Tensor, qweight
 # Tile configs
 # =============================================================================================
 REDUCE_MODES = ("workspace", "atomic", "last")  # TileConfig.reduce choices (split-K partial sums)
-TILE_KERNELS = ("gemm", "swap", "gemv", "dp4a")  # TileConfig.kernel choices
+TILE_KERNELS = ("gemm", "swap", "gemv", "dp4a", "tma")  # TileConfig.kernel choices
 
 
 @dataclass(frozen=True)
@@ -353,6 +353,9 @@ class TileConfig:
     kernel "dp4a": the decode kernel with integer dot products: the Q8_1 activations packed four
       int8 per word in registers and dp4a (4 MACs per instruction) against the nibbles of each
       weight word; same tiling fields as "gemv".
+    kernel "tma": q4_tma's Gluon decode (sm_90+, the separate path: a quantize launch, then weights
+      and activations fed by TMA): block_n weight rows (64 per warpgroup), block_m tokens (8 or 16,
+      the MMA's N), pairs 4 (K steps of 256), num_stages ring slots; split-K reduces "last".
     kernel "gemv": the decode kernel (fp32 FMAs, no tensor cores); block_m token rows per program
       (0: min(GEMV_MAX_ROWS, next power of two of the token count)), block_n weight rows per program,
       PAIRS block pairs per iteration (every weight row streams 32 * PAIRS contiguous bytes a step).
@@ -365,7 +368,7 @@ class TileConfig:
       buffer and the counter: one launch per call).
     """
 
-    kernel: str  # "gemm" | "swap" | "gemv" | "dp4a"
+    kernel: str  # "gemm" | "swap" | "gemv" | "dp4a" | "tma"
     block_m: int
     block_n: int
     pairs: int = 1
@@ -384,6 +387,11 @@ class TileConfig:
         if self.kernel in ("gemv", "dp4a") and (self.pairs & (self.pairs - 1) or self.block_m > GEMV_MAX_ROWS
                                       or self.block_m & (self.block_m - 1)):
             raise ValueError(f"gemv configs need power-of-two pairs and block_m (0..{GEMV_MAX_ROWS}), got {self}")
+        if self.kernel == "tma" and not (self.pairs == 4 and self.block_m in (8, 16) and self.num_warps == 4
+                                         and self.block_n in (64, 128) and self.reduce == "last"
+                                         and self.num_stages >= 1 and self.split_k >= 1):
+            raise ValueError(f"tma configs take pairs=4, block_m 8 or 16, block_n 64 or 128, 4 warps, reduce "
+                             f"'last' and an explicit split_k, got {self}")
 
     @property
     def name(self) -> str:
@@ -400,6 +408,9 @@ class TileConfig:
         if self.kernel in ("gemv", "dp4a"):
             return 0
         k_step = 64 * self.pairs
+        if self.kernel == "tma":  # per slot: weight bytes, int8 activations, d4, d and s
+            return self.num_stages * (self.block_n * k_step // 2 + self.block_m * k_step + 16 * self.block_n
+                                      + 64 * self.block_m)
         if self.kernel == "swap":  # the weights stay in registers
             return self.num_stages * self.block_m * k_step * act_bytes + self.block_m * k_step
         staged = self.num_stages * (self.block_m * k_step * act_bytes + self.block_n * k_step // 2)
@@ -463,6 +474,12 @@ _MID_SWAP_CONFIGS = [TileConfig("swap", 32, bn, 1, 4, 3, 0, "last") for bn in (1
 _LARGE_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in (
     (128, 128, 1, 8, 3), (128, 128, 2, 8, 3), (128, 128, 2, 8, 4), (128, 64, 2, 4, 4), (64, 128, 2, 4, 4))
     ] + _WIDE_N_CONFIGS
+
+
+def tma_configs(m: int) -> list[TileConfig]:
+    """q4_tma's decode tiles for m <= 16 tokens (8- or 16-token blocks, 64-row tiles, 2-3 slots)."""
+    block_m = 8 if m <= 8 else 16
+    return [TileConfig("tma", block_m, 64, 4, 4, stages, split, "last") for split in (1, 2, 4, 8) for stages in (2, 3)]
 
 
 def candidate_configs(m: int, fused: bool) -> list[TileConfig]:
@@ -563,6 +580,36 @@ def _quantize_q8_1_kernel(
     ds_base = ds_ptr + pid_m * stride_dsm + blocks * 18
     tl.store(ds_base, d.to(tl.float16), mask=blocks < NB)
     tl.store(ds_base + 1, s.to(tl.float16), mask=blocks < NB)
+
+
+@triton.jit
+def _quantize_for_tma_kernel(x_ptr, q_ptr, ds_ptr, K, KP, M4, stride_xm, BLOCKS_PER_PROGRAM: tl.constexpr,
+                             EXACT: tl.constexpr):
+    """Q8_1 of row program_id(0) of x, blocks program_id(1) * BLOCKS_PER_PROGRAM...: q int8 (M, KP),
+    ds fp32 (2 * KP / 32, M4) with d at row 2b and d * sum(q) at row 2b + 1 (q4._load_act_block's
+    fused path: the fp16-rounded d, exact products)."""
+    pid_m = tl.program_id(0)
+    blocks = tl.program_id(1) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    k = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + pid_m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+    q, qi, _, d16 = _q8_1_quantize(x, EXACT)
+    live = blocks < KP // 32
+    tl.store(q_ptr + pid_m * KP + k, qi.to(tl.int8), mask=live[:, None])
+    tl.store(ds_ptr + 2 * blocks * M4 + pid_m, d16, mask=live)
+    tl.store(ds_ptr + (2 * blocks + 1) * M4 + pid_m, d16 * tl.sum(q, axis=1), mask=live)
+
+
+def quantize_for_tma(x2: torch.Tensor, k_padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 (M, K) bf16/fp16/fp32 -> (q int8 (M, k_padded), ds fp32 (2 * k_padded / 32, M rounded up to 4))."""
+    m, k = x2.shape
+    m4 = -(-m // 4) * 4  # ds rows 16-byte aligned for TMA
+    q = torch.empty(m, k_padded, dtype=torch.int8, device=x2.device)
+    ds = torch.empty(2 * k_padded // QK, m4, dtype=torch.float32, device=x2.device)
+    per_program = 8
+    grid = (m, triton.cdiv(k_padded // QK, per_program))
+    launch(_quantize_for_tma_kernel, grid, x2, q, ds, k, k_padded, m4, x2.stride(0), BLOCKS_PER_PROGRAM=per_program,
+           EXACT=_exact_mul())
+    return q, ds
 
 
 @triton.jit
@@ -1145,7 +1192,20 @@ def q4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     _check_k(k, "q4_linear")
     n = _check_weight(qweight, scales, k)
     bias = _check_bias(bias, n)
+    if config is not None and config.kernel == "tma" and mode != "separate":
+        raise ValueError("tma configs run the separate path (mode='separate'): a quantize launch, then the "
+                         "Gluon decode")
     if mode == "separate":
+        x2 = _rows(x, "q4_linear")
+        if config is not None and config.kernel == "tma":
+            if not _tma_runs(x2, n, qweight):
+                raise ValueError("a tma config needs an sm_90+ GPU (not the interpreter), Triton's Gluon, "
+                                 "K padded to a multiple of 256 and out_features a multiple of 8")
+            return _tma_linear(x2, qweight, scales, bias, x.dtype, config).reshape(*x.shape[:-1], n)
+        if config is None and 0 < x2.shape[0] <= DECODE_MAX_TOKENS and _tma_runs(x2, n, qweight):
+            chosen = _choose_tma(x2, qweight, scales, bias, x.dtype)
+            if chosen is not None:
+                return _tma_linear(x2, qweight, scales, bias, x.dtype, chosen).reshape(*x.shape[:-1], n)
         return q4_q8_gemm_triton(quantize_q8_1_triton(x), qweight, scales, bias, x.dtype, config=config)
     x2 = _rows(x, "q4_linear")
     m = x2.shape[0]
@@ -1156,6 +1216,61 @@ def q4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
         run(config or _choose("fused", m, n, k, x.dtype, True, run, weights=(qweight, scales)))
     return out.reshape(*x.shape[:-1], n)
+
+
+def _tma_runs(x2: torch.Tensor, n: int, qweight: torch.Tensor) -> bool:
+    """Whether q4_tma's decode can run this call: Gluon, an sm_90+ GPU (never the interpreter), K
+    steps of 256 over the padded K, and fp16 scale rows 16-byte aligned (N a multiple of 8)."""
+    from graphopt.kernels import q4_tma
+
+    return not INTERPRET and n % 8 == 0 and q4_tma.tiles_k(qweight.shape[1] * 2) and q4_tma.supports(x2)
+
+
+def _tma_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype, config: TileConfig) -> torch.Tensor:
+    """q4_tma's separate decode: (M, N) in out_dtype."""
+    from graphopt.kernels import q4_tma
+
+    m, n = x2.shape[0], qweight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
+    steps = qweight.shape[1] * 2 // q4_tma.STEP
+    split = max(1, min(config.split_k, steps))
+    buffers = split_buffers("q4", out.device, m, n, m * n) if split > 1 else None
+    if buffers is None:  # unsplit, or first use inside a CUDA-graph capture
+        split, buffers = 1, (out, out)
+    q4_tma.launch_decode(x2, qweight, scales, bias, out, *buffers, split, config)
+    return out
+
+
+def _choose_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> TileConfig | None:
+    """The separate path's decode: the fastest tma config, or None where the Q8_1-bytes path
+    (quantize_q8_1_triton + the tuned GEMM) was faster. Both are timed whole (quantize launch
+    included), L2-cold, once per (token bucket, N, K, dtype)."""
+    m, n, k = x2.shape[0], qweight.shape[0], x2.shape[1]
+    key = ("separate-tma", _token_bucket(m), n, k, out_dtype)
+    if key in _TUNED:
+        return _TUNED[key]
+    if not _autotune_enabled() or torch.cuda.is_current_stream_capturing():
+        return None
+    from graphopt.timing import cold_copies
+
+    def run(cfg, qw=qweight, sc=scales):
+        if cfg is None:
+            return q4_q8_gemm_triton(quantize_q8_1_triton(x2), qw, sc, bias, out_dtype)
+        return _tma_linear(x2, qw, sc, bias, out_dtype, cfg)
+
+    cold_weights = cold_copies((qweight, scales))
+    best, best_ms = None, math.inf
+    for config in [None] + tma_configs(m):
+        try:
+            ms = _time_config(run, config, m, cold_weights)
+        except Exception:  # a tile that cannot run here: skip it
+            continue
+        if ms < best_ms:
+            best, best_ms = config, ms
+    _TUNED[key] = best
+    return best
 
 
 def q4_q8_gemm_triton(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,

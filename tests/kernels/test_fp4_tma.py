@@ -53,7 +53,7 @@ def _sm90_build(cfg: KernelConfig):
 @needs_gluon
 @pytest.mark.parametrize("cfg", [_tile(128, 16, 256, split_k=4, stages=4), _tile(64, 32, 256, split_k=1, stages=2),
                                  _tile(128, 16, 256, split_k=2, stages=3, num_warps=8)], ids=str)
-def test_builds_for_sm90_with_the_words_as_the_mma_register_operand(cfg):
+def test_builds_for_sm90_with_the_words_as_the_mma_register_operand(cfg, pristine_triton_language):
     import triton
 
     kernel = _sm90_build(cfg)
@@ -118,6 +118,30 @@ def test_matches_the_dequantized_reference_on_the_gpu(n, k, tokens, split_k, sta
         # twice more: the split-K buffers and counters are left re-armed
         again = fp4.fp4_linear_triton(x, codes, scales, gscale, bias, n, k, "nvfp4", path="gemv", config=cfg).float()
         assert torch.equal(again, got) or split_k > 1 and (again - got).abs().max() <= 2e-2 * ref.abs().max()
+
+
+@pytest.mark.skipif(not HOPPER or fp4_tma.gluon is None, reason="Gluon's TMA kernel runs on sm_90+ GPUs")
+def test_weights_at_unaligned_addresses_still_decode_correctly():
+    """TMA needs 16-byte-aligned bases; codes and scales that are views at odd offsets (a weight
+    sliced out of a larger buffer) are copied by the launcher, not rejected or misread."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 192, 768
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(n, k, generator=gen) * 0.05, "nvfp4"))
+
+    def unaligned(t):  # a copy of t (one-byte elements) one byte past an aligned base
+        view = torch.empty(t.numel() + 1, dtype=torch.uint8, device="cuda")[1:].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        return view
+
+    codes, scales = unaligned(kw.codes.cuda()), unaligned(kw.scales.cuda())
+    assert codes.data_ptr() % 16 and scales.data_ptr() % 16
+    x = torch.randn(6, k, generator=gen).to("cuda", torch.bfloat16)
+    cfg = _tile(64, 16, 256, split_k=1, stages=2)
+    got = fp4.fp4_linear_triton(x, codes, scales, kw.global_scale.cuda(), None, n, k, "nvfp4", path="gemv",
+                                config=cfg).double()
+    ref = fp4.reference_fp4_linear(x.double(), kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda(), None, n, k,
+                                   "nvfp4").double()
+    assert (got - ref).abs().max() / ref.abs().max() < 8e-3
 
 
 def test_tma_tiles_are_valid_only_for_nvfp4_with_aligned_k():
