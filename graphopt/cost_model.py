@@ -66,6 +66,11 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     # in session 14, so it is not the bytes in flight alone); 16 tokens 0.036-0.038 ms, bound by
     # the per-32-block epilogue and the nibble unpack (CUDA-core ops) with the int8 MMAs, at 0.14.
     "q4_swap": (0.14, 0.5),
+    # q4_tma: the Gluon Q4 decode fed by TMA (kernels/q4_tma.py). Like the FP4 TMA kernel it is
+    # bound by its instruction stream at 4-16 tokens (session 34's profile of that kernel), so its
+    # fitted per-weight ops (graphopt.passes.q4_linear) carry the time and the memory term is set
+    # where it does not bind.
+    "q4_tma": (0.13, 0.9),
     "fft_chain": (0.5, 0.7),
     "cpu_kernel": (1.0, 1.0),
 }

@@ -97,6 +97,14 @@ GEMV_UNPACK_OPS_PER_VALUE = 2.5
 PREQUANT_SUM_OPS_PER_VALUE = 0.25  # Q8_1 blocks in: a block's sum(q) is one dp4a per 4 values, per program
 DP4A_UNPACK_OPS_PER_VALUE = 0.375
 DP4A_OPS_PER_VALUE_AND_ROW = 0.9
+# q4_tma's Gluon decode (the separate path on sm_90+, <= 16 tokens): CUDA-core ops per weight at the
+# q4_tma efficiency (nibble masks, and the per-block epilogue d4 * (d8 * dot - 8 * s8) on every
+# token column of the 8- or 16-token block). Fitted, with the quantize launch's estimate, to the
+# tuned rows of bench/results/q4_decode_h100_session34_tma.json (H100, L2-cold CUDA graphs): 24.7 /
+# 27.4 us at 4 tokens (8-token blocks), 29.8 / 31.1 us at 16 on the issue's two 70.8 M weight
+# layers. Only that layer size was timed, so no fixed latency is separated from the per-weight term.
+Q4_TMA_OPS_PER_WEIGHT = 1.64
+Q4_TMA_OPS_PER_WEIGHT_AND_TOKEN_ROW = 0.07
 # Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
 # own quantization with another CTA's loads. An assumption (the H200 data has no such tile chosen).
 FUSED_SINGLE_CTA_DERATE = 0.7
@@ -216,16 +224,50 @@ def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_featu
                    int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved, memory_derate=derate, launches=launches)
 
 
+def tma_decode_applies(hw: HardwareSpec, tokens: int, in_features: int, out_features: int) -> bool:
+    """Whether the separate path can run q4_tma's decode on `hw` (q4k._tma_runs' rules): Gluon in this
+    Triton, an sm_90+ GPU, <= 16 tokens, K steps of 256 over the padded K, N a multiple of 8."""
+    from graphopt.kernels import q4_tma
+
+    cc = hw.compute_capability
+    return (q4_tma.gluon is not None and hw.is_gpu and cc is not None and cc >= (9, 0)
+            and 0 < tokens <= q4k.DECODE_MAX_TOKENS and q4_tma.tiles_k(64 * math.ceil(in_features / 64))
+            and out_features % 8 == 0)
+
+
+def estimate_q4_tma(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *, act_bytes: int = 2,
+                    bias: bool = False) -> Estimate:
+    """The separate path on q4_tma: q4k.quantize_for_tma (int8 values and fp32 d, s per block), then
+    the Gluon decode over 8- or 16-token blocks."""
+    m, k, n = tokens, in_features, out_features
+    kp = 64 * math.ceil(k / 64)
+    act_out = m * kp + 8 * m * kp / q4k.QK
+    quant = roofline(hw, "Q8_1 quantize (TMA layout)", flops=QUANT_OPS_PER_VALUE * m * k,
+                     bytes_moved=m * k * act_bytes + act_out, family="pointwise", unit="fp32")
+    block_m = 8 if m <= 8 else 16
+    ops = Q4_TMA_OPS_PER_WEIGHT + Q4_TMA_OPS_PER_WEIGHT_AND_TOKEN_ROW * block_m
+    moved = _weight_bytes(n, k) + act_out + m * n * act_bytes + (n * act_bytes if bias else 0)
+    kernel = _kernel(hw, f"Q4xQ8_1 TMA decode (Gluon, {block_m}-token blocks)", "q4_tma", int8_ops=0.0,
+                     fp32_ops=ops * n * kp, moved=moved)
+    return cost_model.chain("Q4 separate (quantize + TMA decode)", quant, kernel)
+
+
 def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *,
                          act_bytes: int = 2, bias: bool = False, config: q4k.TileConfig | None = None) -> Estimate:
-    """Q8_1 quantization kernel, then the int8 GEMM reading Q8_1 activations."""
+    """Q8_1 quantization kernel, then the int8 GEMM reading Q8_1 activations (or, on sm_90+ at decode
+    sizes, q4_tma's decode where it is predicted faster: the launcher times both)."""
     m, k, n = tokens, in_features, out_features
     q8_bytes = m * k * q4k.Q8_1_BLOCK_BYTES / q4k.QK
     quant = roofline(hw, "Q8_1 quantize", flops=QUANT_OPS_PER_VALUE * m * k, bytes_moved=m * k * act_bytes + q8_bytes,
                      family="pointwise", unit="fp32")
     if config is None:
-        return min((estimate_q4_separate(hw, m, k, n, act_bytes=act_bytes, bias=bias, config=c)
-                    for c in q4k.candidate_configs(m, fused=False)), key=lambda e: e.ms)
+        candidates = [estimate_q4_separate(hw, m, k, n, act_bytes=act_bytes, bias=bias, config=c)
+                      for c in q4k.candidate_configs(m, fused=False)]
+        if tma_decode_applies(hw, m, k, n):
+            candidates.append(estimate_q4_tma(hw, m, k, n, act_bytes=act_bytes, bias=bias))
+        return min(candidates, key=lambda e: e.ms)
+    if config.kernel == "tma":
+        return estimate_q4_tma(hw, m, k, n, act_bytes=act_bytes, bias=bias)
     if config.kernel == "dp4a":  # the blocks' words straight into dp4a; one more dp4a per word for sum(q)
         gemv = _decode_estimate(hw, config, m, k, n, act_in_bytes=q8_bytes, act_bytes=act_bytes, bias=bias,
                                 per_program_ops_per_value=PREQUANT_SUM_OPS_PER_VALUE, label="Q4xQ8_1 dp4a GEMV (decode")
