@@ -137,6 +137,8 @@ def bench_shape(k: int, n: int, rows: list, checks: list, copy_gbps: float) -> N
         best_config = min(configs, key=configs.get) if configs else None
         tuned = {"fused": q4._TUNED.get(("fused", q4._token_bucket(tokens), n, k, x.dtype))}
         tuned["separate"] = tuned["prequant_gemm"] = q4._TUNED.get(("gemm", q4._token_bucket(tokens), n, k, x.dtype))
+        # at decode sizes on sm_90+ the separate path may run q4_tma's decode instead (q4._choose_tma)
+        tuned["separate"] = q4._TUNED.get(("separate-tma", q4._token_bucket(tokens), n, k, x.dtype)) or tuned["separate"]
         for name, ms in timings.items():
             nbytes = moved.get(name, weight_bytes(n, k) + act + out_bytes)
             row = {"shape": f"{k}->{n}", "tokens": tokens, "variant": name, "ms": ms, "GB/s": gbps(nbytes, ms),

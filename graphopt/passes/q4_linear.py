@@ -23,15 +23,17 @@ significant bits), below about 8e-6 a zero step (the block then contributes noth
 about 8.3e6 an infinite one (NaN outputs). The error budget checks the weights only, which the pass
 sees at compile time; activations outside that range need a rescaled model or another pass.
 
-Where it wins (H100, the issue's two shapes, weights L2-cold; bench/results/q4_h100_session13_*.json):
-decode. 1 token 2.3-2.6x cuBLAS bf16 (the dp4a kernel), 4 tokens 1.65-1.74x and 16 tokens
-1.30-1.54x (the operand-swapped "swap" GEMM). From 64 tokens on the int8 GEMM is slower than
+Where it wins (H100, the issue's two shapes, weights L2-cold): decode. 1 token 2.3-2.6x cuBLAS bf16
+(the fused dp4a kernel; bench/results/q4_h100_session13_*.json), 4 tokens 1.92-2.31x and 16 tokens
+1.70-1.99x (session 34: the separate path on q4_tma's Gluon decode, which the cost model now picks
+there; bench/results/q4_h100_session34_tma.json). From 64 tokens on the int8 GEMM is slower than
 cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/test_cost_model_measured.py)
 therefore rewrites decode linears and declines prefill unless force=True. (The H200 round-2 run,
 bench/results/q4_h200_round2.json, timed earlier decode kernels: 1.02-1.17x at 1 token only.)
 
 Cost model (estimate_* below, on graphopt.cost_model.roofline; family q4_gemv for the gemv/dp4a
-kernels, q4_swap for the operand-swapped decode GEMM, q4_gemm for the int8 GEMM otherwise):
+kernels, q4_swap for the operand-swapped decode GEMM, q4_tma for q4_tma's decode, q4_gemm for the
+int8 GEMM otherwise):
 the fused kernel reads bf16 activations once per N tile and quantizes them again in every N tile
 (CUDA-core work that grows with M*K*N/BLOCK_N), and stages bf16 rather than int8 activation tiles
 in shared memory; when that leaves one resident CTA per SM, its memory rate is derated
