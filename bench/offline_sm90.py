@@ -46,11 +46,20 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 
-def compile_sm90(fn, types: dict, constexprs: dict, div16: list[str], num_warps: int, num_stages: int):
+def compile_sm90(fn, types: dict, constexprs: dict, div16: list[str], num_warps: int, num_stages: int = 1,
+                 gluon: bool = False):
+    """Build `fn` (a @triton.jit kernel, or with `gluon` a @gluon.jit one) for sm_90 without a GPU:
+    `types` maps argument names to Triton type strings (the rest are i32), `div16` names the
+    arguments declared divisible by 16. The offline-build tests use it too."""
     names = fn.arg_names
     signature = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16 if n in names and n not in constexprs}
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 

@@ -146,13 +146,23 @@ if gluon is not None:
         _tma_load(s_desc, [row0, it * (W // 2)], bar, s_buf, pred=pred)
 
     @gluon.jit
-    def _as_boxes(x_smem, x_desc, STAGES: gl.constexpr):
-        """The (STAGES * 4, BLOCK_M, 2W) activation tiles seen as STAGES 3-D TMA boxes of four."""
-        shape: gl.constexpr = [STAGES] + x_desc.block_type.shape
+    def _program_steps(n_iters, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr):
+        """(first weight row, first token, first K step, number of K steps) of this program, on the
+        decode grid (row tiles, K splits, token tiles) over n_iters K steps. Also used by q4_tma."""
+        per_split = gl.cdiv(n_iters, SPLIT_K)
+        it_start = gl.program_id(1) * per_split
+        return (gl.program_id(0) * BLOCK_N, gl.program_id(2) * BLOCK_M, it_start,
+                gl.minimum(per_split, n_iters - it_start))
+
+    @gluon.jit
+    def _as_boxes(tiles, desc, STAGES: gl.constexpr):
+        """(STAGES * n, rows, cols) shared tiles seen as STAGES 3-D TMA boxes of n tiles each (`desc`'s
+        box): one TMA copy fills n consecutive tiles. Also used by q4_tma."""
+        shape: gl.constexpr = [STAGES] + desc.block_type.shape
         if _PUBLIC_REINTERPRET:
-            return x_smem.reinterpret(gl.bfloat16, shape, x_desc.layout)
+            return tiles.reinterpret(tiles.dtype, shape, desc.layout)
         else:
-            return x_smem._reinterpret(gl.bfloat16, shape, x_desc.layout)
+            return tiles._reinterpret(tiles.dtype, shape, desc.layout)
 
     @gluon.jit
     def _fp4_decode_tma_kernel(
@@ -166,15 +176,7 @@ if gluon is not None:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        pid_m = gl.program_id(2)
-        row0 = pid_n * BLOCK_N
-        token0 = pid_m * BLOCK_M
-        n_iters = K_PADDED // (8 * W)
-        per_split = gl.cdiv(n_iters, SPLIT_K)
-        it_start = pid_k * per_split
-        n_local = gl.minimum(per_split, n_iters - it_start)
+        row0, token0, it_start, n_local = _program_steps(K_PADDED // (8 * W), BLOCK_N, BLOCK_M, SPLIT_K)
 
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W], w_desc.layout)
         # four (BLOCK_M, 2W) operand tiles per slot; TMA fills a slot's four as one 3-D box

@@ -42,7 +42,7 @@ if gluon is not None:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from graphopt.kernels.fp4_tma import _PUBLIC_REINTERPRET, _cta_barrier, _store_tile, _tma_load
+    from graphopt.kernels.fp4_tma import _as_boxes, _cta_barrier, _program_steps, _store_tile, _tma_load
 
 STEP = 256  # K values per step: four block pairs, 128 weight bytes per row
 PAIRS = STEP // (2 * QK)
@@ -121,15 +121,6 @@ if gluon is not None:
         _tma_load(ds_desc, [it * 16, token0], bar, ds_buf, pred=pred)
 
     @gluon.jit
-    def _boxes(tiles, desc, STAGES: gl.constexpr):
-        """(STAGES * n, rows, 32) tiles seen as STAGES 3-D TMA boxes of n."""
-        shape: gl.constexpr = [STAGES] + desc.block_type.shape
-        if _PUBLIC_REINTERPRET:
-            return tiles.reinterpret(gl.int8, shape, desc.layout)
-        else:
-            return tiles._reinterpret(gl.int8, shape, desc.layout)
-
-    @gluon.jit
     def _q4_decode_tma_kernel(
         w_desc, q_desc, d4_desc, ds_desc, bias_ptr, out_ptr, ws_ptr, counter_ptr,
         M, N, K_PADDED, stride_om,
@@ -140,20 +131,12 @@ if gluon is not None:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_M, 32])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        pid_m = gl.program_id(2)
-        row0 = pid_n * BLOCK_N
-        token0 = pid_m * BLOCK_M
-        n_iters = K_PADDED // 256
-        per_split = gl.cdiv(n_iters, SPLIT_K)
-        it_start = pid_k * per_split
-        n_local = gl.minimum(per_split, n_iters - it_start)
+        row0, token0, it_start, n_local = _program_steps(K_PADDED // 256, BLOCK_N, BLOCK_M, SPLIT_K)
 
         w_smem = gl.allocate_shared_memory(gl.int8, [STAGES * 4, BLOCK_N, 32], W_TILE_LAYOUT)
         q_smem = gl.allocate_shared_memory(gl.int8, [STAGES * 8, BLOCK_M, 32], Q_TILE_LAYOUT)
-        w_boxes = _boxes(w_smem, w_desc, STAGES)
-        q_boxes = _boxes(q_smem, q_desc, STAGES)
+        w_boxes = _as_boxes(w_smem, w_desc, STAGES)
+        q_boxes = _as_boxes(q_smem, q_desc, STAGES)
         d4_smem = gl.allocate_shared_memory(gl.float16, [STAGES, 8, BLOCK_N], d4_desc.layout)
         ds_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 16, BLOCK_M], ds_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench.offline_sm90 import compile_sm90, sass_and_resources
 from graphopt.kernels import fp4, fp4_tma
 from graphopt.kernels.fp4 import KernelConfig
 
@@ -26,13 +24,8 @@ def _tile(block_n, block_m, block_k, split_k, stages, num_warps=4) -> KernelConf
 
 
 def _sm90_build(cfg: KernelConfig):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     w = cfg.block_k // 8
     w_layout, x_tile_layout, x_box_layout = fp4_tma.shared_layouts(cfg.block_n, cfg.block_m, w)
-    fn = fp4_tma._fp4_decode_tma_kernel
     s_layout = fp4_tma.scale_shared_layout(cfg.block_n, w)
     types = dict(x_desc=f"tensordesc<bf16[4,{cfg.block_m},{2 * w}],{x_box_layout!r}>",
                  w_desc=f"tensordesc<i32[{cfg.block_n},{w}],{w_layout!r}>",
@@ -42,20 +35,14 @@ def _sm90_build(cfg: KernelConfig):
                   STAGES=cfg.num_stages, WORD_LAYOUT=fp4_tma.word_layout(cfg.block_n, w, cfg.num_warps),
                   X_TILE_LAYOUT=x_tile_layout, PAIR_LAYOUT=fp4_tma.word_pair_layout(cfg.block_n, w, cfg.num_warps),
                   num_warps=cfg.num_warps)
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    source = GluonASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
-                            attrs={(names.index(n),): [["tt.divisibility", 16]]
-                                   for n in ("out_ptr", "ws_ptr", "N", "K_PADDED")})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    return compile_sm90(fp4_tma._fp4_decode_tma_kernel, types, consts, ["out_ptr", "ws_ptr", "N", "K_PADDED"],
+                        cfg.num_warps, gluon=True)
 
 
 @needs_gluon
 @pytest.mark.parametrize("cfg", [_tile(128, 16, 256, split_k=4, stages=4), _tile(64, 32, 256, split_k=1, stages=2),
                                  _tile(128, 16, 256, split_k=2, stages=3, num_warps=8)], ids=str)
 def test_builds_for_sm90_with_the_words_as_the_mma_register_operand(cfg, pristine_triton_language):
-    import triton
-
     kernel = _sm90_build(cfg)
     ttgir = kernel.asm["ttgir"]
     # the words come out of shared memory in WORD_LAYOUT; their decode feeds warp_group_dot from
@@ -66,14 +53,7 @@ def test_builds_for_sm90_with_the_words_as_the_mma_register_operand(cfg, pristin
     # the block scales come by TMA too, and each thread reads its own words' bytes from shared memory
     assert re.search(r"ttg\.local_load .*xi8, .* -> tensor<\d+x\d+xi8, #ttg\.slice<\{dim = 2", ttgir)
     assert len(re.findall(r"ttng\.async_tma_copy_global_to_local", ttgir)) == 3 * (cfg.num_stages + 1)
-    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(bindir / "cuobjdump"), "--dump-resource-usage", cubin.name],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([str(bindir / "nvdisasm"), "-c", cubin.name], capture_output=True, text=True,
-                              check=True).stdout
+    sass, usage = sass_and_resources(kernel)
     assert re.search(r"STACK:0\b", usage), usage  # no spills
     assert "HGMMA" in sass and "UTMALDG" in sass
 

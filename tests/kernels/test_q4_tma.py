@@ -2,13 +2,11 @@
 sm_90 (CPU), and the decode against the float64 reference (sm_90+ GPU)."""
 
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench.offline_sm90 import compile_sm90, sass_and_resources
 from graphopt.kernels import q4, q4_tma
 from graphopt.kernels.q4 import TileConfig
 
@@ -59,31 +57,21 @@ def test_tma_config_needs_the_separate_path_and_a_hopper_gpu():
 
 
 def _sm90_build(block_n=64, block_m=16, split_k=2, stages=2):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     w_tile, q_tile, w_box, q_box, d4_layout, ds_layout = q4_tma.shared_layouts(block_n, block_m)
-    fn = q4_tma._q4_decode_tma_kernel
     types = dict(w_desc=f"tensordesc<i8[4,{block_n},32],{w_box!r}>", q_desc=f"tensordesc<i8[8,{block_m},32],{q_box!r}>",
                  d4_desc=f"tensordesc<fp16[8,{block_n}],{d4_layout!r}>",
                  ds_desc=f"tensordesc<fp32[16,{block_m}],{ds_layout!r}>",
                  bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
     consts = dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=split_k, STAGES=stages,
                   W_TILE_LAYOUT=w_tile, Q_TILE_LAYOUT=q_tile, D4_LAYOUT=q4_tma.d4_layout(block_n, 4), num_warps=4)
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    source = GluonASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
-                            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ("out_ptr", "ws_ptr", "N", "K_PADDED")})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compile_sm90(q4_tma._q4_decode_tma_kernel, types, consts, ["out_ptr", "ws_ptr", "N", "K_PADDED"], 4,
+                        gluon=True)
 
 
 @needs_gluon
 @pytest.mark.parametrize("block_m,stages,split_k", [(16, 2, 2), (8, 3, 1)])
 def test_builds_for_sm90_with_the_nibbles_as_the_mma_register_operand(block_m, stages, split_k,
                                                                      pristine_triton_language):
-    import triton
-
     kernel = _sm90_build(block_m=block_m, stages=stages, split_k=split_k)
     ttgir = kernel.asm["ttgir"]
     # the weight bytes are read from shared memory straight into the MMA's A operand layout, and no
@@ -91,14 +79,7 @@ def test_builds_for_sm90_with_the_nibbles_as_the_mma_register_operand(block_m, s
     assert re.search(r"ttg\.local_load .* -> tensor<64x32xi8, #ttg\.dot_op<\{opIdx = 0", ttgir)
     assert not re.search(r"ttg\.local_alloc %\S+ : \(tensor", ttgir)
     assert len(re.findall(r"ttng\.async_tma_copy_global_to_local", ttgir)) == 4 * (stages + 1)
-    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(bindir / "cuobjdump"), "--dump-resource-usage", cubin.name],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([str(bindir / "nvdisasm"), "-c", cubin.name], capture_output=True, text=True,
-                              check=True).stdout
+    sass, usage = sass_and_resources(kernel)
     assert re.search(r"STACK:0\b", usage), usage
     assert sass.count(f"IGMMA.64x{block_m}x32.S8.S8") == 8 and "UTMALDG" in sass
     # the weight scales' layout conversion moves no data: the one shuffle and shared store are the
