@@ -210,16 +210,17 @@ def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) 
     return Estimate(f"{est.name} ({why})", host_ms, est.flops, est.bytes, est.launches, "host")
 
 
-def quant_linear_host_paced(hw: HardwareSpec, est: Estimate, op: str, prices_host_path: bool) -> tuple[Estimate, str]:
+def quant_linear_host_paced(hw: HardwareSpec, est: Estimate, op: str, prices_host_path: bool,
+                            host_launches: float = QUANT_LINEAR_OP_HOST_LAUNCHES) -> tuple[Estimate, str]:
     """(estimate, note for a decision's reason) of a graphopt::fp4_linear / q4_linear call: on a GPU,
-    where the host path is priced (no CUDA-graph replay), at least QUANT_LINEAR_OP_HOST_LAUNCHES
-    launches; the note ("" unless the host path set the estimate) names the options that price GPU
-    time only."""
+    where the host path is priced (no CUDA-graph replay), at least `host_launches` launches (the
+    path's measured host time; QUANT_LINEAR_OP_HOST_LAUNCHES unless it has its own); the note (""
+    unless the host path set the estimate) names the options that price GPU time only."""
     if not (prices_host_path and hw.is_gpu):
         return est, ""
     why = (f"graphopt::{op}'s host launch path, longer than its GPU work here; "
            "cuda_graphs=True or graph_replay=True prices GPU time only")
-    est = host_paced(hw, est, QUANT_LINEAR_OP_HOST_LAUNCHES, why)
+    est = host_paced(hw, est, host_launches, why)
     return est, (f"; priced at {why}" if est.bound == "host" else "")
 
 

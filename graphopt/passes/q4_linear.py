@@ -107,6 +107,13 @@ DP4A_OPS_PER_VALUE_AND_ROW = 0.9
 # layers. Only that layer size was timed, so no fixed latency is separated from the per-weight term.
 Q4_TMA_OPS_PER_WEIGHT = 1.64
 Q4_TMA_OPS_PER_WEIGHT_AND_TOKEN_ROW = 0.07
+Q4_TMA_ESTIMATE = "Q4 separate (quantize + TMA decode)"
+# That path called directly (no CUDA-graph replay) costs the host far more than the others: 194.5 us
+# per graphopt::q4_linear call on the H100 host of session 34 (bench/tools/probe_decode_host.py, 16
+# tokens on 1024 x 1024, GPU work shorter than the host's), against 83.2 us on the fused path and
+# 12.1 us for torch.add in the same run: 16.1 units (a quantize launch, four TMA descriptors built in
+# Python, Gluon's launcher). Where the host path is priced, the mode choice uses it.
+Q4_TMA_OP_HOST_LAUNCHES = 16.0
 # Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
 # own quantization with another CTA's loads. An assumption (the H200 data has no such tile chosen).
 FUSED_SINGLE_CTA_DERATE = 0.7
@@ -251,7 +258,7 @@ def estimate_q4_tma(hw: HardwareSpec, tokens: int, in_features: int, out_feature
     moved = _weight_bytes(n, k) + act_out + m * n * act_bytes + (n * act_bytes if bias else 0)
     kernel = _kernel(hw, f"Q4xQ8_1 TMA decode (Gluon, {block_m}-token blocks)", "q4_tma", int8_ops=0.0,
                      fp32_ops=ops * n * kp, moved=moved)
-    return cost_model.chain("Q4 separate (quantize + TMA decode)", quant, kernel)
+    return cost_model.chain(Q4_TMA_ESTIMATE, quant, kernel)
 
 
 def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *,
@@ -284,6 +291,11 @@ def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_fe
     gemm = _kernel(hw, f"Q4xQ8_1 GEMM ({config.name})", family, int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved,
                    launches=_launches(config, splits), memory_derate=_fill(hw, config, m, n, splits))
     return cost_model.chain("Q4 separate (quantize + GEMM)", quant, gemm)
+
+
+def host_launches(est: Estimate) -> float:
+    """Host time of the graphopt::q4_linear call behind `est`, in one-kernel torch-op units."""
+    return Q4_TMA_OP_HOST_LAUNCHES if est.name == Q4_TMA_ESTIMATE else cost_model.QUANT_LINEAR_OP_HOST_LAUNCHES
 
 
 def predict_linear(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *, act_bytes: int = 2,
@@ -467,8 +479,12 @@ class Q4LinearPass(GraphPass):
         tokens = tokens or 1
         before, after, mode, fused, separate = predict_linear(ctx.hardware, tokens, k, n, act_bytes=_dtype_bytes(act_dtype),
                                                              bias=m.bias_node is not None, mode=ctx.config.q4_mode)
-        after, host_note = cost_model.quant_linear_host_paced(ctx.hardware, after, "q4_linear",
-                                                              ctx.config.prices_host_path)
+        priced = {name: cost_model.quant_linear_host_paced(ctx.hardware, est, "q4_linear", ctx.config.prices_host_path,
+                                                           host_launches(est))
+                  for name, est in (("fused", fused), ("separate", separate))}
+        if ctx.config.q4_mode == "auto":  # the faster mode once each one's host path is priced
+            mode = min(priced, key=lambda name: priced[name][0].ms)
+        after, host_note = priced[mode]
         info = dict(before=before, after=after, mode=mode, note=note,
                     details=dict(fused_ms=fused.ms, separate_ms=separate.ms, tokens=tokens))
         ok, why = self.accept(ctx, before, after)

@@ -387,3 +387,21 @@ def test_tied_weights_share_one_quantized_copy_and_w_T_matches(pass_name):
         once = F.linear(x, model.weight)
     torch.testing.assert_close(out[:, :0], once[:, :0])
     assert (out - 2 * once).abs().max() <= 0.2 * (2 * once).abs().max()  # both halves quantized alike
+
+
+def test_mode_choice_prices_the_tma_decodes_host_path():
+    """16 tokens on 4096 -> 11008 for the h100 target. Replayed from a CUDA graph (GPU time only), the
+    separate path's q4_tma decode is predicted fastest and taken. Called directly, each mode's host
+    path is priced, the TMA decode's at its measured Q4_TMA_OP_HOST_LAUNCHES (16 units): the fused
+    kernel is taken instead."""
+    from graphopt.kernels import q4_tma
+
+    if q4_tma.gluon is None:
+        pytest.skip("this Triton has no Gluon: the TMA decode is never costed")
+    model, x = torch.nn.Linear(4096, 11008, bias=False).eval(), torch.randn(16, 4096)
+    replayed = [d for d in capture_rewritten(model, (x,), target="h100", graph_replay=True, **ON)[1]
+                if d.pass_name == "q4_linear"]
+    assert [d.applied for d in replayed] == [True] and replayed[0].implementation == "q4_linear separate"
+    direct = [d for d in capture_rewritten(model, (x,), target="h100", **ON)[1] if d.pass_name == "q4_linear"]
+    assert [d.applied for d in direct] == [True] and direct[0].implementation == "q4_linear fused"
+    assert "host launch path" in direct[0].reason
