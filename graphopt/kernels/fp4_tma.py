@@ -28,6 +28,8 @@ import functools
 
 import torch
 
+from graphopt.kernels.launch import launch
+
 try:
     import triton
     from triton.experimental import gluon
@@ -280,8 +282,8 @@ def launch_decode(x_perm: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     s_desc = TensorDescriptor(scales, [n, k_padded // 16], [scales.stride(0), 1], [cfg.block_n, w // 2],
                               scale_shared_layout(cfg.block_n, w))
     grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))
-    _fp4_decode_tma_kernel[grid](
-        x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out, ws, counters,
+    launch(
+        _fp4_decode_tma_kernel, grid, x_desc, w_desc, s_desc, global_scale, bias if bias is not None else out, out, ws, counters,
         m, n, k_padded, out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, W=w, SPLIT_K=split_k,
         STAGES=cfg.num_stages, WORD_LAYOUT=word_layout(cfg.block_n, w, cfg.num_warps), X_TILE_LAYOUT=x_tile_layout,

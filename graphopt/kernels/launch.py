@@ -36,6 +36,10 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - a Triton without host-side tensor descriptors
     TensorDescriptor = ()
+try:  # Gluon's descriptors also carry their shared-memory layout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    GluonTensorDescriptor = ()
 
 DIRECT = os.environ.get("GRAPHOPT_DIRECT_LAUNCH", "1") != "0"
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so the mode is fixed at import.
@@ -56,11 +60,12 @@ def next_power_of_2(n: int) -> int:
 
 
 def _descriptor_key(d) -> tuple:
-    """A host-side tensor descriptor's part of a launch key. Triton specializes on its dtype and
-    block shape (and padding); shape and strides are launch-time values, keyed too so the key
-    stays a superset whatever a Triton version reads from them."""
-    return (TensorDescriptor, d.base.dtype, tuple(d.shape), tuple(d.strides), tuple(d.block_shape),
-            getattr(d, "padding", None), getattr(d, "round_f32_to_tf32", None))
+    """A host-side tensor descriptor's part of a launch key (Triton's, or Gluon's with its layout).
+    Triton specializes on its dtype and block shape (and padding, and a Gluon descriptor's layout);
+    shape and strides are launch-time values, keyed too so the key stays a superset whatever a
+    Triton version reads from them."""
+    return (type(d), d.base.dtype, tuple(d.shape), tuple(d.strides), tuple(d.block_shape),
+            getattr(d, "layout", None), getattr(d, "padding", None), getattr(d, "round_f32_to_tf32", None))
 
 
 def _launch_key(kernel, device: int, args: tuple, meta: dict) -> tuple:
@@ -70,7 +75,7 @@ def _launch_key(kernel, device: int, args: tuple, meta: dict) -> tuple:
     tensor: this runs on every launch)."""
     return (id(kernel), device, *meta.items(),
             *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-              else _descriptor_key(a) if isinstance(a, TensorDescriptor) else a for a in args])
+              else _descriptor_key(a) if isinstance(a, (TensorDescriptor, GluonTensorDescriptor)) else a for a in args])
 
 
 def _trailing_values(kernel, positional: int, meta: dict) -> tuple | None:

@@ -33,6 +33,7 @@ import torch
 import triton
 
 from graphopt.kernels import fp4_tma
+from graphopt.kernels.launch import launch
 from graphopt.kernels.q4 import QK, quantize_for_tma
 
 gluon = fp4_tma.gluon
@@ -199,8 +200,8 @@ def launch_decode(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     w_desc, q_desc, d4_desc, ds_desc = descriptors(q, ds, qweight, scales, cfg.block_n, cfg.block_m)
     w_tile, q_tile, *_ = shared_layouts(cfg.block_n, cfg.block_m)
     grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))
-    _q4_decode_tma_kernel[grid](
-        w_desc, q_desc, d4_desc, ds_desc, bias if bias is not None else out, out, ws, counters,
+    launch(
+        _q4_decode_tma_kernel, grid, w_desc, q_desc, d4_desc, ds_desc, bias if bias is not None else out, out, ws, counters,
         m, n, k_padded, out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT_K=split_k,
         STAGES=cfg.num_stages, W_TILE_LAYOUT=w_tile, Q_TILE_LAYOUT=q_tile,

@@ -108,12 +108,13 @@ DP4A_OPS_PER_VALUE_AND_ROW = 0.9
 Q4_TMA_OPS_PER_WEIGHT = 1.64
 Q4_TMA_OPS_PER_WEIGHT_AND_TOKEN_ROW = 0.07
 Q4_TMA_ESTIMATE = "Q4 separate (quantize + TMA decode)"
-# That path called directly (no CUDA-graph replay) costs the host far more than the others: 194.5 us
-# per graphopt::q4_linear call on the H100 host of session 34 (bench/tools/probe_decode_host.py, 16
-# tokens on 1024 x 1024, GPU work shorter than the host's), against 83.2 us on the fused path and
-# 12.1 us for torch.add in the same run: 16.1 units (a quantize launch, four TMA descriptors built in
-# Python, Gluon's launcher). Where the host path is priced, the mode choice uses it.
-Q4_TMA_OP_HOST_LAUNCHES = 16.0
+# That path called directly (no CUDA-graph replay) costs the host far more than the others: per
+# graphopt::q4_linear call on the H100 host of session 34 (bench/tools/probe_decode_host.py, 16
+# tokens on 1024 x 1024, GPU work shorter than the host's) 194.5 us through Gluon's JIT launcher
+# (16.1 torch.add units), 149.2 us once launched through the compiled kernel (kernels/launch.py;
+# 14.8 units), against 83-85 us on the fused path: a quantize launch and four TMA descriptors built
+# per call. Where the host path is priced, the mode choice uses it.
+Q4_TMA_OP_HOST_LAUNCHES = 15.0
 # Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
 # own quantization with another CTA's loads. An assumption (the H200 data has no such tile chosen).
 FUSED_SINGLE_CTA_DERATE = 0.7

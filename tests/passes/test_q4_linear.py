@@ -392,7 +392,7 @@ def test_tied_weights_share_one_quantized_copy_and_w_T_matches(pass_name):
 def test_mode_choice_prices_the_tma_decodes_host_path():
     """16 tokens on 4096 -> 11008 for the h100 target. Replayed from a CUDA graph (GPU time only), the
     separate path's q4_tma decode is predicted fastest and taken. Called directly, each mode's host
-    path is priced, the TMA decode's at its measured Q4_TMA_OP_HOST_LAUNCHES (16 units): the fused
+    path is priced, the TMA decode's at its measured Q4_TMA_OP_HOST_LAUNCHES (15 units): the fused
     kernel is taken instead."""
     from graphopt.kernels import q4_tma
 
