@@ -1197,12 +1197,14 @@ def q4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                          "Gluon decode")
     if mode == "separate":
         x2 = _rows(x, "q4_linear")
+        if not x2.shape[0]:
+            return x.new_empty(*x.shape[:-1], n)
         if config is not None and config.kernel == "tma":
             if not _tma_runs(x2, n, qweight):
                 raise ValueError("a tma config needs an sm_90+ GPU (not the interpreter), Triton's Gluon, "
                                  "K padded to a multiple of 256 and out_features a multiple of 8")
             return _tma_linear(x2, qweight, scales, bias, x.dtype, config).reshape(*x.shape[:-1], n)
-        if config is None and 0 < x2.shape[0] <= DECODE_MAX_TOKENS and _tma_runs(x2, n, qweight):
+        if config is None and x2.shape[0] <= DECODE_MAX_TOKENS and _tma_runs(x2, n, qweight):
             chosen = _choose_tma(x2, qweight, scales, bias, x.dtype)
             if chosen is not None:
                 return _tma_linear(x2, qweight, scales, bias, x.dtype, chosen).reshape(*x.shape[:-1], n)

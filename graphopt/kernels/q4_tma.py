@@ -1,12 +1,13 @@
 """Q4_0 x Q8_1 decode (1-16 tokens) on Hopper: TMA-fed weights, one int8 warpgroup MMA per 32-block.
 
 The Triton decode GEMM (`q4._q4_gemm_kernel`, "swap" tiles) quantizes its activation tile to Q8_1
-again in every program and K step: at 16 tokens on the H100 about a third of its instructions
-were that quantization (session 34's profile). Here the activations are quantized once, by a small
-Triton kernel into a layout TMA can read, and a Gluon kernel streams the weights:
+again in every program and K step: at 16 tokens on the H100, 30% of its instructions were fp32
+adds, FMAs and max (that quantization and the per-block epilogue; session 34's profile), twice the
+FP4 TMA kernel's instruction count. Here the activations are quantized once, by a small Triton
+kernel into a layout TMA can read, and a Gluon kernel streams the weights:
 
-- `q4.quantize_for_tma` (a Triton kernel, kept with q4's others: under the interpreter a Triton
-  kernel's module cannot also hold Gluon ones): x (M, K) -> q int8 (M, Kp) and, per 32-block b and token m,
+- `q4.quantize_for_tma` (Triton, with q4's other kernels): x (M, K) -> q int8 (M, Kp) and, per
+  32-block b and token m,
   ds[2b, m] = d and ds[2b + 1, m] = d * sum(q), in fp32 (d the fp16-rounded Q8_1 scale, as the
   other kernels use it; both exact). Kp is the weight's padded K: its padding blocks get q = 0.
 - `_q4_decode_tma_kernel`: per K step of 256 values (four block pairs), TMA brings into a ring slot
@@ -34,7 +35,7 @@ import triton
 
 from graphopt.kernels import fp4_tma
 from graphopt.kernels.launch import launch
-from graphopt.kernels.q4 import QK, quantize_for_tma
+from graphopt.kernels.q4 import quantize_for_tma
 
 gluon = fp4_tma.gluon
 if gluon is not None:
@@ -45,9 +46,7 @@ if gluon is not None:
 
     from graphopt.kernels.fp4_tma import _as_boxes, _cta_barrier, _program_steps, _store_tile, _tma_load
 
-STEP = 256  # K values per step: four block pairs, 128 weight bytes per row
-PAIRS = STEP // (2 * QK)
-BLOCKS = STEP // QK
+STEP = 256  # K values per step: four block pairs (8 blocks), 128 weight bytes per row
 
 
 def tiles_k(k_padded: int) -> bool:

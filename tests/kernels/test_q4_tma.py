@@ -123,3 +123,10 @@ def test_the_separate_path_tunes_over_the_tma_tiles_and_stays_exact():
     ref = q4.reference_q4_linear(x.double(), qw, sc).double()
     assert (got - ref).abs().max() <= 8e-3 * ref.abs().max()
     assert ("separate-tma", 4, n, k, torch.bfloat16) in q4._TUNED
+
+
+def test_no_tokens_give_an_empty_output_on_the_separate_path():
+    qw, sc = q4.quantize_weight(torch.randn(64, 256))
+    for config in (None, _tile()):
+        out = q4.q4_linear_triton(torch.randn(2, 0, 256, dtype=torch.bfloat16), qw, sc, mode="separate", config=config)
+        assert out.shape == (2, 0, 64) and out.dtype == torch.bfloat16
