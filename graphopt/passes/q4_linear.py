@@ -480,12 +480,14 @@ class Q4LinearPass(GraphPass):
         tokens = tokens or 1
         before, after, mode, fused, separate = predict_linear(ctx.hardware, tokens, k, n, act_bytes=_dtype_bytes(act_dtype),
                                                              bias=m.bias_node is not None, mode=ctx.config.q4_mode)
-        priced = {name: cost_model.quant_linear_host_paced(ctx.hardware, est, "q4_linear", ctx.config.prices_host_path,
-                                                           host_launches(est))
-                  for name, est in (("fused", fused), ("separate", separate))}
-        if ctx.config.q4_mode == "auto":  # the faster mode once each one's host path is priced
-            mode = min(priced, key=lambda name: priced[name][0].ms)
-        after, host_note = priced[mode]
+        host_note = ""
+        if mode in ("fused", "separate"):  # a GPU kernel mode (off the GPU: "reference", nothing to price)
+            priced = {name: cost_model.quant_linear_host_paced(ctx.hardware, est, "q4_linear",
+                                                               ctx.config.prices_host_path, host_launches(est))
+                      for name, est in (("fused", fused), ("separate", separate))}
+            if ctx.config.q4_mode == "auto":  # the faster mode once each one's host path is priced
+                mode = min(priced, key=lambda name: priced[name][0].ms)
+            after, host_note = priced[mode]
         info = dict(before=before, after=after, mode=mode, note=note,
                     details=dict(fused_ms=fused.ms, separate_ms=separate.ms, tokens=tokens))
         ok, why = self.accept(ctx, before, after)

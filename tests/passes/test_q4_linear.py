@@ -405,3 +405,13 @@ def test_mode_choice_prices_the_tma_decodes_host_path():
     direct = [d for d in capture_rewritten(model, (x,), target="h100", **ON)[1] if d.pass_name == "q4_linear"]
     assert [d.applied for d in direct] == [True] and direct[0].implementation == "q4_linear fused"
     assert "host launch path" in direct[0].reason
+
+
+@pytest.mark.parametrize("q4_mode", ["auto", "fused", "separate"])
+def test_every_mode_rewrites_to_the_reference_off_the_gpu(q4_mode):
+    """On the CPU target the op runs its torch reference whatever the mode option says; the mode
+    choice that prices host paths (GPU kernel modes only) leaves that as it is."""
+    model, x = MLP().eval(), torch.randn(3, 64)
+    decisions = [d for d in capture_rewritten(model, (x,), q4_mode=q4_mode, force=True, **ON)[1]
+                 if d.pass_name == "q4_linear"]
+    assert decisions and all(d.applied and d.implementation == "q4_linear reference" for d in decisions)
