@@ -789,9 +789,9 @@ def _gemv_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes
         if tma and passes == 1:  # the same tiles through TMA: fewer ops per weight, a longer fixed
             # latency; fitted and measured up to 64 tokens (one pass), so not predicted past that
             candidates.append(_fp4_kernel_estimate(
-                hw, f"FP4 GEMV (Gluon, TMA + tensor cores, {passes} pass(es) of {block_m} tokens)", "fp4_gemv",
-                decode_ops=weights * passes * TMA_DECODE_OPS_PER_WEIGHT, mma_flops=2.0 * block_m * passes * weights,
-                bytes_moved=w_bytes * passes + act_bytes,
+                hw, f"FP4 GEMV (Gluon, TMA + tensor cores, {block_m} tokens)", "fp4_gemv",
+                decode_ops=weights * TMA_DECODE_OPS_PER_WEIGHT, mma_flops=2.0 * block_m * weights,
+                bytes_moved=w_bytes + act_bytes,
                 latency_s=TMA_DECODE_LATENCY_S + TMA_DECODE_LATENCY_S_PER_EXTRA_ROW * (block_m - MMA_BLOCK_M[0])))
     return min(candidates, key=lambda e: e.ms)
 
@@ -1987,7 +1987,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                          f"of the block and give MMA K >= 16; 1 <= SPLIT_K <= K_padded / BLOCK_K; decode BLOCK_M is 1, 2, "
                          f"4, 16, 32 or 64 with BLOCK_N >= {MIN_DECODE_BLOCK_N} (>= 16, and BLOCK_K >= 128, for BLOCK_M >= 16), and 1, 2 or 4 for "
                          f"int_dots configs; permute_x only on the tensor-core tiles (BLOCK_M 16, 32 or 64); tma tiles: NVFP4, "
-                         f"BLOCK_M 16, 32 or 64, BLOCK_K 128 or 256 dividing K_padded, K_padded a multiple of 256, "
+                         f"BLOCK_M 16, 32 or 64, BLOCK_K 256, K_padded a multiple of 256, "
                          f"BLOCK_N a multiple of 16 x num_warps; prefill tiles >= 16 without split)")
     out = _launch(path, cfg, *args)
     if key is not None and x.is_cuda and (_TUNED.get(_tuned_key(path, args)) == cfg or path == "dequant"):
