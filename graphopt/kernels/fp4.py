@@ -758,9 +758,8 @@ def tma_decode_applies(hw, in_features: int, fmt: str, act_dtype: torch.dtype) -
     """Whether the decode tuner has fp4_tma's Gluon kernel to pick on `hw` (the cost-model side of
     _runs_here and _valid_config's tma rules): Gluon in this Triton, an sm_90+ GPU, NVFP4, bf16
     activations, and K steps of 256 that tile the padded K."""
-    cc = hw.compute_capability
-    return (fp4_tma.gluon is not None and hw.is_gpu and cc is not None and cc >= (9, 0) and fmt == "nvfp4"
-            and act_dtype == torch.bfloat16 and fp4_tma.tiles_k(_padded_k(in_features), 256))
+    return (fp4_tma.runs_on_spec(hw) and fmt == "nvfp4" and act_dtype == torch.bfloat16
+            and fp4_tma.tiles_k(_padded_k(in_features), 256))
 
 
 def _gemv_estimate(hw, tokens: int, in_features: int, out_features: int, w_bytes: int, act_bytes: float,

@@ -248,11 +248,28 @@ if gluon is not None:
                 gl.atomic_xchg(counter, 0)
 
 
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether this Triton has Gluon and x is on an sm_90+ GPU: where the Gluon TMA decodes (this
+    module's and q4_tma's) can run."""
+    return gluon is not None and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def runs_on_spec(hw) -> bool:
+    """runs_on for a hardware spec (graphopt.hardware.HardwareSpec): the cost models' side."""
+    cc = hw.compute_capability
+    return gluon is not None and hw.is_gpu and cc is not None and cc >= (9, 0)
+
+
+def tma_aligned(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors, each copied where its base is not 16-byte aligned, as TMA needs (a weight that is
+    a view at an odd offset)."""
+    return tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in tensors)
+
+
 def supports(x2: torch.Tensor) -> bool:
-    """Whether this Triton has Gluon and x2 is bf16 on an sm_90+ GPU (the kernel's tile and K rules
-    are `tiles_k` and fp4._valid_config's)."""
-    return (gluon is not None and x2.dtype == torch.bfloat16 and x2.is_cuda
-            and torch.cuda.get_device_capability(x2.device)[0] >= 9)
+    """Whether x2 is bf16 where the Gluon kernels run (the kernel's tile and K rules are `tiles_k`
+    and fp4._valid_config's)."""
+    return x2.dtype == torch.bfloat16 and runs_on(x2)
 
 
 def tiles_k(k_padded: int, block_k: int) -> bool:
@@ -269,8 +286,7 @@ def launch_decode(x_perm: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     split-K buffers and split; cfg an fp4.KernelConfig with tma=True (num_stages = ring slots).
     Callers check `supports` and `tiles_k` first."""
     m, n, k_padded = x_perm.shape[0], out.shape[1], codes.shape[1] * 2
-    # TMA reads from 16-byte-aligned bases: a weight that is a view at an odd offset is copied
-    codes, scales = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (codes, scales))
+    codes, scales = tma_aligned(codes, scales)
     w = cfg.block_k // 8
     w_layout, x_tile_layout, x_box_layout = shared_layouts(cfg.block_n, cfg.block_m, w)
     # x_perm (M, k_padded) seen as (operand chunk, token, element): each K step's four operands

@@ -55,9 +55,8 @@ def tiles_k(k_padded: int) -> bool:
 
 
 def supports(x2: torch.Tensor) -> bool:
-    """Whether this Triton has Gluon and x2 is on an sm_90+ GPU (any float activation dtype: the MMAs
-    are int8)."""
-    return gluon is not None and x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
+    """Whether x2 is where the Gluon kernels run (any float activation dtype: the MMAs are int8)."""
+    return fp4_tma.runs_on(x2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,8 +193,7 @@ def launch_decode(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     (block_m tokens, block_n rows, num_stages ring slots). Callers check `supports` and `tiles_k`."""
     m, n, k_padded = x2.shape[0], qweight.shape[0], qweight.shape[1] * 2
     q, ds = quantize_for_tma(x2, k_padded)
-    # TMA reads from 16-byte-aligned bases: weights that are views at odd offsets are copied
-    qweight, scales = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (qweight, scales))
+    qweight, scales = fp4_tma.tma_aligned(qweight, scales)
     w_desc, q_desc, d4_desc, ds_desc = descriptors(q, ds, qweight, scales, cfg.block_n, cfg.block_m)
     w_tile, q_tile, *_ = shared_layouts(cfg.block_n, cfg.block_m)
     grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))

@@ -237,12 +237,10 @@ def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_featu
 def tma_decode_applies(hw: HardwareSpec, tokens: int, in_features: int, out_features: int) -> bool:
     """Whether the separate path can run q4_tma's decode on `hw` (q4k._tma_runs' rules): Gluon in this
     Triton, an sm_90+ GPU, <= 16 tokens, K steps of 256 over the padded K, N a multiple of 8."""
-    from graphopt.kernels import q4_tma
+    from graphopt.kernels import fp4_tma, q4_tma
 
-    cc = hw.compute_capability
-    return (q4_tma.gluon is not None and hw.is_gpu and cc is not None and cc >= (9, 0)
-            and 0 < tokens <= q4k.DECODE_MAX_TOKENS and q4_tma.tiles_k(64 * math.ceil(in_features / 64))
-            and out_features % 8 == 0)
+    return (fp4_tma.runs_on_spec(hw) and 0 < tokens <= q4k.DECODE_MAX_TOKENS
+            and q4_tma.tiles_k(64 * math.ceil(in_features / 64)) and out_features % 8 == 0)
 
 
 def estimate_q4_tma(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *, act_bytes: int = 2,
