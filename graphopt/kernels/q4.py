@@ -1149,19 +1149,21 @@ def _time_config(run, config: TileConfig, m: int, cold_weights: list | None = No
 
 
 def _choose(path: str, m: int, n: int, k: int, dtype: torch.dtype, fused: bool, run,
-            weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> TileConfig:
+            weights: tuple[torch.Tensor, torch.Tensor] | None = None, candidates: list | None = None) -> TileConfig:
     """Fastest candidate config for this problem (timed once on the GPU, cached), or the default.
-    `weights` (qweight, scales): decode sizes are timed L2-cold over copies of them."""
+    `weights` (qweight, scales): decode sizes are timed L2-cold over copies of them. `candidates`:
+    what to time instead of candidate_configs(m, fused); its first entry is then the untimed choice."""
     key = (path, _token_bucket(m), n, k, dtype)
     if key in _TUNED:  # first: the per-call path is this lookup
         return _TUNED[key]
+    default = default_config(m, fused) if candidates is None else candidates[0]
     if not _autotune_enabled() or torch.cuda.is_current_stream_capturing():
-        return default_config(m, fused)
+        return default
     from graphopt.timing import cold_copies
 
     cold_weights = cold_copies(weights) if weights is not None and m <= DECODE_MAX_TOKENS else None
-    best, best_ms = default_config(m, fused), math.inf
-    for config in candidate_configs(m, fused):
+    best, best_ms = default, math.inf
+    for config in candidate_configs(m, fused) if candidates is None else candidates:
         try:
             ms = _time_config(run, config, m, cold_weights)
         except Exception:  # out of shared memory / registers for this tile: skip it
@@ -1247,32 +1249,16 @@ def _tma_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, b
 def _choose_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> TileConfig | None:
     """The separate path's decode: the fastest tma config, or None where the Q8_1-bytes path
-    (quantize_q8_1_triton + the tuned GEMM) was faster. Both are timed whole (quantize launch
-    included), L2-cold, once per (token bucket, N, K, dtype)."""
-    m, n, k = x2.shape[0], qweight.shape[0], x2.shape[1]
-    key = ("separate-tma", _token_bucket(m), n, k, out_dtype)
-    if key in _TUNED:
-        return _TUNED[key]
-    if not _autotune_enabled() or torch.cuda.is_current_stream_capturing():
-        return None
-    from graphopt.timing import cold_copies
-
+    (quantize_q8_1_triton + the tuned GEMM) was faster, or nothing was timed. Both are timed whole
+    (quantize launch included), L2-cold, once per (token bucket, N, K, dtype)."""
     def run(cfg, qw=qweight, sc=scales):
         if cfg is None:
             return q4_q8_gemm_triton(quantize_q8_1_triton(x2), qw, sc, bias, out_dtype)
         return _tma_linear(x2, qw, sc, bias, out_dtype, cfg)
 
-    cold_weights = cold_copies((qweight, scales))
-    best, best_ms = None, math.inf
-    for config in [None] + tma_configs(m):
-        try:
-            ms = _time_config(run, config, m, cold_weights)
-        except Exception:  # a tile that cannot run here: skip it
-            continue
-        if ms < best_ms:
-            best, best_ms = config, ms
-    _TUNED[key] = best
-    return best
+    m, k = x2.shape
+    return _choose("separate-tma", m, qweight.shape[0], k, out_dtype, False, run, weights=(qweight, scales),
+                   candidates=[None] + tma_configs(m))
 
 
 def q4_q8_gemm_triton(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
