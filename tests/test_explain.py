@@ -50,6 +50,8 @@ def test_module_paths_are_cleaned():
 
     assert _clean_module_path("L['self'].model.layers[0].self_attn") == "model.layers.0.self_attn"
     assert _clean_module_path("L['self']._modules['encoder']._modules['layer'][3]") == "encoder.layer.3"
+    assert _clean_module_path("L['args'][0].model.layers.1.mlp.down_proj") == "model.layers.1.mlp.down_proj"
+    assert _clean_module_path("L['self'][2].mlp") == "2.mlp"  # an indexed Sequential root keeps its index
 
 
 def test_memory_saved_is_totalled_in_the_caption():

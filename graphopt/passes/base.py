@@ -250,10 +250,12 @@ def module_path(node: fx.Node | None) -> str:
 
 def _clean_module_path(raw: str) -> str:
     # Dynamo writes e.g. "L['self'].model.layers[0].self_attn" or "L['self']._modules['layer'][0]".
+    # A forward wrapped by a decorator taking (*args, **kwargs) (seen with transformers 5.24) has the root
+    # module as a positional argument: "L['args'][0].model.layers[0]".
     import re
 
     path = re.sub(r"\._modules\['([^']*)'\]", r".\1", raw)
-    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = re.sub(r"^L\['self'\]\.?|^L\['[^']*'\](\[\d+\])?\.?", "", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     return path.strip(".")
