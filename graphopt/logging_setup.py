@@ -18,7 +18,12 @@ def configure_logging() -> None:
     if value and value not in _LEVELS:
         raise ValueError(f"GRAPHOPT_LOG={value!r} is not valid; valid choices: {', '.join(_LEVELS)}")
     logger = logging.getLogger("graphopt")
-    if value and not any(getattr(h, "_graphopt", False) for h in logger.handlers):
+    ours = [h for h in logger.handlers if getattr(h, "_graphopt", False)]
+    if not value and ours:  # switched off again: warnings through the application's own handlers
+        for handler in ours:
+            logger.removeHandler(handler)
+        logger.propagate = True
+    elif value and not ours:
         try:
             from rich.logging import RichHandler
 

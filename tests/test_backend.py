@@ -170,7 +170,10 @@ def test_graphopt_log_turns_on_decision_logging(monkeypatch, caplog):
         graphopt.explain(nn.Linear(2, 2), torch.randn(1, 2))
     monkeypatch.setenv("GRAPHOPT_LOG", "")
     logging_setup.configure_logging()
-    assert logging.getLogger("graphopt").level == logging.WARNING
+    logger = logging.getLogger("graphopt")
+    assert logger.level == logging.WARNING
+    # off again, graphopt's warnings go through the application's handlers, as before
+    assert logger.propagate and not any(getattr(h, "_graphopt", False) for h in logger.handlers)
 
 
 def test_cuda_graphs_option_asks_inductor_for_cuda_graph_trees(monkeypatch):
