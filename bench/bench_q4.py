@@ -227,7 +227,7 @@ def main() -> None:
     failed = [c for c in checks if not c["ok"]]
     print(f"correctness: {len(checks) - len(failed)}/{len(checks)} PASS; total {time.perf_counter() - start:.0f} s")
     path = write_json("bench_q4", rows, checks=checks, copy_gbps=copy_gbps,
-                      tuned={str(k): v.name for k, v in q4._TUNED.items()})
+                      tuned={str(k): v.name if v is not None else "q8_1-bytes gemm" for k, v in q4._TUNED.items()})
     print(f"wrote {path}")
     sweep = [r for r in rows if r.get("tile_sweep")]
     print_table("Q4_0 x Q8_1 fused config sweep (target shapes)", sweep,

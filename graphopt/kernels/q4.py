@@ -1121,7 +1121,7 @@ def _token_bucket(m: int) -> int:
     return next_power_of_2(max(m, 1)) if m <= 4096 else 4096 * math.ceil(m / 4096)
 
 
-_TUNED: dict[tuple, TileConfig] = {}
+_TUNED: dict[tuple, TileConfig | None] = {}  # None: the separate path keeps the Q8_1-bytes GEMM
 
 
 def _time_config(run, config: TileConfig, m: int, cold_weights: list | None = None) -> float:
