@@ -114,14 +114,14 @@ class _Decisions:
     """Collects graphopt's Decisions while compiling (the sink graphopt.explain uses)."""
 
     def __enter__(self):
-        from graphopt import backend
+        from graphopt import compiler as backend
 
         self.items = []
         backend._DECISION_SINKS.append(self.items)
         return self
 
     def __exit__(self, *exc):
-        from graphopt import backend
+        from graphopt import compiler as backend
 
         backend._DECISION_SINKS.remove(self.items)
 

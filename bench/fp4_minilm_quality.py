@@ -114,7 +114,7 @@ def with_weights(model, weights: dict):
 def compiled_embeddings(model, encodings, options: dict):
     """Embeddings of torch.compile(model, backend="graphopt", fp4_linear forced) for each encoding,
     and the pass's applied decisions for the first (each new batch shape compiles again)."""
-    from graphopt import backend
+    from graphopt import compiler as backend
 
     decisions = []
     backend._DECISION_SINKS.append(decisions)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from graphopt import backend as backend_module
+from graphopt import compiler as backend_module
 from graphopt.config import PASS_NAMES
 from graphopt.passes.base import Decision, count_applied
 from graphopt.timing import cold_graph_ms, first_tensor, median_ms

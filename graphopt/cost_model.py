@@ -182,16 +182,6 @@ def attention_op_host_launches(backend: str) -> float:
     return ATTENTION_OP_HOST_LAUNCHES["triton" if backend == "triton" else "sdpa"]
 
 
-# graphopt::fp4_linear and graphopt::q4_linear (torch.library ops without an autograd layer, their
-# kernels launched through graphopt.kernels.launch): 40.7-55.5 and 39.9-42.7 us per one-token call
-# on the H100 host of session 22 (bench/tools/probe_op_host_ab.py). That run did not time the
-# one-kernel torch op; session 21's host measured it at 11.8 us, which puts these at 3.4-4.7 units
-# (hosts differed by up to 2x between calls). Session 26 timed the unit in the same run (a slower
-# host: torch.add 19.5 us): fp4_linear 3.78 units, q4_linear 3.46, a bf16 F.linear 1.17
-# (bench/results/probe_op_host_h100_session26.log). A plain linear costs Inductor's wrapper about
-# one unit, so a layer whose quantized GPU work is shorter than this is not worth the rewrite in a
-# step called directly (it is, replayed from a CUDA graph).
-QUANT_LINEAR_OP_HOST_LAUNCHES = 3.5
 # graphopt::sparse_attention: four launches (the predictor's three, the kernel's one) behind the
 # op's dispatch. Called back to back on negligible GPU work on the H100 host of session 29
 # (bench/sparse_host_overhead.py): 226 us per call non-causal, 374 us causal in a stretch where
@@ -208,20 +198,6 @@ def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) 
     if host_ms <= est.ms:
         return est
     return Estimate(f"{est.name} ({why})", host_ms, est.flops, est.bytes, est.launches, "host")
-
-
-def quant_linear_host_paced(hw: HardwareSpec, est: Estimate, op: str, prices_host_path: bool,
-                            host_launches: float = QUANT_LINEAR_OP_HOST_LAUNCHES) -> tuple[Estimate, str]:
-    """(estimate, note for a decision's reason) of a graphopt::fp4_linear / q4_linear call: on a GPU,
-    where the host path is priced (no CUDA-graph replay), at least `host_launches` launches (the
-    path's measured host time; QUANT_LINEAR_OP_HOST_LAUNCHES unless it has its own); the note (""
-    unless the host path set the estimate) names the options that price GPU time only."""
-    if not (prices_host_path and hw.is_gpu):
-        return est, ""
-    why = (f"graphopt::{op}'s host launch path, longer than its GPU work here; "
-           "cuda_graphs=True or graph_replay=True prices GPU time only")
-    est = host_paced(hw, est, host_launches, why)
-    return est, (f"; priced at {why}" if est.bound == "host" else "")
 
 
 # ---------------------------------------------------------------------------------------------

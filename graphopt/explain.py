@@ -95,7 +95,7 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Rep
     """Compile `model` with graphopt (options as for torch.compile), run it once under no_grad,
     and return every decision. Dynamo's cache is reset before and after, so the report covers
     exactly this model and these inputs."""
-    from graphopt import backend as backend_module
+    from graphopt import compiler as backend_module
     from graphopt.config import GraphOptConfig
     from graphopt.logging_setup import configure_logging
 

@@ -195,7 +195,7 @@ def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, *, dynamic_
     def capture(gm: fx.GraphModule, inputs: list, **_):
         from graphopt.passes import run_passes
 
-        ctx = run_passes(gm, inputs, config, hardware)
+        ctx = run_passes(gm, inputs, config, hardware, for_export=True)
         captured.update(gm=gm, inputs=list(inputs), decisions=ctx.decisions)
         return gm.forward
 

@@ -26,8 +26,6 @@ import torch
 # torch.compile traces a training graph). graphopt::attention, which has an autograd formula, is a
 # Library op too, with its own Autograd kernel; fft_chain_linear keeps custom_op.
 _LIB = torch.library.Library("graphopt", "FRAGMENT")
-
-
 def _gradient_needed(args) -> bool:
     """Whether autograd would record this call: grad mode on and a tensor argument requires grad."""
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -41,6 +39,22 @@ def _refusing_grad(name: str, fn):
                                "graphopt's lossy passes off")
         return fn(*args)
     return checked
+
+
+def _refuse_gradients(op, name: str) -> None:
+    """A custom op's body runs below autograd with grad mode off, so it cannot see that a gradient
+    is needed. Autograd calls the setup step registered here exactly then: it raises
+    _refusing_grad's error (the forward has run, nothing is recorded)."""
+    check = _refusing_grad(name, lambda *args: None)
+
+    def setup_context(ctx, inputs, output):
+        with torch.enable_grad():
+            check(*inputs)
+
+    def backward(ctx, *grads):  # unreachable: setup_context raised
+        raise RuntimeError(f"graphopt::{name} has no backward")
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
 def _inference_op(schema: str):
@@ -331,43 +345,74 @@ def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below
 
 # ==== fp4 (graphopt/kernels/fp4.py, passes/fp4_linear.py) =====================================
 # graphopt::fp4_linear(x, codes, codes_fp4, scales, global_scale, bias, out_features, in_features,
-#                      format) -> y
+#                      format, kernel) -> y
 #   x (..., K) -> y (..., N) in x's dtype; y = x @ W^T + bias, W the MXFP4/NVFP4 weight in the
 #   kernel layout of graphopt.kernels.fp4.to_kernel_layout: codes uint8 (N, Kp/2); codes_fp4 the
 #   same bytes viewed as torch.float4_e2m1fn_x2 (read only by the standard ONNX form, which needs a
 #   FLOAT4E2M1 initializer; it shares storage with codes); scales (N, Kp/bs) uint8 e8m0 (mxfp4) or
-#   float8_e4m3fn (nvfp4); global_scale fp32 (1,) (1.0 for mxfp4); format "mxfp4" | "nvfp4".
-#   CPU: the torch reference (dequantize to fp32, F.linear in fp32, cast). CUDA: the Triton decode
-#   (GEMV/split-K) or prefill (dequantize + tensor cores) kernel, chosen per token count by the
-#   cost model. Inference only: no autograd formula (the weights are frozen constants, and the
-#   pass only rewrites graphs whose weights do not require grad).
-@_inference_op("fp4_linear(Tensor x, Tensor codes, Tensor codes_fp4, Tensor scales, Tensor global_scale, Tensor? bias, "
-               "int out_features, int in_features, str format) -> Tensor")
-def fp4_linear_op(x, codes, codes_fp4, scales, global_scale, bias, out_features, in_features, format):
+#   float8_e4m3fn (nvfp4); global_scale fp32 (1,) (1.0 for mxfp4); format "mxfp4" | "nvfp4";
+#   kernel: the path and tile the pass chose at compile time (fp4.tune_fp4_linear; "" = the cost
+#   model's path with the untuned default tile).
+#   A triton_op: Inductor traces the body and launches its Triton kernels from its own generated
+#   code (inside its CUDA graphs). CPU: the torch reference. The Gluon TMA decode is not a Triton
+#   JIT function, so a kernel that selects it calls graphopt::fp4_tma_linear, an opaque op.
+#   Inference only: no autograd formula (the weights are frozen constants).
+@torch.library.triton_op("graphopt::fp4_linear", mutates_args=())
+def fp4_linear_op(x: torch.Tensor, codes: torch.Tensor, codes_fp4: torch.Tensor, scales: torch.Tensor,
+                  global_scale: torch.Tensor, bias: _Optional[torch.Tensor], out_features: int, in_features: int,
+                  format: str, kernel: str = "") -> torch.Tensor:
     from graphopt.kernels import fp4
 
-    if x.is_cuda:
-        return fp4.fp4_linear_triton(x, codes, scales, global_scale, bias, out_features, in_features, format)
-    return fp4.reference_fp4_linear(x, codes, scales, global_scale, bias, out_features, in_features, format)
+    if not x.is_cuda:  # the interpreter's tests call the launcher itself
+        return fp4.reference_fp4_linear(x, codes, scales, global_scale, bias, out_features, in_features, format)
+    path, config = fp4.kernel_choice(kernel, x.numel() // in_features)
+    if config is not None and config.tma:
+        return torch.ops.graphopt.fp4_tma_linear(x, codes, scales, global_scale, bias, out_features, in_features, kernel)
+    return fp4.fp4_linear_triton(x, codes, scales, global_scale, bias, out_features, in_features, format, path=path,
+                                 config=config)
 
 
-@_inference_fake("fp4_linear")
-def _(x, codes, codes_fp4, scales, global_scale, bias, out_features, in_features, format):
+_refuse_gradients(fp4_linear_op, "fp4_linear")
+
+
+@_inference_op("fp4_tma_linear(Tensor x, Tensor codes, Tensor scales, Tensor global_scale, Tensor? bias, "
+               "int out_features, int in_features, str kernel) -> Tensor")
+def fp4_tma_linear(x, codes, scales, global_scale, bias, out_features, in_features, kernel):
+    """graphopt::fp4_linear on fp4_tma's Gluon decode (NVFP4, bf16, sm_90+): `kernel` selects it."""
+    from graphopt.kernels import fp4
+
+    path, config = fp4.kernel_choice(kernel, x.numel() // in_features)
+    if config is None or not config.tma:
+        raise ValueError(f"graphopt::fp4_tma_linear: kernel {kernel!r} selects no tma tile for this call")
+    return fp4.fp4_linear_triton(x, codes, scales, global_scale, bias, out_features, in_features, "nvfp4", path=path,
+                                 config=config)
+
+
+@_inference_fake("fp4_tma_linear")
+def _(x, codes, scales, global_scale, bias, out_features, in_features, kernel):
     return x.new_empty((*x.shape[:-1], out_features))
 # ==== end fp4 ==================================================================================
 
 # ==== q4 (graphopt/kernels/q4.py, passes/q4_linear.py) ========================================
 # Q4_0 weights (kernel layout from graphopt.kernels.q4.pack_q4_0: qweight uint8 [N, Kp/2], scales
-# fp16 [Kp/32, N]) times Q8_1-quantized activations. Inference only (no autograd). CPU runs the
-# torch references (integer math of the same formula), CUDA the Triton kernels.
+# fp16 [Kp/32, N]) times Q8_1-quantized activations.
 #   graphopt::quantize_q8_1(x [..., K]) -> ggml block_q8_1 bytes uint8 [..., K/32, 36]
-#   graphopt::q4_q8_gemm(xq [..., K/32, 36], qweight, scales, bias?, out_dtype) -> [..., N]
-#   graphopt::q4_linear(x [..., K], qweight, scales, bias?, mode) -> [..., N] in x's dtype;
+#   graphopt::q4_q8_gemm(xq [..., K/32, 36], qweight, scales, bias?, out_dtype, kernel="") -> [..., N]
+#   graphopt::q4_linear(x [..., K], qweight, scales, bias?, mode, kernel="") -> [..., N] in x's dtype;
 #       mode "fused" (quantization inside the GEMM / decode kernel) or "separate" (two kernels);
 #       both give the same numbers up to fp32 summation order.
-#   graphopt::q4_linear_static(x, act_scale, qweight, scales, bias?, qmin, qmax) -> [..., N]: the
-#       fake-quant idiom (round(x / s).clamp(qmin, qmax) * s) @ W_q4.T with a per-tensor or per-row
-#       scale s, fused (integer dots), in the promoted dtype of x and s.
+#   graphopt::q4_linear_static(x, act_scale, qweight, scales, bias?, qmin, qmax, kernel="") -> [..., N]:
+#       the fake-quant idiom (round(x / s).clamp(qmin, qmax) * s) @ W_q4.T with a per-tensor or
+#       per-row scale s, fused (integer dots), in the promoted dtype of x and s.
+#   kernel: the tile chosen at compile time (q4.tune_q4_linear; graphopt.kernels.tuning.encode of a
+#   q4.TileConfig), "" for the untuned default of the token count. A "tma" tile (q4_linear's
+#   separate mode, sm_90+) runs graphopt::q4_tma_decode, an opaque op: Gluon kernels are not Triton
+#   JIT functions that Inductor can launch.
+# triton_ops: Inductor traces the bodies and launches their Triton kernels from its own generated
+# code (inside its CUDA graphs); a body never times a tile or keeps an allocation past the call.
+# CPU: the torch references (integer math of the same formula), which a compile of a CPU graph
+# traces; under TRITON_INTERPRET=1 an eager call on CPU tensors runs the Triton kernels.
+# Inference only: a call that needs a gradient is refused (_refuse_gradients).
 Q4_LINEAR_MODES: tuple[str, ...] = ("fused", "separate")
 
 
@@ -381,70 +426,84 @@ def _q4_out_features(qweight: torch.Tensor, scales: torch.Tensor, k: int) -> int
     return qweight.shape[0]
 
 
-@_inference_op("quantize_q8_1(Tensor x) -> Tensor")
-def q4_quantize_q8_1(x):
+def _q4_runs_kernels(x: torch.Tensor) -> bool:
+    """Whether a body launches the Triton kernels: on CUDA tensors, and on CPU tensors under
+    TRITON_INTERPRET=1 when called (the interpreter cannot be traced, so a compile of a CPU graph
+    traces the torch reference)."""
+    from graphopt.kernels.launch import INTERPRET, traced
+
+    return x.is_cuda or (INTERPRET and not traced((x,)))
+
+
+@torch.library.triton_op("graphopt::quantize_q8_1", mutates_args=())
+def q4_quantize_q8_1(x: torch.Tensor) -> torch.Tensor:
     from graphopt.kernels import q4
 
-    return q4.quantize_q8_1_triton(x) if x.is_cuda else q4.quantize_q8_1(x)
-
-
-@_inference_fake("quantize_q8_1")
-def _q4_quantize_q8_1_fake(x):
     if x.shape[-1] % 32:
         raise ValueError(f"graphopt::quantize_q8_1: the last dimension ({x.shape[-1]}) must be a multiple of 32")
-    return x.new_empty((*x.shape[:-1], x.shape[-1] // 32, 36), dtype=torch.uint8)
+    return q4.quantize_q8_1_triton(x) if _q4_runs_kernels(x) else q4.quantize_q8_1(x)
 
 
-@_inference_op("q4_q8_gemm(Tensor xq, Tensor qweight, Tensor scales, Tensor? bias, ScalarType out_dtype) -> Tensor")
-def q4_q8_gemm(xq, qweight, scales, bias, out_dtype):
+@torch.library.triton_op("graphopt::q4_q8_gemm", mutates_args=())
+def q4_q8_gemm(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: _Optional[torch.Tensor],
+               out_dtype: torch.dtype, kernel: str = "") -> torch.Tensor:
     from graphopt.kernels import q4
 
-    if xq.is_cuda:
-        return q4.q4_q8_gemm_triton(xq, qweight, scales, bias, out_dtype)
-    return q4.reference_q4_q8_gemm(xq, qweight, scales, bias, out_dtype)
+    _q4_out_features(qweight, scales, xq.shape[-2] * 32)
+    if not _q4_runs_kernels(xq):
+        return q4.reference_q4_q8_gemm(xq, qweight, scales, bias, out_dtype)
+    return q4.q4_q8_gemm_triton(xq, qweight, scales, bias, out_dtype, config=q4.kernel_config(kernel))
 
 
-@_inference_fake("q4_q8_gemm")
-def _q4_q8_gemm_fake(xq, qweight, scales, bias, out_dtype):
-    n = _q4_out_features(qweight, scales, xq.shape[-2] * 32)
-    return xq.new_empty((*xq.shape[:-2], n), dtype=out_dtype)
-
-
-@_inference_op("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, str mode) -> Tensor")
-def q4_linear(x, qweight, scales, bias, mode):
+@torch.library.triton_op("graphopt::q4_linear", mutates_args=())
+def q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: _Optional[torch.Tensor], mode: str,
+              kernel: str = "") -> torch.Tensor:
     from graphopt.kernels import q4
 
     if mode not in Q4_LINEAR_MODES:
         raise ValueError(f"graphopt::q4_linear: mode {mode!r} is not valid; valid choices: {', '.join(Q4_LINEAR_MODES)}")
-    if x.is_cuda:
-        return q4.q4_linear_triton(x, qweight, scales, bias, mode)
-    return q4.reference_q4_linear(x, qweight, scales, bias)
-
-
-@_inference_fake("q4_linear")
-def _q4_linear_fake(x, qweight, scales, bias, mode):
-    if mode not in Q4_LINEAR_MODES:
-        raise ValueError(f"graphopt::q4_linear: mode {mode!r} is not valid; valid choices: {', '.join(Q4_LINEAR_MODES)}")
     n = _q4_out_features(qweight, scales, x.shape[-1])
-    return x.new_empty((*x.shape[:-1], n))
+    if not _q4_runs_kernels(x):
+        return q4.reference_q4_linear(x, qweight, scales, bias)
+    config = q4.kernel_config(kernel)
+    if config is not None and config.kernel == "tma" and mode == "separate":
+        x2 = x.reshape(-1, x.shape[-1])
+        return torch.ops.graphopt.q4_tma_decode(x2, qweight, scales, bias, kernel).reshape(*x.shape[:-1], n)
+    return q4.q4_linear_triton(x, qweight, scales, bias, mode, config=config)
 
 
-@_inference_op("q4_linear_static(Tensor x, Tensor act_scale, Tensor qweight, Tensor scales, Tensor? bias, int qmin, "
-               "int qmax) -> Tensor")
-def q4_linear_static(x, act_scale, qweight, scales, bias, qmin, qmax):
+@_inference_op("q4_tma_decode(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, str kernel) -> Tensor")
+def q4_tma_decode(x, qweight, scales, bias, kernel):
+    """graphopt::q4_linear's separate mode on q4_tma's Gluon decode (sm_90+): x (M, K) -> (M, N) in
+    x's dtype; `kernel` a "tma" tile."""
     from graphopt.kernels import q4
 
-    if x.is_cuda:
-        return q4.q4_linear_static_triton(x, act_scale, qweight, scales, bias, qmin, qmax)
-    return q4.reference_q4_linear_static(x, act_scale, qweight, scales, bias, qmin, qmax)
+    config = q4.kernel_config(kernel)
+    if config is None or config.kernel != "tma":
+        raise ValueError(f"graphopt::q4_tma_decode: kernel {kernel!r} selects no tma tile")
+    return q4.tma_linear(x.contiguous(), qweight, scales, bias, config)
 
 
-@_inference_fake("q4_linear_static")
-def _q4_linear_static_fake(x, act_scale, qweight, scales, bias, qmin, qmax):
+@_inference_fake("q4_tma_decode")
+def _(x, qweight, scales, bias, kernel):
+    return x.new_empty((x.shape[0], _q4_out_features(qweight, scales, x.shape[-1])))
+
+
+@torch.library.triton_op("graphopt::q4_linear_static", mutates_args=())
+def q4_linear_static(x: torch.Tensor, act_scale: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     bias: _Optional[torch.Tensor], qmin: int, qmax: int, kernel: str = "") -> torch.Tensor:
     from graphopt.kernels import q4
 
-    n = _q4_out_features(qweight, scales, x.shape[-1])
-    return x.new_empty((*x.shape[:-1], n), dtype=q4.static_result_dtype(x, act_scale))
+    _q4_out_features(qweight, scales, x.shape[-1])
+    if not _q4_runs_kernels(x):
+        return q4.reference_q4_linear_static(x, act_scale, qweight, scales, bias, qmin, qmax)
+    return q4.q4_linear_static_triton(x, act_scale, qweight, scales, bias, qmin, qmax, config=q4.kernel_config(kernel))
+
+
+for _op, _name in ((q4_quantize_q8_1, "quantize_q8_1"), (q4_q8_gemm, "q4_q8_gemm"), (q4_linear, "q4_linear"),
+                   (q4_linear_static, "q4_linear_static")):
+    _refuse_gradients(_op, _name)
+del _op, _name
 # ==== end q4 ===================================================================================
 
 # ==== fft_chain (graphopt/kernels/fft_chain.py, passes/fft_linear.py) =========================

@@ -98,7 +98,7 @@ def test_dynamic_true_rewrites_attention_and_follows_a_changed_scale(family):
     scale and keep every attention. It now takes such module floats as constants guarded by value:
     one graph serves every length, and after a change of the scale the graph runs unrewritten
     (it cannot be recompiled outside Dynamo), with the new value."""
-    from graphopt import backend as backend_module
+    from graphopt import compiler as backend_module
 
     model, n_attention = build(family)
     with backend_module.recording_decisions(reset=True) as decisions, torch.no_grad():
@@ -177,7 +177,7 @@ def test_llama_gradients_match_eager():
     (ids,) = inputs("llama")
     eager, trained = copy.deepcopy(model), copy.deepcopy(model)
     compiled = torch.compile(trained, backend="graphopt", options={"downstream": "eager"})
-    from graphopt import backend as backend_module
+    from graphopt import compiler as backend_module
 
     with backend_module.recording_decisions() as sink:
         loss = torch.nn.functional.cross_entropy(compiled(ids).flatten(0, 1), ids.flatten())

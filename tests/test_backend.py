@@ -15,7 +15,7 @@ from graphopt.passes.fx_utils import find_linears, replace_with_call
 def test_entry_point_works_in_a_fresh_interpreter_without_importing_graphopt():
     code = ("import torch, sys; m = torch.nn.Linear(4, 4); "
             "print(torch.compile(m, backend='graphopt')(torch.randn(2, 4)).shape); "
-            "print('graphopt' in sys.modules or 'graphopt.backend' in sys.modules)")
+            "print('graphopt' in sys.modules or 'graphopt.compiler' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
@@ -138,7 +138,7 @@ def test_weight_passes_decline_training_graphs():
     try:
         model, x = MLP(), torch.randn(3, 16)
         torch._dynamo.reset()
-        from graphopt import backend
+        from graphopt import compiler as backend
 
         with backend.recording_decisions() as sink:
             torch.compile(model, backend="graphopt", options={"downstream": "eager"})(x)  # grad enabled
@@ -224,3 +224,29 @@ def test_cuda_graphs_replays_graphopt_kernels_with_fresh_inputs():
             torch.testing.assert_close(graphed(x).clone(), want)
         assert not torch.allclose(expected[0], expected[1])  # the inputs differ, so must the outputs
     torch._dynamo.reset()
+
+
+def test_a_rewritten_graph_the_downstream_compiler_rejects_runs_unrewritten(monkeypatch, caplog):
+    """A rewrite never turns a program that runs into one that fails: when the downstream compiler
+    raises on the rewritten graph, the graph is compiled without graphopt's rewrites, with a warning."""
+    from graphopt import compiler
+
+    real = compiler._downstream
+
+    def rejecting(gm, example_inputs, config, mode):
+        if any("graphopt" in str(n.target) for n in gm.graph.nodes):
+            raise RuntimeError("downstream cannot take this op")
+        return real(gm, example_inputs, config, mode)
+
+    monkeypatch.setattr(compiler, "_downstream", rejecting)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    x = torch.randn(2, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=graphopt.backend(passes={"fp4_linear": True}, force=True,
+                                                             downstream="eager"))
+    with torch.no_grad(), caplog.at_level("WARNING", logger="graphopt"):
+        got = compiled(x)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x))  # the unrewritten (exact) linear ran
+    assert any("downstream compiler failed on the rewritten graph" in r.getMessage() for r in caplog.records)

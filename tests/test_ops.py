@@ -173,7 +173,7 @@ def test_triton_attention_backend_trains_under_inductor(dtype):
     model(x).float().square().sum().backward()
     expected = model.proj.weight.grad.clone()
     model.zero_grad()
-    from graphopt import backend as backend_module
+    from graphopt import compiler as backend_module
 
     with backend_module.recording_decisions(reset=True) as decisions:
         compiled = torch.compile(model, backend="graphopt", options={"attention_backend": "triton", "force": True})

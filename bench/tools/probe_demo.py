@@ -31,7 +31,7 @@ for backend in variants:
     with torch.no_grad():
         def step():
             return compiled(ids)
-        from graphopt import backend as graphopt_backend
+        from graphopt import compiler as graphopt_backend
 
         decisions: list = []
         graphopt_backend._DECISION_SINKS.append(decisions)  # the sink graphopt.explain uses

@@ -70,13 +70,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from graphopt.kernels import fp4_tma
+from graphopt.kernels import fp4_tma, tuning
 
 FORMATS: tuple[str, ...] = ("mxfp4", "nvfp4")
 BLOCK_SIZES: dict[str, int] = {"mxfp4": 32, "nvfp4": 16}
@@ -1076,7 +1075,6 @@ if triton is not None:
         ws_row = ws_ptr + token * N + offs_n
         zero = tl.zeros((offs_n.shape[0],), dtype=tl.float32)
         total = tl.atomic_add(ws_row, zero, mask=n_mask, sem="relaxed")  # read at L2, where the adds landed
-        tl.store(ws_row, zero, mask=n_mask)
         if HAS_BIAS:
             total += bias
         tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -1130,11 +1128,14 @@ if triton is not None:
         return part
 
     @triton.jit
-    def _word_tile(words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE: tl.constexpr,
+    def _word_tile(N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, WORDS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr):
         """The (BLOCK_N rows x WORDS_PER_ITER words) tiling both decode kernels share, for program
         (pid_n = axis 0, pid_k = axis 1): output columns offs_n and their mask; word and scale
-        pointers of the tile's first iteration (rows clamped: the hot loop needs no masks; the
+        offsets (from the weight's and the scales' base pointers, which stay out of this call:
+        Inductor's mutation analysis takes every argument of a call as a source of its results, so
+        a base pointer passed here would count as written wherever the output columns are) of the
+        tile's first iteration (rows clamped: the hot loop needs no masks; the
         WORDS_PER_ITER // (BLOCK_SIZE // 8) scales of a tile, one per scale block); k_lo, the element
         index of each word's first low-nibble code; and this split's iterations [it_start, it_end),
         each split owning >= 1 (the launcher guarantees it)."""
@@ -1142,14 +1143,14 @@ if triton is not None:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(offs_n, N - 1)
         offs_w = tl.arange(0, WORDS_PER_ITER)
-        word_ptrs = words_ptr + rows[:, None] * stride_wn + offs_w[None, :]  # (BN, W)
-        scale_ptrs = scales_ptr + rows[:, None] * stride_sn + (offs_w // WPB)[None, :]  # (BN, W): WPB words share one
+        word_offs = rows[:, None] * stride_wn + offs_w[None, :]  # (BN, W)
+        scale_offs = rows[:, None] * stride_sn + (offs_w // WPB)[None, :]  # (BN, W): WPB words share one
         k_lo = (offs_w // WPB) * BLOCK_SIZE + (offs_w % WPB) * 4  # (W,)
         n_iters = K_PADDED // (WORDS_PER_ITER * 8)
         per_split = tl.cdiv(n_iters, SPLIT_K)
         it_start = tl.program_id(1) * per_split
         it_end = tl.minimum(it_start + per_split, n_iters)
-        return offs_n, offs_n < N, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end
+        return offs_n, offs_n < N, rows, word_offs, scale_offs, k_lo, it_start, it_end
 
     @triton.jit
     def _fp4_gemv_words_kernel(
@@ -1176,8 +1177,10 @@ if triton is not None:
         HALF: tl.constexpr = BLOCK_SIZE // 2
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(2)
-        offs_n, n_mask, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end = _word_tile(
-            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
+        offs_n, n_mask, rows, word_offs, scale_offs, k_lo, it_start, it_end = _word_tile(
+            N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
+        word_ptrs = words_ptr + word_offs
+        scale_ptrs = scales_ptr + scale_offs
 
         token0 = pid_m * BLOCK_M
         x_row0 = x_ptr + tl.minimum(token0, M - 1) * stride_xm
@@ -1230,14 +1233,13 @@ if triton is not None:
             tl.debug_barrier()  # every thread's workspace atomics precede the counter's release
             counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:  # the last split of this tile: copy out, re-arm
+            if arrived == SPLIT_K - 1:  # the last split of this tile: copy out
                 _drain_row(token0, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
                 if BLOCK_M > 1:
                     _drain_row(token0 + 1, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
                 if BLOCK_M > 2:
                     _drain_row(token0 + 2, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
                     _drain_row(token0 + 3, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
-                tl.atomic_xchg(counter, 0)
 
     # --- integer dot products for one token (the "int_dots" configs) -----------------------
     # Twice an e2m1 value is an integer, {0, 1, 2, 3, 4, 6, 8, 12} and negatives, so a code word
@@ -1360,8 +1362,9 @@ if triton is not None:
         NB: tl.constexpr = WORDS_PER_ITER // WPB  # scale blocks per tile row
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(2)
-        offs_n, n_mask, rows, word_ptrs, _, k_lo, it_start, it_end = _word_tile(
-            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
+        offs_n, n_mask, rows, word_offs, _, k_lo, it_start, it_end = _word_tile(
+            N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
+        word_ptrs = words_ptr + word_offs
         scale_ptrs = scales_ptr + rows[:, None] * stride_sn + tl.arange(0, NB)[None, :]  # (BN, NB)
         token0 = pid_m * BLOCK_M
         # rows >= M (not stored) read row token0 again; token0 < M. A clamp with tl.minimum costs the
@@ -1514,8 +1517,10 @@ if triton is not None:
         W: tl.constexpr = WORDS_PER_ITER
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(2)
-        offs_n, n_mask, rows, word_ptrs, scale_ptrs, k_lo, it_start, it_end = _word_tile(
-            words_ptr, scales_ptr, N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
+        offs_n, n_mask, rows, word_offs, scale_offs, k_lo, it_start, it_end = _word_tile(
+            N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
+        word_ptrs = words_ptr + word_offs
+        scale_ptrs = scales_ptr + scale_offs
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
         dtype: tl.constexpr = x_ptr.dtype.element_ty
@@ -1677,8 +1682,12 @@ def _device_path(device_index: int | None, tokens: int, in_features: int, out_fe
     return choose_fp4_path(hw, tokens, in_features, out_features, fmt, act_dtype)
 
 
-def _token_bucket(m: int) -> int:
-    return 1 if m <= 1 else 1 << (m - 1).bit_length()
+def _token_bucket(m) -> int:
+    """The power of two >= m; a symbolic m (a traced op body) guards on its bucket only."""
+    bucket = 1
+    while m > bucket:
+        bucket *= 2
+    return bucket
 
 
 def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, block_size: int) -> bool:
@@ -1791,10 +1800,7 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         n_iters = k_padded // cfg.block_k
         split_k = cdiv(n_iters, cdiv(n_iters, cfg.split_k))  # every split owns >= 1 tile
         out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
-        buffers = split_buffers("fp4", x2.device, m, n, m * cdiv(n, MIN_DECODE_BLOCK_N)) if split_k > 1 else None
-        if buffers is None:  # no split, or first use inside a CUDA-graph capture: one split
-            split_k, buffers = 1, (out, out)
-        ws, counters = buffers
+        ws, counters = split_buffers(x2.device, m, n, m * cdiv(n, MIN_DECODE_BLOCK_N)) if split_k > 1 else (out, out)
         if cfg.tma:  # the Gluon kernel (NVFP4, bf16 in and out: _runs_here)
             fp4_tma.launch_decode(x_arg, codes, scales, global_scale, bias, out, ws, counters, split_k, cfg)
             return out
@@ -1864,16 +1870,39 @@ def _cold_decode_timer(args: tuple):
     return time_config
 
 
-def _tuned_key(path: str, args: tuple) -> tuple:
+def _tuned_key(path: str, args: tuple, allow_tma: bool = True) -> tuple:
     x2, codes, _, _, bias, out_features, _, format, _ = args
-    return path, _token_bucket(x2.shape[0]), out_features, codes.shape[1] * 2, format, x2.dtype, bias is not None, x2.device.index
+    return (path, _token_bucket(x2.shape[0]), out_features, codes.shape[1] * 2, format, x2.dtype, bias is not None,
+            x2.device.index, allow_tma)
 
 
-def _pick_config(path: str, args: tuple) -> KernelConfig:
-    """The fastest valid candidate for this shape, timed once per key on the GPU (cached). A
-    candidate whose output disagrees with the first one that ran is dropped (a guard against a
-    miscompiled tile being 'fastest')."""
-    x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
+# Untuned decode tiles per token bucket (the tuner's usual winners on the H100), for calls that
+# carry no tuned choice: a compile without the GPU present, or a direct call of the op.
+_DEFAULT_DECODE: dict[int, KernelConfig] = {
+    1: KernelConfig(16, 1, 512, 1, num_warps=4, num_stages=1, int_dots=True),
+    2: KernelConfig(16, 2, 256, 4, num_warps=1, num_stages=1, int_dots=True),
+    4: KernelConfig(16, 4, 256, 1, num_warps=4, num_stages=1),
+    16: KernelConfig(128, 16, 256, 8, num_warps=4, num_stages=1, permute_x=True),
+    32: KernelConfig(128, 32, 128, 8, num_warps=4, num_stages=1, permute_x=True),
+    64: KernelConfig(128, 64, 256, 8, num_warps=4, num_stages=1, permute_x=True),
+}
+
+
+def _candidates(path: str, args: tuple, allow_tma: bool) -> list[KernelConfig]:
+    x2, codes, _, _, _, out_features, _, format, out_dtype = args
+    m, k_padded, bs = x2.shape[0], codes.shape[1] * 2, BLOCK_SIZES[format]
+    valid = [cfg for cfg in (DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS)
+             if _valid_config(cfg, path, m, out_features, k_padded, bs) and _runs_here(cfg, x2, out_dtype)
+             and (allow_tma or not cfg.tma)]
+    # the tuning filter's picks, or every valid tile where it leaves none (a short K, say)
+    return [cfg for cfg in valid if _worth_timing(cfg, path, m, k_padded)] or valid
+
+
+def default_config(path: str, args: tuple) -> KernelConfig:
+    """The tile a call runs without a tuned choice: the tuner's memory for this shape if it has
+    one, else a fixed per-bucket tile (the interpreter's small tiles under TRITON_INTERPRET=1).
+    Never times anything."""
+    x2, codes, _, _, _, out_features, _, format, _ = args
     m, k_padded, bs = x2.shape[0], codes.shape[1] * 2, BLOCK_SIZES[format]
     if path == "dequant":
         return DEQUANT_CONFIG
@@ -1884,18 +1913,35 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
         if m <= 4 or k_padded % cfg.block_k:  # the CUDA-core kernel (any K: BLOCK_K 64)
             cfg = dataclasses.replace(cfg, block_m=_token_bucket(m) if m <= 4 else 4, block_k=KERNEL_K_MULTIPLE)
         return dataclasses.replace(cfg, split_k=min(cfg.split_k, k_padded // cfg.block_k))
-    key = _tuned_key(path, args)
+    tuned = _TUNED.get(_tuned_key(path, args, False))
+    if tuned is not None:
+        return tuned
+    preferred = _DEFAULT_DECODE.get(_token_bucket(m)) if path == "gemv" else PREFILL_CONFIGS[0]
+    if preferred is not None and _valid_config(preferred, path, m, out_features, k_padded, bs):
+        return preferred
+    candidates = _candidates(path, args, allow_tma=False)
+    if not candidates:
+        raise ValueError(f"no FP4 {path} tile fits M={m} N={out_features} K_padded={k_padded}")
+    return candidates[0]
+
+
+def tune_config(path: str, args: tuple, *, allow_tma: bool = True) -> KernelConfig:
+    """The fastest valid candidate for this shape, timed on the GPU (kept in memory and in the tuning
+    file, graphopt.kernels.tuning). For compile time and benchmarks, never for a call inside a
+    user's forward: inside a CUDA-graph capture, or without a GPU, it times nothing and returns
+    `default_config`. allow_tma: also time fp4_tma's Gluon decode. A candidate whose output disagrees
+    with the first one that ran is dropped (a guard against a miscompiled tile being 'fastest')."""
+    x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
+    if path == "dequant" or INTERPRET or not x2.is_cuda or torch.cuda.is_current_stream_capturing():
+        return default_config(path, args)
+    key = _tuned_key(path, args, allow_tma)
     if key in _TUNED:
         return _TUNED[key]
-    valid = [cfg for cfg in (DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS)
-             if _valid_config(cfg, path, m, out_features, k_padded, bs) and _runs_here(cfg, x2, out_dtype)]
-    # the tuning filter's picks, or every valid tile where it leaves none (a short K, say)
-    candidates = [cfg for cfg in valid if _worth_timing(cfg, path, m, k_padded)] or valid
-    if candidates and torch.cuda.is_current_stream_capturing():
-        # Inside a user's CUDA-graph capture, timing would launch, synchronize and capture graphs
-        # of its own, which invalidates the user's capture: the first valid candidate, untimed and
-        # not cached (the next call outside a capture tunes this shape), as the Q4 tuner does.
-        return candidates[0]
+    disk_key = f"fp4|{tuning.device_key(x2.device.index or 0)}|{key[:-2]}|tma={allow_tma}"
+    if (stored := tuning.lookup(disk_key)) is not None:
+        _TUNED[key] = tuning.decode(KernelConfig, stored)
+        return _TUNED[key]
+    candidates = _candidates(path, args, allow_tma)
     time_config = _cold_decode_timer(args) if path == "gemv" else None
     if time_config is None:
         from triton.testing import do_bench
@@ -1916,37 +1962,69 @@ def _pick_config(path: str, args: tuple) -> KernelConfig:
         if ms < best_ms:
             best, best_ms = cfg, ms
     if best is None:
-        raise RuntimeError(f"no FP4 {path} kernel configuration compiled for M={m} N={out_features} K={in_features}")
+        raise RuntimeError(f"no FP4 {path} kernel configuration compiled for M={x2.shape[0]} N={out_features} "
+                           f"K={in_features}")
     _TUNED[key] = best
+    tuning.store(disk_key, tuning.encode(best))
     return best
 
 
-# Calls that passed fp4_linear_triton's checks, with their path and tile: (ids of the weight
-# tensors, x's shape, dtype and device, the layer's sizes and format) -> (weak references proving
-# the ids still name those tensors, path, config). A decode step calls every layer with the same
-# shapes each time, and the checks and the choice cost ~20 us of host time per call (session 22).
-_DECIDED: dict[tuple, tuple] = {}
+def _bucket_range(m: int) -> tuple[int, int]:
+    """The token counts that share m's tuned tile: (bucket / 2, bucket]."""
+    bucket = _token_bucket(m)
+    return (1 if bucket == 1 else bucket // 2 + 1), bucket
+
+
+def tune_fp4_linear(tokens: int, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out_features: int, in_features: int, format: str,
+                    act_dtype: torch.dtype, *, allow_tma: bool) -> str:
+    """The `kernel` argument of graphopt::fp4_linear for calls of `tokens` rows, chosen now (compile
+    time): "lo-hi=path=<tile>" for the token counts lo..hi, or "" where nothing can be timed here
+    (no GPU, the interpreter, a CUDA-graph capture running). Timed on random activations."""
+    if INTERPRET or not codes.is_cuda or torch.cuda.is_current_stream_capturing() or tokens < 1:
+        return ""
+    path = _device_path(codes.device.index, tokens, in_features, out_features, format, act_dtype)
+    x = torch.randn(tokens, in_features, device=codes.device, dtype=act_dtype)
+    x2, out_dtype = _activation_rows(x, in_features)
+    args = (x2, codes, scales.view(torch.uint8), global_scale, bias, out_features, in_features, format, out_dtype)
+    cfg = tune_config(path, args, allow_tma=allow_tma)
+    lo, hi = _bucket_range(tokens)
+    return f"{lo}-{hi}={path}={tuning.encode(cfg)}"
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_kernel(kernel: str) -> tuple[tuple[int, int, str, KernelConfig], ...]:
+    entries = []
+    for entry in filter(None, kernel.split(";")):
+        try:
+            span, path, cfg = entry.split("=", 2)
+            lo, hi = (int(v) for v in span.split("-"))
+        except ValueError:
+            raise ValueError(f"graphopt::fp4_linear: kernel {entry!r} is not 'lo-hi=path=<tile json>'") from None
+        if path not in PATHS:
+            raise ValueError(f"graphopt::fp4_linear: unknown path {path!r} in kernel; valid choices: {', '.join(PATHS)}")
+        entries.append((lo, hi, path, tuning.decode(KernelConfig, cfg)))
+    return tuple(entries)
+
+
+def kernel_choice(kernel: str, tokens) -> tuple[str | None, KernelConfig | None]:
+    """(path, tile) for a call of `tokens` rows: the compile-time choice in `kernel` whose token
+    range holds it, else (None, None) (the launcher's cost-model path and default tile). `tokens`
+    may be symbolic: the comparisons then guard on its range."""
+    for lo, hi, path, cfg in _parse_kernel(kernel):
+        if lo <= tokens <= hi:
+            return path, cfg
+    return None, None
 
 
 def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                       bias: torch.Tensor | None, out_features: int, in_features: int, format: str, *,
                       path: str | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """y = x @ W^T + bias with W in the kernel layout (to_kernel_layout). x: (..., K) bf16/fp16
-    (fp32 is computed from a bf16 copy, output fp32). `path`: gemv | gemm | dequant | None (cost model)."""
+    (fp32 is computed from a bf16 copy, output fp32). `path`: gemv | gemm | dequant | None (cost model);
+    `config`: the tile (None: default_config; nothing is timed here, see tune_config)."""
     if triton is None:
         raise RuntimeError("fp4_linear_triton needs Triton; use reference_fp4_linear on CPU")
-    weights = (codes, scales, global_scale, bias)
-    key = None
-    if path is None and config is None:
-        key = (*map(id, weights), x.shape, x.dtype, x.device, out_features, in_features, format)
-        decided = _DECIDED.get(key)
-        if decided is not None and all(t is None if ref is None else ref() is t for ref, t in zip(decided[0], weights)):
-            x2, out_dtype = _activation_rows(x, in_features)
-            if bias is not None and not bias.is_contiguous():  # as on the checked path below (the kernels read bias[n])
-                bias = bias.contiguous()
-            out = _launch(decided[1], decided[2], x2, codes, scales.view(torch.uint8), global_scale, bias, out_features,
-                          in_features, format, out_dtype)
-            return out.reshape(*x.shape[:-1], out_features)
     bs = _check_format(format)
     if path is not None and path not in PATHS:
         raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: {', '.join(PATHS)}")
@@ -1974,9 +2052,10 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     if m == 0:
         return x.new_empty((*x.shape[:-1], out_features))
     if path is None:
-        path = _device_path(x.device.index if x.is_cuda else None, m, in_features, out_features, format, x.dtype)
+        path = _device_path(x.device.index if x.is_cuda else None, _token_bucket(m), in_features, out_features, format,
+                            x.dtype)
     args = (x2, codes, scales.view(torch.uint8), global_scale, bias, out_features, in_features, format, out_dtype)
-    cfg = config or _pick_config(path, args)
+    cfg = config or default_config(path, args)
     if cfg.tma and not _runs_here(cfg, x2, out_dtype):
         raise ValueError(f"fp4_linear: a tma config needs an sm_90+ GPU (not the interpreter) and bfloat16 activations "
                          f"and output; this call has {x2.device.type} {x.dtype}")
@@ -1989,10 +2068,6 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                          f"BLOCK_M 16, 32 or 64, BLOCK_K 256, K_padded a multiple of 256, "
                          f"BLOCK_N a multiple of 16 x num_warps; prefill tiles >= 16 without split)")
     out = _launch(path, cfg, *args)
-    if key is not None and x.is_cuda and (_TUNED.get(_tuned_key(path, args)) == cfg or path == "dequant"):
-        if len(_DECIDED) >= 4096:
-            _DECIDED.clear()
-        _DECIDED[key] = (tuple(None if t is None else weakref.ref(t) for t in weights), path, cfg)
     return out.reshape(*x.shape[:-1], out_features)
 
 

@@ -1,4 +1,9 @@
-"""Launching a Triton kernel through its compiled handle, so repeated calls skip the JIT's host work.
+"""Launching a Triton kernel: recorded for the compiler while traced, straight to the compiled
+kernel when called eagerly.
+
+Inside a `torch.library.triton_op` body that Inductor traces (fake tensors), `launch` records the
+kernel with `torch.library.wrap_triton`, so Inductor emits the launch in its own generated code
+(and inside its CUDA graphs). Called eagerly, it launches the kernel itself, as follows.
 
 `kernel[grid](*args, **meta)` re-derives the kernel's specialization from every argument on every
 call, builds a cache key from it, looks the compiled kernel up, and only then launches. For the
@@ -118,10 +123,27 @@ def _remember(cache: dict, key: tuple, entry: tuple) -> None:
     cache[key] = entry
 
 
+def traced(args: tuple) -> bool:
+    """Whether this launch is being traced (fake tensors: Inductor tracing a triton_op body, or its
+    fake implementation) rather than run."""
+    from torch._library.triton import is_wrap_triton_enabled
+
+    if not is_wrap_triton_enabled():  # a triton_op's eager call switches the wrapper off
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(isinstance(a, torch.Tensor) and is_fake(a) for a in args)
+
+
 def launch(kernel, grid: tuple, *args, **meta):
-    """`kernel[grid](*args, **meta)`, through the compiled kernel's launcher once a call with the
-    same key has compiled it. `grid` is a tuple of one to three ints; tensors go in `args`
-    (positional, in signature order), constexprs and launch options in `meta`."""
+    """`kernel[grid](*args, **meta)`: recorded with wrap_triton while traced; otherwise through the
+    compiled kernel's launcher once a call with the same key has compiled it. `grid` is a tuple of
+    one to three ints; tensors go in `args` (positional, in signature order), constexprs and launch
+    options in `meta`."""
+    if isinstance(kernel, JITFunction) and traced(args):
+        from torch.library import wrap_triton
+
+        return wrap_triton(kernel)[tuple(grid)](*args, **meta)
     key = _key_or_none(kernel, args, meta) if DIRECT and not INTERPRET and isinstance(kernel, JITFunction) else None
     if key is None:
         return kernel[grid](*args, **meta)

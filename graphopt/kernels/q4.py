@@ -39,11 +39,13 @@ Kernels:
                          quantization, nibbles -> fp32 by bit tricks, fp32 FMAs (exact products).
   Both kernels split K over programs when the config asks (TileConfig.split_k; 0 = enough programs
   for PROGRAMS_PER_SM per SM) and combine the fp32 partials through a [SPLIT_K, M, N] workspace or
-  atomics into a zeroed [M, N] buffer, then _splitk_sum_kernel (+ bias, cast); the decode kernel
-  can also reduce in one launch ("last": the split that finishes a tile last writes the output).
-  The launchers pick a config by token count; on a GPU they time the candidates once per (path,
-  token bucket, N, K, dtype) -- decode sizes as CUDA-graph replays -- and cache the fastest
-  (GRAPHOPT_Q4_AUTOTUNE=0 disables it).
+  atomics into a zeroed [M, N] buffer, then _splitk_sum_kernel (+ bias, cast); they can also reduce
+  without a sum kernel ("last": the split that finishes a tile last writes the output). Every
+  buffer is allocated per call, so nothing outlives a call (CUDA graphs own their own).
+  The launchers run the config they are given, or the untuned default for the token count
+  (`default_config`); they never time anything. `tune_q4_linear` times the candidates at compile
+  time -- decode sizes as CUDA-graph replays, L2-cold -- and keeps the fastest on disk
+  (graphopt.kernels.tuning; GRAPHOPT_Q4_AUTOTUNE=0 disables it).
 
 Caveats: inference only (no autograd). Activations must be contiguous in their last dim (the
 launchers make them so). The fused kernels re-quantize the activation tile once per N tile (and
@@ -64,6 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphopt.kernels import tuning
 from graphopt.kernels.launch import INTERPRET, cdiv, launch, next_power_of_2
 from graphopt.kernels.split_k import finish_split_tile, split_buffers
 
@@ -250,14 +253,16 @@ def _integer_q4_gemm(q8: torch.Tensor, d8: torch.Tensor, s8: torch.Tensor, qweig
     q4u = _kernel_nibbles(qweight)[:, : nb * QK].reshape(n, nb, QK).to(torch.float64)  # (N, nb, 32)
     d4 = scales.t()[:, :nb].to(torch.float64)  # (N, nb)
     q8 = q8.to(torch.float64)
-    out = torch.empty(m, n, dtype=torch.float64, device=q8.device)
-    rows = max(1, (1 << 22) // max(1, n * nb))  # bound the (rows, N, nb) float64 temporary
-    for start in range(0, m, rows):
-        stop = min(m, start + rows)
+
+    def rows(start, stop) -> torch.Tensor:  # (stop - start, N)
         dots = torch.einsum("mbk,nbk->mnb", q8[start:stop], q4u)  # exact integers
         inner = d8[start:stop, None, :].double() * dots - 8.0 * s8[start:stop, None, :].double()
-        out[start:stop] = (inner * d4[None]).sum(dim=-1)
-    return out
+        return (inner * d4[None]).sum(dim=-1)
+
+    if not isinstance(m, int):  # a symbolic row count (a traced graph): one piece
+        return rows(0, m)
+    step = max(1, (1 << 22) // max(1, n * nb))  # bound the (rows, N, nb) float64 temporary
+    return torch.cat([rows(start, min(m, start + step)) for start in range(0, m, step)]) if m else rows(0, 0)
 
 
 def _finish(out64: torch.Tensor, bias: torch.Tensor | None, lead: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -363,9 +368,8 @@ class TileConfig:
       partial sums are combined by `reduce`: "workspace" (split s writes slice s of an fp32
       [SPLIT_K, M, N] buffer; a small kernel sums the slices, adds the bias and casts) or "atomic"
       (tl.atomic_add into a zeroed fp32 [M, N] buffer, then the same small kernel with one slice), or
-      "last" (atomics into a persistent zeroed fp32 [M, N] buffer; the split that finishes a tile
-      last, by an arrival counter, writes the output with bias and re-zeroes its part of the
-      buffer and the counter: one launch per call).
+      "last" (atomics into a zeroed fp32 [M, N] buffer; the split that finishes a tile last, by an
+      arrival counter, writes the output with bias: no sum kernel).
     """
 
     kernel: str  # "gemm" | "swap" | "gemv" | "dp4a" | "tma"
@@ -497,7 +501,7 @@ def candidate_configs(m: int, fused: bool) -> list[TileConfig]:
 
 
 def default_config(m: int, fused: bool) -> TileConfig:
-    """The untimed choice (CPU interpreter, or autotuning off)."""
+    """The untuned choice for m token rows (an op's kernel string "")."""
     if m <= GEMV_MAX_TOKENS and fused:
         return _GEMV_CONFIGS[1]
     if m <= DECODE_MAX_TOKENS:
@@ -550,7 +554,8 @@ def _q8_1_quantize(x, EXACT: tl.constexpr):
     inv_d = tl.where(nonzero, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(nonzero, d, 1.0)), 0.0)
     inv_b = tl.broadcast_to(inv_d[:, None], x.shape)
     if EXACT:
-        v = _libdevice.mul_rn(x, inv_b)
+        # through tl: Inductor compiles this kernel's source again, without this module's aliases
+        v = tl.extra.libdevice.mul_rn(x, inv_b)
     else:
         v = x * inv_b
     f = v + 12582912.0  # 1.5 * 2^23 + rint(v): the fp32 ulp is 1 there
@@ -564,11 +569,21 @@ def _q8_1_quantize(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _store_fp16_bytes(ptrs, v, mask):
+    """v as fp16, little-endian, into the byte pairs at ptrs (uint8 pointers)."""
+    bits = v.to(tl.float16).to(tl.uint16, bitcast=True)
+    tl.store(ptrs, (bits & 0xFF).to(tl.uint8), mask=mask)
+    tl.store(ptrs + 1, (bits >> 8).to(tl.uint8), mask=mask)
+
+
+@triton.jit
 def _quantize_q8_1_kernel(
-    x_ptr, q_ptr, ds_ptr,  # x (M, K); q int8 view (M, nb, 36) + 4; ds fp16 view (M, nb, 18)
-    M, NB, stride_xm, stride_qm, stride_dsm,
+    x_ptr, out_ptr,  # x (M, K); out uint8 (M, nb, 36)
+    M, NB, stride_xm, stride_om,
     BLOCKS: tl.constexpr, EXACT: tl.constexpr,
 ):
+    """Writes every byte through the one uint8 output (no dtype views of it: a traced graph copies
+    each tensor argument a kernel writes, and two overlapping views would overwrite each other)."""
     pid_m = tl.program_id(0)
     blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)  # (BLOCKS,)
     j = tl.arange(0, 32)
@@ -576,10 +591,10 @@ def _quantize_q8_1_kernel(
     x = tl.load(x_ptr + pid_m * stride_xm + blocks[:, None] * 32 + j[None, :], mask=mask, other=0.0).to(tl.float32)
     _, qi, d, _ = _q8_1_quantize(x, EXACT)
     s = tl.sum(qi, axis=1).to(tl.float32) * d  # ggml: (float) sum * d with the float32 d
-    tl.store(q_ptr + pid_m * stride_qm + blocks[:, None] * 36 + j[None, :], qi.to(tl.int8), mask=mask)
-    ds_base = ds_ptr + pid_m * stride_dsm + blocks * 18
-    tl.store(ds_base, d.to(tl.float16), mask=blocks < NB)
-    tl.store(ds_base + 1, s.to(tl.float16), mask=blocks < NB)
+    block_ptrs = out_ptr + pid_m * stride_om + blocks * 36  # (BLOCKS,): fp16 d, fp16 s, 32 int8 q
+    tl.store(block_ptrs[:, None] + 4 + j[None, :], qi.to(tl.int8).to(tl.uint8, bitcast=True), mask=mask)
+    _store_fp16_bytes(block_ptrs, d, blocks < NB)
+    _store_fp16_bytes(block_ptrs + 2, s, blocks < NB)
 
 
 @triton.jit
@@ -704,7 +719,7 @@ def _q4_gemm_kernel(
     a_ptr, ad_ptr,  # activations (see _load_act_block)
     w_ptr, ws_ptr,  # qweight (N, Kp/2) uint8, scales (Kp/32, N) fp16
     bias_ptr, out_ptr,  # bias (N,); out (M, N), or the fp32 buffers of REDUCE (see _write_output)
-    acc_ptr, counter_ptr,  # REDUCE_LAST: the persistent fp32 (M, N) sums and per-tile arrival counters
+    acc_ptr, counter_ptr,  # REDUCE_LAST: the zeroed fp32 (M, N) sums and per-tile arrival counters
     M, N, K, pairs_per_split,
     stride_am, stride_adm, stride_wn, stride_wsb, stride_os, stride_om,
     ACT_MODE: tl.constexpr, QUOT_DTYPE: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
@@ -869,7 +884,7 @@ def _q4_gemv_kernel(
     x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight (N, Kp/2) uint8, or its int32 words (N, Kp/8)
     #                        when USE_DP4A; scales (Kp/32, N) fp16
     bias_ptr, out_ptr,  # bias (N,); out (M, N) (REDUCE_NONE / _LAST), or the fp32 buffers of REDUCE (_write_output)
-    acc_ptr, counter_ptr,  # REDUCE_LAST: the persistent fp32 (M, N) sums and per-tile arrival counters
+    acc_ptr, counter_ptr,  # REDUCE_LAST: the zeroed fp32 (M, N) sums and per-tile arrival counters
     M, N, K, pairs_per_split,
     stride_xm, stride_wn, stride_wsb, stride_os, stride_om,
     HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, EXACT: tl.constexpr,
@@ -1040,26 +1055,30 @@ def quantize_q8_1_triton(x: torch.Tensor, blocks_per_program: int = 8) -> torch.
     out = torch.empty(m, nb, Q8_1_BLOCK_BYTES, dtype=torch.uint8, device=x.device)
     if m:
         grid = (m, cdiv(nb, blocks_per_program))
-        q_view = out.view(torch.int8)[:, :, 4:]
-        ds_view = out.view(torch.float16)
-        launch(_quantize_q8_1_kernel, grid, x2, q_view, ds_view, m, nb, x2.stride(0), out.stride(0), ds_view.stride(0),
+        launch(_quantize_q8_1_kernel, grid, x2, out, m, nb, x2.stride(0), out.stride(0),
                BLOCKS=blocks_per_program, EXACT=_exact_mul())
     return out.reshape(*x.shape[:-1], nb, Q8_1_BLOCK_BYTES)
+
+
+def _gemv_rows(m) -> int:
+    """Token rows per gemv program when the config leaves it open: the next power of two of m, at
+    most GEMV_MAX_ROWS (comparisons only: m is symbolic in a graph traced with dynamic shapes)."""
+    return next(rows for rows in (1, 2, 4, GEMV_MAX_ROWS) if m <= rows or rows == GEMV_MAX_ROWS)
 
 
 def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, stride_adm: int, m: int, k: int,
             qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             config: TileConfig, quot_dtype=tl.float32, qmin: int = -128, qmax: int = 127) -> None:
     """Run `config` on (M=m, K=k) activations into `out` (M, N): the main kernel, plus, with
-    split-K, the fp32 buffer it reduces into and the small kernel that sums it into `out` (none with
-    reduce="last": the kernel's last split per tile writes `out`)."""
+    split-K, the fp32 buffers it reduces into (allocated here, zeroed) and the small kernel that
+    sums them into `out` (none with reduce="last": the kernel's last split per tile writes `out`)."""
     n = qweight.shape[0]
     num_pairs = cdiv(k, 64)
     if config.kernel in ("gemv", "dp4a"):
         if act_mode != ACT_FUSED and not (act_mode == ACT_PREQUANTIZED and config.kernel == "dp4a"):
             raise ValueError("the decode kernels take unquantized activations (the fused path); of them, only "
                              "'dp4a' also reads Q8_1 blocks (the separate path)")
-        rows = config.block_m or min(GEMV_MAX_ROWS, next_power_of_2(max(m, 1)))
+        rows = config.block_m or _gemv_rows(m)
         tiles_m = cdiv(m, rows)
     else:
         tiles_m = cdiv(m, config.block_m)
@@ -1070,11 +1089,7 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
     has_bias = bias is not None
     acc_buf = counters = out  # placeholders, read only under REDUCE_LAST
     if reduce == REDUCE_LAST:
-        buffers = split_buffers("q4", out.device, m, n, m * n)  # m * n counters cover any tiling
-        if buffers is None:  # first use inside a CUDA-graph capture: reduce through a workspace
-            reduce = REDUCE_WORKSPACE
-        else:
-            acc_buf, counters = buffers
+        acc_buf, counters = split_buffers(out.device, m, n, tiles_m * tiles_n)
     if reduce in (REDUCE_NONE, REDUCE_LAST):
         dest = out
     elif reduce == REDUCE_ATOMIC:
@@ -1113,15 +1128,144 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
             HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
 
 
+def kernel_config(kernel: str) -> TileConfig | None:
+    """The tile an op's kernel string selects (tuning.encode of a TileConfig), None for ""."""
+    return tuning.decode(TileConfig, kernel) if kernel else None
+
+
+def _check_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    return bias.contiguous()
+
+
+def q4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                     mode: str = "fused", config: TileConfig | None = None) -> torch.Tensor:
+    """y = Q8_1(x) @ Q4_0(W).T (+ bias) for x [..., K] -> [..., N] in x's dtype, with `config` or
+    the untuned default. mode "fused": one kernel (the decode GEMV or the tiled GEMM, both
+    quantizing in registers; plus the split-K sum where the config splits K); "separate":
+    quantize_q8_1_triton, then the GEMM on the Q8_1 bytes, or with a "tma" config q4_tma's decode."""
+    if mode not in ("fused", "separate"):
+        raise ValueError(f"q4_linear mode {mode!r} is not valid; valid choices: fused, separate")
+    k = x.shape[-1]
+    _check_k(k, "q4_linear")
+    n = _check_weight(qweight, scales, k)
+    bias = _check_bias(bias, n)
+    if config is not None and config.kernel == "tma":
+        if mode != "separate":
+            raise ValueError("tma configs run the separate path (mode='separate'): a quantize launch, then the "
+                             "Gluon decode")
+        return tma_linear(_rows(x, "q4_linear"), qweight, scales, bias, config).reshape(*x.shape[:-1], n)
+    if mode == "separate":
+        return q4_q8_gemm_triton(quantize_q8_1_triton(x), qweight, scales, bias, x.dtype, config=config)
+    x2 = _rows(x, "q4_linear")
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _launch(ACT_FUSED, x2, x2, x2.stride(0), 0, m, k, qweight, scales, bias, out, config or default_config(m, True))
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _tma_runs(x2: torch.Tensor, n: int, qweight: torch.Tensor) -> bool:
+    """Whether q4_tma's decode can run this call: Gluon, an sm_90+ GPU (never the interpreter), K
+    steps of 256 over the padded K, and fp16 scale rows 16-byte aligned (N a multiple of 8)."""
+    from graphopt.kernels import q4_tma
+
+    return not INTERPRET and n % 8 == 0 and q4_tma.tiles_k(qweight.shape[1] * 2) and q4_tma.supports(x2)
+
+
+def tma_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+               config: TileConfig) -> torch.Tensor:
+    """q4_tma's separate decode of x2 (M, K): (M, N) in x2's dtype. Gluon kernels are not Triton JIT
+    functions that Inductor can launch, so graphopt::q4_tma_decode, an opaque op, calls this."""
+    from graphopt.kernels import q4_tma
+
+    m, n = x2.shape[0], qweight.shape[0]
+    bias = _check_bias(bias, n)
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if not m:
+        return out
+    if not _tma_runs(x2, n, qweight):
+        raise ValueError("a tma config needs an sm_90+ GPU (not the interpreter), Triton's Gluon, "
+                         "K padded to a multiple of 256 and out_features a multiple of 8")
+    steps = qweight.shape[1] * 2 // q4_tma.STEP
+    split = max(1, min(config.split_k, steps))
+    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
+    buffers = split_buffers(out.device, m, n, tiles) if split > 1 else (out, out)
+    q4_tma.launch_decode(x2, qweight, scales, bias, out, *buffers, split, config)
+    return out
+
+
+def q4_q8_gemm_triton(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                      out_dtype: torch.dtype = torch.bfloat16, config: TileConfig | None = None) -> torch.Tensor:
+    """Pre-quantized activations (block_q8_1 bytes [..., K/32, 36]) x Q4_0 -> [..., N] in out_dtype,
+    with `config` ("gemm", "swap" or "dp4a") or the untuned default."""
+    if xq.dtype != torch.uint8 or xq.shape[-1] != Q8_1_BLOCK_BYTES:
+        raise ValueError(f"q4_q8_gemm expects block_q8_1 bytes uint8 [..., K/32, 36], got {xq.dtype} {tuple(xq.shape)}")
+    if config is not None and config.kernel in ("gemv", "tma"):
+        raise ValueError("q4_q8_gemm takes Q8_1 bytes: only 'gemm', 'swap' and 'dp4a' configs apply (the fp32 gemv "
+                         "kernel quantizes itself; tma tiles run q4_linear's separate mode)")
+    k = xq.shape[-2] * QK
+    n = _check_weight(qweight, scales, k)
+    bias = _check_bias(bias, n)
+    x3 = xq.reshape(-1, xq.shape[-2], Q8_1_BLOCK_BYTES).contiguous()
+    m = x3.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m:
+        config = config or default_config(m, False)
+        if config.kernel == "dp4a":  # the decode kernel reads whole blocks as int32 words
+            aligned = x3 if x3.storage_offset() % 4 == 0 else x3.clone()
+            words = aligned.view(torch.int32).reshape(m, -1)
+            _launch(ACT_PREQUANTIZED, words, words, words.stride(0), 0, m, k, qweight, scales, bias, out, config)
+        else:
+            q_view = x3.view(torch.int8)[:, :, 4:]
+            d_view = x3.view(torch.float16)
+            _launch(ACT_PREQUANTIZED, q_view, d_view, x3.stride(0), d_view.stride(0), m, k, qweight, scales, bias, out,
+                    config)
+    return out.reshape(*xq.shape[:-2], n)
+
+
+def q4_linear_static_triton(x: torch.Tensor, act_scale: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                            bias: torch.Tensor | None = None, qmin: int = -128, qmax: int = 127,
+                            config: TileConfig | None = None) -> torch.Tensor:
+    """The fake-quant idiom fused: (round(x / s).clamp(qmin, qmax) * s) @ W_q4.T, integer dots."""
+    k = x.shape[-1]
+    _check_k(k, "q4_linear_static")
+    n = _check_weight(qweight, scales, k)
+    bias = _check_bias(bias, n)
+    if not (-128 <= qmin <= qmax <= 127):
+        raise ValueError(f"clamp bounds must lie in the int8 range [-128, 127], got ({qmin}, {qmax})")
+    if config is not None and config.kernel not in ("gemm", "swap"):
+        raise ValueError("q4_linear_static runs the tensor-core kernel: only 'gemm' and 'swap' configs apply")
+    out_dtype = static_result_dtype(x, act_scale)
+    if out_dtype not in _TL_DTYPES:
+        raise ValueError(f"q4_linear_static: x / act_scale is {out_dtype}; the kernel takes "
+                         f"{', '.join(str(d) for d in _TL_DTYPES)}")
+    x2 = _rows(x, "q4_linear_static")
+    m = x2.shape[0]
+    s = _rows_scale(act_scale, x)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m:
+        quot = _TL_DTYPES[out_dtype]
+        cfg = config or (default_config(m, False) if m > DECODE_MAX_TOKENS else _DECODE_GEMM_CONFIGS[0])
+        _launch(ACT_STATIC, x2, s, x2.stride(0), 1, m, k, qweight, scales, bias, out, cfg, quot, qmin, qmax)
+    return out.reshape(*x.shape[:-1], n)
+
+
+# =============================================================================================
+# Compile-time tuning
+# =============================================================================================
 def _autotune_enabled() -> bool:
-    return torch.cuda.is_available() and not INTERPRET and os.environ.get("GRAPHOPT_Q4_AUTOTUNE", "1") != "0"
+    """Whether tiles may be timed now: compiled kernels on a CUDA device, no CUDA-graph capture
+    running (timing would launch into it), and GRAPHOPT_Q4_AUTOTUNE not 0."""
+    return (torch.cuda.is_available() and not INTERPRET and os.environ.get("GRAPHOPT_Q4_AUTOTUNE", "1") != "0"
+            and not torch.cuda.is_current_stream_capturing())
 
 
 def _token_bucket(m: int) -> int:
     return next_power_of_2(max(m, 1)) if m <= 4096 else 4096 * math.ceil(m / 4096)
-
-
-_TUNED: dict[tuple, TileConfig | None] = {}  # None: the separate path keeps the Q8_1-bytes GEMM
 
 
 def _time_config(run, config: TileConfig, m: int, cold_weights: list | None = None) -> float:
@@ -1148,175 +1292,52 @@ def _time_config(run, config: TileConfig, m: int, cold_weights: list | None = No
     return float(do_bench(lambda: run(config), warmup=5, rep=20, return_mode="median"))
 
 
-def _choose(path: str, m: int, n: int, k: int, dtype: torch.dtype, fused: bool, run,
-            weights: tuple[torch.Tensor, torch.Tensor] | None = None, candidates: list | None = None) -> TileConfig:
-    """Fastest candidate config for this problem (timed once on the GPU, cached), or the default.
-    `weights` (qweight, scales): decode sizes are timed L2-cold over copies of them. `candidates`:
-    what to time instead of candidate_configs(m, fused); its first entry is then the untimed choice."""
-    key = (path, _token_bucket(m), n, k, dtype)
-    if key in _TUNED:  # first: the per-call path is this lookup
-        return _TUNED[key]
-    default = default_config(m, fused) if candidates is None else candidates[0]
-    if not _autotune_enabled() or torch.cuda.is_current_stream_capturing():
-        return default
+def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torch.Tensor, bias: bool,
+                   dtype: torch.dtype, mode: str, allow_tma: bool) -> tuple[str, str]:
+    """(mode, kernel) for graphopt::q4_linear on activations of `x_shape` (..., K) in `dtype`: the
+    fastest tile of `mode`, timed on the weights' GPU over random activations, as the op's kernel
+    string; "" (the untuned default) without a CUDA device, under the interpreter, during a
+    CUDA-graph capture, or with tuning off. "fused" times candidate_configs(m, fused=True);
+    "separate" the Q8_1-bytes configs (quantize launch included) and, with `allow_tma` where
+    q4_tma's decode runs, its tiles. `bias`: whether the layer adds one. Each choice is kept per
+    (GPU and versions, mode, token bucket, N, K, dtype), in memory and on disk (tuning.lookup)."""
+    if mode not in ("fused", "separate"):
+        raise ValueError(f"q4_linear mode {mode!r} is not valid; valid choices: fused, separate")
+    if not qweight.is_cuda or not _autotune_enabled():
+        return mode, ""
+    m, k, n = math.prod(x_shape[:-1]), x_shape[-1], qweight.shape[0]
+    _check_k(k, "tune_q4_linear")
+    _check_weight(qweight, scales, k)
+    if not m:
+        return mode, ""
+    device = qweight.device
+    x = torch.randn(m, k, device=device).to(dtype)
+    tma = allow_tma and mode == "separate" and m <= DECODE_MAX_TOKENS and _tma_runs(x, n, qweight)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = "|".join((tuning.device_key(index), "q4_linear", mode + ("+tma" if tma else ""), f"m{_token_bucket(m)}",
+                    f"n{n}", f"k{k}", str(dtype).removeprefix("torch.")))
+    cached = tuning.lookup(key)
+    if cached is not None:
+        return mode, cached
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+
+    def run(cfg: TileConfig, qw: torch.Tensor = qweight, sc: torch.Tensor = scales) -> torch.Tensor:
+        return q4_linear_triton(x, qw, sc, b, mode, config=cfg)
+
     from graphopt.timing import cold_copies
 
-    cold_weights = cold_copies(weights) if weights is not None and m <= DECODE_MAX_TOKENS else None
-    best, best_ms = default, math.inf
-    for config in candidate_configs(m, fused) if candidates is None else candidates:
+    cold_weights = cold_copies((qweight, scales)) if m <= DECODE_MAX_TOKENS else None
+    best, best_ms = default_config(m, mode == "fused"), math.inf
+    for config in candidate_configs(m, mode == "fused") + (tma_configs(m) if tma else []):
         try:
             ms = _time_config(run, config, m, cold_weights)
         except Exception:  # out of shared memory / registers for this tile: skip it
             continue
         if ms < best_ms:
             best, best_ms = config, ms
-    _TUNED[key] = best
-    return best
-
-
-def _check_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    if bias is None:
-        return None
-    if bias.shape != (n,):
-        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    return bias.contiguous()
-
-
-def q4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                     mode: str = "fused", config: TileConfig | None = None) -> torch.Tensor:
-    """y = Q8_1(x) @ Q4_0(W).T (+ bias) for x [..., K] -> [..., N] in x's dtype.
-    mode "fused": one kernel (the decode GEMV or the tiled GEMM, both quantizing in registers; plus
-    the split-K sum where the config splits K); "separate": quantize_q8_1_triton, then the GEMM
-    on the Q8_1 bytes."""
-    if mode not in ("fused", "separate"):
-        raise ValueError(f"q4_linear mode {mode!r} is not valid; valid choices: fused, separate")
-    k = x.shape[-1]
-    _check_k(k, "q4_linear")
-    n = _check_weight(qweight, scales, k)
-    bias = _check_bias(bias, n)
-    if config is not None and config.kernel == "tma" and mode != "separate":
-        raise ValueError("tma configs run the separate path (mode='separate'): a quantize launch, then the "
-                         "Gluon decode")
-    if mode == "separate":
-        x2 = _rows(x, "q4_linear")
-        if not x2.shape[0]:
-            return x.new_empty(*x.shape[:-1], n)
-        if config is not None and config.kernel == "tma":
-            if not _tma_runs(x2, n, qweight):
-                raise ValueError("a tma config needs an sm_90+ GPU (not the interpreter), Triton's Gluon, "
-                                 "K padded to a multiple of 256 and out_features a multiple of 8")
-            return _tma_linear(x2, qweight, scales, bias, x.dtype, config).reshape(*x.shape[:-1], n)
-        if config is None and x2.shape[0] <= DECODE_MAX_TOKENS and _tma_runs(x2, n, qweight):
-            chosen = _choose_tma(x2, qweight, scales, bias, x.dtype)
-            if chosen is not None:
-                return _tma_linear(x2, qweight, scales, bias, x.dtype, chosen).reshape(*x.shape[:-1], n)
-        return q4_q8_gemm_triton(quantize_q8_1_triton(x), qweight, scales, bias, x.dtype, config=config)
-    x2 = _rows(x, "q4_linear")
-    m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        def run(cfg: TileConfig, qw: torch.Tensor = qweight, sc: torch.Tensor = scales) -> None:
-            _launch(ACT_FUSED, x2, x2, x2.stride(0), 0, m, k, qw, sc, bias, out, cfg)
-
-        run(config or _choose("fused", m, n, k, x.dtype, True, run, weights=(qweight, scales)))
-    return out.reshape(*x.shape[:-1], n)
-
-
-def _tma_runs(x2: torch.Tensor, n: int, qweight: torch.Tensor) -> bool:
-    """Whether q4_tma's decode can run this call: Gluon, an sm_90+ GPU (never the interpreter), K
-    steps of 256 over the padded K, and fp16 scale rows 16-byte aligned (N a multiple of 8)."""
-    from graphopt.kernels import q4_tma
-
-    return not INTERPRET and n % 8 == 0 and q4_tma.tiles_k(qweight.shape[1] * 2) and q4_tma.supports(x2)
-
-
-def _tma_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype, config: TileConfig) -> torch.Tensor:
-    """q4_tma's separate decode: (M, N) in out_dtype."""
-    from graphopt.kernels import q4_tma
-
-    m, n = x2.shape[0], qweight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
-    steps = qweight.shape[1] * 2 // q4_tma.STEP
-    split = max(1, min(config.split_k, steps))
-    buffers = split_buffers("q4", out.device, m, n, m * n) if split > 1 else None
-    if buffers is None:  # unsplit, or first use inside a CUDA-graph capture
-        split, buffers = 1, (out, out)
-    q4_tma.launch_decode(x2, qweight, scales, bias, out, *buffers, split, config)
-    return out
-
-
-def _choose_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype) -> TileConfig | None:
-    """The separate path's decode: the fastest tma config, or None where the Q8_1-bytes path
-    (quantize_q8_1_triton + the tuned GEMM) was faster, or nothing was timed. Both are timed whole
-    (quantize launch included), L2-cold, once per (token bucket, N, K, dtype)."""
-    def run(cfg, qw=qweight, sc=scales):
-        if cfg is None:
-            return q4_q8_gemm_triton(quantize_q8_1_triton(x2), qw, sc, bias, out_dtype)
-        return _tma_linear(x2, qw, sc, bias, out_dtype, cfg)
-
-    m, k = x2.shape
-    return _choose("separate-tma", m, qweight.shape[0], k, out_dtype, False, run, weights=(qweight, scales),
-                   candidates=[None] + tma_configs(m))
-
-
-def q4_q8_gemm_triton(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                      out_dtype: torch.dtype = torch.bfloat16, config: TileConfig | None = None) -> torch.Tensor:
-    """Pre-quantized activations (block_q8_1 bytes [..., K/32, 36]) x Q4_0 -> [..., N] in out_dtype."""
-    if xq.dtype != torch.uint8 or xq.shape[-1] != Q8_1_BLOCK_BYTES:
-        raise ValueError(f"q4_q8_gemm expects block_q8_1 bytes uint8 [..., K/32, 36], got {xq.dtype} {tuple(xq.shape)}")
-    if config is not None and config.kernel == "gemv":
-        raise ValueError("q4_q8_gemm takes Q8_1 bytes: only 'gemm' and 'dp4a' configs apply (the fp32 gemv kernel "
-                         "quantizes itself)")
-    k = xq.shape[-2] * QK
-    n = _check_weight(qweight, scales, k)
-    bias = _check_bias(bias, n)
-    x3 = xq.reshape(-1, xq.shape[-2], Q8_1_BLOCK_BYTES).contiguous()
-    m = x3.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    if m:
-        q_view = x3.view(torch.int8)[:, :, 4:]
-        d_view = x3.view(torch.float16)
-
-        aligned = x3 if x3.data_ptr() % 4 == 0 else x3.clone()
-        words = aligned.view(torch.int32).reshape(m, -1)  # the dp4a decode kernel reads whole blocks as words
-
-        def run(cfg: TileConfig, qw: torch.Tensor = qweight, sc: torch.Tensor = scales) -> None:
-            if cfg.kernel == "dp4a":
-                _launch(ACT_PREQUANTIZED, words, words, words.stride(0), 0, m, k, qw, sc, bias, out, cfg)
-            else:
-                _launch(ACT_PREQUANTIZED, q_view, d_view, x3.stride(0), d_view.stride(0), m, k, qw, sc, bias, out, cfg)
-
-        run(config or _choose("gemm", m, n, k, out_dtype, False, run, weights=(qweight, scales)))
-    return out.reshape(*xq.shape[:-2], n)
-
-
-def q4_linear_static_triton(x: torch.Tensor, act_scale: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                            bias: torch.Tensor | None = None, qmin: int = -128, qmax: int = 127,
-                            config: TileConfig | None = None) -> torch.Tensor:
-    """The fake-quant idiom fused: (round(x / s).clamp(qmin, qmax) * s) @ W_q4.T, integer dots."""
-    k = x.shape[-1]
-    _check_k(k, "q4_linear_static")
-    n = _check_weight(qweight, scales, k)
-    bias = _check_bias(bias, n)
-    if not (-128 <= qmin <= qmax <= 127):
-        raise ValueError(f"clamp bounds must lie in the int8 range [-128, 127], got ({qmin}, {qmax})")
-    if config is not None and config.kernel in ("gemv", "dp4a"):
-        raise ValueError("q4_linear_static runs the tensor-core kernel: only 'gemm' configs apply")
-    out_dtype = static_result_dtype(x, act_scale)
-    if out_dtype not in _TL_DTYPES:
-        raise ValueError(f"q4_linear_static: x / act_scale is {out_dtype}; the kernel takes "
-                         f"{', '.join(str(d) for d in _TL_DTYPES)}")
-    x2 = _rows(x, "q4_linear_static")
-    m = x2.shape[0]
-    s = _rows_scale(act_scale, x)
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    if m:
-        quot = _TL_DTYPES[out_dtype]
-        cfg = config or (default_config(m, False) if m > DECODE_MAX_TOKENS else _DECODE_GEMM_CONFIGS[0])
-        _launch(ACT_STATIC, x2, s, x2.stride(0), 1, m, k, qweight, scales, bias, out, cfg, quot, qmin, qmax)
-    return out.reshape(*x.shape[:-1], n)
+    kernel = tuning.encode(best)
+    tuning.store(key, kernel)
+    return mode, kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -1330,5 +1351,5 @@ __all__ = [
     "quantize_q4_0", "dequantize_q4_0", "quantize_q8_1", "dequantize_q8_1", "pack_q4_0", "unpack_q4_0",
     "dequantize_packed", "quantize_weight", "weight_sqnr_db", "reference_q4_linear", "reference_q4_q8_gemm",
     "reference_q4_linear_static", "quantize_q8_1_triton", "q4_linear_triton", "q4_q8_gemm_triton",
-    "q4_linear_static_triton", "TileConfig", "candidate_configs", "default_config",
+    "q4_linear_static_triton", "TileConfig", "candidate_configs", "default_config", "kernel_config", "tune_q4_linear",
 ]

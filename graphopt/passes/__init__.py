@@ -71,9 +71,12 @@ def ordered_passes(config: GraphOptConfig) -> list[tuple[str, GraphPass | None]]
     return out
 
 
-def run_passes(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig, hardware: HardwareSpec) -> PassContext:
-    """Run every enabled pass over `gm` in place; returns the context (decisions, frozen weights)."""
+def run_passes(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig, hardware: HardwareSpec, *,
+               for_export: bool = False) -> PassContext:
+    """Run every enabled pass over `gm` in place; returns the context (decisions, frozen weights).
+    for_export: the graph goes to the ONNX exporter, not to a compiler."""
     ctx = PassContext(gm, example_inputs, config, hardware)
+    ctx.for_export = for_export
     for name, graph_pass in ordered_passes(config):
         if graph_pass is None:
             ctx.decisions.append(Decision(name, False, "pass module failed to import (see log)"))

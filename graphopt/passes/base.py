@@ -87,6 +87,7 @@ class PassContext:
         self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._constant_count = 0
         self.plan: dict | None = None  # loaded lazily by graphopt.plan
+        self.for_export = False  # the graph goes to the ONNX exporter (run_passes)
 
     # -- decisions -------------------------------------------------------------------------------
     def record(

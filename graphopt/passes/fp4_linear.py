@@ -10,15 +10,14 @@ Conv1D, x @ W, x @ W.T; graphopt.passes.fx_utils.find_linears) in an inference g
   3. the weight is quantized once (option `fp4_format`, scale search on), and its SQNR in dB
      against the original weight must reach `error_budget["fp4_linear"]`;
   4. the linear becomes one `graphopt::fp4_linear` node reading the kernel-layout constants.
-Where it wins (bench/RESULTS.md, H100, NVFP4, LLaMA shapes, cuBLAS bf16 with weights L2-cold):
-decode. 2.35-2.70x cuBLAS at 1 token, 1.90-2.22x at 2 (sessions 16-17), 1.32-1.99x at 4-16 and
-0.92-1.61x at 64 (session 33's TMA kernel, bf16 activations); slower than cuBLAS at 256 tokens and
-about 0.91x at 4096. The decode constants of the cost model (kernels/fp4.py) are fitted to the H100
-decode runs, so it predicts those wins, declines the 64-token layer that measured slower
-(4096x4096), and declines prefill sizes. Called directly (no CUDA-graph replay, `graph_replay=False`), the op's host
-path (cost_model.QUANT_LINEAR_OP_HOST_LAUNCHES) outlasts the GPU work of one-token layers smaller
-than about LLaMA-13B's MLP, and those are declined too. `force=True` rewrites anyway (memory
-savings, 3.6x smaller weights, are then the gain).
+Where it wins (bench/RESULTS.md): decode, a few tokens per call; prefill sizes stay dense. The
+decode constants of the cost model (kernels/fp4.py) are fitted to measured decode rows.
+`force=True` rewrites anyway (memory savings, 3.6x smaller weights, are then the gain).
+The op is a torch.library.triton_op: Inductor launches its Triton kernels from its own generated
+code (and inside its CUDA graphs), so no Python launch path is paid per call. Its tile is chosen
+here, at compile time (fp4.tune_fp4_linear: timed on the GPU the weights are on, for a static
+token count, and kept in the tuning file); fp4_tma's Gluon decode, an opaque op with a Python
+launch, is a candidate only under CUDA graphs.
 Plans (options={"plan": path}; graphopt.plan): a "fp4_linear" section may supply pre-quantized
 weights per module path, e.g. GPTQ-style ones from graphopt.kernels.fp4.calibrate_fp4, written by
 `save_fp4_plan(path, {module_path: Fp4Tensor})`:
@@ -127,14 +126,12 @@ class Fp4LinearPass(GraphPass):
             tokens, tokens_note = 1, " (dynamic token count: costed at 1 token)"
         before, after = predict(ctx.hardware, tokens, m.in_features, m.out_features, fmt, act_dtype=x_dtype,
                                 bias=m.bias_node is not None)
-        after, host_note = cost_model.quant_linear_host_paced(ctx.hardware, after, "fp4_linear",
-                                                              ctx.config.prices_host_path)
-        info = dict(before=before, after=after, tokens=tokens, note=tokens_note, act_dtype=x_dtype)
+        info = dict(before=before, after=after, tokens=tokens, note=tokens_note, act_dtype=x_dtype,
+                    static_tokens=not tokens_note)
         accepted, reason = self.accept(ctx, before, after)
         if accepted and not ctx.config.force and not worth_rewriting(before, after):
             accepted, reason = False, (f"predicted gain {before.ms / after.ms:.2f}x is below {MIN_PREDICTED_SPEEDUP:.2f}x, "
                                        f"not worth a lossy rewrite ({before.ms:.4f} -> {after.ms:.4f} ms)")
-        reason += host_note
         return (None if accepted else reason + tokens_note), {**info, "reason": reason}
 
     def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict, plan: "_PlanWeights",
@@ -184,16 +181,17 @@ class Fp4LinearPass(GraphPass):
             constants, saved, fp4_bytes = self._constants(ctx, kw), dense_bytes - kw.nbytes, kw.nbytes
             if not plan.has(m.location):
                 tied[tie_key] = dict(q=q, sqnr=sqnr, constants=constants, location=m.location or node.name)
+        kernel = _tuned_kernel(ctx, info, kw, m.bias_node is not None)
         ctx.record(
             self.name, True, info["reason"] + info["note"], node=node, before=before, after=after,
-            implementation=f"fp4_{path}" if path != "reference" else "fp4_reference",
+            implementation=_implementation(path, kernel),
             memory_saved_bytes=int(saved), dense_weight_bytes=int(dense_bytes),
             fp4_weight_bytes=int(fp4_bytes), sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from=source,
         )
         x_node = replaced.get(m.input, m.input)
         bias_node = replaced.get(m.bias_node, m.bias_node)
         return replace_with_call(ctx, node, torch.ops.graphopt.fp4_linear.default,
-                                 (x_node, *constants, bias_node, out_f, in_f, fmt),
+                                 (x_node, *constants, bias_node, out_f, in_f, fmt, kernel),
                                  matched=list(m.extra_nodes))
 
     def _siblings(self, ctx: PassContext, group: list[LinearMatch], fmt: str, budget_db: float, replaced: dict):
@@ -221,6 +219,7 @@ class Fp4LinearPass(GraphPass):
         path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_total, fmt, infos[0]["act_dtype"])
                 if ctx.hardware.is_gpu else "reference")
         _, fused_after = predict(ctx.hardware, tokens, in_f, out_total, fmt, act_dtype=infos[0]["act_dtype"])
+        kernel = _tuned_kernel(ctx, infos[0], kw, False)
         names = ", ".join(m.location or m.node.name for m in group)
         for m, info, w, sqnr in zip(group, infos, weights, sqnrs):
             dense_bytes = w.numel() * w.element_size()
@@ -228,19 +227,43 @@ class Fp4LinearPass(GraphPass):
             ctx.record(
                 self.name, True, f"{info['reason']}{info['note']}; run as one {out_total}x{in_f} FP4 GEMM with its "
                 f"siblings ({names}), predicted {fused_after.ms:.4f} ms for all", node=m.node, before=info["before"],
-                after=info["after"], implementation=f"fp4_{path}" if path != "reference" else "fp4_reference",
+                after=info["after"], implementation=_implementation(path, kernel),
                 memory_saved_bytes=int(dense_bytes - share), dense_weight_bytes=int(dense_bytes), fp4_weight_bytes=int(share),
                 sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from="compile-time quantization (with its siblings)",
             )
         x_node = replaced.get(group[0].input, group[0].input)
         return replace_siblings_with_call(ctx, group, torch.ops.graphopt.fp4_linear.default,
-                                          (x_node, *self._constants(ctx, kw), None, out_total, in_f, fmt))
+                                          (x_node, *self._constants(ctx, kw), None, out_total, in_f, fmt, kernel))
 
     @staticmethod
     def _constants(ctx: PassContext, kw) -> tuple:
-        """The op's weight arguments: codes, the same bytes as float4_e2m1fn_x2 (ONNX), scales, global scale."""
-        return (ctx.add_constant(kw.codes, "fp4_codes"), ctx.add_constant(kw.codes.view(torch.float4_e2m1fn_x2), "fp4_codes_e2m1"),
-                ctx.add_constant(kw.scales, "fp4_scales"), ctx.add_constant(kw.global_scale, "fp4_global_scale"))
+        """The op's weight arguments: codes, the same bytes as float4_e2m1fn_x2 (read by the ONNX form
+        only; a compiled graph gets codes there again: two graph inputs that are views of one storage
+        in different dtypes stop AOTAutograd when the graph also mutates an input, as a KV cache
+        update does), scales, global scale."""
+        codes = ctx.add_constant(kw.codes, "fp4_codes")
+        codes_fp4 = ctx.add_constant(kw.codes.view(torch.float4_e2m1fn_x2), "fp4_codes_e2m1") if ctx.for_export else codes
+        return (codes, codes_fp4, ctx.add_constant(kw.scales, "fp4_scales"),
+                ctx.add_constant(kw.global_scale, "fp4_global_scale"))
+
+
+def _tuned_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> str:
+    """The op's compile-time kernel choice: tiles timed now on the GPU the weights live on, for a
+    static token count ("" otherwise: the op runs the cost model's path on its default tile).
+    fp4_tma's Gluon decode is a candidate only under CUDA graphs, where its Python launch is not paid
+    per call."""
+    if not (ctx.hardware.is_gpu and info["static_tokens"] and kw.codes.is_cuda):
+        return ""
+    bias = torch.randn(kw.out_features, device=kw.codes.device, dtype=info["act_dtype"]) if has_bias else None
+    return fp4k.tune_fp4_linear(info["tokens"], kw.codes, kw.scales, kw.global_scale, bias, kw.out_features,
+                                kw.in_features, kw.format, info["act_dtype"], allow_tma=ctx.config.cuda_graphs)
+
+
+def _implementation(path: str, kernel: str) -> str:
+    """The decision's implementation: the path, and the tuned tile where one was chosen."""
+    if path == "reference":
+        return "fp4_reference"
+    return f"fp4_{path}" + (f" ({kernel.split('=', 2)[2]})" if kernel else "")
 
 
 PASS = Fp4LinearPass()
@@ -351,7 +374,7 @@ def _matmul_bias(op, x, w, bias):
 
 @register_onnx_translation(torch.ops.graphopt.fp4_linear.default, form="standard")
 def _fp4_linear_onnx_standard(x, codes, codes_fp4, scales, global_scale, bias=None, out_features: int = 0,
-                              in_features: int = 0, format: str = "nvfp4"):
+                              in_features: int = 0, format: str = "nvfp4", kernel: str = ""):
     """DequantizeLinear(FLOAT4E2M1, block scales, axis=1, block_size) -> reorder -> MatMul (+ Add)."""
     from onnxscript import opset23 as op
 
@@ -363,7 +386,7 @@ def _fp4_linear_onnx_standard(x, codes, codes_fp4, scales, global_scale, bias=No
 
 @register_onnx_translation(torch.ops.graphopt.fp4_linear.default, form="runnable")
 def _fp4_linear_onnx_runnable(x, codes, codes_fp4, scales, global_scale, bias=None, out_features: int = 0,
-                              in_features: int = 0, format: str = "nvfp4"):
+                              in_features: int = 0, format: str = "nvfp4", kernel: str = ""):
     """uint8 codes -> nibbles -> Gather(16-value table) -> x block scale -> reorder -> MatMul (+ Add)."""
     import numpy as np
     import onnx

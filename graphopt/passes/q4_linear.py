@@ -17,6 +17,14 @@ Three rewrites, run in this order over the graph:
    with the mode the cost model picks (option q4_mode: auto | fused | separate), or keep the
    dense layer where dense bf16 is predicted faster (large token counts).
 
+The tile: where the target GPU is the one the weights live on and the token count is static, the
+pass times the chosen mode's tiles now (kernels/q4.tune_q4_linear, cached on disk) and hands the
+fastest to the op as its `kernel` string; elsewhere "" (the untuned default). Nothing is tuned in a
+user's forward. q4_tma's Gluon decode is a candidate of the separate mode only under CUDA graphs
+(cuda_graphs=True, mode="reduce-overhead"): it runs as an opaque op whose Python launch path costs
+more host time per call than the layer's GPU work, while Inductor launches the Triton kernels from
+its generated code.
+
 Activation range: Q8_1 stores each 32-value block's step d = amax / 127 in fp16, byte-for-byte as
 ggml does. A block whose largest magnitude is below about 8e-3 gets a subnormal step (fewer
 significant bits), below about 8e-6 a zero step (the block then contributes nothing), and above
@@ -61,7 +69,7 @@ from graphopt.cost_model import Estimate, roofline
 from graphopt.hardware import HardwareSpec
 from graphopt.kernels import q4 as q4k
 from graphopt.onnx_export import register_onnx_translation
-from graphopt.passes.base import GraphPass, PassContext
+from graphopt.passes.base import GraphPass, PassContext, log
 from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical, dtype, find_linears,
                                       replace_siblings_with_call, replace_with_call, shape, sibling_groups)
 
@@ -108,13 +116,6 @@ DP4A_OPS_PER_VALUE_AND_ROW = 0.9
 Q4_TMA_OPS_PER_WEIGHT = 1.64
 Q4_TMA_OPS_PER_WEIGHT_AND_TOKEN_ROW = 0.07
 Q4_TMA_ESTIMATE = "Q4 separate (quantize + TMA decode)"
-# That path called directly (no CUDA-graph replay) costs the host far more than the others: per
-# graphopt::q4_linear call on the H100 host of session 34 (bench/tools/probe_decode_host.py, 16
-# tokens on 1024 x 1024, GPU work shorter than the host's) 194.5 us through Gluon's JIT launcher
-# (16.1 torch.add units), 149.2 us once launched through the compiled kernel (kernels/launch.py;
-# 14.8 units), against 83-85 us on the fused path: a quantize launch and four TMA descriptors built
-# per call. Where the host path is priced, the mode choice uses it.
-Q4_TMA_OP_HOST_LAUNCHES = 15.0
 # Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
 # own quantization with another CTA's loads. An assumption (the H200 data has no such tile chosen).
 FUSED_SINGLE_CTA_DERATE = 0.7
@@ -261,9 +262,10 @@ def estimate_q4_tma(hw: HardwareSpec, tokens: int, in_features: int, out_feature
 
 
 def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *,
-                         act_bytes: int = 2, bias: bool = False, config: q4k.TileConfig | None = None) -> Estimate:
-    """Q8_1 quantization kernel, then the int8 GEMM reading Q8_1 activations (or, on sm_90+ at decode
-    sizes, q4_tma's decode where it is predicted faster: the launcher times both)."""
+                         act_bytes: int = 2, bias: bool = False, config: q4k.TileConfig | None = None,
+                         tma: bool = True) -> Estimate:
+    """Q8_1 quantization kernel, then the int8 GEMM reading Q8_1 activations (or, with `tma` on sm_90+
+    at decode sizes, q4_tma's decode where it is predicted faster: the tuner times both)."""
     m, k, n = tokens, in_features, out_features
     q8_bytes = m * k * q4k.Q8_1_BLOCK_BYTES / q4k.QK
     quant = roofline(hw, "Q8_1 quantize", flops=QUANT_OPS_PER_VALUE * m * k, bytes_moved=m * k * act_bytes + q8_bytes,
@@ -271,7 +273,7 @@ def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_fe
     if config is None:
         candidates = [estimate_q4_separate(hw, m, k, n, act_bytes=act_bytes, bias=bias, config=c)
                       for c in q4k.candidate_configs(m, fused=False)]
-        if tma_decode_applies(hw, m, k, n):
+        if tma and tma_decode_applies(hw, m, k, n):
             candidates.append(estimate_q4_tma(hw, m, k, n, act_bytes=act_bytes, bias=bias))
         return min(candidates, key=lambda e: e.ms)
     if config.kernel == "tma":
@@ -292,15 +294,11 @@ def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_fe
     return cost_model.chain("Q4 separate (quantize + GEMM)", quant, gemm)
 
 
-def host_launches(est: Estimate) -> float:
-    """Host time of the graphopt::q4_linear call behind `est`, in one-kernel torch-op units."""
-    return Q4_TMA_OP_HOST_LAUNCHES if est.name == Q4_TMA_ESTIMATE else cost_model.QUANT_LINEAR_OP_HOST_LAUNCHES
-
-
 def predict_linear(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *, act_bytes: int = 2,
-                   bias: bool = False, mode: str = "auto") -> tuple[Estimate, Estimate, str, Estimate, Estimate]:
+                   bias: bool = False, mode: str = "auto", tma: bool = True) -> tuple[Estimate, Estimate, str, Estimate, Estimate]:
     """(dense linear, chosen q4 estimate, chosen mode, fused, separate): what the plain-linear rewrite
-    compares (it rewrites when the chosen estimate is faster than the dense one, unless forced)."""
+    compares (it rewrites when the chosen estimate is faster than the dense one, unless forced).
+    tma: whether the separate mode may run q4_tma's decode (estimate_q4_separate)."""
     before = cost_model.linear(hw, tokens, in_features, out_features, dtype_bytes=act_bytes, bias=bias)
     if not hw.is_gpu:
         # No Q4 kernel off the GPU: the op runs its torch reference, which dequantizes the weight
@@ -310,7 +308,7 @@ def predict_linear(hw: HardwareSpec, tokens: int, in_features: int, out_features
         reference = cost_model.chain("Q4 reference (dequantize + dense linear)", dequant, before)
         return before, reference, "reference", reference, reference
     fused = estimate_q4_fused(hw, tokens, in_features, out_features, act_bytes=act_bytes, bias=bias)
-    separate = estimate_q4_separate(hw, tokens, in_features, out_features, act_bytes=act_bytes, bias=bias)
+    separate = estimate_q4_separate(hw, tokens, in_features, out_features, act_bytes=act_bytes, bias=bias, tma=tma)
     if mode == "auto":
         mode = "fused" if fused.ms <= separate.ms else "separate"
     return before, (fused if mode == "fused" else separate), mode, fused, separate
@@ -373,7 +371,7 @@ class Q4LinearPass(GraphPass):
             k = xs[-1] if xs else (2 * ws[1] if ws else 64)
             n = ws[0] if ws else 1
             act = _dtype_bytes(dtype(x))
-            before = estimate_q4_separate(ctx.hardware, tokens, k, n, act_bytes=act, bias=bias is not None)
+            before = estimate_q4_separate(ctx.hardware, tokens, k, n, act_bytes=act, bias=bias is not None, tma=False)
             after = estimate_q4_fused(ctx.hardware, tokens, k, n, act_bytes=act, bias=bias is not None)
             if ctx.config.q4_mode == "separate":
                 ctx.record(self.name, False, "q4_mode='separate' keeps quantization and GEMM as two kernels",
@@ -383,9 +381,12 @@ class Q4LinearPass(GraphPass):
             if not ok:
                 ctx.record(self.name, False, f"quantize->GEMM fusion: {why}", node=node, before=before, after=after)
                 continue
+            layer = dict(tokens=tokens if xs else None, mode="fused", in_features=k, act_dtype=dtype(x))
+            kernel = _tuned_kernel(ctx, layer, ctx.example_value(qweight), ctx.example_value(scales), bias is not None)
             ctx.record(self.name, True, f"quantize_q8_1 -> q4_q8_gemm fused: {why}", node=node, before=before,
-                       after=after, implementation="q4_linear fused", fusion="quantize_q8_1+q4_q8_gemm")
-            replace_with_call(ctx, node, ops.q4_linear.default, (x, qweight, scales, bias, "fused"), matched=[xq])
+                       after=after, implementation="q4_linear fused", fusion="quantize_q8_1+q4_q8_gemm",
+                       tile=_tile_name(kernel))
+            replace_with_call(ctx, node, ops.q4_linear.default, (x, qweight, scales, bias, "fused", kernel), matched=[xq])
 
     # -- 2. fake-quant idiom: (round(x / s).clamp(a, b) * s) @ W_q4 ------------------------------
     def _fuse_fake_quant(self, ctx: PassContext) -> None:
@@ -473,23 +474,15 @@ class Q4LinearPass(GraphPass):
             return f"mixed dtypes (input {act_dtype}, output {out_dtype}); the op returns the input's dtype", {}
         if (why := bias_problem(m)) is not None:
             return why, {}
-        tokens = m.tokens()
-        note = "" if tokens is not None else " (symbolic token count: estimated at 1 token)"
-        tokens = tokens or 1
+        static_tokens = m.tokens()
+        note = "" if static_tokens is not None else " (symbolic token count: estimated at 1 token)"
+        tokens = static_tokens or 1
         before, after, mode, fused, separate = predict_linear(ctx.hardware, tokens, k, n, act_bytes=_dtype_bytes(act_dtype),
-                                                             bias=m.bias_node is not None, mode=ctx.config.q4_mode)
-        host_note = ""
-        if mode in ("fused", "separate"):  # a GPU kernel mode (off the GPU: "reference", nothing to price)
-            priced = {name: cost_model.quant_linear_host_paced(ctx.hardware, est, "q4_linear",
-                                                               ctx.config.prices_host_path, host_launches(est))
-                      for name, est in (("fused", fused), ("separate", separate))}
-            if ctx.config.q4_mode == "auto":  # the faster mode once each one's host path is priced
-                mode = min(priced, key=lambda name: priced[name][0].ms)
-            after, host_note = priced[mode]
-        info = dict(before=before, after=after, mode=mode, note=note,
-                    details=dict(fused_ms=fused.ms, separate_ms=separate.ms, tokens=tokens))
+                                                             bias=m.bias_node is not None, mode=ctx.config.q4_mode,
+                                                             tma=ctx.config.cuda_graphs)
+        info = dict(before=before, after=after, mode=mode, note=note, tokens=static_tokens, in_features=k,
+                    act_dtype=act_dtype, details=dict(fused_ms=fused.ms, separate_ms=separate.ms, tokens=tokens))
         ok, why = self.accept(ctx, before, after)
-        why += host_note
         return (None if ok else why + note), {**info, "reason": why}
 
     def _one(self, ctx: PassContext, m: LinearMatch, budget: float, replaced: dict, tied: dict) -> fx.Node | None:
@@ -510,7 +503,7 @@ class Q4LinearPass(GraphPass):
             qweight, scales = q4k.quantize_weight(w)
             sqnr = q4k.weight_sqnr_db(w, qweight, scales)
         else:
-            sqnr = first_use["sqnr"]
+            sqnr, (qweight, scales) = first_use["sqnr"], first_use["weights"]
         if not sqnr >= budget:  # NaN (a block scale past fp16's range) fails too
             ctx.record(self.name, False, f"weight SQNR {sqnr:.1f} dB is below the budget of {budget:.1f} dB",
                        node=node, before=before, after=after, sqnr_db=sqnr, **details)
@@ -520,16 +513,18 @@ class Q4LinearPass(GraphPass):
         if first_use is None:
             constants = self._constants(ctx, qweight, scales)
             saved = w.numel() * w.element_size() - qweight.numel() - scales.numel() * scales.element_size()
-            tied[tie_key] = dict(sqnr=sqnr, constants=constants, location=m.location or node.name)
+            tied[tie_key] = dict(sqnr=sqnr, constants=constants, weights=(qweight, scales),
+                                 location=m.location or node.name)
         else:
             constants, saved = first_use["constants"], 0
             note += f"; shares the Q4_0 weight of {first_use['location']} (tied)"
+        kernel = _tuned_kernel(ctx, info, qweight, scales, m.bias_node is not None)
         ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{note}", node=node,
                    before=before, after=after, implementation=f"q4_linear {info['mode']}", sqnr_db=sqnr,
-                   memory_saved_bytes=saved, **details)
+                   memory_saved_bytes=saved, tile=_tile_name(kernel), **details)
         return replace_with_call(ctx, node, torch.ops.graphopt.q4_linear.default,
                                  (replaced.get(m.input, m.input), *constants,
-                                  replaced.get(m.bias_node, m.bias_node), _op_mode(info["mode"])),
+                                  replaced.get(m.bias_node, m.bias_node), _op_mode(info["mode"]), kernel),
                                  matched=list(m.extra_nodes))
 
     def _siblings(self, ctx: PassContext, group: list[LinearMatch], budget: float, replaced: dict) -> list | None:
@@ -553,6 +548,7 @@ class Q4LinearPass(GraphPass):
             m.weight(ctx)  # freeze
         qweight = torch.cat([qw for qw, _ in quantized])  # (N, K/2) rows
         scales = torch.cat([sc for _, sc in quantized], dim=-1)  # (K/32, N)
+        kernel = _tuned_kernel(ctx, total, qweight, scales, False)
         names = ", ".join(m.location or m.node.name for m in group)
         for m, (why, info), w, (qw, sc), sqnr in zip(group, members, weights, quantized, sqnrs):
             saved = w.numel() * w.element_size() - qw.numel() - sc.numel() * sc.element_size()
@@ -560,10 +556,11 @@ class Q4LinearPass(GraphPass):
                        f"{out_total}x{m.in_features} Q4 GEMM with its siblings ({names}), predicted {total['after'].ms:.4f} "
                        f"ms for all", node=m.node, before=info["before"], after=info["after"],
                        implementation=f"q4_linear {total['mode']}", sqnr_db=sqnr, memory_saved_bytes=saved,
-                       **info["details"])
+                       tile=_tile_name(kernel), **info["details"])
         return replace_siblings_with_call(ctx, group, torch.ops.graphopt.q4_linear.default,
                                           (replaced.get(group[0].input, group[0].input),
-                                           *self._constants(ctx, qweight, scales), None, _op_mode(total["mode"])))
+                                           *self._constants(ctx, qweight, scales), None, _op_mode(total["mode"]),
+                                           kernel))
 
     @staticmethod
     def _constants(ctx: PassContext, qweight: torch.Tensor, scales: torch.Tensor) -> tuple:
@@ -573,6 +570,31 @@ class Q4LinearPass(GraphPass):
 def _op_mode(mode: str) -> str:
     """Off the GPU the op always runs its reference; it still takes a kernel mode."""
     return mode if mode in ("fused", "separate") else "fused"
+
+
+def _tuned_kernel(ctx: PassContext, info: dict, qweight: torch.Tensor | None, scales: torch.Tensor | None,
+                  bias: bool) -> str:
+    """The op's kernel string for a decided layer (`info` from _decide): its tile timed now on the
+    GPU (q4k.tune_q4_linear), where the target is a GPU, the packed weights live on it, the mode is
+    a kernel mode, the token count is static and the graph goes to a compiler; else "" (the untuned
+    default). q4_tma's decode is a candidate only under CUDA graphs: its opaque op pays a Python
+    launch path on every call."""
+    tokens, mode = info["tokens"], info["mode"]
+    if (tokens is None or mode not in ("fused", "separate") or not ctx.hardware.is_gpu or ctx.for_export
+            or not isinstance(qweight, torch.Tensor) or not qweight.is_cuda):
+        return ""
+    try:
+        return q4k.tune_q4_linear((tokens, info["in_features"]), qweight, scales, bias, info["act_dtype"], mode,
+                                  allow_tma=ctx.config.cuda_graphs)[1]
+    except Exception as exc:  # noqa: BLE001 - a failed timing costs speed, never the rewrite
+        log.warning("graphopt q4_linear: tuning failed (%s: %s); the op runs its untuned default tile",
+                    type(exc).__name__, exc)
+        return ""
+
+
+def _tile_name(kernel: str) -> str:
+    """A kernel string as the decision reports it."""
+    return q4k.kernel_config(kernel).name if kernel else "untuned default"
 
 
 def _same_scale(a, b) -> bool:
@@ -678,7 +700,7 @@ def _onnx_q8_1_values(op, x, in_features: int):
 
 
 @register_onnx_translation(torch.ops.graphopt.q4_linear.default, form="standard")
-def _q4_linear_onnx_standard(x, qweight, scales, bias=None, mode: str = "fused"):
+def _q4_linear_onnx_standard(x, qweight, scales, bias=None, mode: str = "fused", kernel: str = ""):
     """Q8_1 values of x (_onnx_q8_1_values) @ DequantizeLinear(INT4 nibble-8, scale d, axis=1,
     block_size=32)^T in float32, cast to x's type (+ Add)."""
     import onnx
@@ -708,7 +730,7 @@ def _matmul_nbits_schema():
 
 
 @register_onnx_translation(torch.ops.graphopt.q4_linear.default, form="matmulnbits")
-def _q4_linear_onnx_matmulnbits(x, qweight, scales, bias=None, mode: str = "fused"):
+def _q4_linear_onnx_matmulnbits(x, qweight, scales, bias=None, mode: str = "fused", kernel: str = ""):
     """com.microsoft.MatMulNBits(bits=4, block_size=32), no zero points (default 8)."""
     from onnxscript import opset23 as op
     from onnxscript.values import Op, Opset

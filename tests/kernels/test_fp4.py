@@ -320,7 +320,7 @@ def test_decode_tuner_times_each_call_over_its_own_weight_copy(monkeypatch):
         return real_launch(path, cfg, x2, codes, scales, *rest)
 
     outputs = []
-    cfg = fp4._pick_config("gemv", args)  # first: on a GPU this tunes with the real timer
+    cfg = fp4.tune_config("gemv", args)  # first: on a GPU this tunes with the real timer
     monkeypatch.setattr(fp4, "_launch", recording_launch)
     monkeypatch.setattr(graphopt.timing, "cold_graph_ms", lambda calls, reps: (outputs.extend(c() for c in calls), 1.0)[1])
     time_config = fp4._cold_decode_timer(args)
@@ -447,7 +447,7 @@ def test_custom_op_cpu_reference_and_fake(fmt):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x, kw, b, ref = _case(fmt, 4, 24, 80, torch.float32, True, device="cpu")  # the op's CPU path, also on a GPU machine
-    args = (kw.codes, kw.codes.view(torch.float4_e2m1fn_x2), kw.scales, kw.global_scale, b, 24, 80, fmt)
+    args = (kw.codes, kw.codes.view(torch.float4_e2m1fn_x2), kw.scales, kw.global_scale, b, 24, 80, fmt, "")
     y = torch.ops.graphopt.fp4_linear(x, *args)
     assert torch.allclose(y.double(), ref, atol=1e-5, rtol=1e-5)
     x3 = x.reshape(2, 2, 80)
@@ -622,48 +622,51 @@ def test_split_k_counters_under_concurrency(cfg):
 @pytest.mark.parametrize("k,cfg", [(300, KernelConfig(16, 4, 64, split_k=3)),  # CUDA cores
                                    (300, KernelConfig(8, 1, 64, split_k=2)),  # narrowest tile: 5 tiles of N
                                    (380, KernelConfig(16, 16, 128, split_k=3))])  # tensor cores
-def test_split_k_workspace_is_rearmed_between_calls(k, cfg):
-    """The last split of a tile zeroes its workspace rows and counter: a second call (same
-    workspace) gives the same result, and the workspace is all zero afterwards."""
+def test_split_k_calls_repeat_exactly_and_keep_no_buffers(k, cfg):
+    """Each split-K call gets fresh zeroed sums and counters: repeated calls give the same result,
+    and no buffer outlives a call (a CUDA graph would otherwise hold the first call's)."""
     x, kw, b, ref = _case("nvfp4", 3, 40, k, torch.bfloat16, True, seed=5)
     y1 = fp4.fp4_linear(x, kw, b, path="gemv", config=cfg)
     y2 = fp4.fp4_linear(x, kw, b, path="gemv", config=cfg)
     assert torch.equal(y1, y2)
     _assert_close(y2, ref, torch.bfloat16)
-    ws, counters = split_k.BUFFERS[("fp4", x.device, 3, 40)]
-    assert not ws.any() and not counters.any()
-    assert counters.numel() >= 3 * -(-40 // cfg.block_n)  # one arrival counter per (token tile, N tile)
+    assert not hasattr(split_k, "BUFFERS")
 
 
-@pytest.mark.gpu
-def test_repeated_calls_reuse_the_checked_decision():
-    """A second call with the same weight tensors and x signature skips the checks and the choice
-    (fp4._DECIDED); new weight tensors of the same shape, or bad inputs, go through them again."""
-    torch.manual_seed(0)
-    fp4._DECIDED.clear()
-    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+def test_the_call_path_never_times_tiles(monkeypatch):
+    """Tiles are timed at compile time (tune_config through tune_fp4_linear), never by a call: the
+    launcher runs the default tile; off the GPU tune_fp4_linear chooses nothing."""
+    x, kw, b, ref = _case("nvfp4", 2, 48, 256, torch.bfloat16, True, seed=8)
 
-    def layer():
-        kw = to_kernel_layout(quantize_fp4(torch.randn(48, 256), "nvfp4"))
-        return (kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda(), torch.randn(48, device="cuda"), 48, 256,
-                "nvfp4")
+    def refuse(*args, **kwargs):
+        raise AssertionError("a call timed tiles")
 
-    def reference(args):
-        codes, scales, global_scale, bias = (t.cpu() for t in args[:4])
-        return fp4.reference_fp4_linear(x.cpu(), codes, scales, global_scale, bias, *args[4:])
+    monkeypatch.setattr(fp4, "tune_config", refuse)
+    monkeypatch.setattr(fp4, "_cold_decode_timer", refuse)
+    _assert_close(fp4.fp4_linear(x, kw, b), ref, torch.bfloat16)
+    if not x.is_cuda:
+        assert fp4.tune_fp4_linear(2, kw.codes, kw.scales, kw.global_scale, b, 48, 256, "nvfp4", torch.bfloat16,
+                                   allow_tma=True) == ""
 
-    first = layer()
-    fp4.fp4_linear_triton(x, *first)
-    assert len(fp4._DECIDED) == 1
-    for _ in range(2):  # the decision's path, with fresh activations
-        x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
-        _assert_close(fp4.fp4_linear_triton(x, *first).cpu(), reference(first), torch.bfloat16)
-    assert len(fp4._DECIDED) == 1
-    second = layer()  # same shapes, other tensors: checked and decided again, its own numbers
-    _assert_close(fp4.fp4_linear_triton(x, *second).cpu(), reference(second), torch.bfloat16)
-    assert len(fp4._DECIDED) == 2
-    with pytest.raises(ValueError, match="bias must be"):
-        fp4.fp4_linear_triton(x, *first[:3], torch.randn(47, device="cuda"), *first[4:])
+
+def test_op_runs_the_tile_its_kernel_argument_names():
+    """graphopt::fp4_linear's kernel argument ("lo-hi=path=<tile>") selects the tile for token counts
+    in its range and the default elsewhere; a malformed one is a clear error."""
+    from graphopt.kernels import tuning
+
+    cfg = KernelConfig(16, 2, 64, split_k=2, num_warps=4, num_stages=1)
+    kernel = f"1-2=gemv={tuning.encode(cfg)}"
+    assert fp4.kernel_choice(kernel, 2) == ("gemv", cfg)
+    assert fp4.kernel_choice(kernel, 3) == (None, None)
+    assert fp4.kernel_choice("", 1) == (None, None)
+    with pytest.raises(ValueError, match="not 'lo-hi=path=<tile json>'"):
+        fp4.kernel_choice("gemv", 1)
+    with pytest.raises(ValueError, match="unknown path 'fast'"):
+        fp4.kernel_choice("1-2=fast={}", 1)
+    x, kw, b, ref = _case("nvfp4", 2, 40, 128, torch.bfloat16, True, seed=9)
+    y = torch.ops.graphopt.fp4_linear(x, kw.codes, kw.codes.view(torch.float4_e2m1fn_x2), kw.scales, kw.global_scale,
+                                      b, 40, 128, "nvfp4", kernel)
+    _assert_close(y, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("tile", [None, (8, 128, 4, 0), (4, 128, 4, 1)])

@@ -161,5 +161,5 @@ def test_the_launcher_runs_the_tma_tiles_and_its_tuner_may_pick_them(tokens):
     for cfg in tiles:
         got = fp4.fp4_linear_triton(x, codes, scales, gscale, bias, n, k, "nvfp4", path="gemv", config=cfg).float()
         assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-2, cfg
-    picked = fp4._pick_config("gemv", (x, codes, scales.view(torch.uint8), gscale, bias, n, k, "nvfp4", torch.bfloat16))
+    picked = fp4.tune_config("gemv", (x, codes, scales.view(torch.uint8), gscale, bias, n, k, "nvfp4", torch.bfloat16))
     assert fp4._runs_here(picked, x, torch.bfloat16)

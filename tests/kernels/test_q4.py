@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphopt  # noqa: F401  (registers graphopt::* ops)
-from graphopt.kernels import q4, split_k
+from graphopt.kernels import q4, split_k, tuning
 
 F32 = np.float32
 
@@ -223,17 +223,24 @@ def test_split_k_bf16_output_with_bias(config):
     _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.bfloat16)
 
 
-def test_last_split_buffers_are_rearmed_between_calls():
-    """REDUCE_LAST: the split that finishes a tile last zeroes its sums and counter, so a second
-    call gives the same output and the buffers are all zero afterwards."""
+def test_last_split_reduces_into_buffers_of_its_own_call(monkeypatch):
+    """REDUCE_LAST: every call takes fresh zeroed buffers (one arrival counter per output tile) and
+    keeps none, so a second call gives the same output."""
     config = q4.TileConfig("dp4a", 0, 8, 1, 1, 1, split_k=3, reduce="last")
     x, qweight, scales, bias = _problem(3, 40, 224, torch.float32, seed=9)
+    taken = []
+
+    def split_buffers(*args):
+        taken.append(split_k.split_buffers(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(q4, "split_buffers", split_buffers)
     y1 = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
     y2 = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
     assert torch.equal(y1, y2)
     _assert_close_fp32_sum(y2, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
-    sums, counters = split_k.BUFFERS[("q4", x.device, 3, 40)]
-    assert not sums.any() and not counters.any() and counters.numel() >= 5  # 5 tiles of 8 rows
+    assert len(taken) == 2 and taken[0][0] is not taken[1][0]
+    assert taken[0][0].shape == (3, 40) and taken[0][1].numel() == 5  # 5 tiles of 8 rows
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
@@ -264,7 +271,7 @@ def test_tile_config_rejects_invalid_choices():
     with pytest.raises(ValueError, match="power-of-two"):
         q4.TileConfig("gemv", 0, 32, 3)
     x, qweight, scales, _ = _problem(1, 16, 64, torch.float32)
-    with pytest.raises(ValueError, match="only 'gemm' and 'dp4a' configs"):
+    with pytest.raises(ValueError, match="only 'gemm', 'swap' and 'dp4a' configs"):
         q4.q4_q8_gemm_triton(q4.quantize_q8_1(x), qweight, scales, None, torch.float32, config=GEMV_CONFIGS[0])
 
 
@@ -319,10 +326,10 @@ def test_static_scale_kernel_matches_fake_quant_idiom(per_row, config):
     _assert_close_fp32_sum(q4.reference_q4_linear_static(x, s, qweight, scales, bias), idiom.double(), torch.float32)
 
 
-def test_ops_cpu_fake_and_bad_inputs():
-    x, qweight, scales, bias = _problem(3, 40, 96, torch.float32, device="cpu")
+def test_ops_fake_and_bad_inputs():
+    x, qweight, scales, bias = _problem(3, 40, 96, torch.float32)
     y = torch.ops.graphopt.q4_linear(x, qweight, scales, bias, "separate")
-    assert torch.equal(y, q4.reference_q4_linear(x, qweight, scales, bias))
+    _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.float32)
     xq = torch.ops.graphopt.quantize_q8_1(x)
     assert torch.equal(xq, q4.quantize_q8_1(x))
     assert torch.equal(torch.ops.graphopt.q4_q8_gemm(xq, qweight, scales, bias, torch.float32), y)
@@ -337,3 +344,99 @@ def test_ops_cpu_fake_and_bad_inputs():
         torch.ops.graphopt.q4_linear(x, qweight, scales, bias, "fastest")
     with pytest.raises(ValueError, match="K=64"):
         q4.reference_q4_linear(x[:, :64], qweight, scales)
+
+
+# ---- the ops: a compile-time tile, never tuned in the call ------------------------------------
+def _tile_problem(m, seed=21):
+    x, qweight, scales, bias = _problem(m, 40, 160, torch.bfloat16, seed=seed)
+    return x, qweight, scales, bias.to(torch.bfloat16)
+
+
+def test_ops_never_tune(monkeypatch):
+    """A call, eager or traced, runs the tile it is given or the untuned default: no timing, no
+    tuning-cache lookup."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("an op tried to tune")
+
+    for name in ("_time_config", "tune_q4_linear"):
+        monkeypatch.setattr(q4, name, refuse)
+    monkeypatch.setattr(tuning, "lookup", refuse)
+    x, qweight, scales, bias = _tile_problem(3)
+    ref = _dequant_matmul64(x, qweight, scales, bias)
+    ops = torch.ops.graphopt
+    for mode in ("fused", "separate"):
+        _assert_close_fp32_sum(ops.q4_linear(x, qweight, scales, bias, mode), ref, torch.bfloat16)
+    _assert_close_fp32_sum(ops.q4_q8_gemm(ops.quantize_q8_1(x), qweight, scales, bias, torch.bfloat16), ref,
+                           torch.bfloat16)
+    s = torch.tensor(0.02, device=x.device)
+    assert ops.q4_linear_static(x.float(), s, qweight, scales, None, -128, 127).shape == (3, 40)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        assert ops.q4_linear(mode.from_tensor(x), qweight, scales, bias, "fused").shape == (3, 40)
+
+
+def test_tune_q4_linear_picks_nothing_off_the_gpu():
+    qweight, scales = q4.quantize_weight(torch.randn(40, 160))
+    for mode in ("fused", "separate"):
+        assert q4.tune_q4_linear((4, 160), qweight, scales, True, torch.bfloat16, mode, True) == (mode, "")
+    with pytest.raises(ValueError, match="valid choices: fused, separate"):
+        q4.tune_q4_linear((4, 160), qweight, scales, True, torch.bfloat16, "auto", False)
+
+
+OP_TILES = [q4.TileConfig("dp4a", 0, 8, 1, 1, 1, split_k=3, reduce="last"),
+            q4.TileConfig("gemv", 2, 16, 1, 2, 1, split_k=2, reduce="workspace"),
+            q4.TileConfig("gemm", 16, 32, 1, 4, 2, split_k=3, reduce="atomic"),
+            q4.TileConfig("swap", 8, 16, 1, 4, 2, split_k=3, reduce="last")]
+
+
+@pytest.mark.parametrize("tile", OP_TILES, ids=lambda c: c.name)
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+def test_ops_run_the_tile_their_kernel_string_names(tile, mode):
+    """The kernel string round-trips to the TileConfig, and the op runs that tile (Triton, in the
+    interpreter without a GPU) to the float64 reference's numbers."""
+    kernel = tuning.encode(tile)
+    assert q4.kernel_config(kernel) == tile and q4.kernel_config("") is None
+    x, qweight, scales, bias = _tile_problem(3)
+    ref = _dequant_matmul64(x, qweight, scales, bias)
+    if mode == "separate" and tile.kernel == "gemv":
+        with pytest.raises(ValueError, match="only 'gemm', 'swap' and 'dp4a'"):
+            torch.ops.graphopt.q4_linear(x, qweight, scales, bias, mode, kernel)
+        return
+    _assert_close_fp32_sum(torch.ops.graphopt.q4_linear(x, qweight, scales, bias, mode, kernel), ref, torch.bfloat16)
+    if tile.kernel != "gemv":
+        xq = torch.ops.graphopt.quantize_q8_1(x)
+        _assert_close_fp32_sum(torch.ops.graphopt.q4_q8_gemm(xq, qweight, scales, bias, torch.bfloat16, kernel), ref,
+                               torch.bfloat16)
+    if mode == "fused" and tile.kernel in ("gemm", "swap"):
+        s = x.float().abs().amax(-1, keepdim=True) / 100
+        w = q4.dequantize_packed(qweight, scales, 160)
+        idiom = (torch.round(x.float() / s).clamp(-128, 127) * s) @ w.T
+        y = torch.ops.graphopt.q4_linear_static(x.float(), s, qweight, scales, None, -128, 127, kernel)
+        _assert_close_fp32_sum(y, idiom.double(), torch.float32)
+
+
+def test_op_with_a_bad_kernel_string_is_a_clear_error():
+    x, qweight, scales, bias = _tile_problem(2)
+    with pytest.raises(ValueError, match="not a TileConfig"):
+        torch.ops.graphopt.q4_linear(x, qweight, scales, bias, "fused", "gemm_m16n32")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tiles are timed on a GPU")
+@pytest.mark.parametrize("mode,tokens", [("fused", 1), ("separate", 4), ("fused", 40)])
+def test_tune_q4_linear_times_once_and_the_op_runs_its_choice(mode, tokens, monkeypatch, tmp_path):
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_MEMORY", {})  # nothing tuned earlier in this process
+    x, qweight, scales, bias = _problem(tokens, 256, 512, torch.bfloat16, seed=tokens)
+    bias = bias.to(torch.bfloat16)
+    chosen_mode, kernel = q4.tune_q4_linear(tuple(x.shape), qweight, scales, True, x.dtype, mode, False)
+    assert chosen_mode == mode and q4.kernel_config(kernel).kernel != "tma"
+    assert (tmp_path / "tuning.json").exists()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("timed twice")
+
+    monkeypatch.setattr(q4, "_time_config", refuse)
+    assert q4.tune_q4_linear(tuple(x.shape), qweight, scales, True, x.dtype, mode, False) == (mode, kernel)
+    y = torch.ops.graphopt.q4_linear(x, qweight, scales, bias, mode, kernel)
+    _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.bfloat16)

@@ -1,13 +1,15 @@
 """q4_tma: the quantize-for-TMA kernel (interpreter on the CPU), the Gluon decode built offline for
 sm_90 (CPU), and the decode against the float64 reference (sm_90+ GPU)."""
 
+import json
 import re
 
 import pytest
 import torch
 
 from bench.offline_sm90 import compile_sm90, sass_and_resources
-from graphopt.kernels import q4, q4_tma
+import graphopt  # noqa: F401  (registers graphopt::* ops)
+from graphopt.kernels import q4, q4_tma, tuning
 from graphopt.kernels.q4 import TileConfig
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -52,8 +54,42 @@ def test_tma_config_needs_the_separate_path_and_a_hopper_gpu():
     with pytest.raises(ValueError, match="separate"):
         q4.q4_linear_triton(x, qw, sc, mode="fused", config=_tile())
     if not HOPPER:
+        x, qw, sc = x.to(DEVICE), qw.to(DEVICE), sc.to(DEVICE)
         with pytest.raises(ValueError, match="sm_90"):
-            q4.q4_linear_triton(x.to(DEVICE), qw.to(DEVICE), sc.to(DEVICE), mode="separate", config=_tile())
+            q4.q4_linear_triton(x, qw, sc, mode="separate", config=_tile())
+        with pytest.raises(ValueError, match="sm_90"):  # the op's tma kernel string: graphopt::q4_tma_decode
+            torch.ops.graphopt.q4_linear(x, qw, sc, None, "separate", tuning.encode(_tile()))
+    with pytest.raises(ValueError, match="selects no tma tile"):
+        torch.ops.graphopt.q4_tma_decode(x, qw, sc, None, "")
+
+
+def test_a_tma_kernel_string_runs_the_opaque_decode_op(monkeypatch):
+    """Gluon kernels are not Triton JIT functions Inductor can launch: for a tma tile q4_linear's
+    body calls graphopt::q4_tma_decode, which a trace keeps as one opaque node."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    qw, sc = q4.quantize_weight(torch.randn(64, 256))
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    kernel = tuning.encode(_tile(block_m=8))
+    calls = []
+
+    def decode(x2, qweight, scales, bias, config):
+        calls.append(config)
+        return torch.zeros(x2.shape[0], qweight.shape[0], dtype=x2.dtype, device=x2.device)
+
+    monkeypatch.setattr(q4, "tma_linear", decode)
+    x, qw, sc = x.to(DEVICE), qw.to(DEVICE), sc.to(DEVICE)
+    if x.is_cuda or q4.INTERPRET:  # where the body launches kernels rather than the reference
+        assert torch.ops.graphopt.q4_linear(x.reshape(1, 3, 256), qw, sc, None, "separate", kernel).shape == (1, 3, 64)
+        assert calls == [_tile(block_m=8)]
+
+    def step(x, qweight, scales):
+        return torch.ops.graphopt.q4_tma_decode(x, qweight, scales, None, kernel)
+
+    graph = make_fx(step, tracing_mode="fake")(x, qw, sc).graph
+    (node,) = [n for n in graph.nodes if n.op == "call_function"]
+    assert node.target is torch.ops.graphopt.q4_tma_decode.default
+    assert node.meta["val"].shape == (3, 64) and node.meta["val"].dtype == torch.bfloat16
 
 
 def _sm90_build(block_n=64, block_m=16, split_k=2, stages=2):
@@ -113,16 +149,26 @@ def test_matches_the_float64_reference_on_the_gpu(n, k, tokens, split_k, stages,
 
 
 @on_hopper
-def test_the_separate_path_tunes_over_the_tma_tiles_and_stays_exact():
+@pytest.mark.parametrize("allow_tma", [True, False])
+def test_the_separate_mode_tunes_over_the_tma_tiles_only_where_allowed(allow_tma, monkeypatch, tmp_path):
+    """Compile time: with allow_tma (CUDA graphs) the tma tiles are candidates; the op runs the
+    chosen kernel string (through graphopt::q4_tma_decode for a tma tile) and stays exact."""
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_MEMORY", {})
     gen = torch.Generator().manual_seed(3)
     n, k = 512, 1024
     qw, sc = q4.quantize_weight(torch.randn(n, k, generator=gen) * 0.05)
     qw, sc = qw.cuda(), sc.cuda()
     x = torch.randn(4, k, generator=gen).to("cuda", torch.bfloat16)
-    got = q4.q4_linear_triton(x, qw, sc, mode="separate").double()
+    mode, kernel = q4.tune_q4_linear(tuple(x.shape), qw, sc, False, x.dtype, "separate", allow_tma)
+    assert mode == "separate" and kernel
+    if not allow_tma:
+        assert q4.kernel_config(kernel).kernel != "tma"
+    got = torch.ops.graphopt.q4_linear(x, qw, sc, None, "separate", kernel).double()
     ref = q4.reference_q4_linear(x.double(), qw, sc).double()
     assert (got - ref).abs().max() <= 8e-3 * ref.abs().max()
-    assert ("separate-tma", 4, n, k, torch.bfloat16) in q4._TUNED
+    stored = json.loads((tmp_path / "tuning.json").read_text())
+    assert [key.split("|")[-5] for key in stored] == ["separate+tma" if allow_tma else "separate"]
 
 
 def test_no_tokens_give_an_empty_output_on_the_separate_path():

@@ -500,7 +500,7 @@ def test_dynamic_shapes_recompile_for_the_sizes_a_rewrite_bakes_in(module_kwargs
     """Under dynamic=True, Dynamo makes every size of q, k, v symbolic. Batch and lengths stay
     symbolic in the rewritten graph; the head dim and head counts are guarded, so a call with other
     ones recompiles rather than reusing a scale or grouping from the first shapes."""
-    from graphopt import backend as backend_module
+    from graphopt import compiler as backend_module
 
     compiled = torch.compile(SdpaCall(**module_kwargs), backend="graphopt", dynamic=True,
                              options={"force": True, "downstream": "eager", "target": "cpu"})

@@ -151,7 +151,7 @@ def test_a_plan_fitted_to_other_weights_is_declined(tmp_path, downstream):
     options = dict(passes={"fft_linear": True}, plan=str(plan), force=True, error_budget={"fft_linear": 10.0},
                    downstream=downstream)
     x = torch.randn(3, 32)
-    from graphopt import backend as backend_module
+    from graphopt import compiler as backend_module
 
     with backend_module.recording_decisions(reset=True) as sink, torch.no_grad():
         compiled = torch.compile(model, backend="graphopt", options=options)

@@ -340,7 +340,7 @@ def test_onnx_export_matches_reference_in_onnxruntime(tmp_path, is_causal):
 def _compile_dynamic(model, lengths, **options):
     """(outputs, sparse_attention decisions, inputs) of one torch.compile(dynamic=True) run over
     local+sink inputs of the given lengths (B=1, H=2, D=32)."""
-    from graphopt import backend as backend_module
+    from graphopt import compiler as backend_module
 
     options = {"passes": {"sparse_attention": True}, "downstream": "eager", **options}
     compiled = torch.compile(model, backend="graphopt", dynamic=True, options=options)
@@ -397,7 +397,7 @@ def test_break_even_length_is_where_the_estimates_cross(target, backend):
 def test_symbolic_head_count_and_head_dim_are_guarded():
     """The rewrite bakes in the head count (one threshold per head) and, for an SDPA call without
     a scale, the head dim: a call with other ones recompiles instead of reusing the graph."""
-    from graphopt import backend as backend_module
+    from graphopt import compiler as backend_module
 
     compiled = torch.compile(SdpaAttention(causal=False), backend="graphopt", dynamic=True,
                              options={"passes": {"sparse_attention": True}, "downstream": "eager", "force": True})
@@ -443,7 +443,7 @@ def test_a_mask_built_from_symbolic_sizes_is_kept_and_the_reason_says_so():
     """Under dynamic shapes a mask computed from the length cannot be proven causal for every
     length (a sliding window is plain causal below its width), so it stays a bias and the sparse
     pass declines, saying why. With static shapes the same mask is proven causal and rewritten."""
-    from graphopt import backend as backend_module
+    from graphopt import compiler as backend_module
 
     q, k, v = sa.local_sink_qkv(1, 2, 256, 32, seed=3)
     options = {"passes": {"sparse_attention": True}, "downstream": "eager", "force": True}
@@ -486,7 +486,7 @@ def test_symbolic_length_gate_switches_between_dense_and_sparse(monkeypatch, tmp
 def test_symbolic_length_gate_on_the_gpu(monkeypatch, is_causal):
     """The gated op on CUDA under dynamic=True, bf16: below the gate SDPA, from it on the Triton
     predictor and block-sparse kernel, against the torch reference in float32."""
-    from graphopt import backend as backend_module
+    from graphopt import compiler as backend_module
 
     monkeypatch.setattr(sp, "break_even_length", lambda *args, **kwargs: 300)
     compiled = torch.compile(SdpaAttention(causal=is_causal), backend="graphopt", dynamic=True,

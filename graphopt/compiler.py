@@ -1,6 +1,7 @@
 """The `graphopt` torch.compile backend.
 
     torch.compile(model, backend="graphopt", options={...})
+    torch.compile(model, backend=graphopt.backend(passes={"fp4_linear": True}), mode="reduce-overhead")
 
 Dynamo hands us a torch-level FX graph. We build a GraphOptConfig from `options`, run the
 enabled passes (graphopt.passes), and give the rewritten graph to the downstream compiler.
@@ -67,13 +68,56 @@ def recording_decisions(*, reset: bool = False) -> Iterator[list[Decision]]:
             torch._dynamo.reset()
 
 
+# Modes that mean CUDA graphs, as they do for Inductor.
+CUDA_GRAPH_MODES: tuple[str, ...] = ("reduce-overhead", "max-autotune")
+MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def graphopt_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):
     """Entry point named in pyproject's torch_dynamo_backends. Not registered here a second time:
     Dynamo registers entry points itself, and its registry rejects duplicate names."""
     configure_logging()
-    config = GraphOptConfig.from_options(options)
+    config = config_for(options, mode)
     hardware = get_spec(config.target, example_inputs)
     return compile_graph(gm, example_inputs, config, hardware, mode=mode)
+
+
+def config_for(options: dict | None, mode: str | None) -> GraphOptConfig:
+    """The config of one compile: `options`, with `mode` as torch.compile means it (a CUDA-graph mode
+    turns cuda_graphs on)."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"graphopt: mode {mode!r} is not valid; valid choices: {', '.join(MODES)}")
+    config = GraphOptConfig.from_options(options)
+    if mode in CUDA_GRAPH_MODES and config.downstream == "inductor":
+        config.cuda_graphs = True
+    return config
+
+
+class GraphOptBackend:
+    """A torch.compile backend that carries graphopt's options, so that a mode can go with them
+    (torch.compile refuses mode= together with options=) and so that transformers' CompileConfig
+    can hold it. Options are checked here, where the user builds it. Two backends with equal options
+    compare equal (CompileConfig compares its backend to decide whether to compile again)."""
+
+    def __init__(self, **options: Any):
+        GraphOptConfig.from_options(options)  # bad options fail here, not inside Dynamo
+        self.options = copy.deepcopy(options)
+        self.__name__ = "graphopt"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, *, mode: str | None = None,
+                 options: dict | None = None):
+        merged = {**self.options, **(options or {})}
+        return graphopt_backend(gm, example_inputs, options=merged, mode=mode)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GraphOptBackend) and self.options == other.options
+
+    def __hash__(self) -> int:
+        return hash(repr(sorted(self.options.items())))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"graphopt.backend({args})"
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig, hardware: HardwareSpec, *, mode: str | None = None):
@@ -81,7 +125,15 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
     ctx = run_passes(gm, example_inputs, config, hardware)
     for sink in _DECISION_SINKS:
         sink.extend(ctx.decisions)
-    compiled = _downstream(gm, example_inputs, config, mode)
+    try:
+        compiled = _downstream(gm, example_inputs, config, mode)
+    except Exception as exc:  # noqa: BLE001 - a rewrite never turns a program that runs into one that fails
+        if not any(d.applied for d in ctx.decisions):
+            raise
+        log.warning("graphopt: the downstream compiler failed on the rewritten graph (%s: %s); compiling the graph "
+                    "without graphopt's rewrites", type(exc).__name__, exc,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
+        return _downstream(pristine, example_inputs, config, mode)
     if not ctx.frozen:
         return compiled
     if ctx.reads_lifted_scalars():
@@ -174,4 +226,4 @@ def require_tensorrt() -> None:
         )
 
 
-__all__ = ["graphopt_backend", "compile_graph", "tensorrt_available"]
+__all__ = ["graphopt_backend", "GraphOptBackend", "config_for", "compile_graph", "tensorrt_available"]

@@ -1,0 +1,99 @@
+"""Tile choices made once and kept on disk: a JSON file keyed by GPU, versions, kernel family and
+shape, so a new process compiles without timing tiles again.
+
+The passes tune at compile time (the kernel modules' `tune_*` functions time candidates on the GPU)
+and hand the chosen tile to the op as a string argument (`encode` / `decode`): nothing is tuned
+inside a user's forward. The file is `$GRAPHOPT_CACHE_DIR/tuning.json`, by default
+`~/.cache/graphopt/tuning.json`; GRAPHOPT_CACHE_DIR=off keeps choices in memory only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+_LOCK = threading.Lock()
+_MEMORY: dict[str, str] = {}
+_LOADED: set[str] = set()
+
+
+def cache_path() -> Path | None:
+    root = os.environ.get("GRAPHOPT_CACHE_DIR")
+    if root == "off":
+        return None
+    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "graphopt"
+    return base / "tuning.json"
+
+
+@functools.lru_cache(maxsize=None)
+def device_key(device_index: int) -> str:
+    """The GPU and the software a tile choice holds for."""
+    import triton
+
+    from graphopt import __version__
+
+    props = torch.cuda.get_device_properties(device_index)
+    return f"{props.name}|sm{props.major}{props.minor}|torch {torch.__version__}|triton {triton.__version__}|graphopt {__version__}"
+
+
+def _load(path: Path) -> None:
+    if str(path) in _LOADED:
+        return
+    _LOADED.add(str(path))
+    try:
+        _MEMORY.update({k: v for k, v in json.loads(path.read_text()).items() if isinstance(v, str)})
+    except (OSError, ValueError):
+        pass  # no file yet, or an unreadable one: tune again and rewrite it
+
+
+def lookup(key: str) -> str | None:
+    """The choice stored under `key`, or None."""
+    with _LOCK:
+        path = cache_path()
+        if path is not None:
+            _load(path)
+        return _MEMORY.get(key)
+
+
+def store(key: str, value: str) -> None:
+    """Keep `value` under `key`, in memory and in the file (written whole, atomically)."""
+    with _LOCK:
+        _MEMORY[key] = value
+        path = cache_path()
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            current = {}
+            if path.exists():
+                try:
+                    current = json.loads(path.read_text())
+                except ValueError:
+                    current = {}
+            current[key] = value
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+                json.dump(current, tmp, indent=0, sort_keys=True)
+            os.replace(tmp.name, path)
+        except OSError:
+            pass  # a read-only home: the choice stays in memory
+
+
+def encode(config) -> str:
+    """A tile config (a frozen dataclass) as the string an op takes."""
+    return json.dumps(dataclasses.asdict(config), separators=(",", ":"), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=1024)
+def decode(cls, text: str):
+    """`encode`'s inverse for config class `cls` (cached: ops decode on every eager call)."""
+    try:
+        return cls(**json.loads(text))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"not a {cls.__name__} tile config: {text!r} ({exc})") from None
