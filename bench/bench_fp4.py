@@ -18,7 +18,9 @@ every shape here fit), `*_cold_ms` replays a graph of calls over enough distinct
 More than 64 tokens: cuBLAS and the FP4 path are timed in 7 interleaved rounds (median of the
 rounds), because a long bf16 GEMM runs the GPU at its power limit and whichever is timed first
 would otherwise run on cooler, faster clocks (measured: 0.73-0.89 ms across rounds for one
-cuBLAS shape at 4096 tokens on an H100). Tile configs are tuned on the first call of each shape (not timed).
+cuBLAS shape at 4096 tokens on an H100). The launcher never tunes: each (shape, tokens, path) first
+tunes its tile explicitly with fp4.tune_config (as the fp4_linear pass does at compile time; not
+timed), and every timed call runs that tile (`config` in the row, `tuned` in the JSON).
 The last rows run transformers LLaMA with 7B shapes, 2 layers, one token, under Inductor bf16 and
 under graphopt with fp4_linear.
 """
@@ -69,7 +71,7 @@ GRAPH_TOKENS = 64
 def time_ms(fn, tokens: int) -> float:
     if not GPU:
         return median_ms(fn, rep_ms=5)
-    fn()  # compile / tune outside the capture
+    fn()  # compile outside the capture
     torch.cuda.synchronize()
     if tokens <= GRAPH_TOKENS:
         return cuda_graph_ms(fn, rep_ms=50)
@@ -83,6 +85,19 @@ def copy_bandwidth() -> float:
     from graphopt.calibrate import measure_copy_bandwidth
 
     return measure_copy_bandwidth((512 << 20) if GPU else (8 << 20), DEVICE)
+
+
+TUNED: dict[str, dict] = {}  # for the JSON: "<format> K->N t=<tokens> <path>" -> the tuned tile
+
+
+def tuned_config(path: str, x: torch.Tensor, kw, n: int, k: int, fmt: str) -> fp4.KernelConfig:
+    """The tile fp4.tune_config picks for this path and shape: timed on the GPU now (kept in
+    graphopt's tuning file), fp4.default_config without a GPU (the interpreter). x: (M, K) bf16
+    rows, as the launcher passes them."""
+    args = (x, kw.codes, kw.scales.view(torch.uint8), kw.global_scale, None, n, k, fmt, x.dtype)
+    cfg = fp4.tune_config(path, args)
+    TUNED[f"{fmt} {k}->{n} t={x.shape[0]} {path}"] = dataclasses.asdict(cfg)
+    return cfg
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -105,12 +120,15 @@ def kernel_rows(copy_bw: float) -> list[dict]:
                     x = torch.randn(m, k, generator=gen).to(DEVICE, DTYPE)
                     path = fp4.choose_fp4_path(device_spec(0), m, k, n, fmt) if GPU else (
                         "gemv" if m <= fp4.INTERPRET_DECODE_CONFIG.block_m else "gemm")
-                    run = lambda: fp4.fp4_linear_triton(x, kw.codes, kw.scales, kw.global_scale, None, n, k, fmt, path=path)  # noqa: E731
+                    cfg = tuned_config(path, x, kw, n, k, fmt)
+                    run = lambda: fp4.fp4_linear_triton(x, kw.codes, kw.scales, kw.global_scale, None, n, k, fmt,  # noqa: E731
+                                                        path=path, config=cfg)
                     y = run()
                     ref = F.linear(x.float(), w_deq)
                     rel = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                     dense = F.linear(x, w)
-                    row.update(path=path, check="PASS" if rel < 2e-2 else "FAIL", rel_err=rel, out_sqnr_db=sqnr(dense, y))
+                    row.update(path=path, config=dataclasses.asdict(cfg), check="PASS" if rel < 2e-2 else "FAIL",
+                               rel_err=rel, out_sqnr_db=sqnr(dense, y))
                     print(f"[{row['check']}] {fmt} {k}->{n} M={m} {path}: rel err {rel:.2e}, "
                           f"output SQNR vs bf16 {row['out_sqnr_db']:.2f} dB", flush=True)
                     if GPU and m > GRAPH_TOKENS:  # GEMM-bound: interleaved rounds (see interleaved_ms)
@@ -130,7 +148,8 @@ def kernel_rows(copy_bw: float) -> list[dict]:
                         del dense_copies
                         fp4_copies = [kw] + [fp4.to_kernel_layout(q) for _ in range(copies_for(kw.nbytes) - 1)]
                         fp4_cold = cold_graph_ms([
-                            lambda c=c: fp4.fp4_linear_triton(x, c.codes, c.scales, c.global_scale, None, n, k, fmt, path=path)
+                            lambda c=c: fp4.fp4_linear_triton(x, c.codes, c.scales, c.global_scale, None, n, k, fmt,
+                                                              path=path, config=cfg)
                             for c in fp4_copies])
                         del fp4_copies
                         cublas_t, fp4_t = cublas_cold, fp4_cold
@@ -138,8 +157,9 @@ def kernel_rows(copy_bw: float) -> list[dict]:
                     if m >= 64:
                         for alt in ("gemv", "gemm", "dequant"):
                             try:
-                                row[f"{alt}_ms"] = time_ms(lambda alt=alt: fp4.fp4_linear_triton(
-                                    x, kw.codes, kw.scales, kw.global_scale, None, n, k, fmt, path=alt), m)
+                                alt_cfg = tuned_config(alt, x, kw, n, k, fmt)
+                                row[f"{alt}_ms"] = time_ms(lambda alt=alt, alt_cfg=alt_cfg: fp4.fp4_linear_triton(
+                                    x, kw.codes, kw.scales, kw.global_scale, None, n, k, fmt, path=alt, config=alt_cfg), m)
                             except Exception as exc:  # noqa: BLE001
                                 print(f"[FAIL] {fmt} {k}->{n} M={m} {alt}: {type(exc).__name__}: {exc}", flush=True)
                     row.update(
@@ -256,8 +276,7 @@ def main() -> None:
     sweep = dequant_sweep_rows(bw) if OPTS.dequant_sweep else []
     rows = kernel_rows(bw)
     e2e = [] if OPTS.no_e2e else llama_rows()
-    path = write_json("bench_fp4", rows + e2e + sweep, copy_bandwidth_gbps=bw / 1e9, formats=FORMATS,
-                      tuned={str(key): dataclasses.asdict(cfg) for key, cfg in fp4._TUNED.items()})
+    path = write_json("bench_fp4", rows + e2e + sweep, copy_bandwidth_gbps=bw / 1e9, formats=FORMATS, tuned=TUNED)
     print(f"wrote {path}")
     if e2e:
         print_table("LLaMA-7B shapes, 2 layers, one token (speedup vs Inductor bf16 with the same attention)", e2e,
@@ -265,8 +284,7 @@ def main() -> None:
                      "graph_speedup", "error"])
     if sweep:
         print_table("W decode (dequant path) per tile", sweep, ["format", "shape", "tile", "check", "ms", "gbps", "of_copy_bw", "error"])
-    tuned = {str(key): dataclasses.asdict(cfg) for key, cfg in fp4._TUNED.items()}
-    print("tuned configs:", json.dumps(tuned, default=str)[:4000])
+    print("tuned configs:", json.dumps(TUNED, default=str)[:4000])
     print_table(f"FP4 weight-only linear vs cuBLAS bf16 (copy {bw / 1e9:.0f} GB/s; GB/s from the cold time)", rows,
                 ["format", "shape", "tokens", "path", "check", "rel_err", "out_sqnr_db", "cublas_ms", "fp4_ms", "speedup",
                  "cublas_cold_ms", "fp4_cold_ms", "cold_speedup", "gemv_ms", "gemm_ms", "dequant_ms",

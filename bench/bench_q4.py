@@ -6,8 +6,10 @@
 Shapes and token counts are those of the FP4 benchmark. For every (shape, tokens) it first checks
 each variant against dequantize-then-matmul (PASS/FAIL with the error), then times: cuBLAS bf16
 (F.linear), separate (Q8_1 quantize kernel + integer GEMM), fused (quantization inside the GEMM /
-decode GEMV, autotuned), pre-quantized activations + GEMM (the case where fusion cannot pay), and,
-on the two target shapes of the issue, every fused candidate config on its own.
+decode GEMV), pre-quantized activations + GEMM (the case where fusion cannot pay), and, on the two
+target shapes of the issue, every fused candidate config on its own. The launchers never tune: each
+(shape, tokens) first tunes its tiles explicitly with q4.tune_q4_linear (as the q4_linear pass does
+at compile time; not timed), and every variant runs its tuned tile (`tuned_config`).
 
 Decode and small-batch sizes (<= 64 tokens) are timed as CUDA-graph replays for every variant, cuBLAS
 included (a Python launch costs about as much as these kernels; until session 30, 17-64 tokens were
@@ -87,6 +89,23 @@ def weight_bytes(n: int, k: int) -> int:
     return n * kp // 2 + n * (kp // 32) * 2
 
 
+TUNED: dict[str, str] = {}  # for the JSON: "<mode>[ (tma allowed)] K->N t=<tokens>" -> the tuned tile's name
+
+
+def tuned_tile(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mode: str,
+               allow_tma: bool) -> q4.TileConfig | None:
+    """The tile q4.tune_q4_linear picks for `mode` on x's shape (timed on the GPU now; kept in
+    graphopt's tuning file), or None for the launcher's untuned default (no GPU, the interpreter,
+    GRAPHOPT_Q4_AUTOTUNE=0). allow_tma: the separate mode also times q4_tma's decode tiles (the
+    pass allows them under CUDA graphs, and these sizes are timed as graph replays)."""
+    n, k = qweight.shape[0], x.shape[-1]
+    _, kernel = q4.tune_q4_linear(tuple(x.shape), qweight, scales, False, x.dtype, mode, allow_tma)
+    config = q4.kernel_config(kernel)
+    label = f"{mode}{' (tma allowed)' if allow_tma else ''} {k}->{n} t={x.shape[0]}"
+    TUNED[label] = config.name if config else "untuned default"
+    return config
+
+
 def check(name: str, got: torch.Tensor, ref: torch.Tensor, results: list) -> bool:
     err = ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
     ok = err < (2e-2 if got.dtype == torch.bfloat16 else 1e-4)  # bf16 output rounding vs fp32 sum order
@@ -107,11 +126,24 @@ def bench_shape(k: int, n: int, rows: list, checks: list, copy_gbps: float) -> N
         x = torch.randn(tokens, k, device=DEVICE, generator=g).to(DTYPE)
         xq = q4.quantize_q8_1_triton(x)
         ref = q4.dequantize_q8_1(q4.quantize_q8_1(x)) @ w_deq.T  # dequantize-then-matmul, fp32
+        # the tiles, tuned now (the launchers run the config they are given, or an untuned default):
+        # fused; separate (Q8_1-bytes tiles, and at decode sizes on sm_90+ q4_tma's decode); and the
+        # pre-quantized GEMM, which takes the separate mode's Q8_1-bytes tiles only (no tma)
+        tuned: dict[str, q4.TileConfig | None] = {}
+        for name, mode, allow_tma in (("fused", "fused", False), ("separate", "separate", True),
+                                      ("prequant_gemm", "separate", False)):
+            try:
+                tuned[name] = tuned_tile(x, qweight, scales, mode, allow_tma)
+            except Exception as exc:  # the variant then runs the untuned default
+                print(f"  FAIL tuning {name}: {type(exc).__name__}: {exc}")
+                tuned[name] = None
         variants = {
             "cublas_bf16": (lambda i: F.linear(x, ws[i]), d_copies),
-            "separate": (lambda i: q4.q4_linear_triton(x, *qws[i], None, "separate"), q_copies),
-            "fused": (lambda i: q4.q4_linear_triton(x, *qws[i], None, "fused"), q_copies),
-            "prequant_gemm": (lambda i: q4.q4_q8_gemm_triton(xq, *qws[i], None, x.dtype), q_copies),
+            "separate": (lambda i: q4.q4_linear_triton(x, *qws[i], None, "separate", config=tuned["separate"]),
+                         q_copies),
+            "fused": (lambda i: q4.q4_linear_triton(x, *qws[i], None, "fused", config=tuned["fused"]), q_copies),
+            "prequant_gemm": (lambda i: q4.q4_q8_gemm_triton(xq, *qws[i], None, x.dtype, config=tuned["prequant_gemm"]),
+                              q_copies),
         }
         if (k, n) in SWEEP_SHAPES:
             for config in q4.candidate_configs(tokens, fused=True):
@@ -121,7 +153,7 @@ def bench_shape(k: int, n: int, rows: list, checks: list, copy_gbps: float) -> N
         timings: dict[str, float] = {}
         for name, (fn, copies) in variants.items():
             try:
-                out = fn(0)  # also autotunes on first call, outside the timing
+                out = fn(0)  # compiles the kernels, outside the timing
                 if name != "cublas_bf16" and not check(f"{k}->{n} t={tokens} {name}", out, ref, checks):
                     continue
                 timings[name] = time_ms(fn, copies, tokens)
@@ -135,10 +167,6 @@ def bench_shape(k: int, n: int, rows: list, checks: list, copy_gbps: float) -> N
                  "prequant_gemm": weight_bytes(n, k) + tokens * k * 36 / 32 + out_bytes}
         configs = {name: ms for name, ms in timings.items() if name.startswith("fused:")}
         best_config = min(configs, key=configs.get) if configs else None
-        tuned = {"fused": q4._TUNED.get(("fused", q4._token_bucket(tokens), n, k, x.dtype))}
-        tuned["separate"] = tuned["prequant_gemm"] = q4._TUNED.get(("gemm", q4._token_bucket(tokens), n, k, x.dtype))
-        # at decode sizes on sm_90+ the separate path may run q4_tma's decode instead (q4._choose_tma)
-        tuned["separate"] = q4._TUNED.get(("separate-tma", q4._token_bucket(tokens), n, k, x.dtype)) or tuned["separate"]
         for name, ms in timings.items():
             nbytes = moved.get(name, weight_bytes(n, k) + act + out_bytes)
             row = {"shape": f"{k}->{n}", "tokens": tokens, "variant": name, "ms": ms, "GB/s": gbps(nbytes, ms),
@@ -226,8 +254,7 @@ def main() -> None:
             print(f"FAIL e2e: {type(exc).__name__}: {exc}")
     failed = [c for c in checks if not c["ok"]]
     print(f"correctness: {len(checks) - len(failed)}/{len(checks)} PASS; total {time.perf_counter() - start:.0f} s")
-    path = write_json("bench_q4", rows, checks=checks, copy_gbps=copy_gbps,
-                      tuned={str(k): v.name if v is not None else "q8_1-bytes gemm" for k, v in q4._TUNED.items()})
+    path = write_json("bench_q4", rows, checks=checks, copy_gbps=copy_gbps, tuned=TUNED)
     print(f"wrote {path}")
     sweep = [r for r in rows if r.get("tile_sweep")]
     print_table("Q4_0 x Q8_1 fused config sweep (target shapes)", sweep,

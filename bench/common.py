@@ -67,8 +67,8 @@ def host_us(fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-# torch.compile arguments of the one-token decode step's variants (profile_decode_step.py,
-# step_host_overhead.py): Inductor bf16 and graphopt's two quantized-linear passes.
+# torch.compile arguments of the one-token decode step's variants (profile_decode_step.py):
+# Inductor bf16 and graphopt's two quantized-linear passes.
 DECODE_STEP_VARIANTS: dict[str, dict] = {
     "inductor bf16": dict(backend="inductor"),
     "graphopt fp4_linear": dict(backend="graphopt", options={"passes": {"fp4_linear": True}}),
