@@ -39,35 +39,35 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "sdpa_efficient": (0.35, 0.9),
     "triton_flash": (0.70, 0.9),
     # Block-sparse Triton kernel: tile matmul rate fitted to bench/results/sparse_attention_h200_round2
-    # (32 timings, L=4k-32k, density 0.1-1) together with a per-query-block cost then of 6 tiles,
-    # 3.5 since session 15 (graphopt.passes.sparse_attention.SPARSE_ROW_COST_TILES).
+    # (32 timings, L=4k-32k, density 0.1-1) together with a per-query-block cost of 6 tiles (the
+    # model's SPARSE_ROW_COST_TILES, fitted to the H100 kernels, is 3.5: graphopt.passes.sparse_attention).
     "triton_sparse": (0.68, 0.85),
     # FP4 / Q4 kernels, fitted to bench/results/{fp4,q4}_h200_round2.json (H200, triton 3.6); the
     # compute term is CUDA-core decode/epilogue work (see the op counts in kernels/fp4.py and
     # passes/q4_linear.py). fp4_gemv: decode + FMA of the 1-4 token word-tile kernel and bf16
-    # decode of the 16-token MMA kernel at 0.13 of fp32 peak (refit on the H100 to the word-tile
+    # decode of the 16-token MMA kernel at 0.13 of fp32 peak (fitted on the H100 to the word-tile
     # kernels, bench/results/fp4_h100_session9_mma_decode.json: 1 token 0.36-0.55 ps per weight
     # cold with the launch, 4-16 tokens 0.58-0.84); memory 0.65 (the 1-token kernel streams 0.63 of the copy bandwidth on
     # 5120->13824 once the 4 us launch is taken off; 0.34-0.53 with it on the six shapes).
     # fp4_gemm: 0.066 of fp32 peak for the fused GEMM's in-tile decode (4096 tokens: 0.92 ms for
     # 4096x4096). q4_gemv: the 1-token dp4a decode streams at 0.65 of copy bandwidth (H100,
-    # session 8 tiles: 0.021 ms on 5120->13824; 0.34 in the H200 round-2 kernels), its CUDA-core
-    # work at 0.16; q4_gemm: the int8 GEMM (MMA + per-32-block epilogue + nibble unpack) at 0.09
-    # (refit in session 9 from 0.12 on both GPUs' rows: 0.12 had the m16 decode GEMM ~10% faster
-    # than measured, so 16-token layers measured 0.97-1.01x of cuBLAS on the H100 were taken;
-    # 4096 tokens now predicted ~1.8x slow, where cuBLAS is 8-10x faster either way).
+    # narrow one-warp tiles: 0.021 ms on 5120->13824), its CUDA-core work at 0.16; q4_gemm: the
+    # int8 GEMM (MMA + per-32-block epilogue + nibble unpack) at 0.09, fitted on both GPUs' rows
+    # (0.12 would predict the m16 decode GEMM ~10% faster than measured and take 16-token layers
+    # measured at 0.97-1.01x of cuBLAS on the H100; 0.09 predicts 4096 tokens ~1.8x slow, where
+    # cuBLAS is 8-10x faster either way).
     "fp4_gemv": (0.13, 0.65),
     "fp4_gemm": (0.066, 0.8),
     "q4_gemv": (0.16, 0.65),
     "q4_gemm": (0.09, 0.8),
-    # q4_swap: the operand-swapped decode GEMM ("swap" configs, 4-16 tokens), fitted in session 13
-    # to its tuned H100 rows (bench/results/q4_h100_session13_decode.json): 4 tokens 0.031-0.033 ms,
-    # at 0.50 of the memory ceiling (deeper cp.async pipelines, 4 and 6 K steps, measured no faster
-    # in session 14, so it is not the bytes in flight alone); 16 tokens 0.036-0.038 ms, bound by
+    # q4_swap: the operand-swapped decode GEMM ("swap" configs, 4-16 tokens), fitted to its tuned
+    # H100 rows (bench/results/q4_h100_session13_decode.json): 4 tokens 0.031-0.033 ms, at 0.50 of
+    # the memory ceiling (deeper cp.async pipelines, 4 and 6 K steps, measure no faster, so it is
+    # not the bytes in flight alone); 16 tokens 0.036-0.038 ms, bound by
     # the per-32-block epilogue and the nibble unpack (CUDA-core ops) with the int8 MMAs, at 0.14.
     "q4_swap": (0.14, 0.5),
     # q4_tma: the Gluon Q4 decode fed by TMA (kernels/q4_tma.py). Like the FP4 TMA kernel it is
-    # bound by its instruction stream at 4-16 tokens (session 34's profile of that kernel), so its
+    # bound by its instruction stream at 4-16 tokens (profiled), so its
     # fitted per-weight ops (graphopt.passes.q4_linear) carry the time and the memory term is set
     # where it does not bind.
     "q4_tma": (0.13, 0.9),
@@ -165,15 +165,15 @@ def chain(name: str, *parts: Estimate) -> Estimate:
 # ---------------------------------------------------------------------------------------------
 # A graphopt::* op reaches its kernel through torch.library's Python dispatch, where a plain aten
 # call from Inductor's wrapper does not. Called back to back on negligible GPU work (H100 machine,
-# torch 2.11, bench/tools/probe_attention_host.py, session 21), in units of the same run's
-# one-kernel torch op (11.8 us): a plain F.scaled_dot_product_attention call 1.5-1.7,
-# graphopt::attention on an SDPA backend 7.4-9.2 under no_grad (7.7-19 with grad mode on), on the
-# Triton kernel 10.9 (14.4). Session 24 launched the Triton kernels through `launch_tuned` (the
-# autotuner's call path skipped once it has chosen): the Triton path then measured a median of 6.9
-# units under no_grad over six rounds, where the SDPA backends' paths, unchanged, measured
-# 6.2-10.1 in the same runs (bench/results/probe_attention_host_h100_session24_ab.log), so both are
-# priced alike. Where a call's GPU work is shorter than its host path, the host path sets the pace
-# of a stream of such calls (unless they replay from a CUDA graph).
+# torch 2.11, bench/tools/probe_attention_host.py), in units of the same run's one-kernel torch op
+# (11.8 us): a plain F.scaled_dot_product_attention call 1.5-1.7, graphopt::attention on an SDPA
+# backend 7.4-9.2 under no_grad (7.7-19 with grad mode on), on the Triton kernel through the
+# autotuner's own call path 10.9 (14.4). Through `launch_tuned` (the autotuner's call path skipped
+# once it has chosen), as the op launches it, the Triton path measured a median of 6.9 units under
+# no_grad over six repeats, and the SDPA backends' paths 6.2-10.1 in the same runs
+# (bench/results/probe_attention_host_h100_session24_ab.log), so both are priced alike. Where a
+# call's GPU work is shorter than its host path, the host path sets the pace of a stream of such
+# calls (unless they replay from a CUDA graph).
 ATTENTION_OP_HOST_LAUNCHES = {"sdpa": 7.5, "triton": 7.5}
 
 
@@ -183,7 +183,7 @@ def attention_op_host_launches(backend: str) -> float:
 
 
 # graphopt::sparse_attention: four launches (the predictor's three, the kernel's one) behind the
-# op's dispatch. Called back to back on negligible GPU work on the H100 host of session 29
+# op's dispatch. Called back to back on negligible GPU work on an H100 host
 # (bench/sparse_host_overhead.py): 226 us per call non-causal, 374 us causal in a stretch where
 # the same run's other calls also took 1.6-2x longer; the predictor alone 98 / 127 us, the
 # kernel's launcher 94 / 157 us. About 19 units of the 12 us torch op.
@@ -206,9 +206,10 @@ def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) 
 # Near the ridge point a GEMM does not hide all of its memory time under its tensor-core time (or
 # the reverse): the weight stream and the MMA waves overlap only in part. This fraction of the
 # smaller of the two terms is added to the larger. Fitted on an H100 (cuBLAS bf16, CUDA graph,
-# bench/results/fft_fit_sweep_h100.json and the round-5 explorer log): 5120<->13824 at 256 tokens
-# measured 0.066-0.075 ms, where the plain max() said 0.058 and this term says 0.072; 16 and 4096
-# tokens move by <= 6% (0.0524-0.0652 and 0.72-0.86 ms measured across runs there).
+# bench/results/fft_fit_sweep_h100.json and the explorer log fft_chain_h100_round5.log):
+# 5120<->13824 at 256 tokens measured 0.066-0.075 ms, where the plain max() says 0.058 and this
+# term 0.072; 16 and 4096 tokens move by <= 6% (0.0524-0.0652 and 0.72-0.86 ms measured across
+# runs there).
 GEMM_PARTIAL_OVERLAP = 0.3
 
 
@@ -297,7 +298,7 @@ CAUSAL_DIAGONAL_TILE = 128  # key-block width of the fused kernels' diagonal til
 
 
 # The least GPU time of one call: B=1, H=32, D=128, one query token, Lk=1 (cuDNN: Lk=256, it
-# rejects Lk=1), CUDA-graph replays on an H100 (bench_attention.py --decode, session 19). A decode
+# rejects Lk=1), CUDA-graph replays on an H100 (bench_attention.py --decode). A decode
 # step pays it per attention whatever the cache length; prefill never gets near it.
 ATTENTION_FLOOR_S: dict[str, float] = {"triton_flash": 2.4e-6, "sdpa_flash": 5.3e-6, "sdpa_efficient": 5.8e-6,
                                        "sdpa_cudnn": 5.9e-6}

@@ -47,7 +47,7 @@ class HardwareSpec:
     compute_capability: tuple[int, int] | None = None
     # Host time of one call of a one-kernel torch op (torch.add) called back to back: the unit the
     # cost model prices graphopt ops' host paths in (cost_model.host_paced). Measured on the H100
-    # hosts: 11.8 us (session 21) and 19.5 us (session 26); a kernel launch seen from the GPU side
+    # hosts: 11.8 us and 19.5 us; a kernel launch seen from the GPU side
     # (launch_overhead_s) is shorter. `graphopt calibrate` measures it (its launch figure is this).
     host_op_s: float = 12e-6
     # Measured ceilings (None = not calibrated): filled from the calibration cache.

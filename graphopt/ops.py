@@ -1,11 +1,17 @@
 """The `graphopt::*` custom ops: the single nodes that passes emit.
 
-Each op is a custom op (`torch.library.custom_op`, or a `torch.library.Library` definition where
-the host path per call matters: the inference-only ops and graphopt::attention) with a fake (meta)
-implementation, so Dynamo, AOTAutograd
-and Inductor trace through it, and an autograd formula where the op is trainable. The CPU
-implementation is always the kernel family's torch reference (correct and testable anywhere);
-on CUDA the op runs the Triton kernel, or the library kernel the cost model chose.
+Ops whose CUDA work is Triton kernels (fp4_linear and the Q4 ops) are `torch.library.triton_op`s:
+Inductor traces their bodies and launches the kernels from its own generated code, inside its
+CUDA graphs, with no Python per call. Their tile is an argument the pass chose at compile time.
+The others are opaque: graphopt::attention and graphopt::sparse_attention (Library ops, whose
+Python launch path the cost model prices unless CUDA graphs replay them), the Gluon TMA decodes
+(fp4_tma_linear, q4_tma_decode: Gluon kernels are not Triton JIT functions that Inductor can
+launch) and fft_chain_linear (a custom_op with an autograd formula). Every op has a fake (meta)
+implementation. The CPU implementation is always the kernel family's torch reference.
+
+Inference-only ops have no autograd formula; a call that needs a gradient is refused with a clear
+error (`_refuse_gradients` for custom ops, `_refusing_grad` for Library ops, whose fallthrough
+Autograd kernel records nothing).
 
 One section per kernel family, in the order of graphopt/kernels/. Importing this module registers
 every op; `graphopt/__init__.py` imports it.
@@ -15,17 +21,9 @@ from __future__ import annotations
 
 import torch
 
-# Inference-only ops (no autograd formula) are defined with torch.library.Library, not
-# torch.library.custom_op, and skip the autograd layer (a fallthrough kernel): custom_op's Python
-# wrapper (autograd shim, aliasing checks, the Dynamo guard) costs 20-32 us per call of a
-# do-nothing op with fp4_linear's 9 arguments on the H100 machine's hosts, a Library op 3-7 us, and
-# one with a Python autograd formula 9-20 us (bench/tools/probe_launch_host.py, session 22), against
-# 10-25 us of GPU work in a one-token layer. Without an autograd layer nothing would record that the
-# output depends on the inputs, so gradients would silently stop there: the kernel and the fake
-# refuse inputs that require grad in grad mode instead (a clear error at the call, or when
-# torch.compile traces a training graph). graphopt::attention, which has an autograd formula, is a
-# Library op too, with its own Autograd kernel; fft_chain_linear keeps custom_op.
 _LIB = torch.library.Library("graphopt", "FRAGMENT")
+
+
 def _gradient_needed(args) -> bool:
     """Whether autograd would record this call: grad mode on and a tensor argument requires grad."""
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -168,7 +166,7 @@ def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups:
 
 # Defined with torch.library.Library (not custom_op) for its host path. Its Autograd kernel
 # (_attention_autograd_kernel) builds an autograd node only when a gradient is needed, and otherwise
-# goes straight below autograd. On an H100 host (bench/tools/probe_attention_host.py, session 23)
+# goes straight below autograd. On an H100 host (bench/tools/probe_attention_host.py)
 # a call with SDPA backends took 66-116 us in grad mode with inputs that need no gradient,
 # against 88-225 us as a custom_op, and 71-101 us under no_grad against 75-96 us; a plain SDPA
 # call took 20-35 us.
@@ -290,7 +288,7 @@ def _attention_backward(ctx, grad_out):
 def _attention_autograd_kernel(keyset, q, k, v, bias, scale, is_causal, num_kv_groups, backend):
     """The op's Autograd kernel. Without a gradient to record (inference, no_grad, frozen inputs) it
     goes straight to the implementation below autograd: no autograd.Function, none of
-    register_autograd's argument walks (about 10-20 us of Python per call, session 22's probe)."""
+    register_autograd's argument walks (about 10-20 us of Python per call)."""
     if _gradient_needed((q, k, v, bias)):
         return _AttentionFunction.apply(q, k, v, bias, scale, is_causal, num_kv_groups, backend)
     return torch.ops.graphopt.attention.default.redispatch(keyset & torch._C._after_autograd_keyset, q, k, v, bias,

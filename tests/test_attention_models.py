@@ -94,8 +94,8 @@ def test_every_attention_layer_is_rewritten(family):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_dynamic_true_rewrites_attention_and_follows_a_changed_scale(family):
     """Under dynamic=True Dynamo does not specialize floats: HF's `self.scaling` (GPT-2's constant
-    too) reaches the graph as a 0-d tensor input and `.item()`. The pass used to see a non-constant
-    scale and keep every attention. It now takes such module floats as constants guarded by value:
+    too) reaches the graph as a 0-d tensor input and `.item()`. The pass takes such module floats
+    as constants guarded by value:
     one graph serves every length, and after a change of the scale the graph runs unrewritten
     (it cannot be recompiled outside Dynamo), with the new value."""
     from graphopt import compiler as backend_module
@@ -117,8 +117,8 @@ def test_dynamic_true_rewrites_attention_and_follows_a_changed_scale(family):
 @pytest.mark.parametrize("downstream", ["eager", "inductor"])
 def test_a_changing_model_float_read_outside_the_attention_too(downstream):
     """A float the attention pass baked (dynamic=True lifts it to an input) that the graph also reads
-    elsewhere: when it changes, recompiling outside Dynamo crashed in AOTAutograd (`.item()` on real
-    inputs). The graph now switches to its unrewritten compile, once, and follows every value."""
+    elsewhere: when it changes, the graph switches to its unrewritten compile, once, and follows
+    every value (recompiling outside Dynamo would fail in AOTAutograd: `.item()` on real inputs)."""
     class Attention(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -60,9 +60,9 @@ def test_causal_halves_attention_flops():
 @pytest.mark.parametrize("spec", ["h100", "a100", "cpu"])
 @pytest.mark.parametrize("length", [1, 64, 128, 200, 256, 1024, 8192])
 def test_causal_fused_attention_is_never_priced_above_non_causal(spec, length):
-    """The diagonal-tile term (one extra tile column per row of tiles) used to grow without bound
-    at short lengths: 2.5x the non-causal FLOPs at L=64, so short causal attention was declined
-    where the same non-causal one was rewritten."""
+    """The diagonal-tile term (one extra tile column per row of tiles) stays bounded at short
+    lengths, so short causal attention is not declined where the same non-causal one is rewritten
+    (unbounded, it would price L=64 at 2.5x the non-causal FLOPs)."""
     hw = SPECS[spec]
     for family in ("sdpa_flash", "triton_flash"):
         full = cm.fused_attention(hw, 1, 8, length, length, 64, family=family)

@@ -9,9 +9,10 @@ on that machine. Two checks per family:
 FP4 rows with an L2-cold measurement (<= 64 tokens: weights rotated through copies, as in a real
 forward pass where each layer's weights come from DRAM) are judged on it; the hot number of a
 4096x4096 layer (33.5 MB of bf16 weights) is largely served from the 50 MB L2.
-The FP4 decode kernels (<= 64 tokens) were replaced after that H200 run, so only its 256- and
-4096-token rows are used; the decode rows come from bench/results/fp4_h100_session34.json
-(H100, the kernels that run now: integer dots at 1 token, the Gluon TMA kernel at 4-64; L2-cold)
+The H200 run's FP4 decode rows (<= 64 tokens) timed other kernels than graphopt's decode kernels,
+so only its 256- and 4096-token rows are used; the decode rows come from
+bench/results/fp4_h100_session34.json (H100, graphopt's decode kernels: integer dots at 1 token,
+the Gluon TMA kernel at 4-64; L2-cold)
 and are judged with the H100 spec and the copy bandwidth measured in that run.
 """
 
@@ -63,8 +64,8 @@ def _fp4_rows(source: str = "h200"):
 
 
 Q4_RUNS = {"h200": ("q4_h200_round2.json",),  # six shapes, 1-4096 tokens
-           # the issue's two shapes, decode and prefill (session 13: the operand-swapped decode GEMM at
-           # 4-16 tokens, scale tiles prefetched in the int8 GEMM)
+           # the issue's two shapes, decode and prefill (the operand-swapped decode GEMM at 4-16
+           # tokens, scale tiles prefetched in the int8 GEMM)
            "h100": ("q4_h100_session13_decode.json", "q4_h100_session13_prefill.json")}
 
 
@@ -140,7 +141,7 @@ def test_fp4_at_32_to_256_tokens_on_h100():
 
 
 def test_fp4_decode_rewritten_where_measured_clearly_faster_on_h100():
-    """The decode kernels on the H100 (1-64 tokens, session 34): every row measured >= 1.25x cuBLAS
+    """The decode kernels on the H100 (1-64 tokens): every row measured >= 1.25x cuBLAS
     (1 token 2.37-2.70x, 4-16 tokens 1.49-2.17x, most 32- and 64-token rows) is rewritten, and the
     predicted time is within 35% of the measured one on every row."""
     clear_wins = 0
@@ -154,9 +155,9 @@ def test_fp4_decode_rewritten_where_measured_clearly_faster_on_h100():
 
 
 def test_q4_predicted_faster_or_slower_agrees_with_h200():
-    """Prefill rows only: the H200 round-2 decode rows (1-16 tokens) timed kernels replaced since
-    (session 10's chained dp4a, session 13's operand-swapped GEMM, which the model now predicts);
-    the H100 test below checks decode against the current kernels."""
+    """Prefill rows only: the H200 decode rows (1-16 tokens) timed other decode kernels than the
+    chained-dp4a and operand-swapped ones the model predicts; the H100 test below checks decode
+    against graphopt's kernels."""
     agree, total, disagreements = 0, 0, []
     for k, n, tokens, ms in _q4_rows():
         if tokens < 64:
@@ -172,10 +173,10 @@ def test_q4_predicted_faster_or_slower_agrees_with_h200():
 
 
 def test_q4_pass_declines_every_linear_measured_slower_than_cublas():
-    """H200 round 2. Its 4- and 16-token rows timed decode kernels replaced since (session 10's
-    chained dp4a, session 13's operand-swapped GEMM: H100 4 tokens 1.05-1.15x -> 1.65-1.74x, 16
-    tokens 0.90-1.02x -> 1.30-1.54x); the model now predicts those, so the rows are left out here
-    (the H100 test checks them)."""
+    """H200 (q4_h200_round2.json). Its 4- and 16-token rows timed other decode kernels than the
+    chained-dp4a and operand-swapped ones the model predicts (on the H100 those measure 1.65-1.74x
+    cuBLAS at 4 tokens and 1.30-1.54x at 16), so the rows are left out here (the H100 test checks
+    graphopt's kernels)."""
     applied = []
     for k, n, tokens, ms in _q4_rows():
         if tokens in (4, 16):
@@ -206,10 +207,11 @@ def _q4_decode_rows_h100():
 
 
 def test_q4_h100_rewrites_the_measured_wins_and_declines_the_losses():
-    """H100, the issue's two shapes. Decode (session 34): the pass takes every layer (1 token
-    2.50-2.52x cuBLAS on the fused dp4a kernel, 4-16 tokens 1.75-2.31x on the separate path's
-    q4_tma decode), picks the mode measured faster, and predicts its time within 0.8-1.25x.
-    Prefill (session 13): it declines every row (0.10-0.55x fused or separate)."""
+    """H100, the issue's two shapes. Decode (q4_decode_h100_session34_tma.json): the pass takes
+    every layer (1 token 2.50-2.52x cuBLAS on the fused dp4a kernel, 4-16 tokens 1.75-2.31x on the
+    separate path's q4_tma decode), picks the mode measured faster, and predicts its time within
+    0.8-1.25x. Prefill (q4_h100_session13_prefill.json): it declines every row (0.10-0.55x fused or
+    separate)."""
     decode = _q4_decode_rows_h100()
     assert len(decode) == 6
     for k, n, tokens, cublas_ms, fused_ms, separate_ms in decode:
@@ -243,7 +245,7 @@ def test_q4_fused_or_separate_choice_matches_the_measurement_at_64_tokens_and_mo
 @pytest.mark.parametrize("tokens", [256, 4096])
 def test_fp4_not_rewritten_on_h200_at_any_measured_token_count(tokens):
     """The H200 measurement has no prefill (shape, tokens) where FP4 is >5% faster than cuBLAS (its
-    64-token rows timed decode kernels replaced since; the TMA kernel there is measured on the H100)."""
+    64-token rows timed other decode kernels than graphopt's; its TMA kernel is measured on the H100)."""
     before, after = fp4_linear.predict(H200, tokens, 4096, 11008, "nvfp4")
     assert not fp4_linear.worth_rewriting(before, after)
 

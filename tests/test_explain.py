@@ -68,8 +68,8 @@ def test_memory_saved_is_totalled_in_the_caption():
 
 
 def test_model_inputs_passed_as_keywords_get_a_clear_error():
-    """HF users write model(input_ids=...): explain's keywords are graphopt options, and the error
-    used to be "unknown graphopt option 'input_ids'"."""
+    """HF users write model(input_ids=...): explain's keywords are graphopt options, so a keyword
+    that names a model input gets an error saying so, not "unknown graphopt option 'input_ids'"."""
     class Model(torch.nn.Module):
         def forward(self, input_ids, attention_mask=None):
             return input_ids * 2

@@ -87,8 +87,9 @@ def _hf_views(b=2, h=3, length=5, d=8, dtype=torch.float32, seed=0):
 
 @pytest.mark.parametrize("bias_grad", [False, True])
 def test_attention_backward_fake_matches_the_real_strides(bias_grad):
-    """The fake used to return empty_like(q): the strides of a transposed view, where the real dq
-    is contiguous; Inductor then asserted on them and training with the Triton backend crashed."""
+    """The fake returns the real op's strides: the real dq is contiguous, and empty_like(q) (the
+    strides of a transposed view) would fail Inductor's stride assertion when training with the
+    Triton backend."""
     q, k, v = _hf_views()
     bias = torch.randn(1, 1, 5, 5).expand(2, 3, 5, 5) if bias_grad else None  # broadcast: stride 0
     out = torch.ops.graphopt.attention(q, k, v, bias, 0.3, False, 1, "sdpa_cpu")
@@ -105,7 +106,7 @@ def test_attention_backward_fake_matches_the_real_strides(bias_grad):
                                                  (torch.float64, torch.float32), (torch.bfloat16, torch.float16),
                                                  (torch.bfloat16, torch.float32)])
 def test_attention_op_takes_a_bias_of_another_float_dtype(q_dtype, bias_dtype):
-    """A bias narrower than q used to raise on CPU (q's finfo.min clamped in the bias dtype); one
+    """A bias narrower than q works on CPU (q's finfo.min is not clamped in the bias dtype); one
     wider than q keeps HF's finfo.min padding finite. Reference: SDPA on q's dtype with the bias
     cast to it and clamped there."""
     q, k, v = (t.to(q_dtype) for t in _hf_views(seed=1))
@@ -153,8 +154,8 @@ def test_fft_chain_op_output_is_contiguous_and_empty_batches_run():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_attention_backend_trains_under_inductor(dtype):
     """A LLaMA-style causal attention on HF's transposed q/k/v views, compiled with the Triton
-    backend and trained one step: the backward used to fail Inductor's stride assertion on the
-    fake's dq. Gradients match eager's."""
+    backend and trained one step: the backward passes Inductor's stride assertion on the fake's dq.
+    Gradients match eager's."""
     class Attention(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -75,7 +75,7 @@ def test_heldout_check_holds_every_input_to_the_budget():
 
 def test_cli_calibration_and_heldout_inputs_differ():
     """The built-in LLaMA models draw token ids from their own seed: calibration and held-out
-    inputs differ (they used to be identical, the model re-seeded the global generator)."""
+    inputs differ (the model does not re-seed the global generator)."""
     args = argparse.Namespace(model="tiny-llama", seq_len=64, batch=1, device="cpu")
     model, calibration = T._inputs_for(args, 2, 1)
     other, heldout = T._inputs_for(args, 1, 2)

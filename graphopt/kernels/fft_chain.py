@@ -39,7 +39,7 @@ Implementations (the op `graphopt::fft_chain_linear` chooses with the cost model
             (T*C, B) x (B, B); `_packed_contract_kernel` does the per-frequency complex
             contraction (FMA, K fused in c, channel loop unrolled); `_dft_inverse_kernel` runs the
             GEMM (T*N, B) x (B, B) with bias, crop and cast in its epilogue. Measured on an H200
-            (round 2, CUDA graph): faster than cuBLAS only at ~16 tokens on 5120->13824 B=512 K=2
+            (fft_chain_h200_round2.json, CUDA graph): faster than cuBLAS only at ~16 tokens on 5120->13824 B=512 K=2
             (1.22x); 0.59x on 13824->5120 (its contraction loops over 4x more channels); at 256
             and 4096 tokens 0.31-0.64x. The DFT costs 2*B*B flops per block (vs ~2.5 B log2 B for
             an FFT) and its kernels are latency-bound (see the cost-model constants).
@@ -362,10 +362,10 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 # Cost model (family "fft_chain")
 # =============================================================================================
 # A physical roofline per kernel launch, as replayed from a CUDA graph. Five constants, fitted
-# (least squares on log time) to every H200 timing whose kernel still exists: round 2
+# (least squares on log time) to the H200 timings of the current kernels
 # (bench/results/fft_chain_h200_round2.json: torch/triton/dft at B=512 K=2, 16/256/4096 tokens;
-# fft_chain_h200_round2.log: 48 explore-fft dft rows, B=256-2048, K=2-16) and round 1's
-# torch/triton rows (fft_chain_h200_round1.json, explore_fft_h200/), with the measured ceilings
+# fft_chain_h200_round2.log: 48 explore-fft dft rows, B=256-2048, K=2-16; the torch/triton rows
+# of fft_chain_h200_round1.json and explore_fft_h200/), with the measured ceilings
 # 690 TFLOP/s, 4.22 TB/s, 6 us launch. Every prediction is within 0.7-1.6x of its timing and
 # faster/slower than cuBLAS agrees on 97/99 rows (both misses are dft wins predicted as losses).
 #  - LAUNCH_FRACTION_IN_GRAPH = 0.33: a kernel node replayed from a CUDA graph costs ~2 us (0.33
@@ -378,8 +378,8 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 #    global-load round trip); a program that loops C times cannot finish faster than C steps,
 #    times the number of waves of programs;
 #  - DFT_CONTRACT_STEP_S = 3.3 us: one step (4 channels, unrolled) of _packed_contract_kernel.
-#    This is what makes the dft path 3x slower than round 2's unfitted model said at 16 tokens
-#    (13824->5120: 14 steps, 0.068 ms measured vs 0.023 predicted);
+#    It is what makes the dft path slow at 16 tokens (13824->5120: 14 steps, 0.068 ms measured;
+#    0.023 ms predicted without this term);
 #  - DFT_GEMM_STEP_S = 1.7 us: one 64-wide K step of the DFT GEMMs (the forward's permutation
 #    gather is a dependent load). The dft GEMMs are latency-bound at every measured shape (B*B
 #    per block at 69 TFLOP/s or less), so the "fft_chain" family's tensor-core efficiency never
@@ -406,7 +406,7 @@ PROGRAMS_PER_SM = 4  # resident 4-warp programs per SM assumed for the wave coun
 # The staged gather of dft2_pregather streams its bytes (row, gathered columns, one index per
 # column) at DFT2_GATHER_MEMORY_EFFICIENCY of the memory ceiling: 0.6 from the autotuned kernel's
 # profile (bench/results/fft_chain_h100_round5.json: 20.7 us on 13824->5120 and 6.9 us on
-# 5120->13824 at 256 tokens, B=512 K=2; the sweep's first staged kernel fitted 0.5). Predicted vs
+# 5120->13824 at 256 tokens, B=512 K=2). Predicted vs
 # measured: dft2 0.79-1.42x (median 1.05), dft2_pregather 0.9-1.4x. With these constants and the
 # dense model's partial-overlap term (cost_model.GEMM_PARTIAL_OVERLAP), the explorer's --quick run
 # on an H100 agreed on faster/slower for 315/336 rows (bench/results/explore_fft_h100/).
@@ -488,7 +488,7 @@ def estimate_fft_chain(hw, tokens: int, in_features: int, out_features: int, blo
         sb = db if db in (2,) else 4  # spectra stored in the 16-bit input dtype, else fp32
         unit_scale = 1.0 if sb == 2 else 2.0  # fp32 operands run as TF32: half the bf16 rate
         rows_f, rows_i = max(t * c, 16), max(t * n, 16)  # tensor-core tiles are >= 16 rows
-        # Latency floors fitted to the H200 round-2 dft timings (see DFT_GEMM_STEP_S,
+        # Latency floors fitted to the H200 dft timings (see DFT_GEMM_STEP_S,
         # DFT_CONTRACT_STEP_S): one step per 64-wide K tile of a GEMM, one per 4 channels of the
         # contraction (UNROLL=4), per wave of programs of each kernel's first autotune config.
         k_steps = -(-b // 64)

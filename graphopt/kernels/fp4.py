@@ -666,15 +666,15 @@ def reference_fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
 # below. The prefill paths (gemm, dequant) are fitted to bench/results/fp4_h200_round2.json (H200,
 # torch 2.11, triton 3.6, NVFP4, bf16 activations, cuBLAS bf16 baseline; ceilings 690 TFLOP/s
 # bf16, 4.22 TB/s copy, 6 us launch): 64 tokens 0.17-0.31x of cuBLAS on the best path, 256 tokens
-# 0.2-0.3x, 4096 tokens (dequant + cuBLAS) 0.67-0.71x there. The decode kernels that run was made
-# with (0.84-0.96x at 1 token, L2-cold) are replaced; see below for the current ones.
+# 0.2-0.3x, 4096 tokens (dequant + cuBLAS) 0.67-0.71x there. The decode kernels are fitted
+# separately, below.
 # tests/test_cost_model_measured.py checks the faster/slower call against both files.
 MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-core decode kernel (its MMA's N)
 
-# The decode (gemv) kernels were rewritten around word tiles in session 5; their constants are
-# fitted to bench/results/fp4_h100_session9_mma_decode.json (H100, NVFP4, L2-cold, the six LLaMA
-# shapes, the DECODE_CONFIGS below; session 8's PTX conversions, session 9's tensor-core kernel;
-# predicted / measured 0.88-1.13 on all 18 rows). CUDA-core
+# The decode (gemv) kernels work on word tiles; their constants are fitted to
+# bench/results/fp4_h100_session9_mma_decode.json (H100, NVFP4, L2-cold, the six LLaMA shapes,
+# the DECODE_CONFIGS below, PTX conversions, the tensor-core kernel; predicted / measured
+# 0.88-1.13 on all 18 rows). CUDA-core
 # _fp4_gemv_words_kernel (BLOCK_M in FMA_BLOCK_M): per weight, one fp32 FMA (2 ops) per token
 # row plus this many ops of code/scale decode, at the fp4_gemv compute efficiency (0.13 of the
 # fp32 ceiling): 1 token 0.30-0.34 ps per weight after the 4 us launch on all six shapes (0.32
@@ -688,28 +688,28 @@ INT_GEMV_DECODE_OPS_PER_WEIGHT = 1.8
 # Two tokens per program (the codes decoded once, four more dp2a per word): 39-47 instructions per
 # word offline against 29-34 at one token. Fitted to the six two-token rows of
 # bench/results/fp4_h100_session17_register_fix.* (18.1-25.9 us on the 45-71 M weight layers):
-# predicted / measured 0.98-1.05 (the one-token rows of that run: 1.10-1.20, not refit).
+# predicted / measured 0.98-1.05 (the one-token rows of that run: 1.10-1.20).
 INT_GEMV_OPS_PER_EXTRA_ROW = 0.9
 INT_GEMV_MAX_ROWS = 2  # the integer-dot tiles in DECODE_CONFIGS take 1 or 2 tokens per program
 # Tensor-core _fp4_gemv_words_mma_kernel: decode ops per weight per program of 16 tokens; measured
 # 0.58-0.67 ps per weight at 4-16 tokens on the four 45-71 M weight layers (0.75-0.84 on the
 # smaller two) in the same run; predicted 0.57 + launch.
 GEMV_MMA_DECODE_OPS_PER_WEIGHT = 5.0
-# Programs of 32 or 64 tokens (session 31): each token row past 16 adds this many ops per weight
+# Programs of 32 or 64 tokens: each token row past 16 adds this many ops per weight
 # (the activation tile's trip through shared memory, the wider MMA). Fitted to the L2-cold rows of
 # bench/results/fp4_h100_session31_final.json, pre-permuted activations: 44-47 us at 32
 # tokens and 57-59 us at 64 on the two 70.8 M weight layers (5.0 + 0.05 * 48 predicts 64 us there;
 # predicted / measured 0.82-1.16 on the twelve 32- and 64-token rows).
 # Without the permutation the activation tile's shuffle made it 0.085 (71-80 us at 64 tokens).
 GEMV_MMA_OPS_PER_EXTRA_ROW = 0.05
-# The Gluon decode kernel fed by TMA (kernels/fp4_tma.py, sessions 33-34; sm_90+, NVFP4, bf16
+# The Gluon decode kernel fed by TMA (kernels/fp4_tma.py; sm_90+, NVFP4, bf16
 # activations, K padded to a multiple of 256), with the same 16/32/64 tokens per program. Fitted to
 # the 24 rows of 4-64 tokens in bench/results/fp4_h100_session34.json (L2-cold, the tuned tile on
 # each; the scales by TMA, converted in hardware): 0.264 ps per weight (these ops at the fp4_gemv
 # efficiency) after a fixed latency that the launch alone does not explain (the ring's first loads
 # and the split-K epilogue: 3.2 us over the launch at 16 tokens, 0.1 us more per token row past 16).
 # Predicted / measured 0.91-1.09 on 23 rows; 13824->5120 at 64 tokens measured 1.36x the prediction
-# (80 row tiles for 132 SMs). (Session 33's kernel, scales gathered by plain loads: 2.5, 4.7 us, 0.11.)
+# (80 row tiles for 132 SMs). (With the scales gathered by plain loads the fit is 2.5, 4.7 us, 0.11.)
 TMA_DECODE_OPS_PER_WEIGHT = 2.3
 TMA_DECODE_LATENCY_S = 3.2e-6
 TMA_DECODE_LATENCY_S_PER_EXTRA_ROW = 0.1e-6
@@ -720,10 +720,10 @@ TMA_DECODE_LATENCY_S_PER_EXTRA_ROW = 0.1e-6
 # (64 tokens, K=4096: 0.137 ms for every N of 4096..14336).
 MMA_DECODE_OPS_PER_WEIGHT = 7.5
 # _fp4_dequantize_kernel (the `dequant` path) reads the packed weight and writes W in bf16 at
-# this fraction of the copy bandwidth. Refit in session 9 to the interleaved tiles (DEQUANT_TILES)
-# on the H100 (bench/results/fp4_h100_session9_64_tokens.json, dequant_ms - cublas_ms at 64
-# tokens: 44-72 us for the 45-71 M weight layers, 0.87 of the copy bandwidth; predicted within
-# 0.94-1.14x); the 0.18 fitted to the H200 round-2 tiles predicted 2.7-3x too slow.
+# this fraction of the copy bandwidth. Fitted to the interleaved tiles (DEQUANT_TILES) on the
+# H100 (bench/results/fp4_h100_session9_64_tokens.json, dequant_ms - cublas_ms at 64 tokens:
+# 44-72 us for the 45-71 M weight layers, 0.87 of the copy bandwidth; predicted within
+# 0.94-1.14x).
 DEQUANT_COPY_FRACTION = 0.85
 
 
@@ -927,7 +927,7 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     # one token, integer dot products (_fp4_gemv_int_kernel): the best tiles of the H100 sweeps
     # (bench/results/fp4_decode_h100_int_dots.*): 16 x 512 elements with 4 warps (20.7 us on
     # 5120->13824) and 16 x 256 with 1 warp and a split of 8 (20.6 us on 13824->5120), against
-    # 25.4-27.2 us for the FMA kernel's tuned tiles (session 8); on LLaMA-7B's step shapes
+    # 25.4-27.2 us for the FMA kernel's tuned tiles; on LLaMA-7B's step shapes
     # (fp4_decode_h100_int_wide_llama7b.*): 32 x 512, 4 warps (4096->12288, 14.9 us), 16 x 2048,
     # 4 warps (4096->4096, 7.6 us), 32 x 256, 1 warp, split 2 (4096->22016, 26.1 us); and 16 x 256,
     # 1 warp (4096->32000, 34.4 us; fp4_decode_h100_int_wide_lmhead.*)
@@ -937,7 +937,7 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
                                   (16, 2048, 4, 1), (32, 256, 1, 2), (16, 256, 1, 1)))
     # two tokens per program, integer dot products: the best tiles of the H100 sweep
     # (bench/results/fp4_decode_h100_int_two_tokens.*): 16 x 256, 1 warp, split 4 (28.6 us on
-    # 5120->13824, 29.8 us on 13824->5120; 25.8 / 29.0 us after the register fix,
+    # 5120->13824, 29.8 us on 13824->5120; 25.8 / 29.0 us in
     # fp4_decode_h100_int_register_fix.*), against 40-43 us for the tensor-core kernel. Four tokens
     # per program measured 50-52 us there, slower than the tensor-core kernel's 41-43 us: not listed.
     + tuple(KernelConfig(bn, 2, bk, sk, num_warps=1, num_stages=1, int_dots=True)
@@ -955,7 +955,7 @@ DECODE_CONFIGS += tuple(dataclasses.replace(c, permute_x=True) for c in DECODE_C
 # activations): the best tiles of the H100 sweep (bench/results/fp4_decode_h100_session33_tma.*):
 # 64 rows x 256 elements, 4 warps, 2 ring slots, unsplit on 5120->13824 and split 4-8 on
 # 13824->5120: 28-30 us at 1-16 tokens (tensor-core kernel above: 38-41 us), 30-33 us at 32 tokens
-# (54-66), 34-46 us at 64 (58-66); 27-29 us at 4-16 tokens once the scales came by TMA (session 34).
+# (54-66), 34-46 us at 64 (58-66); 27-29 us at 4-16 tokens with the scales also loaded by TMA.
 # No 128-element steps: none won the sweep, and their 8 scale bytes per row are below a TMA box's
 # 16. The tuner keeps the integer-dot kernel where it is faster (one token, 20-21 us).
 DECODE_CONFIGS += tuple(KernelConfig(64, bm, 256, sk, num_warps=4, num_stages=2, tma=True)
@@ -1167,8 +1167,8 @@ if triton is not None:
         Per iteration a program reads a (BLOCK_N rows x WORDS_PER_ITER words) tile of int32 code
         words and their block scales, prefetched one iteration ahead in registers. The 8
         activations a word needs are two 4-element vector loads, made once per word column and
-        shared by every row of the tile (the scale-block tile this kernel replaced reloaded them
-        element by element per word: 1.12-1.16x cuBLAS at 1 token on an H100 against 1.46-1.72x).
+        shared by every row of the tile (a scale-block tile that reloads them element by element
+        per word runs at 1.12-1.16x cuBLAS at 1 token on an H100, this one at 1.46-1.72x).
         The block scale multiplies each word's partial sum, the global scale the final sum.
         SPLIT_K > 1: partial rows are added into a zeroed fp32 workspace (ws_ptr, M x N) with
         atomics; the split that arrives last (per-tile counter) copies the rows out with bias in
@@ -1748,7 +1748,7 @@ def _worth_timing(cfg: KernelConfig, path: str, m: int, k_padded: int) -> bool:
 # Dequantize tile: (rows, elements per row, warps, interleave) per program. interleave 1: one
 # contiguous store per row (INTERLEAVE in _fp4_dequantize_kernel), 0: two half-block stores. The
 # first entry is the default; bench_fp4.py --dequant-sweep times them all. H100, NVFP4, W bf16
-# 5120x13824 (bench/results/fp4_h100_dequant_sweep.json): the old (64, 64, 4, 0) 0.31 ms;
+# 5120x13824 (bench/results/fp4_h100_dequant_sweep.json): (64, 64, 4, 0) 0.31 ms;
 # (8, 1024, 4, 0) 0.147 ms; interleaved (4, 1024, 4, 1) 0.071 ms = 2.55 TB/s, 0.86 of the copy.
 DEQUANT_TILES: tuple[tuple[int, int, int, int], ...] = (
     (4, 1024, 4, 1), (8, 1024, 4, 1), (4, 2048, 4, 1), (16, 512, 4, 1), (2, 4096, 8, 1),
@@ -1854,7 +1854,7 @@ def _cold_decode_timer(args: tuple):
     back to back in one CUDA graph, so each reads from HBM (graphopt.timing.cold_graph_ms, the
     benchmark's L2-cold timing). do_bench's L2 flush leaves the cache full of dirty lines, and its
     host-launched calls can be launch-bound at ~20 us; tiles picked that way ran up to 20% slower
-    cold (session 6: 5120->13824 at 1 token, 1.48x against 1.81x). None when the copies do not fit
+    cold (5120->13824 at 1 token, 1.48x against 1.81x). None when the copies do not fit
     (the caller falls back to do_bench)."""
     from graphopt.timing import cold_copies, cold_graph_ms
 

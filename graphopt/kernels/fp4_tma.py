@@ -12,8 +12,8 @@ where layouts and shared memory are explicit:
 - each step's words are read from shared memory straight into the layout whose decode (two codes
   per 32-bit register, `fp4._e2m1_pair_bits`) is the warpgroup MMA's register operand A; the
   activations stay in shared memory as its operand B; each thread reads the scale bytes of its
-  own words (`word_pair_layout`). (Scales gathered from global memory one step ahead, as in the
-  first version, left the loads' latency exposed: 1-9% slower, session 34.)
+  own words (`word_pair_layout`). (Scales gathered from global memory one step ahead leave the
+  loads' latency exposed: 1-9% slower.)
 
 The math is the Triton kernel's (NVFP4, bf16 activations, DIRECT_BF16): codes times block scale
 in one bf16x2 multiply, exact, fp32 accumulation, split-K with the same single-launch reduction

@@ -439,7 +439,7 @@ _GEMV_CONFIGS = [TileConfig("gemv", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, 
         (16, 8, 1, 1, 0, "workspace"),
         # the same with the single-launch split-K reduction (no separate sum kernel)
         (32, 4, 1, 1, 4, "last"), (16, 8, 1, 1, 4, "last"), (32, 8, 1, 1, 0, "last"), (16, 8, 1, 1, 0, "last"),
-        # a split of 8 (session 16, q4_decode_h100_splits.*): the best one-token tile on 13824->5120,
+        # a split of 8 (q4_decode_h100_splits.*): the best one-token tile on 13824->5120,
         # 21.4 us against 23.2 us for the best of the tiles above in the same run
         (16, 4, 1, 1, 8, "last"))]
 _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
@@ -450,7 +450,7 @@ _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w,
 # one warpgroup on 128 rows with 3 stages was best on all six rows (64-row tiles 1.3x slower, two
 # warpgroups 1.4x, 1 stage 1.3-1.9x); 256-row tiles need fewer instructions per weight offline
 # (0.20 against 0.29 warp-instructions at 16 tokens) at 189 registers. Deeper pipelines did not
-# help (session 14, q4_decode_h100_swap_stages.*, 128-row tiles): 4 stages were 2-3% slower than 3
+# help (q4_decode_h100_swap_stages.*, 128-row tiles): 4 stages were 2-3% slower than 3
 # on three of four rows and 1% faster on the fourth; 6 stages were 3-9% slower on all four.
 _SWAP_SHAPES = ((128, 1, 4, 3, "last", 16), (128, 1, 4, 3, "last"), (128, 2, 4, 3, "last", 16),
                 (128, 1, 4, 4, "last", 16), (256, 1, 4, 3, "last", 16), (256, 1, 4, 3, "last"))

@@ -2,7 +2,7 @@
 
 The Triton decode GEMM (`q4._q4_gemm_kernel`, "swap" tiles) quantizes its activation tile to Q8_1
 again in every program and K step: at 16 tokens on the H100, 30% of its instructions were fp32
-adds, FMAs and max (that quantization and the per-block epilogue; session 34's profile), twice the
+adds, FMAs and max (that quantization and the per-block epilogue, profiled), twice the
 FP4 TMA kernel's instruction count. Here the activations are quantized once, by a small Triton
 kernel into a layout TMA can read, and a Gluon kernel streams the weights:
 

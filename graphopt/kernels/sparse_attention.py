@@ -379,8 +379,8 @@ def _prune_attention_configs(configs, named_args, **kwargs):
 
     head_dim = arg("HEAD_DIM", 128)
     if head_dim >= 128:
-        # the 3-stage single loop: on the H100 (D=128, 8k and 16k, 32 heads, 25-100% density, session
-        # 32) slower than the 2-stage one in 11 of 12 rows (a tie in the 12th), yet the tuner, timing
+        # the 3-stage single loop: on the H100 (D=128, 8k and 16k, 32 heads, 25-100% density)
+        # slower than the 2-stage one in 11 of 12 rows (a tie in the 12th), yet the tuner, timing
         # at the first call's density, picked it in 2 of 5 runs
         configs = [c for c in configs if not (c.kwargs.get("SINGLE_LOOP") and c.num_stages > 2)]
     if not tma_loads_supported(named_args["k_ptr"], named_args["v_ptr"]):
@@ -728,7 +728,7 @@ if triton is not None:
             # The whole list in one pipelined loop, the masked suffix (its last n_masked entries) last,
             # its token mask under a uniform branch: a loop of the suffix's own (below) fills a
             # pipeline of its own, one more memory latency before the main loop. On the H100 (causal, 8k and 16k, 32 heads) 1.2-3.7% faster
-            # at 10-25% density, -2.3% to +0.9% at 50%, 0.5-1% slower at 100% (session 32). No row
+            # at 10-25% density, -2.3% to +0.9% at 50%, 0.5-1% slower at 100%. No row
             # sees only masked keys, so the max needs no -inf guard: the list holds every block the
             # diagonal crosses (the launcher's precondition), and the first of them starts at the
             # query block's first token; a partial last key block starts below Lk.
@@ -741,8 +741,8 @@ if triton is not None:
             if IS_CAUSAL or PARTIAL_KEYS:
                 # The masked suffix first, in a loop of its own (at most BLOCK_M // BLOCK_N + 1 tiles):
                 # pipelined, so a tile's K and V loads are in flight together and the next tile's load
-                # overlaps this one. As straight-line code each load waited on its own, K then V, tile
-                # after tile (1-4% slower on the H100's causal rows, session 12). Its blocks come from
+                # overlaps this one. As straight-line code each load would wait on its own, K then V,
+                # tile after tile (1-4% slower on the H100's causal rows). Its blocks come from
                 # _masked_suffix, not the list, so its first loads wait on Q only.
                 for j in tl.range(0, n_masked, num_stages=2):
                     start_n = (first_masked + j) * BLOCK_N
@@ -1278,7 +1278,7 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
-PREDICTOR_VARIANTS = ("v3", "v2", "v1")  # v3: default; v2: one LUT launch; v1: the first predictor
+PREDICTOR_VARIANTS = ("v3", "v2", "v1")  # v3: default; v2: one LUT launch; v1: one program per 128 tokens
 
 
 def _require_triton(*tensors: torch.Tensor) -> None:
@@ -1328,14 +1328,14 @@ def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n:
 
 # v2 pooling launch: elements per load slice, warps per program, and the slice loop's pipeline
 # stages (0: unrolled). H100 sweeps (bench/sparse_pool_configs.py), D=128, bf16:
-# - session 23, H=32 (sparse_pool_configs_h100_h32_session23.*): with each slice reduced at once into
+# - H=32 (sparse_pool_configs_h100_h32_session23.*): with each slice reduced at once into
 #   (D,) accumulators, one warp, 1024-element slices (8 tokens) and a 2-stage loop read Q and K at
-#   2.74 / 2.84 TB/s at 8k / 16k (0.92-0.96 of the copy), 49.1 / 94.4 us, against the previous
-#   body's 55.0 / 106.0 us in the same run (2048-element slices summed into (16, D) accumulators:
-#   255 registers per thread offline, so 8 programs per SM). 512-2048-element slices with 2-4
+#   2.74 / 2.84 TB/s at 8k / 16k (0.92-0.96 of the copy), 49.1 / 94.4 us, against 55.0 / 106.0 us
+#   in the same run for 2048-element slices summed into (16, D) accumulators (255 registers per
+#   thread offline, so 8 programs per SM). 512-2048-element slices with 2-4
 #   stages were within 2%; the unrolled loop 3-10% slower; 2 warps 2-7x slower (likely because
 #   the per-token norm then spans both warps).
-# - session 5, H=16: one warp beat 2, 4 and 8 (fewer warps: more blocks in flight, no cross-warp
+# - H=16: one warp beat 2, 4 and 8 (fewer warps: more blocks in flight, no cross-warp
 #   reductions).
 POOL_SLICE_ELEMENTS = 1024
 POOL_WARPS = 1
@@ -1506,7 +1506,7 @@ def predict_block_lut(
     launches (pool Q and K with self-similarity; pooled scores; softmax + top-cdf + LUT), three
     allocations, no host synchronization: it can be captured in a CUDA graph. Float thresholds go
     to the kernels as scalars (no tensor is built). variant: "v3" (default); "v2" (scores and
-    selection in one launch) and "v1" (the first version) are kept for benchmarks."""
+    selection in one launch) and "v1" (one program per 128 tokens) are kept for benchmarks."""
     pool, lut_launch, _, lut, counts = _predictor_launchers(
         q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
         block_m=block_m, block_n=block_n, variant=variant)

@@ -1153,7 +1153,7 @@ def _cached_dispatcher_choice(hw_name: str, dt: torch.dtype, d: int, dv: int, ha
     call's dtype and head dims) when the target is the GPU present; None elsewhere. It applies
     rules the priority order does not show: torch 2.11 on an H100 lists flash first
     (torch._C._get_sdp_priority_order() == [1, 2, 0, 3, 4]) and runs cuDNN, for causal and
-    non-causal prefill and for one-token decode alike (session 20)."""
+    non-causal prefill and for one-token decode alike."""
     if not torch.cuda.is_available() or dt not in (torch.float16, torch.bfloat16, torch.float32):
         return None
     try:

@@ -33,11 +33,10 @@ sees at compile time; activations outside that range need a rescaled model or an
 
 Where it wins (H100, the issue's two shapes, weights L2-cold): decode. 1 token 2.3-2.6x cuBLAS bf16
 (the fused dp4a kernel; bench/results/q4_h100_session13_*.json), 4 tokens 1.92-2.31x and 16 tokens
-1.70-1.99x (session 34: the separate path on q4_tma's Gluon decode, which the cost model now picks
-there; bench/results/q4_h100_session34_tma.json). From 64 tokens on the int8 GEMM is slower than
+1.70-1.99x (the separate path on q4_tma's Gluon decode, which the cost model picks there;
+bench/results/q4_h100_session34_tma.json). From 64 tokens on the int8 GEMM is slower than
 cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/test_cost_model_measured.py)
-therefore rewrites decode linears and declines prefill unless force=True. (The H200 round-2 run,
-bench/results/q4_h200_round2.json, timed earlier decode kernels: 1.02-1.17x at 1 token only.)
+therefore rewrites decode linears and declines prefill unless force=True.
 
 Cost model (estimate_* below, on graphopt.cost_model.roofline; family q4_gemv for the gemv/dp4a
 kernels, q4_swap for the operand-swapped decode GEMM, q4_tma for q4_tma's decode, q4_gemm for the
@@ -77,13 +76,12 @@ from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical,
 # share, multiply, round via truncation + compare, convert, sum-reduce share, int8 pack).
 QUANT_OPS_PER_VALUE = 12
 # The fused GEMM re-quantizes its activation tile in every N tile: effective CUDA-core ops per value
-# and N tile. First fitted (with GEMM_UNPACK_OPS_PER_WEIGHT and the q4_gemm efficiency, least
-# squares on log time over every GEMM-kernel row of bench/results/q4_h200_round2.json) to 2; the
-# fused kernel measured 1.12-1.35x *faster* than the separate one at 64-4096 tokens on both GPUs
-# (H200 round 2; H100 bench/results/q4_h100_session9_prefill.json), so most of the
-# QUANT_OPS_PER_VALUE count overlaps the MMA. 2 still had the separate path predicted faster at
-# 256-4096 tokens (7 of 18 H200 rows and 2 of 6 H100 rows agreed on fused vs separate); 1 gets
-# all 24 right (session 9 refit, with q4_gemm's efficiency 0.09).
+# and N tile. Fitted (with GEMM_UNPACK_OPS_PER_WEIGHT and q4_gemm's efficiency 0.09) to the
+# GEMM-kernel rows of bench/results/q4_h200_round2.json (H200) and
+# bench/results/q4_h100_session9_prefill.json (H100): the fused kernel measured 1.12-1.35x *faster*
+# than the separate one at 64-4096 tokens on both GPUs, so most of the QUANT_OPS_PER_VALUE count
+# overlaps the MMA. 1 gets fused vs separate right on all 24 rows; 2 predicts the separate path
+# faster at 256-4096 tokens (7 of 18 H200 rows and 2 of 6 H100 rows right).
 FUSED_REQUANT_OPS_PER_VALUE = 1
 # The int8 GEMM kernel unpacks each 4-bit weight to int8 once per BLOCK_M token rows (fitted, as
 # above): this is what keeps the m16 decode GEMM at 0.6-0.8x of cuBLAS for 4-16 tokens.
@@ -95,15 +93,11 @@ EPILOGUE_OPS_PER_BLOCK = 4
 # half a byte extract, one LOP3 (nibble | exponent bits) and one FADD (remove the offset).
 GEMV_UNPACK_OPS_PER_VALUE = 2.5
 # The dp4a decode kernel: per weight value, the nibble masks/shift of its word (3 ops per 8
-# values, counted from the kernel) and, per token row, an effective 1.3 ops (the packed-int8
-# activation words and the dp4a word sums cost more per row than the dp4a count alone). Refit in
-# session 9 to the narrow one-warp tiles of bench/results/q4_h100_session8_cold_tuner.json (H100,
-# L2-cold): 1 token 0.021 ms (2.4-2.5x cuBLAS, 0.63 of the copy bandwidth: q4_gemv's memory
-# efficiency), 4 tokens 0.045-0.052 ms, 16 tokens 0.16-0.21 ms; the best tile of each is predicted
-# within 0.97-1.16x. (Fitted first to bench/results/q4_decode_h100.json's wider tiles: 2.0 ops.)
-# Session 10: each block's eight dp4a form one accumulating chain (no separate word sums), and
-# 4 tokens fell from 0.045-0.052 to 0.031-0.042 ms (bench/results/q4_h100_session10_chained_dp4a.json);
-# refit 1.3 -> 0.9, which predicts the 4-token rows within 0.95-1.19x.
+# values, counted from the kernel) and, per token row, an effective 0.9 ops (each block's eight
+# dp4a form one accumulating chain, with no separate word sums). Fitted to the narrow one-warp
+# tiles on the H100, L2-cold: 1 token 0.021 ms (bench/results/q4_h100_session8_cold_tuner.json:
+# 2.4-2.5x cuBLAS, 0.63 of the copy bandwidth: q4_gemv's memory efficiency), 4 tokens
+# 0.031-0.042 ms (bench/results/q4_h100_session10_chained_dp4a.json), predicted within 0.95-1.19x.
 PREQUANT_SUM_OPS_PER_VALUE = 0.25  # Q8_1 blocks in: a block's sum(q) is one dp4a per 4 values, per program
 DP4A_UNPACK_OPS_PER_VALUE = 0.375
 DP4A_OPS_PER_VALUE_AND_ROW = 0.9

@@ -15,14 +15,14 @@ their error was not measured on this model, which the decision says.
 The cost model decides: dense time (the backend the attention pass chose, on the target GPU)
 against the predictor (3 launches) plus the block-sparse kernel at the plan's measured sparsity
 (without a plan: an assumed ASSUMED_SPARSITY_WITHOUT_PLAN, recorded as such). Both estimates are
-rooflines fitted to the H200 round-2 timings (bench/results/sparse_attention_h200_round2.json; see
-the constants below). Where the kernel currently wins there (bf16, D=128, B=1, H=16, predictor
+rooflines fitted to the H200 timings (bench/results/sparse_attention_h200_round2.json; see
+the constants below). Where the kernel wins there (bf16, D=128, B=1, H=16, predictor
 included, against cuDNN): from L=8k at 50% of the blocks skipped (1.09-1.15x at 8k, 1.24-1.40x
 at 16k-32k), 75% skipped 1.6-2.6x, 90% skipped 2.3-5.4x; at L=4k only from ~75% skipped
 (1.08-1.5x); never at density 1 (the kernel alone is 0.64-0.80x cuDNN). Short sequences and
 low sparsity are declined with the reason. Unless the step replays from a CUDA graph
 (`cuda_graphs` / `graph_replay`), each side is priced at least at its op's host launch path
-(`priced_host_launches`: about 230 us for graphopt::sparse_attention on the H100 hosts, session 29),
+(`priced_host_launches`: about 230 us for graphopt::sparse_attention on the H100 hosts),
 which moves the flip to longer sequences.
 
 Symbolic sequence lengths (torch.compile(dynamic=True), the automatic dynamic shapes Dynamo
@@ -71,22 +71,21 @@ PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; to
 #    128 x 64 tile (least squares over the 32 kernel timings with the row cost below; the dense
 #    kernel runs 408-472 TFLOP/s, 0.59-0.68 of the ceiling, including its row cost);
 #  - SPARSE_ROW_COST_TILES: each query block (row) also costs some tiles' worth of time (Q load,
-#    pipeline fill, epilogue, store) whatever its density. Fitted as 6 to the H200 run (every
-#    kernel timing within 0.80-1.13x); that held for the H100 kernels of sessions 11-12 (within
-#    0.92-1.15x). Session 15 built the single loop's tensor descriptors on the host, which cut the
-#    fixed cost per program from 9.8 to 7.3 us against 2.18 us per tile at 8k (bench/sparse_fixed_
-#    cost.py: 3.3 tiles). Now 3.5: the session-15 runs (sparse_attention_h100_host_desc_8k.json and
-#    _16k_32k.json) are within 1.00-1.12x of the CUDA-graph timings (6 gave up to 1.29x), the
-#    session-12 run within 0.90-1.06x; the sparse-or-dense call is right on 24 of 24 rows of each.
-#  - The predictor (v3 kernels) is refit to an H100 run (bench/results/sparse_predictor_h100_
+#    pipeline fill, epilogue, store) whatever its density. With the single loop's tensor
+#    descriptors built on the host, the fixed cost per program is 7.3 us against 2.18 us per tile
+#    at 8k (bench/sparse_fixed_cost.py: 3.3 tiles). 3.5 puts the H100 runs
+#    (sparse_attention_h100_host_desc_8k.json and _16k_32k.json) within 1.00-1.12x of the
+#    CUDA-graph timings (6 gives up to 1.29x), and sparse_attention_h100_mask_loop.json within
+#    0.90-1.06x; the sparse-or-dense call is right on 24 of 24 rows of each. (The H200 run alone
+#    fits 6: every kernel timing within 0.80-1.13x.)
+#  - The predictor (v3 kernels) is fitted to an H100 run (bench/results/sparse_predictor_h100_
 #    session23.json: 0.036 / 0.065 / 0.139 ms at L = 8k / 16k / 32k, B=1, H=16, D=128, CUDA graph):
-#    PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.95: with session 23's pooling loop the whole predictor's
-#    timings are 1.00-1.06x of this model (the pooling launch alone reads Q and K at 2.4 / 2.7 /
-#    2.8 TB/s, 0.82-0.96 of the copy bandwidth; its earlier body read at 0.78-0.83 and was fitted
-#    with 0.8); PREDICTOR_S_PER_SCORE = 10 ps per (query block, key block) pooled score for the
+#    PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.95: the whole predictor's timings are 1.00-1.06x of this
+#    model (the pooling launch alone reads Q and K at 2.4 / 2.7 / 2.8 TB/s, 0.82-0.96 of the copy
+#    bandwidth); PREDICTOR_S_PER_SCORE = 10 ps per (query block, key block) pooled score for the
 #    scores GEMM and the selection beyond their launches: 3.1 + 4.6 us at 8k (131k scores), 19 +
-#    20 us at 32k (2.1M). The v1 predictor the H200 round-2 timings come from read Q and K at
-#    ~0.9 TB/s and took 4x longer per score.
+#    20 us at 32k (2.1M). The v1 predictor, which the H200 timings ran, reads Q and K at
+#    ~0.9 TB/s and takes 4x longer per score.
 SPARSE_ROW_COST_TILES = 3.5
 PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.95
 PREDICTOR_S_PER_SCORE = 10e-12

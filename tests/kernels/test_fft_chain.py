@@ -393,9 +393,10 @@ _EXPLORE_LINE = re.compile(r"layer\s+\d+ \S+\s+(\d+)->(\d+)\s+B=(\d+)\s+K=(\d+)\
 
 def _recorded_h200_rows():
     """Distinct measured (in, out, B, K, tokens, impl, bias, ms, dense ms) CUDA-graph rows of the H200
-    runs whose kernels still exist as measured: round 2 (bench rows of all three implementations,
-    and the explore-fft dft rows printed in its log) and round 1's torch/triton rows (its dft
-    kernels were replaced). Later rounds win on duplicates."""
+    runs of the current kernels: fft_chain_h200_round2.json (bench rows of all three
+    implementations, and the explore-fft dft rows printed in its log) and the torch/triton rows of
+    fft_chain_h200_round1.json and explore_fft_h200/ (their dft rows timed another dft kernel).
+    Files read later win on duplicates."""
     rows: dict[tuple, tuple] = {}
     for t in (16, 256, 4096):
         data = json.loads((RESULTS / "explore_fft_h200" / f"explore_fft_quick_{t}tok.json").read_text())
@@ -426,7 +427,7 @@ _HAVE_RESULTS = (RESULTS / "fft_chain_h200_round2.json").exists() and (RESULTS /
 @pytest.mark.skipif(not _HAVE_RESULTS, reason="recorded H200 results not in this checkout")
 def test_cost_model_tracks_recorded_h200_timings():
     """The roofline (fitted constants above estimate_fft_chain) against every recorded H200 row it
-    can explain (rounds 1 and 2, all three implementations): each predicted time within 0.65-1.7x
+    can explain (_recorded_h200_rows, all three implementations): each predicted time within 0.65-1.7x
     of the measured one, and faster/slower-than-cuBLAS agreement >= 90% per implementation (the
     dense side is cost_model.linear)."""
     from graphopt import cost_model

@@ -261,10 +261,9 @@ def test_strided_bias_is_taken_as_a_copy():
 @pytest.mark.parametrize("path", ["gemv", "gemm", "dequant"])
 def test_triton_fp32_activations_are_computed_from_bf16(fmt, path):
     """The Triton launcher multiplies a bf16 copy of fp32 activations by the exact weight, so the
-    only rounding is x's. Round 1 failed this on the GPU because its CPU tensors took the fp32
-    torch reference instead of the kernel; the tensors now live on DEVICE. The tiled GEMM used to
-    fold NVFP4's fp32 global scale into each weight before the bf16 cast (4e-3 relative error);
-    it now scales the sums."""
+    only rounding is x's. The tensors live on DEVICE, so on a GPU the kernel runs (CPU tensors
+    would take the fp32 torch reference). The tiled GEMM scales the sums by NVFP4's fp32 global
+    scale (folding it into each weight before the bf16 cast would give 4e-3 relative error)."""
     x, kw, b, _ = _case(fmt, 2, 24, 64, torch.float32, True, seed=4)
     y = fp4.fp4_linear(x, kw, b, path=path).cpu()
     assert y.dtype == torch.float32
@@ -419,7 +418,7 @@ def test_tma_decode_is_costed_only_where_the_tuner_can_pick_it():
     tma = fp4.estimate_fp4_linear(h100, 16, 5120, 13824, "nvfp4", path="gemv")
     triton_only = fp4.estimate_fp4_linear(h100, 16, 5120, 13824, "nvfp4", path="gemv", act_dtype=torch.float16)
     assert "TMA" in tma.name and "TMA" not in triton_only.name
-    # L2-cold on the H100: 25.5 us on the TMA kernel (session 34), 40.4 us on the Triton one (session 33)
+    # L2-cold on the H100: 25.5 us on the TMA kernel, 40.4 us on the Triton one
     assert 0.022 < tma.ms < 0.029 < 0.036 < triton_only.ms < 0.045
 
 

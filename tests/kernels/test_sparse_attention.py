@@ -393,8 +393,9 @@ def test_input_errors_name_the_problem():
 @pytest.mark.parametrize("implementation", ["triton", "reference"])
 @pytest.mark.parametrize("lq, lk", [(70, 0), (0, 70), (0, 0)])
 def test_no_queries_or_no_keys_give_sdpas_answer(implementation, lq, lk):
-    """Lk = 0 used to read key block 0 in the Triton kernel (a segfault under the interpreter, an
-    illegal address on the GPU) and fail in the reference's top-cdf; now zeros, as SDPA returns."""
+    """No queries or no keys give zeros, as SDPA returns: with Lk = 0 the Triton kernel reads no key
+    block (block 0 would be a segfault under the interpreter, an illegal address on the GPU) and
+    the reference's top-cdf does not fail."""
     q, k, v = randn(1, 2, lq, 16, seed=33), randn(1, 2, lk, 16, seed=34), randn(1, 2, lk, 16, seed=35)
     q, k, v = on_device(q, k, v) if implementation == "triton" else (q, k, v)
     out, skipped = sa.sparse_attention(q, k, v, implementation=implementation, return_sparsity=True)

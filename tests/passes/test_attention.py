@@ -828,7 +828,7 @@ def test_zero_initialised_trainable_bias_keeps_its_gradient():
 
 
 # ---------------------------------------------------------------------------------------------
-# Review findings (session 27)
+# Edge cases: masks edited in place, broadcast key/value heads, chained attentions
 # ---------------------------------------------------------------------------------------------
 class PrefixLM(nn.Module):
     """A prefix-LM mask: causal, then the first `prefix` keys opened to every query in place."""
@@ -851,7 +851,7 @@ class PrefixLM(nn.Module):
 @pytest.mark.parametrize("how", ["setitem", "fill_"])
 def test_a_mask_edited_in_place_is_not_proven_causal(how):
     """The compile-time evaluation follows a mask's inputs, not later writes into it: a causal mask
-    opened in place is not causal and must stay a mask (it used to become is_causal=True)."""
+    opened in place is not causal and must stay a mask (not is_causal=True)."""
     (d,) = compile_and_compare(PrefixLM(how=how), *qkv())
     assert not d.details["is_causal"] and d.details["bias"] == "bool"
 
@@ -869,8 +869,8 @@ def test_a_zero_bias_edited_in_place_is_kept():
 
 
 def test_keys_and_values_broadcast_over_heads_become_kv_groups():
-    """Multi-query attention written as a (B, 1, L, D) key and value: it used to reach the op with
-    one group and fail there at run time."""
+    """Multi-query attention written as a (B, 1, L, D) key and value reaches the op with one group
+    per query head (with a single group it would fail there at run time)."""
     q, k, v = qkv(hkv=1)
     (d,) = compile_and_compare(PlainAttention(), q, k, v)
     assert d.details["num_kv_groups"] == H

@@ -126,8 +126,8 @@ def test_a_layer_missing_from_the_plan_names_the_plans_layers(tmp_path):
 
 def test_a_fit_that_diverges_keeps_its_projection(tmp_path):
     """A learning rate that drives training to NaN: the held-out error NaN is not 'better' than the
-    projection's, so the projection is kept and the plan records a finite error (it used to record
-    NaN, which passed the pass's budget check and made the model's output NaN)."""
+    projection's, so the projection is kept and the plan records a finite error (a recorded NaN
+    would pass the pass's budget check and make the model's output NaN)."""
     torch.manual_seed(4)
     model = TwoLayers().eval()
     out = distill(model, (torch.randn(64, 32),), layer_start=1, layer_end=1, block_size=16, k=1, steps=5, lr=1e30,
@@ -142,7 +142,7 @@ def test_a_fit_that_diverges_keeps_its_projection(tmp_path):
 def test_a_plan_fitted_to_other_weights_is_declined(tmp_path, downstream):
     """The plan records the weights it was fitted to. When they change under a compiled model (an
     in-place update, a checkpoint loaded), the frozen-weight guard recompiles and the pass declines
-    the stale fit, so the model follows the new weights (it used to keep the old coefficients)."""
+    the stale fit, so the model follows the new weights (not the old coefficients)."""
     torch.manual_seed(3)
     model = TwoLayers().eval()
     plan = tmp_path / "plan.json"

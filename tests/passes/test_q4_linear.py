@@ -149,8 +149,8 @@ def test_cost_model_picks_per_token_count():
 
     # As measured on H200 (bench/results/q4_h200_round2.json): the 1-token fused gemv beats cuBLAS
     # bf16 (1.02-1.17x); at 256-4096 tokens the kernels are about 0.1x, fused or separate. (Its
-    # 4- and 16-token rows timed decode kernels replaced since; the model predicts the current
-    # ones, which the H100 measured at 1.65-1.74x and 1.30-1.54x: tests/test_cost_model_measured.py.)
+    # 4- and 16-token rows timed other decode kernels; the model predicts graphopt's, which the
+    # H100 measured at 1.65-1.74x and 1.30-1.54x: tests/test_cost_model_measured.py.)
     dense = cost_model.linear(h200, 1, 5120, 13824)
     assert estimate_q4_fused(h200, 1, 5120, 13824).ms < dense.ms
     for tokens in (256, 4096):
@@ -277,7 +277,7 @@ def test_cpu_target_declines_without_force():
 
 def test_fake_quant_with_a_float64_scalar_scale_keeps_eager_dtype():
     """A 0-dim float64 scale does not promote float32 activations in eager torch; the fused op
-    must return float32 too (it used to promote to float64, which the CUDA kernel rejected)."""
+    must return float32 too (float64, which the CUDA kernel rejects, would be wrong)."""
 
     class Scalar64(FakeQuantLinear):
         def __init__(self):
@@ -319,7 +319,7 @@ class BiasVariants(torch.nn.Module):
 @pytest.mark.parametrize("use_addmm", [False, True])
 def test_a_bias_that_only_broadcasts_is_declined(pass_name, use_addmm):
     """A (1,) bias broadcasts in eager; the ops take exactly (N,), so the layer stays dense
-    (it used to be rewritten and then refused by the CUDA launcher at run time)."""
+    (rewritten, it would be refused by the CUDA launcher at run time)."""
     model, x = BiasVariants((1,), use_addmm).eval(), torch.randn(6, 64)
     report = graphopt.explain(model, x, force=True, passes={pass_name: True}, downstream="eager")
     assert report.counts[pass_name] == 0

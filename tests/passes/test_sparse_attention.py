@@ -80,7 +80,7 @@ def test_cost_model_prefers_sparse_only_at_length():
 
 def test_host_path_is_priced_unless_the_step_replays_from_a_cuda_graph():
     """Called directly, graphopt::sparse_attention costs about 19 one-kernel torch ops of host time
-    (four launches; session 29 on the H100): where the GPU work is shorter, that sets the pace. At
+    (four launches, measured on the H100): where the GPU work is shorter, that sets the pace. At
     75% sparsity, B=1, H=32, D=128, non-causal, against cuDNN: 2k tokens win on GPU time alone and
     lose once the host path is priced; 8k tokens win either way."""
     from types import SimpleNamespace
@@ -131,9 +131,9 @@ def _measured_h200():
 
 
 def _recorded_rows():
-    """(B, H, D, L, causal, density, kernel ms, predictor ms, cuDNN ms) of the H200 round 2. The kernel
-    rows are timed on given block masks. The predictor that run timed (v1) is replaced: its column
-    is the current predictor's estimate on that H200 (the estimate is checked against the current
+    """(B, H, D, L, causal, density, kernel ms, predictor ms, cuDNN ms) of the H200 run. The kernel
+    rows are timed on given block masks. That run timed the v1 predictor: the predictor column is
+    the default predictor's estimate on that H200 (the estimate is checked against the default
     predictor's H100 timings in test_predictor_estimate_tracks_the_h100_timings)."""
     data = json.loads(RESULTS.read_text())
     cfg = data["config"]
@@ -151,7 +151,7 @@ def _predicted(hw, b, h, d, length, causal, density):
 
 @pytest.mark.skipif(not RESULTS.exists(), reason="recorded H200 results not in this checkout")
 def test_cost_model_tracks_recorded_h200_timings():
-    """Kernel estimates within 0.75-1.2x of the H200 round-2 timings, and the sparse-vs-cuDNN call
+    """Kernel estimates within 0.75-1.2x of the H200 timings, and the sparse-vs-cuDNN call
     (predictor + kernel against the dense estimate) right on >= 90% of rows. Those timings are
     eager: the three rows under 0.1 ms (4k at the lowest densities, 0.049-0.076 ms) are partly the
     host's launch path and are left out of the band (the H100 pins below use CUDA-graph replays)."""
@@ -290,8 +290,8 @@ def test_declined_sdpa_call_is_left_untouched():
 
 @pytest.mark.parametrize("attention_pass", [True, False])
 def test_an_sdpa_call_the_matcher_rejects_gets_a_decision(attention_pass):
-    """With the attention pass on, a rejected SDPA call used to get no sparse_attention decision
-    (explain then said nothing about why it stayed dense)."""
+    """With the attention pass on, a rejected SDPA call still gets a sparse_attention decision, so
+    explain says why it stayed dense."""
     class Dropout(torch.nn.Module):
         def forward(self, q, k, v):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
@@ -421,7 +421,7 @@ class ChainedSdpa(torch.nn.Module):
 @pytest.mark.parametrize("attention_pass", [True, False])
 def test_chained_attentions_are_both_made_sparse(attention_pass):
     """With the attention pass off, the sparse pass lowers SDPA calls itself; the second call must
-    read the first one's replacement (the pass used to fail on the erased node and skip both)."""
+    read the first one's replacement, not the erased node, so both are made sparse."""
     q, k, v = sa.local_sink_qkv(1, 2, 256, 32, seed=1)
     report = graphopt.explain(ChainedSdpa(), q, k, v, passes={"attention": attention_pass, "sparse_attention": True},
                               force=True, downstream="eager")
@@ -505,10 +505,10 @@ def test_symbolic_length_gate_on_the_gpu(monkeypatch, is_causal):
 
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
-# the last H100 runs: session 15 (host-built descriptors; 8k, then 16k-32k on another machine) and
-# session 12 (the masked suffix in its own loop)
-RESULTS_H100 = {"session 15": ["sparse_attention_h100_host_desc_8k.json", "sparse_attention_h100_host_desc_16k_32k.json"],
-                "session 12": ["sparse_attention_h100_mask_loop.json"]}
+# recorded H100 runs: host-built descriptors (8k, then 16k-32k on another machine) and the masked
+# suffix in its own loop
+RESULTS_H100 = {"host_desc": ["sparse_attention_h100_host_desc_8k.json", "sparse_attention_h100_host_desc_16k_32k.json"],
+                "mask_loop": ["sparse_attention_h100_mask_loop.json"]}
 
 
 @pytest.mark.parametrize("run", list(RESULTS_H100))
