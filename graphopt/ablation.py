@@ -132,7 +132,7 @@ def run_ablation(
     device: str | None = None,
     force: bool = False,
     downstream: str = "inductor",
-    out_dir: str | Path = "ablation_out",
+    out_dir: str | Path = "graphopt_out/ablation",
     rep_ms: float = 200,
     extra_options: dict | None = None,
 ) -> list[VariantResult]:
@@ -186,7 +186,7 @@ def results_table(results: list[VariantResult], title: str):
 
 
 def write_outputs(results: list[VariantResult], out_dir: Path, *, title: str) -> dict[str, Path]:
-    """Rich table to the console, plus ablation.json and ablation.png in out_dir."""
+    """Rich table to the console, plus ablation.json and ablation.png in out_dir, each path printed."""
     from rich.console import Console
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -196,6 +196,8 @@ def write_outputs(results: list[VariantResult], out_dir: Path, *, title: str) ->
                                      "variants": [_json_ready(asdict(r)) for r in results]}, indent=2))
     png_path = out_dir / "ablation.png"
     plot(results, png_path, title)
+    for path in (json_path, png_path):
+        print(f"wrote {path}")
     return {"json": json_path, "png": png_path}
 
 
@@ -235,7 +237,7 @@ def _environment() -> dict[str, Any]:
     return info
 
 
-def run_demo(*, device: str | None = None, out_dir: str | Path = "demo_out", rep_ms: float = 300) -> list[VariantResult]:
+def run_demo(*, device: str | None = None, out_dir: str | Path = "graphopt_out/demo", rep_ms: float = 300) -> list[VariantResult]:
     """The README's main job: a small LLaMA-style model with eager attention, explained and timed."""
     from rich.console import Console
 

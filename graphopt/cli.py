@@ -10,6 +10,8 @@ Subcommands:
   tune         per-head sparse-attention thresholds under an L1 budget (graphopt.sparse_tuning)
   explore-fft  when does an FFT-chain layer beat a dense GEMM (graphopt.fft_explorer)
   fftchain     FFT-chain distillation (graphopt.fft_distill)
+
+torch, transformers, rich and matplotlib load inside the commands, so that `graphopt --help` is quick.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 # Commands implemented in their own modules: each defines add_arguments(parser) and run(args) -> int.
+# Their modules import torch, so they load only when their command runs.
 PLUGIN_COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("graphopt.sparse_tuning", "tune sparse-attention thresholds per head under an L1 budget; writes a plan"),
     "explore-fft": ("graphopt.fft_explorer", "measure where FFT-chain layers beat dense GEMMs, with predictions"),
@@ -33,7 +38,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str 
     from graphopt.models import BUILTIN_MODELS
 
     parser.add_argument("--model", default=default_model,
-                        help=f"built-in model ({', '.join(BUILTIN_MODELS)}) or module:function returning (model, inputs)")
+                        help=f"built-in model ({', '.join(BUILTIN_MODELS)}) or module:function returning "
+                             f"(model, example_inputs), the module looked up in the working directory first")
     parser.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (default: per model)")
     parser.add_argument("--batch", type=_positive_int, default=1)
     parser.add_argument("--device", type=_device, default=None, help="cuda or cpu (default: cuda when present)")
@@ -58,6 +64,14 @@ def check_device(text: str) -> str:
     if not (text == "cpu" or text.startswith("cuda")):
         raise ValueError(f"{text!r} is not a device; valid choices: cuda, cuda:N, cpu")
     return text
+
+
+def require_cuda(what: str, hint: str = "") -> None:
+    """ValueError unless a CUDA GPU is present: GPU-only work says so rather than failing inside CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"{what} needs a CUDA GPU and none is present" + (f"; {hint}" if hint else ""))
 
 
 def _device(text: str) -> str:
@@ -189,6 +203,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from graphopt.calibrate import calibrate
 
+    require_cuda("calibrate", "on CPU the cost model uses the generic 'cpu' spec (target='cpu')")
     result = calibrate(attention=not args.no_attention)
     print(json.dumps(result, indent=2))
     return 0
@@ -212,6 +227,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.family not in families:
         raise ValueError(f"unknown benchmark {args.family!r}; valid choices: {', '.join(families)}")
     script = BENCH_DIR / f"bench_{args.family}.py"
+    if not (args.family.endswith("_cpu") or {"-h", "--help", "--cpu-smoke"} & set(args.script_args)):
+        smoke = "--cpu-smoke" in script.read_text()
+        require_cuda(f"bench {args.family}", f"graphopt bench {args.family} --cpu-smoke runs it at tiny sizes on CPU"
+                     if smoke else "")
     return subprocess.call([sys.executable, str(script), *args.script_args], cwd=BENCH_DIR.parent)
 
 
@@ -222,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="compile a small LLaMA-style model; show rewrites and speedups")
     p.add_argument("--device", type=_device, default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--out", default="demo_out", help="folder for the JSON and the plot")
+    p.add_argument("--out", default=str(Path("graphopt_out", "demo")), help="folder for the JSON and the plot "
+                   "(default: %(default)s under the working directory)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("explain", help="decision table for a model")
@@ -236,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="apply every match regardless of the cost model")
     p.add_argument("--downstream", default="inductor")
     p.add_argument("--rep-ms", type=float, default=200, help="timing budget per variant")
-    p.add_argument("--out", default="ablation_out")
+    p.add_argument("--out", default=str(Path("graphopt_out", "ablation")), help="folder for the JSON and the plot "
+                   "(default: %(default)s under the working directory)")
     p.set_defaults(func=cmd_ablate)
 
     p = sub.add_parser("export", help="export the rewritten graph to ONNX")
@@ -260,16 +281,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed on to the script (see its --help)")
     p.set_defaults(func=cmd_bench)
 
-    for name, (module_name, help_text) in PLUGIN_COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            p.set_defaults(func=lambda args, exc=exc, name=name: _unavailable(name, exc))
-            continue
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
+    for name, (_, help_text) in PLUGIN_COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)  # listed here; parse_args gives it its own parser
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with a plugin command's module loaded only when that command runs."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in PLUGIN_COMMANDS:
+        return build_parser().parse_args(argv)
+    name = argv[0]
+    module_name, help_text = PLUGIN_COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        return argparse.Namespace(command=name, func=lambda args, exc=exc: _unavailable(name, exc))
+    parser = argparse.ArgumentParser(prog=f"graphopt {name}", description=help_text)
+    module.add_arguments(parser)
+    parser.set_defaults(command=name, func=module.run)
+    return parser.parse_args(argv[1:])
 
 
 def _unavailable(name: str, exc: Exception) -> int:
@@ -278,20 +309,35 @@ def _unavailable(name: str, exc: Exception) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
+    # The command line is an application: graphopt's warnings go to stderr unless logging is set up.
+    logging.basicConfig(format="%(name)s: %(levelname)s: %(message)s")
     try:
+        device = getattr(args, "device", None)
+        if isinstance(device, str) and device.startswith("cuda"):
+            require_cuda(f"--device {device}", "valid choices here: cpu")
+        if args.command != "bench":  # bench runs its script in a subprocess
+            importlib.import_module("graphopt.ops")  # registers the graphopt::* ops the commands run
         return int(args.func(args) or 0)
     except ValueError as exc:  # bad options and inputs: a clear message, not a traceback
         print(f"graphopt {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:
-        from graphopt.calibrate import NoDeviceError
-
-        if not isinstance(exc, NoDeviceError):  # a bug: keep its traceback
+    except (AssertionError, RuntimeError) as exc:
+        if not _cuda_missing(exc):  # a bug: keep its traceback
             raise
-        print(f"graphopt {args.command}: error: {exc}", file=sys.stderr)  # e.g. calibrate without a GPU
+        print(f"graphopt {args.command}: error: this run needs a CUDA GPU and none is present (torch: {exc})",
+              file=sys.stderr)
         return 2
+
+
+def _cuda_missing(exc: BaseException) -> bool:
+    """Whether `exc` is torch failing to start CUDA on a machine without it (a model or a plugin
+    asked for a GPU in a way the checks above do not see)."""
+    import torch
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return (not torch.cuda.is_available()
+            and any(f.name == "_lazy_init" and Path(f.filename).parent.name == "cuda" for f in frames))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 
 import torch.fx as fx
 
+import graphopt.ops  # noqa: F401  (the rewrites emit graphopt::* ops; `import graphopt` may not have loaded them)
 from graphopt.config import GraphOptConfig
 from graphopt.hardware import HardwareSpec, get_spec
 from graphopt.logging_setup import configure_logging

@@ -1,4 +1,8 @@
 import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +29,7 @@ def test_calibrate_without_gpu_says_so(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert main(["calibrate"]) == 2  # a message, not a traceback
-    assert "measures a CUDA GPU" in capsys.readouterr().err
+    assert "calibrate needs a CUDA GPU and none is present" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -71,11 +75,14 @@ def test_bench_runs_the_checkouts_benchmark_scripts(capfd):
     assert "unknown benchmark 'fp5'; valid choices: attention" in capfd.readouterr().err
 
 
-def test_ablate_writes_table_json_and_plot(tmp_path, capsys):
+def test_ablate_writes_table_json_and_plot(tmp_path, monkeypatch, capsys):
+    """By default under ./graphopt_out/ablation of the working directory, and it says where."""
+    monkeypatch.chdir(tmp_path)
     code = main(["ablate", "--model", "tiny-llama", "--seq-len", "16", "--passes", "attention",
-                 "--downstream", "eager", "--rep-ms", "20", "--out", str(tmp_path)])
+                 "--downstream", "eager", "--rep-ms", "20"])
     assert code == 0
-    data = json.loads((tmp_path / "ablation.json").read_text())
+    out_dir = tmp_path / "graphopt_out" / "ablation"
+    data = json.loads((out_dir / "ablation.json").read_text())
     names = [v["name"] for v in data["variants"]]
     assert names[:2] == ["eager", "inductor"] and any(n.startswith("graphopt") for n in names)
     # The model runs in float32 on CPU and bfloat16 on a GPU (8-bit mantissa: Inductor's own fusions
@@ -83,8 +90,27 @@ def test_ablate_writes_table_json_and_plot(tmp_path, capsys):
     tolerance = 2e-2 if torch.cuda.is_available() else 1e-3
     for v in data["variants"]:
         assert v["median_ms"] > 0 and v["rel_err"] < tolerance
-    assert (tmp_path / "ablation.png").stat().st_size > 1000
-    assert "ablation: tiny-llama" in capsys.readouterr().out
+    assert (out_dir / "ablation.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "ablation: tiny-llama" in out
+    assert f"wrote {Path('graphopt_out', 'ablation', 'ablation.json')}" in out
+    assert f"wrote {Path('graphopt_out', 'ablation', 'ablation.png')}" in out
+
+
+def test_demo_writes_where_asked_and_says_so(tmp_path, capsys):
+    from graphopt.ablation import run_demo
+
+    out_dir = tmp_path / "here"
+    run_demo(device="cpu", out_dir=out_dir, rep_ms=5)
+    out = capsys.readouterr().out
+    for name in ("ablation.json", "ablation.png"):
+        assert (out_dir / name).is_file() and f"wrote {out_dir / name}" in out
+
+
+def test_demo_and_ablate_write_outside_the_source_tree_by_default():
+    parser = build_parser()
+    assert Path(parser.parse_args(["demo"]).out) == Path("graphopt_out", "demo")
+    assert Path(parser.parse_args(["ablate"]).out) == Path("graphopt_out", "ablation")
 
 
 def test_variant_sets_deduplicate():
@@ -102,7 +128,7 @@ def test_parser_builds():
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["explain", "--model", "nosuchmod:fn"], "cannot load 'fn' from module 'nosuchmod'"),
+    (["explain", "--model", "nosuchmod:fn"], "no module named 'nosuchmod'"),
     (["explain", "--force", "--option", "force=false"], "repeats --force"),
     (["ablate", "--downstream", "foo"], "downstream='foo' is not valid"),
     (["ablate", "--passes", "atention"], "unknown pass 'atention'"),
@@ -125,3 +151,112 @@ def test_demo_device_is_checked(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--device", "gpu"])
     assert "'gpu' is not a device" in capsys.readouterr().err
+
+
+# Modules a bare `graphopt --help` must not load: each adds a second or more to every call.
+HEAVY_MODULES = ("torch", "transformers", "triton", "rich", "matplotlib", "onnx", "onnxruntime", "onnxscript")
+
+
+def test_help_loads_no_heavy_module():
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "graphopt", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "explain" in result.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert imported, result.stderr
+    assert not {m.split(".")[0] for m in imported} & set(HEAVY_MODULES)
+
+
+def test_subcommand_help_loads_no_heavy_module():
+    code = textwrap.dedent("""
+        import json
+        import sys
+        from graphopt.cli import main
+        for command in ("demo", "explain", "ablate", "export", "calibrate", "bench"):
+            try:
+                main([command, "--help"])
+            except SystemExit:
+                pass
+        print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = set(json.loads(result.stdout.strip().splitlines()[-1]))
+    assert not loaded & set(HEAVY_MODULES)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+@pytest.mark.parametrize("argv, command, hint", [
+    (["calibrate"], "calibrate", ""),
+    (["bench", "cost_model"], "bench", ""),
+    (["bench", "fp4"], "bench", "--cpu-smoke"),
+    (["explore-fft", "--quick", "--device", "cuda"], "explore-fft", ""),
+])
+def test_gpu_commands_say_so_without_a_gpu(argv, command, hint):
+    """Exit 2 with one line naming the command and the missing GPU, not a CUDA traceback."""
+    result = subprocess.run([sys.executable, "-m", "graphopt", *argv], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    [message] = result.stderr.strip().splitlines()
+    assert message.startswith(f"graphopt {command}: error: ") and "needs a CUDA GPU" in message and hint in message
+
+
+USER_MODELS = """
+import torch
+
+def make():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)
+
+def make_list():
+    return [torch.nn.Linear(4, 4), [torch.randn(2, 4)]]
+
+def only_model():
+    return torch.nn.Linear(4, 4)
+
+def bare_tensor():
+    return torch.nn.Linear(4, 4), torch.randn(2, 4)
+
+def on_gpu():
+    return torch.nn.Linear(4, 4).cuda(), (torch.randn(2, 4, device="cuda"),)
+
+SIZE = 4
+"""
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    """A module:function file in the working directory, as a user writes one beside their code."""
+    name = "graphopt_user_models"
+    (tmp_path / f"{name}.py").write_text(USER_MODELS)
+    monkeypatch.chdir(tmp_path)
+    yield name
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("function", ["make", "make_list"])
+def test_model_from_a_module_in_the_working_directory(user_models, function, capsys):
+    path = list(sys.path)
+    assert main(["explain", "--model", f"{user_models}:{function}", "--downstream", "eager"]) == 0
+    assert "pass" in capsys.readouterr().out
+    assert sys.path == path  # the working directory is on it only for the look-up
+
+
+@pytest.mark.parametrize("spec, fragments", [
+    ("{m}:only_model", ["{m}.only_model() returned a Linear", "expected (model, example_inputs)"]),
+    ("{m}:bare_tensor", ["{m}.bare_tensor() returned a tuple (Linear, Tensor)", "a tuple of example inputs"]),
+    ("{m}:nofn", ["module '{m}'", "has no function 'nofn'", "it defines: bare_tensor, make, make_list, on_gpu, only_model"]),
+    ("{m}:SIZE", ["{m}.SIZE is an int, not a function"]),
+    ("nosuchmod_xyz:make", ["no module named 'nosuchmod_xyz'", "the working directory"]),
+])
+def test_model_spec_errors_name_the_problem(user_models, spec, fragments, capsys):
+    assert main(["export", "--model", spec.format(m=user_models), "--out", "m.onnx"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment.format(m=user_models) in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_a_model_that_asks_for_cuda_without_a_gpu_is_a_message(user_models, capsys):
+    assert main(["explain", "--model", f"{user_models}:on_gpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphopt explain: error: this run needs a CUDA GPU and none is present (torch: ")
+    assert len(err.strip().splitlines()) == 1

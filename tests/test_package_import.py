@@ -1,0 +1,50 @@
+"""`import graphopt` stays light until its API is used (the CLI's --help), and the API works in
+either import order of graphopt and torch."""
+
+import subprocess
+import sys
+import textwrap
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+
+
+def test_graphopt_imported_before_torch():
+    result = _run("""
+        import sys
+        import graphopt
+        assert "torch" not in sys.modules
+        import torch
+        from graphopt.explain import Report  # loads the module of the same name first
+        assert callable(graphopt.explain) and graphopt.Report is Report
+        assert "explain" in dir(graphopt)
+        report = graphopt.explain(torch.nn.Linear(4, 4), torch.randn(2, 4), downstream="eager")
+        assert isinstance(report, Report)
+        assert hasattr(torch.ops.graphopt, "attention")
+        print("ok")
+    """)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_graphopt_imported_after_torch_registers_the_ops():
+    result = _run("""
+        import torch
+        import graphopt
+        assert hasattr(torch.ops.graphopt, "attention")
+        print("ok")
+    """)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_backend_entry_point_registers_the_ops_itself():
+    """torch.compile(backend="graphopt") with graphopt imported before torch, and no API touched."""
+    result = _run("""
+        import graphopt
+        import torch
+        fn = torch.compile(torch.nn.Linear(4, 4), backend="graphopt", options={"downstream": "eager"})
+        fn(torch.randn(2, 4))
+        assert hasattr(torch.ops.graphopt, "attention")
+        print("ok")
+    """)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
