@@ -21,7 +21,6 @@ allows. The errors printed are what they are.
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import re
 from pathlib import Path
@@ -98,11 +97,10 @@ _CALIBRATION_MODELS = {"minilm": _minilm, "tiny-llama": _tiny_llama}
 
 def resolve_model(spec: str) -> tuple[nn.Module, tuple]:
     """(model, example_inputs) for a built-in name or "module:function"."""
-    if ":" in spec:
-        module_name, fn_name = spec.split(":", 1)
-        out = getattr(importlib.import_module(module_name), fn_name)()
-        model, inputs = out
-        return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    from graphopt.models import from_factory
+
+    if ":" in spec:  # found from the working directory, its result checked (graphopt.models)
+        return from_factory(spec)
     if spec in _CALIBRATION_MODELS:  # built-ins with a calibration batch sized for distillation
         return _CALIBRATION_MODELS[spec]()
     from graphopt.models import BUILTIN_MODELS, build
