@@ -99,7 +99,7 @@ def tuned_tile(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mod
     GRAPHOPT_Q4_AUTOTUNE=0). allow_tma: the separate mode also times q4_tma's decode tiles (the
     pass allows them under CUDA graphs, and these sizes are timed as graph replays)."""
     n, k = qweight.shape[0], x.shape[-1]
-    _, kernel = q4.tune_q4_linear(tuple(x.shape), qweight, scales, False, x.dtype, mode, allow_tma)
+    kernel = q4.tune_q4_linear(tuple(x.shape), qweight, scales, False, x.dtype, mode, allow_tma)
     config = q4.kernel_config(kernel)
     label = f"{mode}{' (tma allowed)' if allow_tma else ''} {k}->{n} t={x.shape[0]}"
     TUNED[label] = config.name if config else "untuned default"

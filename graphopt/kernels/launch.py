@@ -32,6 +32,9 @@ import os
 import threading
 
 import torch
+from torch._library.triton import is_wrap_triton_enabled
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import wrap_triton
 
 try:
     from triton.runtime.jit import JITFunction
@@ -126,12 +129,8 @@ def _remember(cache: dict, key: tuple, entry: tuple) -> None:
 def traced(args: tuple) -> bool:
     """Whether this launch is being traced (fake tensors: Inductor tracing a triton_op body, or its
     fake implementation) rather than run."""
-    from torch._library.triton import is_wrap_triton_enabled
-
     if not is_wrap_triton_enabled():  # a triton_op's eager call switches the wrapper off
         return False
-    from torch._subclasses.fake_tensor import is_fake
-
     return any(isinstance(a, torch.Tensor) and is_fake(a) for a in args)
 
 
@@ -141,8 +140,6 @@ def launch(kernel, grid: tuple, *args, **meta):
     one to three ints; tensors go in `args` (positional, in signature order), constexprs and launch
     options in `meta`."""
     if isinstance(kernel, JITFunction) and traced(args):
-        from torch.library import wrap_triton
-
         return wrap_triton(kernel)[tuple(grid)](*args, **meta)
     key = _key_or_none(kernel, args, meta) if DIRECT and not INTERPRET and isinstance(kernel, JITFunction) else None
     if key is None:

@@ -1293,10 +1293,10 @@ def _time_config(run, config: TileConfig, m: int, cold_weights: list | None = No
 
 
 def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torch.Tensor, bias: bool,
-                   dtype: torch.dtype, mode: str, allow_tma: bool) -> tuple[str, str]:
-    """(mode, kernel) for graphopt::q4_linear on activations of `x_shape` (..., K) in `dtype`: the
-    fastest tile of `mode`, timed on the weights' GPU over random activations, as the op's kernel
-    string; "" (the untuned default) without a CUDA device, under the interpreter, during a
+                   dtype: torch.dtype, mode: str, allow_tma: bool) -> str:
+    """The kernel string of graphopt::q4_linear in `mode` on activations of `x_shape` (..., K) in
+    `dtype`: the fastest tile of `mode`, timed on the weights' GPU over random activations; "" (the
+    untuned default) without a CUDA device, under the interpreter, during a
     CUDA-graph capture, or with tuning off. "fused" times candidate_configs(m, fused=True);
     "separate" the Q8_1-bytes configs (quantize launch included) and, with `allow_tma` where
     q4_tma's decode runs, its tiles. `bias`: whether the layer adds one. Each choice is kept per
@@ -1304,12 +1304,12 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     if mode not in ("fused", "separate"):
         raise ValueError(f"q4_linear mode {mode!r} is not valid; valid choices: fused, separate")
     if not qweight.is_cuda or not _autotune_enabled():
-        return mode, ""
+        return ""
     m, k, n = math.prod(x_shape[:-1]), x_shape[-1], qweight.shape[0]
     _check_k(k, "tune_q4_linear")
     _check_weight(qweight, scales, k)
     if not m:
-        return mode, ""
+        return ""
     device = qweight.device
     x = torch.randn(m, k, device=device).to(dtype)
     tma = allow_tma and mode == "separate" and m <= DECODE_MAX_TOKENS and _tma_runs(x, n, qweight)
@@ -1318,7 +1318,7 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
                     f"n{n}", f"k{k}", str(dtype).removeprefix("torch.")))
     cached = tuning.lookup(key)
     if cached is not None:
-        return mode, cached
+        return cached
     b = torch.randn(n, device=device).to(dtype) if bias else None
 
     def run(cfg: TileConfig, qw: torch.Tensor = qweight, sc: torch.Tensor = scales) -> torch.Tensor:
@@ -1337,7 +1337,7 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
             best, best_ms = config, ms
     kernel = tuning.encode(best)
     tuning.store(key, kernel)
-    return mode, kernel
+    return kernel
 
 
 @functools.lru_cache(maxsize=None)

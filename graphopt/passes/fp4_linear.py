@@ -53,7 +53,7 @@ import torch
 from graphopt import cost_model
 from graphopt.kernels import fp4 as fp4k
 from graphopt.onnx_export import register_onnx_translation
-from graphopt.passes.base import GraphPass, PassContext
+from graphopt.passes.base import GraphPass, PassContext, log
 from graphopt.passes.fx_utils import (LinearMatch, bias_problem, dtype, find_linears, replace_siblings_with_call,
                                       replace_with_call, sibling_groups)
 from graphopt.plan import plan_section, save_plan
@@ -249,14 +249,19 @@ class Fp4LinearPass(GraphPass):
 
 def _tuned_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> str:
     """The op's compile-time kernel choice: tiles timed now on the GPU the weights live on, for a
-    static token count ("" otherwise: the op runs the cost model's path on its default tile).
-    fp4_tma's Gluon decode is a candidate only under CUDA graphs, where its Python launch is not paid
-    per call."""
-    if not (ctx.hardware.is_gpu and info["static_tokens"] and kw.codes.is_cuda):
+    static token count in a graph that goes to a compiler ("" otherwise: the op runs the cost
+    model's path on its default tile). fp4_tma's Gluon decode is a candidate only under CUDA graphs,
+    where its Python launch is not paid per call. A failed timing costs speed, never the rewrite."""
+    if not (ctx.hardware.is_gpu and info["static_tokens"] and kw.codes.is_cuda) or ctx.for_export:
         return ""
     bias = torch.randn(kw.out_features, device=kw.codes.device, dtype=info["act_dtype"]) if has_bias else None
-    return fp4k.tune_fp4_linear(info["tokens"], kw.codes, kw.scales, kw.global_scale, bias, kw.out_features,
-                                kw.in_features, kw.format, info["act_dtype"], allow_tma=ctx.config.cuda_graphs)
+    try:
+        return fp4k.tune_fp4_linear(info["tokens"], kw.codes, kw.scales, kw.global_scale, bias, kw.out_features,
+                                    kw.in_features, kw.format, info["act_dtype"], allow_tma=ctx.config.cuda_graphs)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("graphopt fp4_linear: tuning failed (%s: %s); the op runs its untuned default tile",
+                    type(exc).__name__, exc)
+        return ""
 
 
 def _implementation(path: str, kernel: str) -> str:

@@ -579,7 +579,7 @@ def _tuned_kernel(ctx: PassContext, info: dict, qweight: torch.Tensor | None, sc
         return ""
     try:
         return q4k.tune_q4_linear((tokens, info["in_features"]), qweight, scales, bias, info["act_dtype"], mode,
-                                  allow_tma=ctx.config.cuda_graphs)[1]
+                                  allow_tma=ctx.config.cuda_graphs)
     except Exception as exc:  # noqa: BLE001 - a failed timing costs speed, never the rewrite
         log.warning("graphopt q4_linear: tuning failed (%s: %s); the op runs its untuned default tile",
                     type(exc).__name__, exc)

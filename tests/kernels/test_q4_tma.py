@@ -160,8 +160,8 @@ def test_the_separate_mode_tunes_over_the_tma_tiles_only_where_allowed(allow_tma
     qw, sc = q4.quantize_weight(torch.randn(n, k, generator=gen) * 0.05)
     qw, sc = qw.cuda(), sc.cuda()
     x = torch.randn(4, k, generator=gen).to("cuda", torch.bfloat16)
-    mode, kernel = q4.tune_q4_linear(tuple(x.shape), qw, sc, False, x.dtype, "separate", allow_tma)
-    assert mode == "separate" and kernel
+    kernel = q4.tune_q4_linear(tuple(x.shape), qw, sc, False, x.dtype, "separate", allow_tma)
+    assert kernel
     if not allow_tma:
         assert q4.kernel_config(kernel).kernel != "tma"
     got = torch.ops.graphopt.q4_linear(x, qw, sc, None, "separate", kernel).double()
