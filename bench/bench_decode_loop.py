@@ -63,7 +63,10 @@ def measure(model, prompt: torch.Tensor, opts, variant: str, mode: str) -> tuple
 
 def main() -> None:
     opts = resolve(arguments(__doc__).parse_args())
-    write_result("decode_loop", opts, sweep(opts, measure, "decode loop", COLUMNS))
+    def save(rows):
+        return write_result("decode_loop", opts, rows)
+
+    save(sweep(opts, measure, "decode loop", COLUMNS, save=save))
 
 
 if __name__ == "__main__":

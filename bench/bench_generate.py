@@ -101,7 +101,10 @@ def hf_overhead(model, prompt: torch.Tensor, opts, mode: str, generate_decode_s:
 
 def main() -> None:
     opts = resolve(arguments(__doc__).parse_args())
-    write_result("generate", opts, sweep(opts, measure, "HF generate", COLUMNS))
+    def save(rows):
+        return write_result("generate", opts, rows)
+
+    save(sweep(opts, measure, "HF generate", COLUMNS, save=save))
 
 
 if __name__ == "__main__":

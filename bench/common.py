@@ -67,15 +67,6 @@ def host_us(fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-# torch.compile arguments of the one-token decode step's variants (profile_decode_step.py):
-# Inductor bf16 and graphopt's two quantized-linear passes.
-DECODE_STEP_VARIANTS: dict[str, dict] = {
-    "inductor bf16": dict(backend="inductor"),
-    "graphopt fp4_linear": dict(backend="graphopt", options={"passes": {"fp4_linear": True}}),
-    "graphopt q4_linear": dict(backend="graphopt", options={"passes": {"q4_linear": True}}),
-}
-
-
 def interleaved_ms(fns: dict[str, Callable[[], Any]], *, rounds: int = 7, rep_ms: float = 40,
                    rotate: bool = False) -> dict[str, list[float]]:
     """Median times of several variants measured in `rounds` interleaved rounds (A, B, A, B, ...):

@@ -77,11 +77,14 @@ def resolve(opts: argparse.Namespace) -> argparse.Namespace:
     return opts
 
 
-def build_model(shape: str, device: str, dtype: torch.dtype, attn: str = "sdpa", seed: int = 0) -> nn.Module:
-    """LlamaForCausalLM of `shape` with random weights (from `seed`), in eval mode."""
+def build_model(shape: str, device: str, dtype: torch.dtype, attn: str = "sdpa", seed: int = 0,
+                layers: int | None = None) -> nn.Module:
+    """LlamaForCausalLM of `shape` with random weights (from `seed`), in eval mode; `layers`
+    overrides the number of decoder layers."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, attn_implementation=attn)
+    widths = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
+    config = LlamaConfig(**widths, max_position_embeddings=8192, attn_implementation=attn)
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it runs: the 8B model in fp32 on the host would take minutes
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -190,10 +193,12 @@ def int4_weights(model: nn.Module) -> Iterator[nn.Module]:
             setattr(parent, child, module)
 
 
-def sweep(opts: argparse.Namespace, measure: Callable, title: str, columns: list[str]) -> list[dict]:
+def sweep(opts: argparse.Namespace, measure: Callable, title: str, columns: list[str],
+          save: Callable[[list[dict]], Any] | None = None) -> list[dict]:
     """Every shape, batch and (variant, mode) of `opts`: measure(model, prompt, opts, variant, mode)
     gives a row and the greedy tokens, run under no_grad with the int4 linears in place for int4.
-    Prints a table per shape and batch; returns all the rows."""
+    Prints a table per shape and batch; returns all the rows, and hands the rows so far to `save`
+    after each variant (a run cut short keeps what it measured)."""
     rows: list[dict] = []
     for shape in opts.shapes:
         model = build_model(shape, opts.device, opts.dtype, opts.attn)  # one model for every variant (8B: 16 GB)
@@ -213,6 +218,8 @@ def sweep(opts: argparse.Namespace, measure: Callable, title: str, columns: list
                 reference = tokens if variant == "eager" else reference
                 table.append({**base, **row, **agreement(tokens, reference)})
                 print(f"{shape} batch {batch} {variant} {mode}: {row['tok_s'] or 0:.1f} tok/s", flush=True)
+                if save:
+                    save(rows + table)
             fresh_start(opts.device, model)
             add_ratios(table, "tok_s", opts.modes)
             print_table(f"{title}, LLaMA {shape}, batch {batch}, prompt {opts.prompt}, {opts.new_tokens} new tokens, "
@@ -321,8 +328,15 @@ class DecodeLoop:
 
     def run(self, device: str) -> tuple[torch.Tensor, float]:
         """(batch, new_tokens) greedy tokens, and the seconds of the decode steps (prefill excluded)."""
+        return self.decode(self.prefill(), device)
+
+    def prefill(self) -> torch.Tensor:
+        """Empty the cache, fill it from the prompt and return the first token."""
         self.cache.reset()
-        token = self._forward(self.prompt, None)
+        return self._forward(self.prompt, None)
+
+    def decode(self, token: torch.Tensor, device: str) -> tuple[torch.Tensor, float]:
+        """The decode steps from the first token: all the tokens and the steps' seconds."""
         tokens = [token]
         synchronize(device)
         start = time.perf_counter()

@@ -1,10 +1,15 @@
-"""Where a one-token decode step spends its GPU time: the LLaMA-7B-shaped 2-layer model
-(graphopt.models "llama-7b-2l") compiled with Inductor bf16 and with graphopt's fp4_linear and
-q4_linear, each step replayed from a CUDA graph under torch.profiler; prints the kernels by
-total time per step (bench_fp4.py / bench_q4.py time the same steps end to end).
+"""Where the one-token decode step of a LLaMA model spends its GPU time, per variant.
 
-    python bench/profile_decode_step.py            # one H100/H200, ~2 minutes
-    python bench/profile_decode_step.py --steps 5  # fewer profiled steps
+The step of bench_decode_loop.py (llama_models.DecodeLoop: a transformers StaticCache filled from a
+random prompt, then model(...).logits[:, -1].argmax() per token) is compiled per variant with
+mode="reduce-overhead" and run once to compile and record; then one loop of --new-tokens - 1
+steps (the prefill before it) runs under torch.profiler. Per variant: the wall time per step, the GPU kernel time per
+step, the number of kernels per step, and the kernels by time per step, grouped by name (the
+`--top` largest; layer-wise kernels appear once per layer). --layers keeps the shape's widths
+with fewer decoder layers, so a full-width step compiles in seconds; the per-layer kernels then
+scale with the layer count and lm_head / embedding do not.
+
+    python bench/profile_decode_step.py --shape 8b --layers 4 --out $OUT/profile_decode_8b.json   # ~3 min on one H100
 """
 
 from __future__ import annotations
@@ -14,54 +19,76 @@ import collections
 import os
 import sys
 
-ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ARGS.add_argument("--steps", type=int, default=20, help="profiled CUDA-graph replays per variant")
-OPTS = ARGS.parse_args()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from bench.common import DECODE_STEP_VARIANTS, print_table, write_json  # noqa: E402
-from graphopt.models import build  # noqa: E402
-from graphopt.timing import capture_cuda_graph  # noqa: E402
+from bench.common import environment, print_table  # noqa: E402
+from bench.llama_models import (SHAPES, VARIANTS, DecodeLoop, build_model, compile_kwargs, fresh_start,  # noqa: E402
+                                int4_weights, random_prompt, synchronize)
 
 
-def kernel_times(fn, steps: int) -> dict[str, float]:
-    """Per-step GPU time (us) of each kernel name over `steps` replays of a CUDA graph of fn."""
-    graph = capture_cuda_graph([fn], warmups=3)
-    graph.replay()
-    torch.cuda.synchronize()
+def profile_step(loop: DecodeLoop, steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
+    """(wall ms per step, {kernel name: (GPU us per step, launches per step)}) of one loop."""
+    loop.run("cuda")  # compiles and records
+    _, seconds = loop.run("cuda")
+    first = loop.prefill()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = collections.defaultdict(float)
+        loop.decode(first, "cuda")
+        synchronize("cuda")
+    totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] += event.device_time_total / steps  # us per step
-    return dict(totals)
+            totals[event.name][0] += event.device_time_total
+            totals[event.name][1] += 1
+    per_step = {name: (us / steps, count // steps) for name, (us, count) in totals.items() if count >= steps}
+    return seconds / steps * 1e3, per_step
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="8b", choices=[s for s in SHAPES if s != "tiny"])
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (the shape's widths are kept)")
+    parser.add_argument("--variants", default="inductor,int4,graphopt,graphopt-fp4,graphopt-q4")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=33)
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per variant")
+    parser.add_argument("--out", default=None, help="JSON path")
+    opts = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_decode_step.py needs a CUDA GPU")
-    model, inputs = build("llama-7b-2l", seq_len=1, device="cuda", dtype=torch.bfloat16)
-    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    model.requires_grad_(False)
-    rows = []
-    with torch.no_grad():
-        for label, kwargs in DECODE_STEP_VARIANTS.items():
-            torch._dynamo.reset()
-            compiled = torch.compile(model, **kwargs)
-            times = kernel_times(lambda: compiled(*inputs), OPTS.steps)
-            total = sum(times.values())
-            print(f"{label}: {total:.1f} us of kernels per step", flush=True)
-            for name, us in sorted(times.items(), key=lambda kv: -kv[1])[:12]:
-                rows.append({"variant": label, "kernel": name[:90], "us_per_step": us, "share": us / total})
-            rows.append({"variant": label, "kernel": "(all kernels)", "us_per_step": total, "share": 1.0})
-    write_json("profile_decode_step", rows)
-    print_table("One-token step, LLaMA-7B shapes, 2 layers: GPU time per kernel (CUDA graph replays)", rows,
-                ["variant", "kernel", "us_per_step", "share"])
+    variants = opts.variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS or v == "eager"]
+    if bad:
+        sys.exit(f"unknown variants {bad}; valid choices: {', '.join(v for v in VARIANTS if v != 'eager')}")
+    model = build_model(opts.shape, "cuda", torch.bfloat16, layers=opts.layers)
+    prompt = random_prompt(model, opts.batch, opts.prompt)
+    steps = opts.new_tokens - 1
+    summary, kernels = [], []
+    for variant in variants:
+        fresh_start("cuda", model)
+        with int4_weights(model) if variant == "int4" else torch.no_grad(), torch.no_grad():
+            loop = DecodeLoop(model, prompt, opts.new_tokens, compile_kwargs(variant, "reduce-overhead", False))
+            wall_ms, per_step = profile_step(loop, steps)
+        gpu_us = sum(us for us, _ in per_step.values())
+        summary.append({"variant": variant, "wall_ms_step": wall_ms, "gpu_ms_step": gpu_us / 1e3,
+                        "kernels_step": sum(n for _, n in per_step.values())})
+        for name, (us, count) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:opts.top]:
+            kernels.append({"variant": variant, "kernel": name[:80], "us_step": us, "launches": count,
+                            "share": us / gpu_us})
+        print(f"{variant}: {wall_ms:.3f} ms/step wall, {gpu_us / 1e3:.3f} ms/step of kernels", flush=True)
+    title = f"one-token step, LLaMA {opts.shape} widths, {opts.layers} layers, batch {opts.batch}, prompt {opts.prompt}"
+    print_table(title, summary, ["variant", "wall_ms_step", "gpu_ms_step", "kernels_step"])
+    print_table(title + ": kernels by GPU time per step", kernels, ["variant", "kernel", "us_step", "launches", "share"])
+    if opts.out:
+        import json
+
+        with open(opts.out, "w") as f:
+            json.dump({"environment": environment(), "options": vars(opts), "summary": summary, "kernels": kernels}, f,
+                      indent=2, default=str)
 
 
 if __name__ == "__main__":

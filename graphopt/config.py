@@ -35,7 +35,7 @@ DEFAULT_PASSES: dict[str, bool] = {
 }
 TARGETS: tuple[str, ...] = ("auto", *SPECS)  # every hardware table entry (a spec added there is a target)
 DOWNSTREAMS: tuple[str, ...] = ("inductor", "eager", "tensorrt")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "flash", "cudnn", "efficient", "math")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "triton_decode", "flash", "cudnn", "efficient", "math")
 FP4_FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
 Q4_MODES: tuple[str, ...] = ("auto", "fused", "separate")
 

@@ -307,6 +307,10 @@ ATTENTION_FLOOR_S: dict[str, float] = {"triton_flash": 2.4e-6, "sdpa_flash": 5.3
 # H100 (same run), about 45 GB/s per program, where cuDNN reached 2.6-3.1 TB/s.
 TRITON_ATTENTION_BYTES_PER_S_PER_PROGRAM = 45e9
 TRITON_ATTENTION_QUERY_BLOCK = 64
+DECODE_ATTENTION_BLOCK_N = 64  # keys per step of the Triton attention kernels
+# One 64-key step of one flash program, measured with one query token (bench_decode_attention.py,
+# DECODE_ATTENTION_FIT's file): the program's loads and its two dots in sequence.
+TRITON_FLASH_STEP_S = 2.0e-6
 
 
 def fused_attention(
@@ -344,12 +348,55 @@ def fused_attention(
     if family == "triton_flash":
         programs = b * h * -(-lq // TRITON_ATTENTION_QUERY_BLOCK)
         streamed_s = moved / (programs * TRITON_ATTENTION_BYTES_PER_S_PER_PROGRAM)
-        if streamed_s > body_s:
-            body_s, bound = streamed_s, "memory"
+        # each program walks all its keys in sequence: with few programs (decode) that walk is the time
+        walk_s = -(-lk // DECODE_ATTENTION_BLOCK_N) * TRITON_FLASH_STEP_S
+        if max(streamed_s, walk_s) > body_s:
+            body_s, bound = max(streamed_s, walk_s), "memory" if streamed_s >= walk_s else "latency"
     floor_s = ATTENTION_FLOOR_S.get(family, 0.0)
     if floor_s > body_s:
         body_s = floor_s
     return Estimate(est.name, (body_s + launch_s) * 1e3, est.flops, est.bytes, est.launches, bound)
+
+
+# graphopt/kernels/decode_attention.py: one program per (batch, KV head, key chunk) steps through
+# its chunk 64 keys at a time, then a merge kernel. Per-step time and the fixed cost of the two
+# kernels: DECODE_ATTENTION_FIT (bench/results/decode_attention_<gpu>.json, fitted by
+# bench/bench_decode_attention.py --fit on the rows it names; the other rows are held out).
+DECODE_ATTENTION_FIT: dict[str, float] = {"step_s": 0.55e-6, "fixed_s": 0.5e-6}
+# Programs per SM the split aims for: enough waves to cover a chunk's load latency.
+DECODE_ATTENTION_PROGRAMS_PER_SM = 2
+
+
+def decode_attention_splits(hw: HardwareSpec, b: int, kv_heads: int, lk: int) -> int:
+    """Key chunks per (batch, KV head): about DECODE_ATTENTION_PROGRAMS_PER_SM programs per SM, each
+    of at least two 64-key steps."""
+    programs = DECODE_ATTENTION_PROGRAMS_PER_SM * max(1, hw.sm_count)
+    most = max(1, -(-lk // (2 * DECODE_ATTENTION_BLOCK_N)))
+    return max(1, min(most, -(-programs // max(1, b * kv_heads))))
+
+
+def decode_attention(hw: HardwareSpec, b: int, h: int, lq: int, lk: int, d: int, *, kv_heads: int,
+                     dtype_bytes: int = 2, has_mask: bool = False, splits: int | None = None) -> Estimate:
+    """The split-key decode kernel and its merge: K and V read once per KV head, and a chunk's
+    64-key steps in sequence; the chunks run in parallel waves over the SMs."""
+    splits = splits or decode_attention_splits(hw, b, kv_heads, lk)
+    rows = max(16, 1 << max(0, (h // kv_heads * lq - 1).bit_length()))
+    partials = b * kv_heads * splits * rows * (d + 2) * 4 * 2  # written, then read by the merge
+    moved = dtype_bytes * (2 * b * kv_heads * lk * d + 2 * b * h * lq * d) + partials
+    if has_mask:
+        moved += b * lq * lk  # a decode step's mask: one bool per key and sequence
+    flops = attention_flops(b, h, lq, lk, d)
+    est = roofline(hw, "Triton split-key decode attention", flops=flops, bytes_moved=moved, launches=2,
+                   family="triton_flash")
+    if not hw.is_gpu:
+        return est
+    steps = -(-(-(-lk // splits)) // DECODE_ATTENTION_BLOCK_N)
+    waves = -(-(b * kv_heads * splits) // max(1, DECODE_ATTENTION_PROGRAMS_PER_SM * hw.sm_count))
+    latency_s = DECODE_ATTENTION_FIT["fixed_s"] + waves * steps * DECODE_ATTENTION_FIT["step_s"]
+    launch_s = est.launches * hw.launch_overhead
+    body_s = est.ms * 1e-3 - launch_s
+    bound = est.bound if body_s >= latency_s else "latency"
+    return Estimate(est.name, (max(body_s, latency_s) + launch_s) * 1e3, est.flops, est.bytes, est.launches, bound)
 
 
 def sdpa(

@@ -298,6 +298,26 @@ def _attention_autograd_kernel(keyset, q, k, v, bias, scale, is_causal, num_kv_g
 _LIB.impl("attention", _attention_autograd_kernel, "Autograd", with_keyset=True)
 # ==== end attention ============================================================================
 
+# ==== decode_attention (graphopt/kernels/decode_attention.py, passes/attention.py) =============
+# graphopt::decode_attention(q, k, v, bias, scale, splits) -> out
+#   q (B, H, Lq, D), k/v (B, Hkv, Lk, D) with H a multiple of Hkv, few query rows (a decode step);
+#   bias None, bool (True keeps) or additive, broadcastable to (B, H, Lq, Lk). `splits`: the key
+#   chunks the attention pass chose at compile time. A triton_op: Inductor launches its two kernels
+#   from its own generated code. CPU: the torch reference. Inference only.
+@torch.library.triton_op("graphopt::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: _Optional[torch.Tensor],
+                        scale: float, splits: int) -> torch.Tensor:
+    from graphopt.kernels import decode_attention as da
+
+    if not q.is_cuda:
+        return da.reference_decode_attention(q, k, v, bias, scale=scale)
+    return da.decode_attention(q, k, v, bias, scale=scale, splits=splits)
+
+
+_refuse_gradients(decode_attention_op, "decode_attention")
+# ==== end decode_attention =====================================================================
+
+
 # ==== sparse_attention (graphopt/kernels/sparse_attention.py, passes/sparse_attention.py) ======
 def sparse_attention_runs_dense(lq: int, lk: int, is_causal: bool, dense_below: int) -> bool:
     """Whether graphopt::sparse_attention runs dense attention for these lengths (see below)."""

@@ -864,7 +864,7 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
     """Replace the matched subgraph by one graphopt::attention node and return it.
 
     `backend` is the op's backend argument ("triton", "flash", "cudnn", "efficient", "math",
-    "sdpa_cpu"); None picks "sdpa_cpu" for CPU tensors and "efficient" otherwise. `native`: emit a
+    "sdpa_cpu"), or "triton_decode" for a graphopt::decode_attention node; None picks "sdpa_cpu" for CPU tensors and "efficient" otherwise. `native`: emit a
     plain F.scaled_dot_product_attention call instead (see native_sdpa_backend); the match must then
     carry no mask term and no K/V head grouping."""
     if match.reason is not None or match.output is None:
@@ -895,6 +895,11 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
                 raise ValueError("a native SDPA rewrite takes no mask and no K/V head grouping")
             new = graph.call_function(F.scaled_dot_product_attention, (q, k, v),
                                       {"is_causal": bool(match.is_causal), "scale": float(match.scale)})
+        elif backend == "triton_decode":
+            b, _, hkv, _, lk, _, _ = match.dims()
+            splits = cost_model.decode_attention_splits(ctx.hardware, b, hkv, lk)
+            new = graph.call_function(torch.ops.graphopt.decode_attention.default,
+                                      (q, k, v, bias, float(match.scale), splits))
         else:
             new = graph.call_function(
                 torch.ops.graphopt.attention.default,
@@ -1036,6 +1041,30 @@ def _triton_applicable(match: AttentionMatch) -> tuple[bool, str]:
     return bool(ok), str(why)
 
 
+def _decode_applicable(match: AttentionMatch) -> tuple[bool, str]:
+    """Whether the split-key decode kernel takes this call (few query rows, no causal flag)."""
+    try:
+        from graphopt.kernels import decode_attention
+    except Exception as exc:  # the kernel module is optional at import time
+        return False, f"Triton decode kernel unavailable ({type(exc).__name__}: {exc})"
+    if match.is_causal:
+        return False, "the decode kernel takes a mask, not a causal flag"
+    q, k, v = fake(match.q), fake(match.k), fake(match.v)
+    if match.k_transposed:
+        k = k.transpose(-2, -1)
+    if match.batched_3d:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    bias = None
+    if match.terms and match.scores_shape:
+        bias_dtype = torch.bool if _bias_kind(match) == "bool" else q.dtype
+        bias = torch.empty((), dtype=bias_dtype, device=q.device).expand(match.scores_shape)  # no memory
+    try:
+        ok, why = decode_attention.supports(q, k, v, bias)
+    except Exception as exc:
+        return False, f"Triton decode kernel supports() failed: {type(exc).__name__}: {exc}"
+    return bool(ok), str(why)
+
+
 def _tf32_allowed() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
@@ -1088,6 +1117,12 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
                                                           dtype_bytes=nbytes, has_mask=has_mask, kv_heads=hkv, name="Triton flash")
     else:
         rejected["triton"] = why
+    ok, why = _decode_applicable(match)
+    if ok:
+        candidates["triton_decode"] = cost_model.decode_attention(hw, b, h, lq, lk, d, kv_heads=hkv, dtype_bytes=nbytes,
+                                                                  has_mask=has_mask)
+    else:
+        rejected["triton_decode"] = why
     for backend in (*_SDPA_CANDIDATES, "math"):  # math: only when forced (never the fastest)
         ok, why = sdpa_applicable(backend, dt, d, dv, has_mask, lk)
         if not ok:
@@ -1112,7 +1147,8 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
     if ctx.config.prices_host_path:
         native = native_sdpa_backend(ctx, match)
         for name, e in candidates.items():
-            if name != native:  # emitted as graphopt::attention: its host path
+            # graphopt::decode_attention is a triton_op: Inductor launches its kernels itself
+            if name != native and not (name == "triton_decode" and ctx.config.downstream == "inductor"):
                 candidates[name] = cost_model.host_paced(hw, e, cost_model.attention_op_host_launches(name),
                                                          "graphopt::attention host path")
     return before, candidates, rejected, note
@@ -1268,7 +1304,8 @@ class AttentionPass(GraphPass):
                 why = f"{why}; {note}"
             native = native_sdpa_backend(ctx, match) == choice
             details = dict(source="sdpa" if match.from_sdpa else "hand-written",
-                           emitted="F.scaled_dot_product_attention" if native else "graphopt::attention",
+                           emitted=("F.scaled_dot_product_attention" if native else
+                                    "graphopt::decode_attention" if choice == "triton_decode" else "graphopt::attention"),
                            is_causal=match.is_causal, num_kv_groups=match.num_kv_groups, scale=match.scale,
                            bias=_bias_kind(match), candidates={k: round(v.ms, 6) for k, v in candidates.items()},
                            rejected=rejected, notes=list(match.notes))

@@ -667,6 +667,50 @@ def test_one_token_sdpa_on_h100_target_goes_to_the_triton_kernel(monkeypatch):
     assert d.predicted_ms_before == pytest.approx(d.details["candidates"]["flash"], rel=1e-3)
 
 
+class _GqaDecodeStep(nn.Module):
+    """A static-cache decode step as transformers' SDPA attention writes it: K/V heads repeated for
+    GQA, a bool mask that keeps the filled cache positions."""
+
+    def forward(self, q, k, v, mask):
+        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_static_cache_decode_step_goes_to_the_split_key_kernel(monkeypatch):
+    """One query token against a 640-slot cache (LLaMA-3-8B heads, GQA 32/8): the split-key decode
+    kernel (one program per KV head and key chunk) is predicted fastest, the graph gets one
+    graphopt::decode_attention node with the chunk count chosen for the H100's SMs, and on CPU
+    (the op's torch reference) the output equals the call as written."""
+    from graphopt.passes import attention as attention_pass
+
+    monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: [3, 1, 2, 0])
+    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)
+    monkeypatch.setattr(attention_pass, "_triton_applicable", lambda match: (True, ""))
+    q, k, v = qkv(b=1, h=32, hkv=8, lq=1, lk=640, d=128, dtype=torch.bfloat16)
+    mask = (torch.arange(640) < 517)[None, None, None, :]
+    gm, decisions, out = rewritten_graph(_GqaDecodeStep(), (q, k, v, mask), "h100", graph_replay=True)
+    (d,) = [d for d in decisions if d.pass_name == "attention"]
+    assert d.applied and d.implementation == "triton_decode", (d.reason, d.details)
+    assert d.details["emitted"] == "graphopt::decode_attention" and d.details["num_kv_groups"] == 4
+    assert d.details["candidates"]["triton_decode"] < d.details["candidates"]["triton"]
+    (node,) = [n for n in gm.graph.nodes if n.target == torch.ops.graphopt.decode_attention.default]
+    hw = graphopt.hardware.get_spec("h100")
+    assert node.args[-1] == cost_model.decode_attention_splits(hw, 1, 8, 640) > 1
+    with torch.no_grad():
+        torch.testing.assert_close(out, _GqaDecodeStep()(q, k, v, mask), atol=2e-2, rtol=2e-2)
+
+
+def test_the_decode_kernel_is_not_offered_for_causal_calls_or_many_query_rows(monkeypatch):
+    monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: [3, 1, 2, 0])
+    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)
+    for module, lq in ((SdpaCall(is_causal=True), 4), (SdpaCall(), 128)):
+        q, k, v = qkv(b=1, h=8, lq=lq, lk=256, d=64, dtype=torch.bfloat16)
+        _, decisions, _ = rewritten_graph(module, (q, k, v), "h100", graph_replay=True, force=True)
+        (d,) = [d for d in decisions if d.pass_name == "attention"]
+        why = d.details["rejected"]["triton_decode"]
+        assert ("causal flag" if lq == 4 else "at most 64 query rows") in why, why
+
+
 def test_direct_calls_price_the_ops_host_path(monkeypatch):
     """Called directly (no CUDA-graph replay), graphopt::attention's Python path outlasts a short
     call's GPU work (about 90 us of host time against 18 us for a plain SDPA call on the H100

@@ -1,0 +1,88 @@
+"""Split-key decode attention (graphopt/kernels/decode_attention.py) against a float64 reference.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) with BLOCK_N 16, so key
+lengths like 37 or 100 give full and partial steps, and several chunks; fp16 stands for the
+half types (the interpreter misreads bfloat16 dot operands). On a GPU the same tests run bf16 too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphopt.kernels import decode_attention as da
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def _qkv(batch, heads, kv_heads, len_q, len_k, head_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(batch, heads, len_q, head_dim), (batch, kv_heads, len_k, head_dim), (batch, kv_heads, len_k, head_dim)]
+    return [torch.randn(s, generator=gen).to(DEVICE, dtype) for s in shapes]
+
+
+def _check(got, q, k, v, bias, scale):
+    want = da.reference_decode_attention(q.double(), k.double(), v.double(),
+                                         bias if bias is None or bias.dtype == torch.bool else bias.double(), scale=scale)
+    err = (got.double() - want).abs().max().item() / want.abs().max().item()
+    assert err < TOL[q.dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,heads,kv_heads,len_q,len_k,head_dim,splits", [
+    (1, 8, 2, 1, 100, 64, 3),      # GQA 4, one token, partial last step, 3 chunks
+    (2, 4, 4, 1, 37, 32, 1),       # MHA, one chunk
+    (1, 6, 2, 3, 45, 24, 8),       # three query rows per head, head dim padded, more chunks than steps
+    (2, 4, 1, 2, 64, 16, 4),       # multi-query
+])
+def test_matches_the_float64_reference(dtype, batch, heads, kv_heads, len_q, len_k, head_dim, splits):
+    q, k, v = _qkv(batch, heads, kv_heads, len_q, len_k, head_dim, dtype)
+    scale = head_dim ** -0.5
+    _check(da.decode_attention(q, k, v, scale=scale, splits=splits), q, k, v, None, scale)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masks_like_a_static_cache_step(kind):
+    """A (B, 1, 1, Lk) mask that keeps the filled cache positions, different per sequence, as a
+    static cache's decode step gives it; whole chunks of masked keys merge to nothing."""
+    batch, heads, kv_heads, len_k, d = 2, 8, 2, 96, 32
+    q, k, v = _qkv(batch, heads, kv_heads, 1, len_k, d, torch.float32, seed=3)
+    filled = torch.tensor([20, 71], device=DEVICE)
+    keep = (torch.arange(len_k, device=DEVICE) < filled[:, None])[:, None, None, :]
+    bias = keep if kind == "bool" else torch.zeros(keep.shape, device=DEVICE).masked_fill(~keep, float("-inf"))
+    if kind == "additive":
+        bias = bias + torch.randn(bias.shape, device=DEVICE, generator=None).clamp(-1, 1) * keep
+    got = da.decode_attention(q, k, v, bias, scale=0.2, splits=4)
+    _check(got, q, k, v, bias, 0.2)
+    # the masked keys do not matter: changing them changes nothing
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 20:], v2[0, :, 20:] = 100.0, -100.0
+    torch.testing.assert_close(da.decode_attention(q, k2, v2, bias, scale=0.2, splits=4), got)
+
+
+def test_per_head_bias_and_strided_inputs():
+    batch, heads, kv_heads, len_q, len_k, d = 1, 4, 2, 2, 50, 32
+    q, k, v = _qkv(batch, heads, kv_heads, len_q, len_k, d, torch.float32, seed=5)
+    bias = torch.randn(batch, heads, len_q, len_k, device=DEVICE)
+    k_strided = torch.randn(batch, len_k, kv_heads, d, device=DEVICE).transpose(1, 2)  # (B, Hkv, Lk, D) view
+    _check(da.decode_attention(q, k_strided, v, bias, scale=0.3, splits=2), q, k_strided, v, bias, 0.3)
+
+
+def test_bad_input_names_the_problem():
+    q, k, v = _qkv(1, 6, 4, 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="not a multiple of 4 KV heads"):
+        da.decode_attention(q, k, v, scale=1.0, splits=1)
+    q, k, v = _qkv(1, 4, 1, 17, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="at most 64 query rows per KV head"):
+        da.decode_attention(q, k, v, scale=1.0, splits=1)
+    q, k, v = _qkv(1, 4, 4, 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        da.decode_attention(q, k, v, scale=1.0, splits=0)
+
+
+def test_default_splits_fills_the_gpu_with_at_least_two_steps_per_chunk():
+    assert da.default_splits(1, 8, 640, programs=264) == -(-640 // (2 * da.BLOCK_N))  # capped by the keys
+    assert da.default_splits(1, 8, 32768, programs=264) == 33
+    assert da.default_splits(64, 8, 32768, programs=264) == 1
