@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from graphopt.timing import cold_graph_ms, copies_for, median_ms  # noqa: F401  (re-exported for the bench scripts)
+from graphopt.hardware.timing import cold_graph_ms, copies_for, median_ms  # noqa: F401  (re-exported for the bench scripts)
 
 
 def environment() -> dict[str, Any]:

@@ -26,7 +26,7 @@ import torch
 from graphopt import compiler as backend_module
 from graphopt.config import PASS_NAMES
 from graphopt.passes.base import Decision, count_applied
-from graphopt.timing import cold_graph_ms, first_tensor, median_ms
+from graphopt.hardware.timing import cold_graph_ms, first_tensor, median_ms
 
 _log = logging.getLogger("graphopt")
 

@@ -20,7 +20,7 @@ from graphopt.hardware import save_calibration
 
 def measure_copy_bandwidth(nbytes: int = 2**30, device: str = "cuda") -> float:
     """Bytes/s of a device-to-device copy of random data, counting bytes read plus written."""
-    from graphopt.timing import median_ms
+    from graphopt.hardware.timing import median_ms
 
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)

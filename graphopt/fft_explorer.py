@@ -34,7 +34,7 @@ import torch
 from graphopt import cost_model
 from graphopt.hardware import get_spec
 from graphopt.kernels import fft_chain as fft
-from graphopt.timing import capture_cuda_graph
+from graphopt.hardware.timing import capture_cuda_graph
 
 QUICK_LAYERS = [0, 10, 19, 25, 30, 35, 39]
 FULL_LAYERS = [0, 10, 19, 30, 39]

@@ -1,6 +1,6 @@
 import torch
 
-from graphopt.timing import COLD_BYTES, cold_copies, cold_graph_ms, copies_for
+from graphopt.hardware.timing import COLD_BYTES, cold_copies, cold_graph_ms, copies_for
 
 
 def test_copies_for_covers_the_cold_set():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -37,10 +38,19 @@ def device_key(device_index: int) -> str:
     """The GPU and the software a tile choice holds for."""
     import triton
 
-    from graphopt import __version__
-
     props = torch.cuda.get_device_properties(device_index)
-    return f"{props.name}|sm{props.major}{props.minor}|torch {torch.__version__}|triton {triton.__version__}|graphopt {__version__}"
+    return (f"{props.name}|sm{props.major}{props.minor}|torch {torch.__version__}|triton {triton.__version__}"
+            f"|graphopt {graphopt_version()}")
+
+
+@functools.lru_cache(maxsize=None)
+def graphopt_version() -> str:
+    """The installed graphopt's version (package metadata: the kernels import nothing of graphopt
+    above them), or "unknown" for a source tree that was never installed."""
+    try:
+        return importlib.metadata.version("graphopt")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _load(path: Path) -> None:
