@@ -46,6 +46,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import cold_graph_ms, copies_for, cuda_graph_ms, gbps, interleaved_ms, median_ms, print_table, tflops, write_json  # noqa: E402
+from graphopt.cost import fp4 as fp4_cost  # noqa: E402
 from graphopt.hardware import device_spec  # noqa: E402
 from graphopt.kernels import fp4  # noqa: E402
 
@@ -118,7 +119,7 @@ def kernel_rows(copy_bw: float) -> list[dict]:
                 row = {"format": fmt, "shape": f"{k}->{n}", "tokens": m, "weight_sqnr_db": w_sqnr}
                 try:
                     x = torch.randn(m, k, generator=gen).to(DEVICE, DTYPE)
-                    path = fp4.choose_fp4_path(device_spec(0), m, k, n, fmt) if GPU else (
+                    path = fp4_cost.choose_fp4_path(device_spec(0), m, k, n, fmt) if GPU else (
                         "gemv" if m <= fp4.INTERPRET_DECODE_CONFIG.block_m else "gemm")
                     cfg = tuned_config(path, x, kw, n, k, fmt)
                     run = lambda: fp4.fp4_linear_triton(x, kw.codes, kw.scales, kw.global_scale, None, n, k, fmt,  # noqa: E731

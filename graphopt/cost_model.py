@@ -43,8 +43,8 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     # model's SPARSE_ROW_COST_TILES, fitted to the H100 kernels, is 3.5: graphopt.passes.sparse_attention).
     "triton_sparse": (0.68, 0.85),
     # FP4 / Q4 kernels, fitted to bench/results/{fp4,q4}_h200_round2.json (H200, triton 3.6); the
-    # compute term is CUDA-core decode/epilogue work (see the op counts in kernels/fp4.py and
-    # passes/q4_linear.py). fp4_gemv: decode + FMA of the 1-4 token word-tile kernel and bf16
+    # compute term is CUDA-core decode/epilogue work (see the op counts in graphopt/cost/fp4.py and
+    # graphopt/cost/q4.py). fp4_gemv: decode + FMA of the 1-4 token word-tile kernel and bf16
     # decode of the 16-token MMA kernel at 0.13 of fp32 peak (fitted on the H100 to the word-tile
     # kernels, bench/results/fp4_h100_session9_mma_decode.json: 1 token 0.36-0.55 ps per weight
     # cold with the launch, 4-16 tokens 0.58-0.84); memory 0.65 (the 1-token kernel streams 0.63 of the copy bandwidth on
@@ -68,7 +68,7 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "q4_swap": (0.14, 0.5),
     # q4_tma: the Gluon Q4 decode fed by TMA (kernels/q4_tma.py). Like the FP4 TMA kernel it is
     # bound by its instruction stream at 4-16 tokens (profiled), so its
-    # fitted per-weight ops (graphopt.passes.q4_linear) carry the time and the memory term is set
+    # fitted per-weight ops (graphopt.cost.q4) carry the time and the memory term is set
     # where it does not bind.
     "q4_tma": (0.13, 0.9),
     "fft_chain": (0.5, 0.7),

@@ -361,7 +361,7 @@ def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 # ==== end sparse_attention =====================================================================
 
-# ==== fp4 (graphopt/kernels/fp4.py, passes/fp4_linear.py) =====================================
+# ==== fp4 (graphopt/kernels/fp4/, passes/fp4_linear.py) ========================================
 # graphopt::fp4_linear(x, codes, codes_fp4, scales, global_scale, bias, out_features, in_features,
 #                      format, kernel) -> y
 #   x (..., K) -> y (..., N) in x's dtype; y = x @ W^T + bias, W the MXFP4/NVFP4 weight in the
@@ -369,8 +369,8 @@ def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below
 #   same bytes viewed as torch.float4_e2m1fn_x2 (read only by the standard ONNX form, which needs a
 #   FLOAT4E2M1 initializer; it shares storage with codes); scales (N, Kp/bs) uint8 e8m0 (mxfp4) or
 #   float8_e4m3fn (nvfp4); global_scale fp32 (1,) (1.0 for mxfp4); format "mxfp4" | "nvfp4";
-#   kernel: the path and tile the pass chose at compile time (fp4.tune_fp4_linear; "" = the cost
-#   model's path with the untuned default tile).
+#   kernel: the path and tile the pass chose at compile time, per token range ("lo-hi=path=<tile>;...",
+#   fp4.kernel_string; an empty tile is the path's untuned default, "" is fp4.default_path with it).
 #   A triton_op: Inductor traces the body and launches its Triton kernels from its own generated
 #   code (inside its CUDA graphs). CPU: the torch reference. The Gluon TMA decode is not a Triton
 #   JIT function, so a kernel that selects it calls graphopt::fp4_tma_linear, an opaque op.

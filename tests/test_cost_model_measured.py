@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from graphopt.cost import fp4 as fp4_cost
 from graphopt.hardware import SPECS
 from graphopt.kernels import fp4 as fp4k
 from graphopt.passes import fp4_linear, q4_linear
@@ -105,7 +106,7 @@ def test_fp4_pass_declines_every_linear_measured_slower_than_cublas(source, hw):
         before, after = fp4_linear.predict(hw, tokens, k, n, "nvfp4")
         if not (after.ms < before.ms and fp4_linear.worth_rewriting(before, after)):
             continue  # declined
-        path = fp4k.choose_fp4_path(hw, tokens, k, n, "nvfp4")
+        path = fp4_cost.choose_fp4_path(hw, tokens, k, n, "nvfp4")
         assert path in paths, f"{k}->{n} at {tokens} tokens rewritten to the unmeasured path {path}"
         assert cublas_ms / paths[path] >= SLOWER_TOLERANCE, (
             f"{k}->{n} at {tokens} tokens: predicted {before.ms / after.ms:.2f}x, measured "
@@ -130,7 +131,7 @@ def test_fp4_at_32_to_256_tokens_on_h100():
         tokens = r["tokens"]
         if tokens >= 64:
             measured = {p: r[f"{p}_ms"] for p in fp4k.PATHS}
-            chosen = fp4k.choose_fp4_path(H100, tokens, k, n, "nvfp4")
+            chosen = fp4_cost.choose_fp4_path(H100, tokens, k, n, "nvfp4")
             assert measured[chosen] <= 1.15 * min(measured.values()), (k, n, tokens, chosen, measured)
         speedup = r.get("cold_speedup", r["speedup"])
         before, after = fp4_linear.predict(H100, tokens, k, n, "nvfp4")

@@ -1,4 +1,4 @@
-"""Single-launch split-K reduction shared by the decode kernels (fp4.py, q4.py).
+"""Single-launch split-K reduction shared by the decode kernels (fp4/, q4/).
 
 Every K split of an output tile adds its fp32 partial sums into a zeroed (M, N) buffer with
 atomics, then takes a ticket from the tile's arrival counter; the split that arrives last reads the

@@ -3,7 +3,7 @@
 For every linear whose weight is a 2-D model parameter (F.linear, nn.Linear, addmm as in GPT-2's
 Conv1D, x @ W, x @ W.T; graphopt.passes.fx_utils.find_linears) in an inference graph:
   1. the weight must be freezable (a parameter that does not require grad under grad mode);
-  2. the cost model must predict a win: graphopt::fp4_linear (graphopt.kernels.fp4
+  2. the cost model must predict a win: graphopt::fp4_linear (graphopt.cost.fp4
      .estimate_fp4_linear, families fp4_gemv / fp4_gemm) against the dense linear
      (graphopt.cost_model.linear), by at least MIN_PREDICTED_SPEEDUP (a lossy rewrite must buy
      a real gain). Tiny layers (launch-bound) and the CPU target are declined, unless `force=True`;
@@ -11,13 +11,16 @@ Conv1D, x @ W, x @ W.T; graphopt.passes.fx_utils.find_linears) in an inference g
      against the original weight must reach `error_budget["fp4_linear"]`;
   4. the linear becomes one `graphopt::fp4_linear` node reading the kernel-layout constants.
 Where it wins (bench/RESULTS.md): decode, a few tokens per call; prefill sizes stay dense. The
-decode constants of the cost model (kernels/fp4.py) are fitted to measured decode rows.
+decode constants of the cost model (graphopt/cost/fp4.py) are fitted to measured decode rows.
 `force=True` rewrites anyway (memory savings, 3.6x smaller weights, are then the gain).
 The op is a torch.library.triton_op: Inductor launches its Triton kernels from its own generated
-code (and inside its CUDA graphs), so no Python launch path is paid per call. Its tile is chosen
-here, at compile time (fp4.tune_fp4_linear: timed on the GPU the weights are on, for a static
-token count, and kept in the tuning file); fp4_tma's Gluon decode, an opaque op with a Python
-launch, is a candidate only under CUDA graphs.
+code (and inside its CUDA graphs), so no Python launch path is paid per call. Its kernel path and
+tile are chosen here, at compile time, and passed in its `kernel` string: the path by the cost
+model on the GPU the weights are on (graphopt.cost.fp4.device_path), the tile by timing
+(fp4.tune_fp4_linear, for a static token count, kept in the tuning file); for a token count not
+known here, the cost model's path for every token range (graphopt.cost.fp4.path_ranges) with
+default tiles. fp4_tma's Gluon decode, an opaque op with a Python launch, is a candidate only
+under CUDA graphs.
 Plans (options={"plan": path}; graphopt.plan): a "fp4_linear" section may supply pre-quantized
 weights per module path, e.g. GPTQ-style ones from graphopt.kernels.fp4.calibrate_fp4, written by
 `save_fp4_plan(path, {module_path: Fp4Tensor})`:
@@ -51,6 +54,7 @@ from pathlib import Path
 import torch
 
 from graphopt import cost_model
+from graphopt.cost import fp4 as fp4_cost
 from graphopt.kernels import fp4 as fp4k
 from graphopt.onnx_export import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, log
@@ -71,7 +75,7 @@ def predict(hw, tokens: int, in_features: int, out_features: int, fmt: str, *, a
     pass compares."""
     dtype_bytes = act_dtype.itemsize
     before = cost_model.linear(hw, tokens, in_features, out_features, dtype_bytes=dtype_bytes, bias=bias)
-    after = fp4k.estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, dtype_bytes=dtype_bytes, bias=bias,
+    after = fp4_cost.estimate_fp4_linear(hw, tokens, in_features, out_features, fmt, dtype_bytes=dtype_bytes, bias=bias,
                                      act_dtype=act_dtype)
     return before, after
 
@@ -172,8 +176,8 @@ class Fp4LinearPass(GraphPass):
 
         m.weight(ctx)  # freeze: the compiled graph now depends on this parameter's value
         kw = fp4k.to_kernel_layout(q)
-        path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_f, fmt, info["act_dtype"]) if ctx.hardware.is_gpu
-                else "reference")
+        path = (fp4_cost.choose_fp4_path(ctx.hardware, tokens, in_f, out_f, fmt, info["act_dtype"])
+                if ctx.hardware.is_gpu else "reference")
         dense_bytes = weight.numel() * weight.element_size()
         if first_use is not None:
             constants, saved, fp4_bytes = first_use["constants"], 0, 0
@@ -181,10 +185,10 @@ class Fp4LinearPass(GraphPass):
             constants, saved, fp4_bytes = self._constants(ctx, kw), dense_bytes - kw.nbytes, kw.nbytes
             if not plan.has(m.location):
                 tied[tie_key] = dict(q=q, sqnr=sqnr, constants=constants, location=m.location or node.name)
-        kernel = _tuned_kernel(ctx, info, kw, m.bias_node is not None)
+        kernel, tuned = _op_kernel(ctx, info, kw, m.bias_node is not None)
         ctx.record(
             self.name, True, info["reason"] + info["note"], node=node, before=before, after=after,
-            implementation=_implementation(path, kernel),
+            implementation=_implementation(path, tuned),
             memory_saved_bytes=int(saved), dense_weight_bytes=int(dense_bytes),
             fp4_weight_bytes=int(fp4_bytes), sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from=source,
         )
@@ -216,10 +220,10 @@ class Fp4LinearPass(GraphPass):
             m.weight(ctx)  # freeze
         kw = fp4k.to_kernel_layout(q)
         in_f, out_total, tokens = group[0].in_features, sum(w.shape[0] for w in weights), infos[0]["tokens"]
-        path = (fp4k.choose_fp4_path(ctx.hardware, tokens, in_f, out_total, fmt, infos[0]["act_dtype"])
+        path = (fp4_cost.choose_fp4_path(ctx.hardware, tokens, in_f, out_total, fmt, infos[0]["act_dtype"])
                 if ctx.hardware.is_gpu else "reference")
         _, fused_after = predict(ctx.hardware, tokens, in_f, out_total, fmt, act_dtype=infos[0]["act_dtype"])
-        kernel = _tuned_kernel(ctx, infos[0], kw, False)
+        kernel, tuned = _op_kernel(ctx, infos[0], kw, False)
         names = ", ".join(m.location or m.node.name for m in group)
         for m, info, w, sqnr in zip(group, infos, weights, sqnrs):
             dense_bytes = w.numel() * w.element_size()
@@ -227,7 +231,7 @@ class Fp4LinearPass(GraphPass):
             ctx.record(
                 self.name, True, f"{info['reason']}{info['note']}; run as one {out_total}x{in_f} FP4 GEMM with its "
                 f"siblings ({names}), predicted {fused_after.ms:.4f} ms for all", node=m.node, before=info["before"],
-                after=info["after"], implementation=_implementation(path, kernel),
+                after=info["after"], implementation=_implementation(path, tuned),
                 memory_saved_bytes=int(dense_bytes - share), dense_weight_bytes=int(dense_bytes), fp4_weight_bytes=int(share),
                 sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from="compile-time quantization (with its siblings)",
             )
@@ -247,17 +251,32 @@ class Fp4LinearPass(GraphPass):
                 ctx.add_constant(kw.global_scale, "fp4_global_scale"))
 
 
+def _op_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> tuple[str, str]:
+    """(the op's kernel string, its tuned part): the tuned path and tile where _tuned_kernel times one;
+    else, for weights on a GPU, the cost model's path on that GPU for every token range, each with its
+    default tile (graphopt.cost.fp4.path_ranges); else "" (a CPU graph: the op runs its reference)."""
+    tuned = _tuned_kernel(ctx, info, kw, has_bias)
+    if tuned or not kw.codes.is_cuda:
+        return tuned, tuned
+    ranges = fp4_cost.path_ranges(kw.codes.device.index, kw.in_features, kw.out_features, kw.format, info["act_dtype"])
+    return fp4k.kernel_string([(lo, hi, path, None) for lo, hi, path in ranges]), ""
+
+
 def _tuned_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> str:
-    """The op's compile-time kernel choice: tiles timed now on the GPU the weights live on, for a
-    static token count in a graph that goes to a compiler ("" otherwise: the op runs the cost
-    model's path on its default tile). fp4_tma's Gluon decode is a candidate only under CUDA graphs,
-    where its Python launch is not paid per call. A failed timing costs speed, never the rewrite."""
+    """The op's compile-time kernel choice: the cost model's path on the GPU the weights live on
+    (graphopt.cost.fp4.device_path) with its tiles timed now, for a static token count in a graph
+    that goes to a compiler ("" otherwise). fp4_tma's Gluon decode is a candidate only under CUDA
+    graphs, where its Python launch is not paid per call. A failed timing costs speed, never the
+    rewrite."""
     if not (ctx.hardware.is_gpu and info["static_tokens"] and kw.codes.is_cuda) or ctx.for_export:
         return ""
     bias = torch.randn(kw.out_features, device=kw.codes.device, dtype=info["act_dtype"]) if has_bias else None
     try:
+        path = fp4_cost.device_path(kw.codes.device.index, info["tokens"], kw.in_features, kw.out_features, kw.format,
+                                    info["act_dtype"])
         return fp4k.tune_fp4_linear(info["tokens"], kw.codes, kw.scales, kw.global_scale, bias, kw.out_features,
-                                    kw.in_features, kw.format, info["act_dtype"], allow_tma=ctx.config.cuda_graphs)
+                                    kw.in_features, kw.format, info["act_dtype"], allow_tma=ctx.config.cuda_graphs,
+                                    path=path)
     except Exception as exc:  # noqa: BLE001
         log.warning("graphopt fp4_linear: tuning failed (%s: %s); the op runs its untuned default tile",
                     type(exc).__name__, exc)

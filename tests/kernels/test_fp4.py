@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphopt.hardware import SPECS
-from graphopt.kernels import fp4, fp4_tma, split_k
+from graphopt.kernels import fp4, split_k
 from graphopt.kernels.fp4 import (
     E2M1_VALUES, FORMATS, KernelConfig, dequantize_fp4, from_kernel_layout, quantize_fp4, round_to_e2m1_codes,
     sqnr_db, to_kernel_layout,
@@ -307,7 +306,8 @@ def test_first_call_inside_a_cuda_graph_capture():
 def test_decode_tuner_times_each_call_over_its_own_weight_copy(monkeypatch):
     """The decode autotuner's cold timing: one call per weight copy (codes and scales both copied,
     up to 16), all equal to the original, each call computing the same result."""
-    import graphopt.timing
+    from graphopt.hardware import timing
+    from graphopt.kernels.fp4 import tune
 
     x, kw, b, ref = _case("nvfp4", 1, 32, 128, torch.bfloat16, True, seed=5)
     args = (x, kw.codes, kw.scales.view(torch.uint8), kw.global_scale, b, 32, 128, "nvfp4", torch.bfloat16)
@@ -320,12 +320,12 @@ def test_decode_tuner_times_each_call_over_its_own_weight_copy(monkeypatch):
 
     outputs = []
     cfg = fp4.tune_config("gemv", args)  # first: on a GPU this tunes with the real timer
-    monkeypatch.setattr(fp4, "_launch", recording_launch)
-    monkeypatch.setattr(graphopt.timing, "cold_graph_ms", lambda calls, reps: (outputs.extend(c() for c in calls), 1.0)[1])
+    monkeypatch.setattr(tune, "_launch", recording_launch)
+    monkeypatch.setattr(timing, "cold_graph_ms", lambda calls, reps: (outputs.extend(c() for c in calls), 1.0)[1])
     time_config = fp4._cold_decode_timer(args)
     assert time_config(cfg) == 1.0
     nbytes = kw.codes.numel() * kw.codes.element_size() + kw.scales.numel()
-    expected = min(16, graphopt.timing.copies_for(nbytes))
+    expected = min(16, timing.copies_for(nbytes))
     assert len(seen) == expected == 16
     assert len({ptr for ptr, _, _ in seen}) == expected and len({ptr for _, ptr, _ in seen}) == expected
     assert all(same for _, _, same in seen)
@@ -377,67 +377,11 @@ def test_decode_candidates_by_token_count(k_padded):
         assert {c.block_m for c in worth} == block_ms, (m, k_padded)
 
 
-def test_launcher_path_choice_is_the_cost_models_and_cached(monkeypatch):
-    """The launcher's per-call path choice (_device_path) is choose_fp4_path on the device's spec,
-    computed once per shape and token count (the estimate is ~40 us of Python per call)."""
-    from graphopt import hardware
-
-    monkeypatch.setattr(hardware, "device_spec", lambda index: SPECS["h100"])
-    fp4._device_path.cache_clear()
-    calls = []
-    real = fp4.choose_fp4_path
-    monkeypatch.setattr(fp4, "choose_fp4_path", lambda *a: calls.append(a) or real(*a))
-    try:
-        bf16 = torch.bfloat16
-        for tokens in (1, 1, 4096, 4096, 1):
-            assert (fp4._device_path(0, tokens, 5120, 13824, "nvfp4", bf16)
-                    == real(SPECS["h100"], tokens, 5120, 13824, "nvfp4", bf16))
-        assert [c[1] for c in calls] == [1, 4096]
-        monkeypatch.setattr(hardware, "device_spec", lambda index: SPECS["cpu"])  # no GPU: by token count
-        assert fp4._device_path(1, 1, 64, 64, "nvfp4", bf16) == "gemv"
-        assert fp4._device_path(1, 4096, 64, 64, "nvfp4", bf16) == "gemm"
-        assert fp4._device_path(None, 16, 64, 64, "nvfp4", bf16) == "gemv"  # the interpreter, no device
-        assert fp4._device_path(None, 17, 64, 64, "nvfp4", bf16) == "gemm"
-    finally:
-        fp4._device_path.cache_clear()
-
-
-def test_tma_decode_is_costed_only_where_the_tuner_can_pick_it():
-    """The TMA kernel's estimate (sm_90+, NVFP4, bf16, K steps of 256) enters the gemv path's
-    choice only where fp4._runs_here / _valid_config would let the tuner time it; elsewhere the
-    Triton kernels' estimate stands, and on the H100 at 16 tokens it is the slower one."""
-    h100, a100, bf16 = SPECS["h100"], SPECS["a100"], torch.bfloat16
-    assert fp4.tma_decode_applies(h100, 5120, "nvfp4", bf16) == (fp4_tma.gluon is not None)
-    assert not fp4.tma_decode_applies(h100, 5120, "nvfp4", torch.float16)
-    assert not fp4.tma_decode_applies(h100, 5120, "mxfp4", bf16)
-    assert not fp4.tma_decode_applies(a100, 5120, "nvfp4", bf16)
-    assert not fp4.tma_decode_applies(SPECS["cpu"], 5120, "nvfp4", bf16)
-    assert not fp4.tma_decode_applies(h100, 5120 + 128, "nvfp4", bf16)  # padded K not a multiple of 256
-    if fp4_tma.gluon is None:
-        return
-    tma = fp4.estimate_fp4_linear(h100, 16, 5120, 13824, "nvfp4", path="gemv")
-    triton_only = fp4.estimate_fp4_linear(h100, 16, 5120, 13824, "nvfp4", path="gemv", act_dtype=torch.float16)
-    assert "TMA" in tma.name and "TMA" not in triton_only.name
-    # L2-cold on the H100: 25.5 us on the TMA kernel, 40.4 us on the Triton one
-    assert 0.022 < tma.ms < 0.029 < 0.036 < triton_only.ms < 0.045
-
-
-def test_cost_model_picks_decode_for_few_tokens_and_prefill_for_many():
-    hw = SPECS["h100"]
-    for n, k in ((13824, 5120), (5120, 13824), (4096, 4096)):
-        assert [fp4.choose_fp4_path(hw, t, k, n, "nvfp4") for t in (1, 4, 16)] == ["gemv"] * 3
-        assert fp4.choose_fp4_path(hw, 4096, k, n, "nvfp4") == "dequant"  # the decode is a few % of cuBLAS
-        assert fp4.choose_fp4_path(hw, 256, k, n, "nvfp4") != "gemv"
-    est = fp4.estimate_fp4_linear(hw, 1, 5120, 13824, "nvfp4")
-    # 4.5 bits per weight (+ 1/16 byte of scale per element for NVFP4)
-    assert est.bytes >= 13824 * 5120 * (0.5 + 1 / 16)
-    from graphopt.cost_model import linear
-
-    # Measured on an H100 (bench/results/fp4_h100_session9_mma_decode.json): 2.07x cold. The decode
-    # kernel is bound by its dequantization work, not by the 3.6x fewer bytes.
-    assert 1.5 < linear(hw, 1, 5120, 13824).ms / est.ms < 3.0
-    cpu = SPECS["cpu"]
-    assert fp4.estimate_fp4_linear(cpu, 1, 5120, 13824).ms > linear(cpu, 1, 5120, 13824).ms
+def test_a_call_without_a_path_takes_the_static_default():
+    """A call that names no path (an op's empty kernel string, a direct launcher call) decodes up to
+    16 tokens and runs the tiled GEMM above: a fixed rule, never the cost model (the pass hands the
+    cost model's path to the op, graphopt.cost.fp4)."""
+    assert [fp4.default_path(t) for t in (1, 4, 16, 17, 4096)] == ["gemv", "gemv", "gemv", "gemm", "gemm"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -635,17 +579,19 @@ def test_split_k_calls_repeat_exactly_and_keep_no_buffers(k, cfg):
 def test_the_call_path_never_times_tiles(monkeypatch):
     """Tiles are timed at compile time (tune_config through tune_fp4_linear), never by a call: the
     launcher runs the default tile; off the GPU tune_fp4_linear chooses nothing."""
+    from graphopt.kernels.fp4 import tune
+
     x, kw, b, ref = _case("nvfp4", 2, 48, 256, torch.bfloat16, True, seed=8)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a call timed tiles")
 
-    monkeypatch.setattr(fp4, "tune_config", refuse)
-    monkeypatch.setattr(fp4, "_cold_decode_timer", refuse)
+    monkeypatch.setattr(tune, "tune_config", refuse)
+    monkeypatch.setattr(tune, "_cold_decode_timer", refuse)
     _assert_close(fp4.fp4_linear(x, kw, b), ref, torch.bfloat16)
     if not x.is_cuda:
         assert fp4.tune_fp4_linear(2, kw.codes, kw.scales, kw.global_scale, b, 48, 256, "nvfp4", torch.bfloat16,
-                                   allow_tma=True) == ""
+                                   allow_tma=True, path="gemv") == ""
 
 
 def test_op_runs_the_tile_its_kernel_argument_names():
@@ -658,6 +604,10 @@ def test_op_runs_the_tile_its_kernel_argument_names():
     assert fp4.kernel_choice(kernel, 2) == ("gemv", cfg)
     assert fp4.kernel_choice(kernel, 3) == (None, None)
     assert fp4.kernel_choice("", 1) == (None, None)
+    ranges = "1-16=gemv=;17-9223372036854775807=dequant="  # paths per token range, default tiles
+    assert fp4.kernel_string([(1, 16, "gemv", None), (17, 2**63 - 1, "dequant", None)]) == ranges
+    assert [fp4.kernel_choice(ranges, t) for t in (1, 16, 17, 10**9)] == [("gemv", None)] * 2 + [("dequant", None)] * 2
+    assert fp4.kernel_choice(fp4.kernel_string([(1, 2, "gemv", cfg)]), 2) == ("gemv", cfg)
     with pytest.raises(ValueError, match="not 'lo-hi=path=<tile json>'"):
         fp4.kernel_choice("gemv", 1)
     with pytest.raises(ValueError, match="unknown path 'fast'"):

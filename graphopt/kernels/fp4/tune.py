@@ -1,0 +1,104 @@
+"""Compile-time tuning of the FP4 tiles: `tune_config` times the candidate tiles of a path on the GPU
+(decode tiles L2-cold, over distinct weight copies replayed from a CUDA graph) and keeps the fastest
+in memory and in the tuning file (graphopt.kernels.tuning); `tune_fp4_linear` turns the choice into
+graphopt::fp4_linear's kernel string. Called by the fp4_linear pass and the benchmarks, never inside
+a user's forward."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from graphopt.hardware import timing
+from graphopt.kernels import tuning
+from graphopt.kernels.fp4.configs import PATHS, KernelConfig, _candidates, _token_bucket
+from graphopt.kernels.fp4.launcher import _TUNED, _activation_rows, _launch, _tuned_key, default_config, kernel_string
+from graphopt.kernels.launch import INTERPRET
+
+
+def _cold_decode_timer(args: tuple):
+    """A decode tile's time as a model step sees it: calls over distinct copies of the weight,
+    back to back in one CUDA graph, so each reads from HBM (graphopt.hardware.timing.cold_graph_ms, the
+    benchmark's L2-cold timing). do_bench's L2 flush leaves the cache full of dirty lines, and its
+    host-launched calls can be launch-bound at ~20 us; tiles picked that way ran up to 20% slower
+    cold (5120->13824 at 1 token, 1.48x against 1.81x). None when the copies do not fit
+    (the caller falls back to do_bench)."""
+    x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
+    weights = timing.cold_copies((codes, scales))
+    if weights is None:
+        return None
+
+    def time_config(cfg: KernelConfig) -> float:
+        calls = [lambda c=c, s=s: _launch("gemv", cfg, x2, c, s, global_scale, bias, out_features, in_features, format,
+                                          out_dtype) for c, s in weights]
+        return timing.cold_graph_ms(calls, reps=10)
+    return time_config
+
+
+def tune_config(path: str, args: tuple, *, allow_tma: bool = True) -> KernelConfig:
+    """The fastest valid candidate for this shape, timed on the GPU (kept in memory and in the tuning
+    file, graphopt.kernels.tuning). For compile time and benchmarks, never for a call inside a
+    user's forward: inside a CUDA-graph capture, or without a GPU, it times nothing and returns
+    `default_config`. allow_tma: also time fp4_tma's Gluon decode. A candidate whose output disagrees
+    with the first one that ran is dropped (a guard against a miscompiled tile being 'fastest')."""
+    x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
+    if path == "dequant" or INTERPRET or not x2.is_cuda or torch.cuda.is_current_stream_capturing():
+        return default_config(path, args)
+    key = _tuned_key(path, args, allow_tma)
+    if key in _TUNED:
+        return _TUNED[key]
+    disk_key = f"fp4|{tuning.device_key(x2.device.index or 0)}|{key[:-2]}|tma={allow_tma}"
+    if (stored := tuning.lookup(disk_key)) is not None:
+        _TUNED[key] = tuning.decode(KernelConfig, stored)
+        return _TUNED[key]
+    candidates = _candidates(path, args, allow_tma)
+    time_config = _cold_decode_timer(args) if path == "gemv" else None
+    if time_config is None:
+        from triton.testing import do_bench
+
+        def time_config(cfg):
+            return do_bench(lambda: _launch(path, cfg, *args), warmup=5, rep=20, return_mode="median")
+    best, best_ms, first_out = None, math.inf, None
+    for cfg in candidates:
+        try:
+            out = _launch(path, cfg, *args).float()
+            if first_out is None:
+                first_out = out
+            elif not torch.allclose(out, first_out, rtol=2e-2, atol=2e-2 * float(first_out.abs().max()) + 1e-6):
+                continue
+            ms = time_config(cfg)
+        except Exception:  # e.g. out of shared memory for this tile on this GPU
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError(f"no FP4 {path} kernel configuration compiled for M={x2.shape[0]} N={out_features} "
+                           f"K={in_features}")
+    _TUNED[key] = best
+    tuning.store(disk_key, tuning.encode(best))
+    return best
+
+
+def _bucket_range(m: int) -> tuple[int, int]:
+    """The token counts that share m's tuned tile: (bucket / 2, bucket]."""
+    bucket = _token_bucket(m)
+    return (1 if bucket == 1 else bucket // 2 + 1), bucket
+
+def tune_fp4_linear(tokens: int, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out_features: int, in_features: int, format: str,
+                    act_dtype: torch.dtype, *, allow_tma: bool, path: str) -> str:
+    """The `kernel` argument of graphopt::fp4_linear for calls of `tokens` rows on `path` (the cost
+    model's choice, graphopt.cost.fp4), its tile chosen now (compile time): "lo-hi=path=<tile>" for
+    the token counts lo..hi, or "" where nothing can be timed here (no GPU, the interpreter, a
+    CUDA-graph capture running). Timed on random activations."""
+    if INTERPRET or not codes.is_cuda or torch.cuda.is_current_stream_capturing() or tokens < 1:
+        return ""
+    if path not in PATHS:
+        raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: {', '.join(PATHS)}")
+    x = torch.randn(tokens, in_features, device=codes.device, dtype=act_dtype)
+    x2, out_dtype = _activation_rows(x, in_features)
+    args = (x2, codes, scales.view(torch.uint8), global_scale, bias, out_features, in_features, format, out_dtype)
+    cfg = tune_config(path, args, allow_tma=allow_tma)
+    lo, hi = _bucket_range(tokens)
+    return kernel_string([(lo, hi, path, cfg)])
