@@ -411,7 +411,7 @@ def _(x, codes, scales, global_scale, bias, out_features, in_features, kernel):
     return x.new_empty((*x.shape[:-1], out_features))
 # ==== end fp4 ==================================================================================
 
-# ==== q4 (graphopt/kernels/q4.py, passes/q4_linear.py) ========================================
+# ==== q4 (graphopt/kernels/q4/, passes/q4_linear.py) ==========================================
 # Q4_0 weights (kernel layout from graphopt.kernels.q4.pack_q4_0: qweight uint8 [N, Kp/2], scales
 # fp16 [Kp/32, N]) times Q8_1-quantized activations.
 #   graphopt::quantize_q8_1(x [..., K]) -> ggml block_q8_1 bytes uint8 [..., K/32, 36]

@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 
 from graphopt.cost import fp4 as fp4_cost
+from graphopt.cost import q4 as q4_cost
 from graphopt.hardware import SPECS
 from graphopt.kernels import fp4 as fp4k
-from graphopt.passes import fp4_linear, q4_linear
+from graphopt.passes import fp4_linear
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 # The ceilings measured on the H200 that produced the JSON (graphopt calibrate / bench_cost_model).
@@ -163,7 +164,7 @@ def test_q4_predicted_faster_or_slower_agrees_with_h200():
     for k, n, tokens, ms in _q4_rows():
         if tokens < 64:
             continue
-        before, _, _, fused, separate = q4_linear.predict_linear(H200, tokens, k, n)
+        before, _, _, fused, separate = q4_cost.predict_linear(H200, tokens, k, n)
         for variant, est in (("fused", fused), ("separate", separate)):
             measured_faster, predicted_faster = ms[variant] < ms["cublas_bf16"], est.ms < before.ms
             agree += measured_faster == predicted_faster
@@ -182,7 +183,7 @@ def test_q4_pass_declines_every_linear_measured_slower_than_cublas():
     for k, n, tokens, ms in _q4_rows():
         if tokens in (4, 16):
             continue
-        before, after, mode, _, _ = q4_linear.predict_linear(H200, tokens, k, n)
+        before, after, mode, _, _ = q4_cost.predict_linear(H200, tokens, k, n)
         if not after.ms < before.ms:  # Q4LinearPass.accept: rewrite when predicted faster
             continue
         ratio = ms["cublas_bf16"] / ms[mode]
@@ -216,7 +217,7 @@ def test_q4_h100_rewrites_the_measured_wins_and_declines_the_losses():
     decode = _q4_decode_rows_h100()
     assert len(decode) == 6
     for k, n, tokens, cublas_ms, fused_ms, separate_ms in decode:
-        before, after, mode, _, _ = q4_linear.predict_linear(H100, tokens, k, n)
+        before, after, mode, _, _ = q4_cost.predict_linear(H100, tokens, k, n)
         measured = {"fused": fused_ms, "separate": separate_ms}
         assert after.ms < before.ms and cublas_ms / measured[mode] >= 1.25, (k, n, tokens, mode, measured)
         assert measured[mode] == min(measured.values()), (k, n, tokens, mode, measured)
@@ -224,7 +225,7 @@ def test_q4_h100_rewrites_the_measured_wins_and_declines_the_losses():
     prefill = [row for row in _q4_rows("h100") if row[2] > 16]
     assert len(prefill) == 6
     for k, n, tokens, ms in prefill:
-        before, after, _, _, _ = q4_linear.predict_linear(H100, tokens, k, n)
+        before, after, _, _, _ = q4_cost.predict_linear(H100, tokens, k, n)
         assert not after.ms < before.ms, (k, n, tokens, after.ms, before.ms)
 
 
@@ -237,7 +238,7 @@ def test_q4_fused_or_separate_choice_matches_the_measurement_at_64_tokens_and_mo
     for k, n, tokens, ms in _q4_rows(source):
         if tokens < 64:
             continue
-        _, _, mode, _, _ = q4_linear.predict_linear(hw, tokens, k, n)
+        _, _, mode, _, _ = q4_cost.predict_linear(hw, tokens, k, n)
         assert mode == ("fused" if ms["fused"] < ms["separate"] else "separate"), (k, n, tokens, ms)
         checked += 1
     assert checked == (18 if source == "h200" else 6)

@@ -7,7 +7,7 @@ kernel with `torch.library.wrap_triton`, so Inductor emits the launch in its own
 
 `kernel[grid](*args, **meta)` re-derives the kernel's specialization from every argument on every
 call, builds a cache key from it, looks the compiled kernel up, and only then launches. For the
-decode kernels of fp4.py and q4.py (16-30 arguments) that launch path took 35 us of host time on
+decode kernels of fp4/ and q4/ (16-30 arguments) that launch path took 35 us of host time on
 an H100 host, while a one-token layer's GPU work is 10-25 us. `launch` makes the
 same launch, remembers the compiled kernel under a key that fixes its specialization, and sends
 later calls with that key straight to the compiled kernel's own launcher

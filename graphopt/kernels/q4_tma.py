@@ -6,7 +6,7 @@ adds, FMAs and max (that quantization and the per-block epilogue, profiled), twi
 FP4 TMA kernel's instruction count. Here the activations are quantized once, by a small Triton
 kernel into a layout TMA can read, and a Gluon kernel streams the weights:
 
-- `q4.quantize_for_tma` (Triton, with q4's other kernels): x (M, K) -> q int8 (M, Kp) and, per
+- `q8_1.quantize_for_tma` (Triton, with the other Q8_1 kernels): x (M, K) -> q int8 (M, Kp) and, per
   32-block b and token m,
   ds[2b, m] = d and ds[2b + 1, m] = d * sum(q), in fp32 (d the fp16-rounded Q8_1 scale, as the
   other kernels use it; both exact). Kp is the weight's padded K: its padding blocks get q = 0.
@@ -35,7 +35,7 @@ import triton
 
 from graphopt.kernels import fp4_tma
 from graphopt.kernels.launch import launch
-from graphopt.kernels.q4 import quantize_for_tma
+from graphopt.kernels.q8_1 import quantize_for_tma
 
 gluon = fp4_tma.gluon
 if gluon is not None:

@@ -234,7 +234,7 @@ def test_last_split_reduces_into_buffers_of_its_own_call(monkeypatch):
         taken.append(split_k.split_buffers(*args))
         return taken[-1]
 
-    monkeypatch.setattr(q4, "split_buffers", split_buffers)
+    monkeypatch.setattr(q4.launcher, "split_buffers", split_buffers)
     y1 = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
     y2 = q4.q4_linear_triton(x, qweight, scales, bias, "fused", config=config)
     assert torch.equal(y1, y2)
@@ -359,7 +359,7 @@ def test_ops_never_tune(monkeypatch):
         raise AssertionError("an op tried to tune")
 
     for name in ("_time_config", "tune_q4_linear"):
-        monkeypatch.setattr(q4, name, refuse)
+        monkeypatch.setattr(q4.tune, name, refuse)
     monkeypatch.setattr(tuning, "lookup", refuse)
     x, qweight, scales, bias = _tile_problem(3)
     ref = _dequant_matmul64(x, qweight, scales, bias)
@@ -436,7 +436,7 @@ def test_tune_q4_linear_times_once_and_the_op_runs_its_choice(mode, tokens, monk
     def refuse(*args, **kwargs):
         raise AssertionError("timed twice")
 
-    monkeypatch.setattr(q4, "_time_config", refuse)
+    monkeypatch.setattr(q4.tune, "_time_config", refuse)
     assert q4.tune_q4_linear(tuple(x.shape), qweight, scales, True, x.dtype, mode, False) == kernel
     y = torch.ops.graphopt.q4_linear(x, qweight, scales, bias, mode, kernel)
     _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.bfloat16)

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import graphopt
+from graphopt.cost.q4 import ctas_per_sm, estimate_q4_fused, estimate_q4_separate
 from graphopt.hardware import SPECS
 from graphopt.kernels import q4
 from graphopt.onnx_export import capture_rewritten, export_onnx, run_onnxruntime
-from graphopt.passes.q4_linear import ctas_per_sm, estimate_q4_fused, estimate_q4_separate
 from tests.passes.sibling_models import SiblingsOnALinear
 
 ON = dict(passes={"q4_linear": True}, downstream="eager")
