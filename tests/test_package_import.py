@@ -48,3 +48,12 @@ def test_backend_entry_point_registers_the_ops_itself():
         print("ok")
     """)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_the_tuning_key_names_the_installed_graphopt_version():
+    """The kernels' tuning-cache key reads graphopt's version from the package metadata (the kernels
+    import nothing of graphopt above them): the version graphopt.__version__ states."""
+    import graphopt
+    from graphopt.kernels import tuning
+
+    assert tuning.graphopt_version() in (graphopt.__version__, "unknown")
