@@ -370,7 +370,8 @@ def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below
 #   FLOAT4E2M1 initializer; it shares storage with codes); scales (N, Kp/bs) uint8 e8m0 (mxfp4) or
 #   float8_e4m3fn (nvfp4); global_scale fp32 (1,) (1.0 for mxfp4); format "mxfp4" | "nvfp4";
 #   kernel: the path and tile the pass chose at compile time, per token range ("lo-hi=path=<tile>;...",
-#   fp4.kernel_string; an empty tile is the path's untuned default, "" is fp4.default_path with it).
+#   fp4.kernel_string; an empty hi has no upper bound, an empty tile is the path's untuned default,
+#   and "" is fp4.default_path with it).
 #   A triton_op: Inductor traces the body and launches its Triton kernels from its own generated
 #   code (inside its CUDA graphs). CPU: the torch reference. The Gluon TMA decode is not a Triton
 #   JIT function, so a kernel that selects it calls graphopt::fp4_tma_linear, an opaque op.

@@ -226,16 +226,15 @@ def device_path(device_index: int | None, tokens: int, in_features: int, out_fea
 # path_ranges prices the power-of-two token buckets up to this count; the last path holds beyond it
 # (every term of every path grows linearly in the tokens there, so their order no longer changes).
 PATH_RANGES_MAX_BUCKET = 1 << 24
-TOKENS_MAX = (1 << 63) - 1  # the open end of path_ranges' last range
 
 
 def path_ranges(device_index: int | None, in_features: int, out_features: int, fmt: str,
-                act_dtype: torch.dtype) -> list[tuple[int, int, str]]:
+                act_dtype: torch.dtype) -> list[tuple[int, int | None, str]]:
     """device_path for every token count, as (lo, hi, path) ranges: the counts of one power-of-two
     bucket, (bucket / 2, bucket], share the bucket's path; neighbours with the same path are merged,
-    and the last range is open-ended (hi TOKENS_MAX). For an op whose token count is not known at
+    and the last range is open-ended (hi None). For an op whose token count is not known at
     compile time (graphopt.kernels.fp4.kernel_string of these, with default tiles)."""
-    ranges: list[tuple[int, int, str]] = []
+    ranges: list[tuple[int, int | None, str]] = []
     bucket = 1
     while bucket <= PATH_RANGES_MAX_BUCKET:
         path = device_path(device_index, bucket, in_features, out_features, fmt, act_dtype)
@@ -244,5 +243,5 @@ def path_ranges(device_index: int | None, in_features: int, out_features: int, f
         else:
             ranges.append((1 if bucket == 1 else bucket // 2 + 1, bucket, path))
         bucket *= 2
-    ranges[-1] = (ranges[-1][0], TOKENS_MAX, ranges[-1][2])
+    ranges[-1] = (ranges[-1][0], None, ranges[-1][2])
     return ranges

@@ -42,8 +42,9 @@ INT_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # and of the integer-dot one
 MIN_DECODE_BLOCK_N = 8  # narrowest decode tile; sizes the split-K counters (one per tile)
 MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-core decode kernel (its MMA's N)
 # Candidates the compile-time tuner (tune.py) times once per (path, token bucket, N, K, format,
-# dtype, bias, device) on a GPU. Kept short: every distinct tile compiles once (~1 s). Decode: BLOCK_M 1, 2 or 4 is the CUDA-core
-# kernel (_fp4_gemv_words_kernel, that many tokens per program), 16, 32 or 64 the tensor-core one
+# dtype, bias, device) on a GPU. Kept short: every distinct tile compiles once (~1 s). Decode:
+# BLOCK_M 1, 2 or 4 is the CUDA-core kernel (_fp4_gemv_words_kernel, that many tokens per
+# program), 16, 32 or 64 the tensor-core one
 # (_fp4_gemv_words_mma_kernel, up to that many tokens per program). From the H100 sweeps of
 # bench/bench_fp4_decode.py (bench/results/fp4_decode_h100_*): the CUDA-core kernel is fastest
 # with narrow tiles, 8-16 rows of 256-1024 elements (1 token: 8x1024 with 4 warps, 0.030 ms on

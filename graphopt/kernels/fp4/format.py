@@ -17,14 +17,13 @@ Formats (`quantize_fp4` / `dequantize_fp4`, one `Fp4Tensor` per weight of shape 
   (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4) and saturates at +-6.
   `scale_search=True` tries a few scales per block and keeps the one with the lowest squared
   error (any scale is a valid MXFP4/NVFP4 tensor; decoders are unchanged).
-  `quantize_fp4_gptq(w, hessian)` (gptq.py) (GPTQ-style: rounding errors fed forward along K through the
-  inverse-Hessian Cholesky factor, block scales re-chosen as the scan reaches each block) and
-  `calibrate_fp4(model, inputs)` (Hessians of every nn.Linear from forward hooks; with
+  In gptq.py, `quantize_fp4_gptq(w, hessian)` (GPTQ-style: rounding errors fed forward along K
+  through the inverse-Hessian Cholesky factor, block scales re-chosen as the scan reaches each
+  block) and `calibrate_fp4(model, inputs)` (Hessians of every nn.Linear from forward hooks; with
   `sequential=True` layer by layer on the partly quantized model, aiming at the full-precision
   output) return the same Fp4Tensor, so everything downstream is unchanged.
   K that is not a multiple of the block is zero-padded inside the format; `shape` keeps the
   real (N, K). NaN/Inf weights are rejected.
-
 
 Kernel layout (`to_kernel_layout` / `from_kernel_layout`), arranged once at compile time:
   * K is zero-padded to a multiple of 64 (KERNEL_K_MULTIPLE), so every kernel K-tile is full
@@ -40,9 +39,6 @@ Kernel layout (`to_kernel_layout` / `from_kernel_layout`), arranged once at comp
   * Block scales stay (N, K_padded / BS), one byte each; the kernels decode e8m0 / e4m3 with bit
     arithmetic (no fp8 hardware needed), and e2m1 by placing its 3 magnitude bits into an fp16
     exponent/mantissa (exact: the result is value * 2^-14, folded into the block scale).
-
-Kernels (CUDA; on CPU they run under TRITON_INTERPRET=1 for tests):
-  * `_fp4_gemv_words_kernel`, decode, 1-4 tokens per program on CUDA cores: each program streams
 """
 
 from __future__ import annotations

@@ -163,15 +163,16 @@ def default_config(path: str, args: tuple) -> KernelConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def _parse_kernel(kernel: str) -> tuple[tuple[int, int, str, KernelConfig | None], ...]:
+def _parse_kernel(kernel: str) -> tuple[tuple[int, int | None, str, KernelConfig | None], ...]:
     entries = []
     for entry in filter(None, kernel.split(";")):
         try:
             span, path, cfg = entry.split("=", 2)
-            lo, hi = (int(v) for v in span.split("-"))
+            lo_text, hi_text = span.split("-")
+            lo, hi = int(lo_text), (int(hi_text) if hi_text else None)
         except ValueError:
-            raise ValueError(f"graphopt::fp4_linear: kernel {entry!r} is not 'lo-hi=path=<tile json>' (the tile may "
-                             f"be empty: the path's default tile)") from None
+            raise ValueError(f"graphopt::fp4_linear: kernel {entry!r} is not 'lo-hi=path=<tile json>' (hi may be "
+                             f"empty: no upper bound; the tile may be empty: the path's default tile)") from None
         if path not in PATHS:
             raise ValueError(f"graphopt::fp4_linear: unknown path {path!r} in kernel; valid choices: {', '.join(PATHS)}")
         entries.append((lo, hi, path, tuning.decode(KernelConfig, cfg) if cfg else None))
@@ -183,15 +184,17 @@ def kernel_choice(kernel: str, tokens) -> tuple[str | None, KernelConfig | None]
     range holds it (tile None: the path's default tile), else (None, None) (default_path and its
     default tile). `tokens` may be symbolic: the comparisons then guard on its range."""
     for lo, hi, path, cfg in _parse_kernel(kernel):
-        if lo <= tokens <= hi:
+        if lo <= tokens and (hi is None or tokens <= hi):
             return path, cfg
     return None, None
 
 
 def kernel_string(entries) -> str:
     """The `kernel` argument of graphopt::fp4_linear for `entries` (lo, hi, path, tile or None): calls
-    of lo..hi tokens run `path` on `tile` (None: the path's default tile). kernel_choice's inverse."""
-    return ";".join(f"{lo}-{hi}={path}={'' if cfg is None else tuning.encode(cfg)}" for lo, hi, path, cfg in entries)
+    of lo..hi tokens (hi None: lo and more) run `path` on `tile` (None: the path's default tile).
+    kernel_choice's inverse."""
+    return ";".join(f"{lo}-{'' if hi is None else hi}={path}={'' if cfg is None else tuning.encode(cfg)}"
+                    for lo, hi, path, cfg in entries)
 
 
 def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,

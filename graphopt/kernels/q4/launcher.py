@@ -14,8 +14,8 @@ import triton.language as tl
 
 from graphopt.kernels import q4_tma, tuning
 from graphopt.kernels.launch import INTERPRET, cdiv, launch
-from graphopt.kernels.q4.configs import _DECODE_GEMM_CONFIGS, DECODE_MAX_TOKENS, GEMV_MAX_ROWS, PROGRAMS_PER_SM, \
-    TileConfig, default_config
+from graphopt.kernels.q4.configs import (_DECODE_GEMM_CONFIGS, DECODE_MAX_TOKENS, GEMV_MAX_ROWS, PROGRAMS_PER_SM,
+                                         TileConfig, default_config)
 from graphopt.kernels.q4.format import (Q8_1_BLOCK_BYTES, QK, SUPPORTED_ACT_DTYPES, _check_k, _check_weight,
                                         _rows_scale, static_result_dtype)
 from graphopt.kernels.q4.kernels import (ACT_FUSED, ACT_PREQUANTIZED, ACT_STATIC, REDUCE_ATOMIC, REDUCE_LAST,
