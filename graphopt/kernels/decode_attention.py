@@ -117,7 +117,7 @@ if triton is not None:
                 s = tl.dot(q, kt, input_precision="ieee")
             else:
                 s = tl.dot(q, kt)
-            s = s * qk_scale  # (ROWS, BLOCK_N), log2 domain
+            s = (s * qk_scale).to(tl.float32)  # (ROWS, BLOCK_N), log2 domain; Inductor passes the scale as fp64
             if BIAS_KIND != 0:
                 bias = tl.load(bias_ptr + b * stride_bb + head[:, None] * stride_bh + pos[:, None] * stride_bm
                                + n[None, :] * stride_bn, mask=row_ok[:, None] & n_ok[None, :], other=0)
