@@ -32,9 +32,9 @@ about 8.3e6 an infinite one (NaN outputs). The error budget checks the weights o
 sees at compile time; activations outside that range need a rescaled model or another pass.
 
 Where it wins (H100, the issue's two shapes, weights L2-cold): decode. 1 token 2.3-2.6x cuBLAS bf16
-(the fused dp4a kernel; bench/results/q4_h100_session13_*.json), 4 tokens 1.92-2.31x and 16 tokens
+(the fused dp4a kernel; bench/results/q4_linear_decode_dp4a_h100.json), 4 tokens 1.92-2.31x and 16 tokens
 1.70-1.99x (the separate path on q4_tma's Gluon decode, which the cost model picks there;
-bench/results/q4_h100_session34_tma.json). From 64 tokens on the int8 GEMM is slower than
+bench/results/q4_linear_tma_4_16tok_h100.json). From 64 tokens on the int8 GEMM is slower than
 cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/test_cost_model_measured.py)
 therefore rewrites decode linears and declines prefill unless force=True.
 
@@ -77,8 +77,8 @@ from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical,
 QUANT_OPS_PER_VALUE = 12
 # The fused GEMM re-quantizes its activation tile in every N tile: effective CUDA-core ops per value
 # and N tile. Fitted (with GEMM_UNPACK_OPS_PER_WEIGHT and q4_gemm's efficiency 0.09) to the
-# GEMM-kernel rows of bench/results/q4_h200_round2.json (H200) and
-# bench/results/q4_h100_session9_prefill.json (H100): the fused kernel measured 1.12-1.35x *faster*
+# GEMM-kernel rows of bench/results/q4_linear_h200.json (H200) and
+# bench/results/q4_linear_prefill_narrow_n_h100.json (H100): the fused kernel measured 1.12-1.35x *faster*
 # than the separate one at 64-4096 tokens on both GPUs, so most of the QUANT_OPS_PER_VALUE count
 # overlaps the MMA. 1 gets fused vs separate right on all 24 rows; 2 predicts the separate path
 # faster at 256-4096 tokens (7 of 18 H200 rows and 2 of 6 H100 rows right).
@@ -95,16 +95,16 @@ GEMV_UNPACK_OPS_PER_VALUE = 2.5
 # The dp4a decode kernel: per weight value, the nibble masks/shift of its word (3 ops per 8
 # values, counted from the kernel) and, per token row, an effective 0.9 ops (each block's eight
 # dp4a form one accumulating chain, with no separate word sums). Fitted to the narrow one-warp
-# tiles on the H100, L2-cold: 1 token 0.021 ms (bench/results/q4_h100_session8_cold_tuner.json:
+# tiles on the H100, L2-cold: 1 token 0.021 ms (bench/results/q4_linear_decode_cold_tuner_h100.json:
 # 2.4-2.5x cuBLAS, 0.63 of the copy bandwidth: q4_gemv's memory efficiency), 4 tokens
-# 0.031-0.042 ms (bench/results/q4_h100_session10_chained_dp4a.json), predicted within 0.95-1.19x.
+# 0.031-0.042 ms (bench/results/q4_linear_decode_chained_dp4a_h100.json), predicted within 0.95-1.19x.
 PREQUANT_SUM_OPS_PER_VALUE = 0.25  # Q8_1 blocks in: a block's sum(q) is one dp4a per 4 values, per program
 DP4A_UNPACK_OPS_PER_VALUE = 0.375
 DP4A_OPS_PER_VALUE_AND_ROW = 0.9
 # q4_tma's Gluon decode (the separate path on sm_90+, <= 16 tokens): CUDA-core ops per weight at the
 # q4_tma efficiency (nibble masks, and the per-block epilogue d4 * (d8 * dot - 8 * s8) on every
 # token column of the 8- or 16-token block). Fitted, with the quantize launch's estimate, to the
-# tuned rows of bench/results/q4_decode_h100_session34_tma.json (H100, L2-cold CUDA graphs): 24.7 /
+# tuned rows of bench/results/q4_decode_kernels_h100.json (H100, L2-cold CUDA graphs): 24.7 /
 # 27.4 us at 4 tokens (8-token blocks), 29.8 / 31.1 us at 16 on the two 70.8 M weight
 # layers. Only that layer size was timed, so no fixed latency is separated from the per-weight term.
 Q4_TMA_OPS_PER_WEIGHT = 1.64

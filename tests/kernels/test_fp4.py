@@ -433,7 +433,7 @@ def test_cost_model_picks_decode_for_few_tokens_and_prefill_for_many():
     assert est.bytes >= 13824 * 5120 * (0.5 + 1 / 16)
     from graphopt.cost_model import linear
 
-    # Measured on an H100 (bench/results/fp4_h100_session9_mma_decode.json): 2.07x cold. The decode
+    # Measured on an H100 (bench/results/fp4_linear_mma_decode_h100.json): 2.07x cold. The decode
     # kernel is bound by its dequantization work, not by the 3.6x fewer bytes.
     assert 1.5 < linear(hw, 1, 5120, 13824).ms / est.ms < 3.0
     cpu = SPECS["cpu"]
