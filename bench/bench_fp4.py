@@ -65,7 +65,7 @@ if OPTS.shapes:
 if OPTS.tokens:
     TOKENS = [int(t) for t in OPTS.tokens.split(",")]
 # up to this many tokens the layers are memory-bound steps (decode, small batches): CUDA-graph replays,
-# hot and L2-cold (until session 30 only up to 16; 17-64 tokens were timed eagerly, interleaved)
+# hot and L2-cold
 GRAPH_TOKENS = 64
 
 
@@ -76,8 +76,8 @@ def time_ms(fn, tokens: int) -> float:
     torch.cuda.synchronize()
     if tokens <= GRAPH_TOKENS:
         return cuda_graph_ms(fn, rep_ms=50)
-    # best of three medians: single 50 ms medians of the dequant path (which allocates W per call)
-    # were up to 2.6x slow on a different shape in each of two session-9 runs at 64 tokens
+    # best of three medians: a single 50 ms median of the dequant path (which allocates W per call)
+    # can be up to 2.6x slow at 64 tokens
     return min(median_ms(fn, warmup_ms=25, rep_ms=100) for _ in range(3))
 
 

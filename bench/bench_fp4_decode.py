@@ -11,8 +11,7 @@ tensor-core one (16 tokens per program; --mma-m 16,32,64 sweeps 32 and 64 too), 
 (int16 activations x int8 codes, dp2a; 1, 2 or 4 tokens per program), "tma" fp4_tma.py's Gluon
 kernel (words and activations fed by TMA through a ring of shared-memory slots; sm_90+). All tile the weight as (rows x int32 code words); the
 CUDA-core one reads each word's eight activations as two vector loads shared by the tile's rows,
-the tensor-core one loads the tile's activations once and runs one MMA per shift of the words. The scale-block kernels they replaced are in the first sweep's JSON
-(bench/results/fp4_decode_h100_round1.json, "block" / "block-mma"). bench_fp4.py times the path
+the tensor-core one loads the tile's activations once and runs one MMA per shift of the words. bench_fp4.py times the path
 the cost model picks at every token count; this is the short decode round used to judge kernel
 changes. Each config is checked against dequantize-then-matmul (fp32) first; a config that fails
 or cannot compile is skipped.
@@ -83,7 +82,7 @@ def candidates(kernel: str, m: int) -> list[KernelConfig]:
         if not GPU:
             return []
         bm = max(16, fp4._token_bucket(m))
-        if OPTS.tma_quick:  # the shapes that won the session-33 sweep
+        if OPTS.tma_quick:  # the 64-row, 4-warp tiles, which won the full sweep
             return [KernelConfig(64, bm, 256, sk, num_warps=4, num_stages=st, tma=True)
                     for sk in (1, 2, 4, 8) for st in (2, 3)]
         return [KernelConfig(bn, bm, 256, sk, num_warps=w, num_stages=st, tma=True)

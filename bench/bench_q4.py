@@ -12,8 +12,8 @@ target shapes of the issue, every fused candidate config on its own. The launche
 at compile time; not timed), and every variant runs its tuned tile (`tuned_config`).
 
 Decode and small-batch sizes (<= 64 tokens) are timed as CUDA-graph replays for every variant, cuBLAS
-included (a Python launch costs about as much as these kernels; until session 30, 17-64 tokens were
-timed eagerly, and the two-launch separate path swung 30-45% between runs there). Graph replays do not flush L2, and a Q4 weight of
+included (a Python launch costs about as much as these kernels; timed eagerly, the two-launch
+separate path swings 30-45% between runs at 17-64 tokens). Graph replays do not flush L2, and a Q4 weight of
 these shapes (8-40 MB) fits in the 50 MB L2, so each replay runs the variant over enough copies of
 its weights to exceed 3x the L2 size and the time is divided by the number of copies: weights come
 from HBM, as in a real decode step. Larger sizes use CUDA events with an L2 flush per run.

@@ -305,8 +305,8 @@ def main() -> int:
                         check(f"ours vs cuDNN dense L={length} causal={causal}", out, dense_out, tol)
                     # cuDNN, ours and Flex timed in interleaved rounds: the ratios then compare
                     # kernels run at the same clocks (a fresh machine's first seconds, or a
-                    # power-hungry neighbour, moved the 8k rows by up to 10% when cuDNN was timed
-                    # once per length; sessions 11-15)
+                    # power-hungry neighbour, move the 8k rows by up to 10% when cuDNN is timed
+                    # once per length)
                     timed = row_times({"cudnn": dense_fn if dense_out is not None else None, "ours": ours,
                                        "flex": flex_fn})
                     row_dense_ms = timed.get("cudnn", dense_ms)

@@ -6,17 +6,18 @@ CPU; two more rows run the real path, torch.compile(backend="graphopt") with the
 forced (the cost model declines FP4 on a CPU target), with compile-time quantization and with
 GPTQ weights loaded from a plan (graphopt.passes.fp4_linear.save_fp4_plan). Reported: cosine
 similarity of the mean-pooled sentence embeddings to the fp32 model (and, for scale, of the bf16
-model to fp32), min and mean over the 10 evaluation SENTENCES and over the 40 further held-out
-VALIDATION_SENTENCES (bench/fp4_calibration_text.py), plus the weight SQNR over all linears and
-the calibration time. GPTQ rows: graphopt.kernels.fp4.calibrate_fp4, default damping, on the 24
-CALIBRATION_SENTENCES below (the earlier setting) or on the 352 CALIBRATION_TEXTS of
-bench/fp4_calibration_text.py (about 7,300 tokens); "sequential" is calibrate_fp4(sequential=True).
-No calibration text is an evaluation or validation sentence; all are fed one at a time (no padding).
+model to fp32), min and mean over the 10 evaluation SENTENCES and over the 40 held-out
+validation sentences (bench/data/fp4_validation_sentences.txt), plus the weight SQNR over all
+linears and the calibration time. GPTQ rows: graphopt.kernels.fp4.calibrate_fp4, default damping,
+on the 24 CALIBRATION_SENTENCES below or on the 352 calibration texts of
+bench/data/fp4_calibration_{sentences,paragraphs}.txt (about 7,300 tokens); "sequential" is
+calibrate_fp4(sequential=True). No calibration text is an evaluation or validation sentence; all
+are fed one at a time (no padding).
 
     python bench/fp4_minilm_quality.py
 
-bench/results/fp4_minilm_quality_cpu.log (and .json) ran with OMP_NUM_THREADS=1 on a 2-core machine
-shared with another job; calibration_s is that wall time.
+bench/results/fp4_minilm_quality_cpu.log ran with OMP_NUM_THREADS=1 on a 2-core machine;
+calibration_s is that wall time.
 """
 
 from __future__ import annotations
@@ -33,8 +34,19 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import print_table, write_json  # noqa: E402
-from bench.fp4_calibration_text import CALIBRATION_TEXTS, VALIDATION_SENTENCES  # noqa: E402
 from graphopt.kernels import fp4  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def read_texts(name: str) -> list[str]:
+    """The texts of bench/data/<name>, one per line (lines starting with # are comments)."""
+    lines = (DATA / name).read_text(encoding="utf-8").splitlines()
+    return [line for line in lines if line.strip() and not line.startswith("#")]
+
+
+CALIBRATION_TEXTS = read_texts("fp4_calibration_sentences.txt") + read_texts("fp4_calibration_paragraphs.txt")
+VALIDATION_SENTENCES = read_texts("fp4_validation_sentences.txt")
 
 SENTENCES = [
     "The cat sat quietly on the warm windowsill, watching the rain.",
@@ -50,8 +62,8 @@ SENTENCES = [
 ]
 
 
-# The first GPTQ calibration set (24 short sentences, ~400 tokens; kept for comparison): different
-# sentences from SENTENCES and VALIDATION_SENTENCES.
+# A small GPTQ calibration set (24 short sentences, ~400 tokens): different sentences from
+# SENTENCES and VALIDATION_SENTENCES.
 CALIBRATION_SENTENCES = [
     "A light breeze carried the smell of fresh bread down the narrow street.",
     "The committee postponed its vote on the new zoning regulations until March.",

@@ -24,7 +24,7 @@ or integer-dot, BLOCK_M tokens per program, bf16 activations) and prints the sam
 blocks) and prints its registers (which bound how many programs an SM holds) and its global loads.
 
 Uses the installed triton's bundled cuobjdump / nvdisasm; the figures depend on the triton version
-(RESULTS.md names it).
+(a figure holds for the version it was built with).
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def pool(args) -> None:
     sub = max(1, args.slice_elements // 128)
     consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, SUB_M=min(sub, 128), SUB_N=min(sub, 64),
                   stride_qd=1, stride_kd=1)  # the launcher's unit strides, which Triton specializes as constants
-    if "LOOP_STAGES" in fn.arg_names:  # absent before session 23's slice loop
+    if "LOOP_STAGES" in fn.arg_names:  # the pipelined slice loop's depth
         consts["LOOP_STAGES"] = args.loop_stages
     div16 = [n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride_") and not n.endswith("d"))]
     kernel = compile_sm90(fn, dict(q_ptr="*bf16", k_ptr="*bf16", work_ptr="*fp32"), consts, div16, args.warps, 1)

@@ -33,6 +33,7 @@ import contextlib
 import copy
 import importlib.util
 import logging
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch.fx as fx
@@ -131,9 +132,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
     except Exception as exc:  # noqa: BLE001 - a rewrite never turns a program that runs into one that fails
         if not any(d.applied for d in ctx.decisions):
             raise
-        log.warning("graphopt: the downstream compiler failed on the rewritten graph (%s: %s); compiling the graph "
-                    "without graphopt's rewrites", type(exc).__name__, exc,
-                    exc_info=log.isEnabledFor(logging.DEBUG))
+        message = (f"graphopt: the downstream compiler failed on the rewritten graph ({type(exc).__name__}: "
+                   f"{str(exc)[:2000]}); compiling the graph without graphopt's rewrites")
+        log.warning(message, exc_info=log.isEnabledFor(logging.DEBUG))
+        # a user who configured no logging must still learn that the rewrites were dropped
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
         return _downstream(pristine, example_inputs, config, mode)
     if not ctx.frozen:
         return compiled

@@ -38,15 +38,15 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "sdpa_flash": (0.50, 0.9),
     "sdpa_efficient": (0.35, 0.9),
     "triton_flash": (0.70, 0.9),
-    # Block-sparse Triton kernel: tile matmul rate fitted to bench/results/sparse_attention_h200_round2
+    # Block-sparse Triton kernel: tile matmul rate fitted to bench/results/sparse_attention_h200.json
     # (32 timings, L=4k-32k, density 0.1-1) together with a per-query-block cost of 6 tiles (the
     # model's SPARSE_ROW_COST_TILES, fitted to the H100 kernels, is 3.5: graphopt.passes.sparse_attention).
     "triton_sparse": (0.68, 0.85),
-    # FP4 / Q4 kernels, fitted to bench/results/{fp4,q4}_h200_round2.json (H200, triton 3.6); the
+    # FP4 / Q4 kernels, fitted to bench/results/{fp4,q4}_linear_h200.json (H200, triton 3.6); the
     # compute term is CUDA-core decode/epilogue work (see the op counts in graphopt/cost/fp4.py and
     # graphopt/cost/q4.py). fp4_gemv: decode + FMA of the 1-4 token word-tile kernel and bf16
     # decode of the 16-token MMA kernel at 0.13 of fp32 peak (fitted on the H100 to the word-tile
-    # kernels, bench/results/fp4_h100_session9_mma_decode.json: 1 token 0.36-0.55 ps per weight
+    # kernels, bench/results/fp4_linear_mma_decode_h100.json: 1 token 0.36-0.55 ps per weight
     # cold with the launch, 4-16 tokens 0.58-0.84); memory 0.65 (the 1-token kernel streams 0.63 of the copy bandwidth on
     # 5120->13824 once the 4 us launch is taken off; 0.34-0.53 with it on the six shapes).
     # fp4_gemm: 0.066 of fp32 peak for the fused GEMM's in-tile decode (4096 tokens: 0.92 ms for
@@ -61,7 +61,7 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "q4_gemv": (0.16, 0.65),
     "q4_gemm": (0.09, 0.8),
     # q4_swap: the operand-swapped decode GEMM ("swap" configs, 4-16 tokens), fitted to its tuned
-    # H100 rows (bench/results/q4_h100_session13_decode.json): 4 tokens 0.031-0.033 ms, at 0.50 of
+    # H100 rows (bench/results/q4_linear_decode_dp4a_h100.json): 4 tokens 0.031-0.033 ms, at 0.50 of
     # the memory ceiling (deeper cp.async pipelines, 4 and 6 K steps, measure no faster, so it is
     # not the bytes in flight alone); 16 tokens 0.036-0.038 ms, bound by
     # the per-32-block epilogue and the nibble unpack (CUDA-core ops) with the int8 MMAs, at 0.14.
@@ -171,7 +171,7 @@ def chain(name: str, *parts: Estimate) -> Estimate:
 # autotuner's own call path 10.9 (14.4). Through `launch_tuned` (the autotuner's call path skipped
 # once it has chosen), as the op launches it, the Triton path measured a median of 6.9 units under
 # no_grad over six repeats, and the SDPA backends' paths 6.2-10.1 in the same runs
-# (bench/results/probe_attention_host_h100_session24_ab.log), so both are priced alike. Where a
+# (bench/results/attention_op_host_h100.log), so both are priced alike. Where a
 # call's GPU work is shorter than its host path, the host path sets the pace of a stream of such
 # calls (unless they replay from a CUDA graph).
 ATTENTION_OP_HOST_LAUNCHES = {"sdpa": 7.5, "triton": 7.5}
@@ -206,7 +206,7 @@ def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) 
 # Near the ridge point a GEMM does not hide all of its memory time under its tensor-core time (or
 # the reverse): the weight stream and the MMA waves overlap only in part. This fraction of the
 # smaller of the two terms is added to the larger. Fitted on an H100 (cuBLAS bf16, CUDA graph,
-# bench/results/fft_fit_sweep_h100.json and the explorer log fft_chain_h100_round5.log):
+# bench/results/fft_fit_sweep_h100.json and the explorer log fft_chain_h100.log):
 # 5120<->13824 at 256 tokens measured 0.066-0.075 ms, where the plain max() says 0.058 and this
 # term 0.072; 16 and 4096 tokens move by <= 6% (0.0524-0.0652 and 0.72-0.86 ms measured across
 # runs there).

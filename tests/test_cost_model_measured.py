@@ -1,6 +1,6 @@
 """The fp4_linear / q4_linear cost models against what was measured on an H200 and an H100.
 
-Offline: reads the committed benchmark JSON (bench/results/*_h200_round2.json: H200, torch 2.11,
+Offline: reads the committed benchmark JSON (bench/results/{fp4,q4}_linear_h200.json: H200, torch 2.11,
 triton 3.6, bf16 activations, cuBLAS bf16 baseline) and the H200 spec with the ceilings measured
 on that machine. Two checks per family:
   (a) predicted faster/slower than cuBLAS agrees with the measurement on >= 90% of the rows;
@@ -11,7 +11,7 @@ forward pass where each layer's weights come from DRAM) are judged on it; the ho
 4096x4096 layer (33.5 MB of bf16 weights) is largely served from the 50 MB L2.
 The H200 run's FP4 decode rows (<= 64 tokens) timed other kernels than graphopt's decode kernels,
 so only its 256- and 4096-token rows are used; the decode rows come from
-bench/results/fp4_h100_session34.json (H100, graphopt's decode kernels: integer dots at 1 token,
+bench/results/fp4_linear_1_64tok_h100.json (H100, graphopt's decode kernels: integer dots at 1 token,
 the Gluon TMA kernel at 4-64; L2-cold)
 and are judged with the H100 spec and the copy bandwidth measured in that run.
 """
@@ -49,7 +49,7 @@ def _fp4_rows(source: str = "h200"):
     """(k, n, tokens, cuBLAS ms, {path: measured ms}) per measured linear: the H200 run's prefill
     rows (> 64 tokens) or the H100 run's decode rows (source "h100", 1-64 tokens)."""
     rows = []
-    name = "fp4_h200_round2.json" if source == "h200" else "fp4_h100_session34.json"
+    name = "fp4_linear_h200.json" if source == "h200" else "fp4_linear_1_64tok_h100.json"
     for r in json.loads((RESULTS / name).read_text())["rows"]:
         if "->" not in r["shape"] or r.get("check") != "PASS" or "cublas_ms" not in r:
             continue
@@ -65,10 +65,10 @@ def _fp4_rows(source: str = "h200"):
     return rows
 
 
-Q4_RUNS = {"h200": ("q4_h200_round2.json",),  # six shapes, 1-4096 tokens
+Q4_RUNS = {"h200": ("q4_linear_h200.json",),  # six shapes, 1-4096 tokens
            # the issue's two shapes, decode and prefill (the operand-swapped decode GEMM at 4-16
            # tokens, scale tiles prefetched in the int8 GEMM)
-           "h100": ("q4_h100_session13_decode.json", "q4_h100_session13_prefill.json")}
+           "h100": ("q4_linear_decode_dp4a_h100.json", "q4_linear_prefill_h100.json")}
 
 
 def _q4_rows(source: str = "h200"):
@@ -116,8 +116,8 @@ def test_fp4_pass_declines_every_linear_measured_slower_than_cublas(source, hw):
 
 def test_fp4_at_32_to_256_tokens_on_h100():
     """Past 16 tokens on the H100, all six shapes: 32 and 64 tokens from
-    bench/results/fp4_h100_session34.json (the TMA decode kernel; CUDA-graph replays, the chosen
-    path also L2-cold), 256 tokens from fp4_h100_session31_final.json (interleaved eager timing).
+    bench/results/fp4_linear_1_64tok_h100.json (the TMA decode kernel; CUDA-graph replays, the chosen
+    path also L2-cold), 256 tokens from fp4_linear_1_256tok_h100.json (interleaved eager timing).
     At 64 and 256 tokens, where every path was timed, the model's path is within 1.15x of the
     fastest; a layer the pass rewrites is measured no more than 5% slower than cuBLAS, and one it
     declines at most 1.2x faster (the decode estimates themselves: the test below)."""
@@ -125,7 +125,7 @@ def test_fp4_at_32_to_256_tokens_on_h100():
         return [r for r in json.loads((RESULTS / name).read_text())["rows"]
                 if r.get("check") == "PASS" and r["tokens"] in token_counts]
 
-    rows = rows_of("fp4_h100_session34.json", (32, 64)) + rows_of("fp4_h100_session31_final.json", (256,))
+    rows = rows_of("fp4_linear_1_64tok_h100.json", (32, 64)) + rows_of("fp4_linear_1_256tok_h100.json", (256,))
     assert len(rows) == 18
     for r in rows:
         k, n = _shape(r["shape"])
@@ -175,7 +175,7 @@ def test_q4_predicted_faster_or_slower_agrees_with_h200():
 
 
 def test_q4_pass_declines_every_linear_measured_slower_than_cublas():
-    """H200 (q4_h200_round2.json). Its 4- and 16-token rows timed other decode kernels than the
+    """H200 (q4_linear_h200.json). Its 4- and 16-token rows timed other decode kernels than the
     chained-dp4a and operand-swapped ones the model predicts (on the H100 those measure 1.65-1.74x
     cuBLAS at 4 tokens and 1.30-1.54x at 16), so the rows are left out here (the H100 test checks
     graphopt's kernels)."""
@@ -195,10 +195,10 @@ def test_q4_pass_declines_every_linear_measured_slower_than_cublas():
 
 def _q4_decode_rows_h100():
     """(k, n, tokens, cuBLAS ms, best fused ms, best separate ms) per row of
-    bench/results/q4_decode_h100_session34_tma.json (H100, L2-cold CUDA graphs; every decode kernel's
+    bench/results/q4_decode_kernels_h100.json (H100, L2-cold CUDA graphs; every decode kernel's
     best tile, fused and separate, q4_tma's decode on the separate path)."""
     by_key: dict = {}
-    for r in json.loads((RESULTS / "q4_decode_h100_session34_tma.json").read_text())["rows"]:
+    for r in json.loads((RESULTS / "q4_decode_kernels_h100.json").read_text())["rows"]:
         by_key.setdefault((r["shape"], r["tokens"]), {})[r["kernel"]] = r["ms"]
     rows = []
     for (shape, tokens), ms in by_key.items():
@@ -209,10 +209,10 @@ def _q4_decode_rows_h100():
 
 
 def test_q4_h100_rewrites_the_measured_wins_and_declines_the_losses():
-    """H100, the issue's two shapes. Decode (q4_decode_h100_session34_tma.json): the pass takes
+    """H100, the issue's two shapes. Decode (q4_decode_kernels_h100.json): the pass takes
     every layer (1 token 2.50-2.52x cuBLAS on the fused dp4a kernel, 4-16 tokens 1.75-2.31x on the
     separate path's q4_tma decode), picks the mode measured faster, and predicts its time within
-    0.8-1.25x. Prefill (q4_h100_session13_prefill.json): it declines every row (0.10-0.55x fused or
+    0.8-1.25x. Prefill (q4_linear_prefill_h100.json): it declines every row (0.10-0.55x fused or
     separate)."""
     decode = _q4_decode_rows_h100()
     assert len(decode) == 6

@@ -12,7 +12,9 @@ from graphopt.compiler import recording_decisions
 from graphopt.kernels import fft_chain
 from graphopt.kernels import sparse_attention as sa
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+# a rewritten graph that fell back to the unrewritten one would still give equal outputs: make it fail
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.filterwarnings("error:graphopt. the downstream compiler failed:RuntimeWarning")]
 BF16 = torch.bfloat16
 
 
@@ -75,7 +77,9 @@ def _outputs(pass_name, mode):
     return outputs, list(decisions)
 
 
-@pytest.mark.parametrize("pass_name", sorted(CASES))
+@pytest.mark.parametrize("pass_name", [pytest.param(name, marks=pytest.mark.xfail(
+    strict=True, reason="fft_chain's dft2 path builds its operand tables at the first call and keeps them, "
+    "which CUDA-graph trees refuse")) if name == "fft_linear" else name for name in sorted(CASES)])
 def test_every_pass_replays_under_cuda_graphs_with_the_outputs_of_the_plain_graph(pass_name):
     plain, _ = _outputs(pass_name, "default")
     graphed, decisions = _outputs(pass_name, "reduce-overhead")

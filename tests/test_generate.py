@@ -112,6 +112,7 @@ def test_generate_runs_with_each_pass_forced(pass_name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("error:graphopt. the downstream compiler failed:RuntimeWarning")  # no silent fallback
 @pytest.mark.parametrize("pass_name", ["fp4_linear", "q4_linear"])
 def test_generate_under_cuda_graphs_with_4bit_passes_equals_the_same_passes_without(pass_name):
     model = _tiny_llama("cuda", torch.bfloat16, attn="sdpa")

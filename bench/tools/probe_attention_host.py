@@ -1,4 +1,4 @@
-"""Probe (session 21): host time per attention call on the GPU machine, for the cost model's
+"""Host time per attention call on the GPU machine, for the cost model's
 host-aware choice between a plain SDPA call and a pinned graphopt::attention op.
 
 Each variant is called back to back on a problem with negligible GPU work (B=1, H=1, L=64,

@@ -23,7 +23,7 @@ from graphopt.kernels.fp4 import (FMA_BLOCK_M, MMA_BLOCK_M, PATHS, PREFILL_CONFI
 # A roofline per kernel path: max(CUDA-core decode work, tensor-core FLOPs, memory traffic) plus
 # one launch overhead per kernel. The rates are the device ceilings (graphopt.hardware) times the
 # fp4_gemv / fp4_gemm efficiencies in graphopt.cost_model.KERNEL_EFFICIENCY and the constants
-# below. The prefill paths (gemm, dequant) are fitted to bench/results/fp4_h200_round2.json (H200,
+# below. The prefill paths (gemm, dequant) are fitted to bench/results/fp4_linear_h200.json (H200,
 # torch 2.11, triton 3.6, NVFP4, bf16 activations, cuBLAS bf16 baseline; ceilings 690 TFLOP/s
 # bf16, 4.22 TB/s copy, 6 us launch): 64 tokens 0.17-0.31x of cuBLAS on the best path, 256 tokens
 # 0.2-0.3x, 4096 tokens (dequant + cuBLAS) 0.67-0.71x there. The decode kernels are fitted
@@ -31,7 +31,7 @@ from graphopt.kernels.fp4 import (FMA_BLOCK_M, MMA_BLOCK_M, PATHS, PREFILL_CONFI
 # tests/test_cost_model_measured.py checks the faster/slower call against both files.
 
 # The decode (gemv) kernels work on word tiles; their constants are fitted to
-# bench/results/fp4_h100_session9_mma_decode.json (H100, NVFP4, L2-cold, the six LLaMA shapes,
+# bench/results/fp4_linear_mma_decode_h100.json (H100, NVFP4, L2-cold, the six LLaMA shapes,
 # the DECODE_CONFIGS (kernels/fp4/configs.py), PTX conversions, the tensor-core kernel; predicted / measured
 # 0.88-1.13 on all 18 rows). CUDA-core
 # _fp4_gemv_words_kernel (BLOCK_M in FMA_BLOCK_M): per weight, one fp32 FMA (2 ops) per token
@@ -42,11 +42,11 @@ FMA_GEMV_DECODE_OPS_PER_WEIGHT = 0.8
 # One token on _fp4_gemv_int_kernel: the same ops scale, from the offline sm_90 counts (29-34
 # instructions per word row against 45 for the FMA kernel at one token: 0.65 x (0.8 + 2)). On the
 # H100 it measured 20.6-20.7 us on the two 70.8 M weight layers (bench/results/
-# fp4_decode_h100_int_dots.*), where the memory term (0.65 of the copy bandwidth) is the bound.
+# fp4_decode_int_1tok_h100.*), where the memory term (0.65 of the copy bandwidth) is the bound.
 INT_GEMV_DECODE_OPS_PER_WEIGHT = 1.8
 # Two tokens per program (the codes decoded once, four more dp2a per word): 39-47 instructions per
 # word offline against 29-34 at one token. Fitted to the six two-token rows of
-# bench/results/fp4_h100_session17_register_fix.* (18.1-25.9 us on the 45-71 M weight layers):
+# bench/results/fp4_linear_1_2tok_h100.* (18.1-25.9 us on the 45-71 M weight layers):
 # predicted / measured 0.98-1.05 (the one-token rows of that run: 1.10-1.20).
 INT_GEMV_OPS_PER_EXTRA_ROW = 0.9
 INT_GEMV_MAX_ROWS = 2  # the integer-dot tiles in DECODE_CONFIGS take 1 or 2 tokens per program
@@ -56,14 +56,14 @@ INT_GEMV_MAX_ROWS = 2  # the integer-dot tiles in DECODE_CONFIGS take 1 or 2 tok
 GEMV_MMA_DECODE_OPS_PER_WEIGHT = 5.0
 # Programs of 32 or 64 tokens: each token row past 16 adds this many ops per weight
 # (the activation tile's trip through shared memory, the wider MMA). Fitted to the L2-cold rows of
-# bench/results/fp4_h100_session31_final.json, pre-permuted activations: 44-47 us at 32
+# bench/results/fp4_linear_1_256tok_h100.json, pre-permuted activations: 44-47 us at 32
 # tokens and 57-59 us at 64 on the two 70.8 M weight layers (5.0 + 0.05 * 48 predicts 64 us there;
 # predicted / measured 0.82-1.16 on the twelve 32- and 64-token rows).
 # Without the permutation the activation tile's shuffle made it 0.085 (71-80 us at 64 tokens).
 GEMV_MMA_OPS_PER_EXTRA_ROW = 0.05
 # The Gluon decode kernel fed by TMA (kernels/fp4_tma.py; sm_90+, NVFP4, bf16
 # activations, K padded to a multiple of 256), with the same 16/32/64 tokens per program. Fitted to
-# the 24 rows of 4-64 tokens in bench/results/fp4_h100_session34.json (L2-cold, the tuned tile on
+# the 24 rows of 4-64 tokens in bench/results/fp4_linear_1_64tok_h100.json (L2-cold, the tuned tile on
 # each; the scales by TMA, converted in hardware): 0.264 ps per weight (these ops at the fp4_gemv
 # efficiency) after a fixed latency that the launch alone does not explain (the ring's first loads
 # and the split-K epilogue: 3.2 us over the launch at 16 tokens, 0.1 us more per token row past 16).
@@ -74,13 +74,13 @@ TMA_DECODE_LATENCY_S = 3.2e-6
 TMA_DECODE_LATENCY_S_PER_EXTRA_ROW = 0.1e-6
 # The fused prefill GEMM (_fp4_gemm_kernel) decodes every weight to bf16 in registers once per
 # BLOCK_M token rows: CUDA-core ops per decoded weight, fitted on the H200
-# (bench/results/fp4_h200_round2.json): 0.55-0.6e12 decoded weights/s at 4096 tokens with every
+# (bench/results/fp4_linear_h200.json): 0.55-0.6e12 decoded weights/s at 4096 tokens with every
 # SM busy (= 67e12 * 0.066 / 7.5), and proportionally less when its grid has fewer tiles than SMs
 # (64 tokens, K=4096: 0.137 ms for every N of 4096..14336).
 MMA_DECODE_OPS_PER_WEIGHT = 7.5
 # _fp4_dequantize_kernel (the `dequant` path) reads the packed weight and writes W in bf16 at
 # this fraction of the copy bandwidth. Fitted to the interleaved tiles (DEQUANT_TILES) on the
-# H100 (bench/results/fp4_h100_session9_64_tokens.json, dequant_ms - cublas_ms at 64 tokens:
+# H100 (bench/results/fp4_linear_64tok_h100.json, dequant_ms - cublas_ms at 64 tokens:
 # 44-72 us for the 45-71 M weight layers, 0.87 of the copy bandwidth; predicted within
 # 0.94-1.14x).
 DEQUANT_COPY_FRACTION = 0.85

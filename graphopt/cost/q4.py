@@ -27,8 +27,8 @@ from graphopt.kernels import q4 as q4k
 QUANT_OPS_PER_VALUE = 12
 # The fused GEMM re-quantizes its activation tile in every N tile: effective CUDA-core ops per value
 # and N tile. Fitted (with GEMM_UNPACK_OPS_PER_WEIGHT and q4_gemm's efficiency 0.09) to the
-# GEMM-kernel rows of bench/results/q4_h200_round2.json (H200) and
-# bench/results/q4_h100_session9_prefill.json (H100): the fused kernel measured 1.12-1.35x *faster*
+# GEMM-kernel rows of bench/results/q4_linear_h200.json (H200) and
+# bench/results/q4_linear_prefill_narrow_n_h100.json (H100): the fused kernel measured 1.12-1.35x *faster*
 # than the separate one at 64-4096 tokens on both GPUs, so most of the QUANT_OPS_PER_VALUE count
 # overlaps the MMA. 1 gets fused vs separate right on all 24 rows; 2 predicts the separate path
 # faster at 256-4096 tokens (7 of 18 H200 rows and 2 of 6 H100 rows right).
@@ -45,16 +45,16 @@ GEMV_UNPACK_OPS_PER_VALUE = 2.5
 # The dp4a decode kernel: per weight value, the nibble masks/shift of its word (3 ops per 8
 # values, counted from the kernel) and, per token row, an effective 0.9 ops (each block's eight
 # dp4a form one accumulating chain, with no separate word sums). Fitted to the narrow one-warp
-# tiles on the H100, L2-cold: 1 token 0.021 ms (bench/results/q4_h100_session8_cold_tuner.json:
+# tiles on the H100, L2-cold: 1 token 0.021 ms (bench/results/q4_linear_decode_cold_tuner_h100.json:
 # 2.4-2.5x cuBLAS, 0.63 of the copy bandwidth: q4_gemv's memory efficiency), 4 tokens
-# 0.031-0.042 ms (bench/results/q4_h100_session10_chained_dp4a.json), predicted within 0.95-1.19x.
+# 0.031-0.042 ms (bench/results/q4_linear_decode_chained_dp4a_h100.json), predicted within 0.95-1.19x.
 PREQUANT_SUM_OPS_PER_VALUE = 0.25  # Q8_1 blocks in: a block's sum(q) is one dp4a per 4 values, per program
 DP4A_UNPACK_OPS_PER_VALUE = 0.375
 DP4A_OPS_PER_VALUE_AND_ROW = 0.9
 # q4_tma's Gluon decode (the separate path on sm_90+, <= 16 tokens): CUDA-core ops per weight at the
 # q4_tma efficiency (nibble masks, and the per-block epilogue d4 * (d8 * dot - 8 * s8) on every
 # token column of the 8- or 16-token block). Fitted, with the quantize launch's estimate, to the
-# tuned rows of bench/results/q4_decode_h100_session34_tma.json (H100, L2-cold CUDA graphs): 24.7 /
+# tuned rows of bench/results/q4_decode_kernels_h100.json (H100, L2-cold CUDA graphs): 24.7 /
 # 27.4 us at 4 tokens (8-token blocks), 29.8 / 31.1 us at 16 on the two 70.8 M weight
 # layers. Only that layer size was timed, so no fixed latency is separated from the per-weight term.
 Q4_TMA_OPS_PER_WEIGHT = 1.64

@@ -117,7 +117,7 @@ if triton is not None:
                 s = tl.dot(q, kt, input_precision="ieee")
             else:
                 s = tl.dot(q, kt)
-            s = s * qk_scale  # (ROWS, BLOCK_N), log2 domain
+            s = (s * qk_scale).to(tl.float32)  # (ROWS, BLOCK_N), log2 domain; Inductor passes the scale as fp64
             if BIAS_KIND != 0:
                 bias = tl.load(bias_ptr + b * stride_bb + head[:, None] * stride_bh + pos[:, None] * stride_bm
                                + n[None, :] * stride_bn, mask=row_ok[:, None] & n_ok[None, :], other=0)
@@ -196,7 +196,9 @@ def decode_attention(q, k, v, bias=None, *, scale: float, splits: int) -> torch.
         bias_arg, bias_kind, bias_strides = q, BIAS_NONE, (0, 0, 0, 0)
     else:
         bias_kind = BIAS_BOOL if bias.dtype == torch.bool else BIAS_ADDITIVE
-        bias_arg = (bias.view(torch.uint8) if bias_kind == BIAS_BOOL else bias).expand(batch, heads, len_q, len_k)
+        # a bool mask goes in as it is (Triton loads it as i1); no dtype view, which Inductor would
+        # lower to a bitcast that Triton refuses for bool
+        bias_arg = bias.expand(batch, heads, len_q, len_k)
         bias_strides = tuple(bias_arg.stride())
     launch(_decode_split_kernel, (batch * kv_heads, splits),
            q, k, v, bias_arg, part, stats,

@@ -39,7 +39,7 @@ Implementations (the op `graphopt::fft_chain_linear` chooses with the cost model
             (T*C, B) x (B, B); `_packed_contract_kernel` does the per-frequency complex
             contraction (FMA, K fused in c, channel loop unrolled); `_dft_inverse_kernel` runs the
             GEMM (T*N, B) x (B, B) with bias, crop and cast in its epilogue. Measured on an H200
-            (fft_chain_h200_round2.json, CUDA graph): faster than cuBLAS only at ~16 tokens on 5120->13824 B=512 K=2
+            (fft_chain_h200.json, CUDA graph): faster than cuBLAS only at ~16 tokens on 5120->13824 B=512 K=2
             (1.22x); 0.59x on 13824->5120 (its contraction loops over 4x more channels); at 256
             and 4096 tokens 0.31-0.64x. The DFT costs 2*B*B flops per block (vs ~2.5 B log2 B for
             an FFT) and its kernels are latency-bound (see the cost-model constants).
@@ -56,8 +56,8 @@ Implementations (the op `graphopt::fft_chain_linear` chooses with the cost model
 - "dft2_pregather": as dft2, but one Triton gather launch materializes P x (T, C*B) first (one
             more launch when K > 1; each token's row is staged on chip and gathered there by
             tl.gather) and the forward kernel is a plain GEMM. Measured on an H100
-            (CUDA graph, B=512 K=2, bench/results/fft_chain_h100_round3.json): 3.1x cuBLAS at 16
-            tokens on both target shapes, 4.0-4.4x at 1 token, 1.41x / 0.90x at 256 tokens.
+            (CUDA graph, B=512 K=2, bench/results/fft_chain_h100.json): 3.3-3.5x cuBLAS at 16
+            tokens on both target shapes, 3.8x at 1 token, 1.63x / 1.15x at 256 tokens.
             The cost-model constants DFT2_* are fitted to an H100 sweep (see below).
 Precision: the cuFFT paths are full fp32. The dft path keeps 16-bit inputs in their dtype for
 the DFT operands and the stored spectra (fp32 accumulation, fp32 coefficients): for bf16 (and fp16, run
@@ -363,9 +363,9 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 # =============================================================================================
 # A physical roofline per kernel launch, as replayed from a CUDA graph. Five constants, fitted
 # (least squares on log time) to the H200 timings of the current kernels
-# (bench/results/fft_chain_h200_round2.json: torch/triton/dft at B=512 K=2, 16/256/4096 tokens;
-# fft_chain_h200_round2.log: 48 explore-fft dft rows, B=256-2048, K=2-16; the torch/triton rows
-# of fft_chain_h200_round1.json and explore_fft_h200/), with the measured ceilings
+# (bench/results/fft_chain_h200.json: torch/triton/dft at B=512 K=2, 16/256/4096 tokens;
+# fft_chain_h200.log: 48 explore-fft dft rows, B=256-2048, K=2-16; the torch/triton rows
+# of fft_chain_torch_triton_h200.json and explore_fft_h200/), with the measured ceilings
 # 690 TFLOP/s, 4.22 TB/s, 6 us launch. Every prediction is within 0.7-1.6x of its timing and
 # faster/slower than cuBLAS agrees on 97/99 rows (both misses are dft wins predicted as losses).
 #  - LAUNCH_FRACTION_IN_GRAPH = 0.33: a kernel node replayed from a CUDA graph costs ~2 us (0.33
@@ -405,7 +405,7 @@ PROGRAMS_PER_SM = 4  # resident 4-warp programs per SM assumed for the wave coun
 # configurations more than 5% off; without the gather step term: 2.7%, 5 configurations).
 # The staged gather of dft2_pregather streams its bytes (row, gathered columns, one index per
 # column) at DFT2_GATHER_MEMORY_EFFICIENCY of the memory ceiling: 0.6 from the autotuned kernel's
-# profile (bench/results/fft_chain_h100_round5.json: 20.7 us on 13824->5120 and 6.9 us on
+# profile (bench/results/fft_chain_h100.json: 20.7 us on 13824->5120 and 6.9 us on
 # 5120->13824 at 256 tokens, B=512 K=2). Predicted vs
 # measured: dft2 0.79-1.42x (median 1.05), dft2_pregather 0.9-1.4x. With these constants and the
 # dense model's partial-overlap term (cost_model.GEMM_PARTIAL_OVERLAP), the explorer's --quick run

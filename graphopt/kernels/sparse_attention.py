@@ -683,7 +683,7 @@ if triton is not None:
         HOST_DESCRIPTORS: the launcher built the four descriptors (q_hdesc ...) over all heads'
         rows, (B*H*L, D), when whole blocks tile every head; else each program builds its own on
         the device, four global writes and a proxy fence before its first load. On the H100 at 8k
-        tokens that made up about 2.5 of a program's 10 us of fixed cost (bench/sparse_fixed_cost.py).
+        tokens that made up about 2.5 of a program's 10 us of fixed cost (bench/results/sparse_fixed_cost_h100.json).
 
         MERGED_SUFFIX (causal or a partial last key block): the masked suffix joins the main loop
         instead, its mask under a branch (_attend_tile_branch). Only at 2 stages: at 3 the merged
@@ -1327,8 +1327,8 @@ def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n:
 
 
 # v2 pooling launch: elements per load slice, warps per program, and the slice loop's pipeline
-# stages (0: unrolled). H100 sweeps (bench/sparse_pool_configs.py), D=128, bf16:
-# - H=32 (sparse_pool_configs_h100_h32_session23.*): with each slice reduced at once into
+# stages (0: unrolled). H100 sweeps, D=128, bf16:
+# - H=32 (sparse_pool_configs_h32_h100.*): with each slice reduced at once into
 #   (D,) accumulators, one warp, 1024-element slices (8 tokens) and a 2-stage loop read Q and K at
 #   2.74 / 2.84 TB/s at 8k / 16k (0.92-0.96 of the copy), 49.1 / 94.4 us, against 55.0 / 106.0 us
 #   in the same run for 2048-element slices summed into (16, D) accumulators (255 registers per
@@ -1385,7 +1385,7 @@ def _lut_kernel_config(n_k_pow2: int, block_d: int) -> dict:
 
 # v3 launch shape: score tiles (score_rows x score_cols, score_warps warps, dot precision) and
 # selection programs of one warp with select_rows rows and 1 or 3 search pivots (None: 3 up to 128
-# key blocks, else 1). H100 sweeps (bench/results/sparse_predictor_h100_v3*.json, L = 8k-32k):
+# key blocks, else 1). H100 sweeps (bench/results/sparse_predictor_{tiles,tile_shapes,pivots_precision,pdl}_h100.json, L = 8k-32k):
 # - one row per selection program beat 2 and 4;
 # - 3 pivots (16 steps of three independent row sums) won at 128 key blocks (4.7 against 5.5 us),
 #   1 pivot (31 steps) at 256 and 512 (7.5 against 9.1 us, 20 against 26 us);

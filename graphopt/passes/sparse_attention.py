@@ -15,7 +15,7 @@ their error was not measured on this model, which the decision says.
 The cost model decides: dense time (the backend the attention pass chose, on the target GPU)
 against the predictor (3 launches) plus the block-sparse kernel at the plan's measured sparsity
 (without a plan: an assumed ASSUMED_SPARSITY_WITHOUT_PLAN, recorded as such). Both estimates are
-rooflines fitted to the H200 timings (bench/results/sparse_attention_h200_round2.json; see
+rooflines fitted to the H200 timings (bench/results/sparse_attention_h200.json; see
 the constants below). Where the kernel wins there (bf16, D=128, B=1, H=16, predictor
 included, against cuDNN): from L=8k at 50% of the blocks skipped (1.09-1.15x at 8k, 1.24-1.40x
 at 16k-32k), 75% skipped 1.6-2.6x, 90% skipped 2.3-5.4x; at L=4k only from ~75% skipped
@@ -65,7 +65,7 @@ log = logging.getLogger("graphopt")
 ASSUMED_SPARSITY_WITHOUT_PLAN = 0.5  # fraction of QK blocks skipped, for the cost model only
 PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; top-cdf + compact lists
 
-# Fitted to bench/results/sparse_attention_h200_round2.json (H200, bf16, B=1, H=16, D=128,
+# Fitted to bench/results/sparse_attention_h200.json (H200, bf16, B=1, H=16, D=128,
 # L=4k-32k, causal and not, densities 1/0.5/0.25/0.1; ceilings 690 TFLOP/s, 4.22 TB/s, 6 us launch):
 #  - KERNEL_EFFICIENCY["triton_sparse"] (graphopt/cost_model.py) = 0.68: the matmul rate of a kept
 #    128 x 64 tile (least squares over the 32 kernel timings with the row cost below; the dense
@@ -73,13 +73,13 @@ PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; to
 #  - SPARSE_ROW_COST_TILES: each query block (row) also costs some tiles' worth of time (Q load,
 #    pipeline fill, epilogue, store) whatever its density. With the single loop's tensor
 #    descriptors built on the host, the fixed cost per program is 7.3 us against 2.18 us per tile
-#    at 8k (bench/sparse_fixed_cost.py: 3.3 tiles). 3.5 puts the H100 runs
+#    at 8k (bench/results/sparse_fixed_cost_h100.json: 3.3 tiles). 3.5 puts the H100 runs
 #    (sparse_attention_h100_host_desc_8k.json and _16k_32k.json) within 1.00-1.12x of the
 #    CUDA-graph timings (6 gives up to 1.29x), and sparse_attention_h100_mask_loop.json within
 #    0.90-1.06x; the sparse-or-dense call is right on 24 of 24 rows of each. (The H200 run alone
 #    fits 6: every kernel timing within 0.80-1.13x.)
-#  - The predictor (v3 kernels) is fitted to an H100 run (bench/results/sparse_predictor_h100_
-#    session23.json: 0.036 / 0.065 / 0.139 ms at L = 8k / 16k / 32k, B=1, H=16, D=128, CUDA graph):
+#  - The predictor (v3 kernels) is fitted to an H100 run (bench/results/sparse_predictor_h16_h100.json:
+#    0.036 / 0.065 / 0.139 ms at L = 8k / 16k / 32k, B=1, H=16, D=128, CUDA graph):
 #    PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.95: the whole predictor's timings are 1.00-1.06x of this
 #    model (the pooling launch alone reads Q and K at 2.4 / 2.7 / 2.8 TB/s, 0.82-0.96 of the copy
 #    bandwidth); PREDICTOR_S_PER_SCORE = 10 ps per (query block, key block) pooled score for the

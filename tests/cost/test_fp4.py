@@ -88,7 +88,7 @@ def test_cost_model_picks_decode_for_few_tokens_and_prefill_for_many():
     est = fp4_cost.estimate_fp4_linear(hw, 1, 5120, 13824, "nvfp4")
     # 4.5 bits per weight (+ 1/16 byte of scale per element for NVFP4)
     assert est.bytes >= 13824 * 5120 * (0.5 + 1 / 16)
-    # Measured on an H100 (bench/results/fp4_h100_session9_mma_decode.json): 2.07x cold. The decode
+    # Measured on an H100 (bench/results/fp4_linear_mma_decode_h100.json): 2.07x cold. The decode
     # kernel is bound by its dequantization work, not by the 3.6x fewer bytes.
     assert 1.5 < linear(hw, 1, 5120, 13824).ms / est.ms < 3.0
     cpu = SPECS["cpu"]

@@ -393,9 +393,9 @@ _EXPLORE_LINE = re.compile(r"layer\s+\d+ \S+\s+(\d+)->(\d+)\s+B=(\d+)\s+K=(\d+)\
 
 def _recorded_h200_rows():
     """Distinct measured (in, out, B, K, tokens, impl, bias, ms, dense ms) CUDA-graph rows of the H200
-    runs of the current kernels: fft_chain_h200_round2.json (bench rows of all three
+    runs of the current kernels: fft_chain_h200.json (bench rows of all three
     implementations, and the explore-fft dft rows printed in its log) and the torch/triton rows of
-    fft_chain_h200_round1.json and explore_fft_h200/ (their dft rows timed another dft kernel).
+    fft_chain_torch_triton_h200.json and explore_fft_h200/ (their dft rows timed another dft kernel).
     Files read later win on duplicates."""
     rows: dict[tuple, tuple] = {}
     for t in (16, 256, 4096):
@@ -404,13 +404,13 @@ def _recorded_h200_rows():
             if r["impl"] in ("torch", "triton"):
                 key = (r["in_features"], r["out_features"], r["block_size"], r["k"], t, r["impl"], False)
                 rows[key] = (r["fft_ms"], r["dense_ms"])
-    for name, impls in (("fft_chain_h200_round1.json", ("torch", "triton")), ("fft_chain_h200_round2.json", MEASURED)):
+    for name, impls in (("fft_chain_torch_triton_h200.json", ("torch", "triton")), ("fft_chain_h200.json", MEASURED)):
         for r in json.loads((RESULTS / name).read_text())["rows"]:
             if r["impl"] in impls:
                 in_f, out_f = (int(v) for v in r["shape"].split("->"))
                 rows[(in_f, out_f, 512, 2, r["tokens"], r["impl"], True)] = (r["graph_ms"], r["cublas_graph_ms"])
     tokens = None
-    for line in (RESULTS / "fft_chain_h200_round2.log").read_text().splitlines():
+    for line in (RESULTS / "fft_chain_h200.log").read_text().splitlines():
         header = re.match(r"explore-fft --quick: .*?, (\d+) tokens", line)
         if header:
             tokens = int(header.group(1))
@@ -421,7 +421,7 @@ def _recorded_h200_rows():
     return [key + value for key, value in sorted(rows.items())]
 
 
-_HAVE_RESULTS = (RESULTS / "fft_chain_h200_round2.json").exists() and (RESULTS / "fft_chain_h200_round1.json").exists()
+_HAVE_RESULTS = (RESULTS / "fft_chain_h200.json").exists() and (RESULTS / "fft_chain_torch_triton_h200.json").exists()
 
 
 @pytest.mark.skipif(not _HAVE_RESULTS, reason="recorded H200 results not in this checkout")

@@ -90,7 +90,7 @@ def test_cpu_target_declines_without_force():
 
 def test_gpu_target_rewrites_large_decode_layers_and_declines_tiny_ones_unless_forced():
     """H100 target, one token: a 4096x4096 layer was measured 1.85x faster than cuBLAS bf16 cold
-    (bench/results/fp4_h100_session9_mma_decode.json), so the cost model rewrites it to the CUDA-core
+    (bench/results/fp4_linear_mma_decode_h100.json), so the cost model rewrites it to the CUDA-core
     gemv; a 16-output layer is launch-bound either way and is declined, unless forced.
     """
     class Two(torch.nn.Module):

@@ -147,7 +147,7 @@ def test_cost_model_picks_per_token_count():
     h200 = dataclasses.replace(SPECS["h200"], measured_bf16_flops=690e12, measured_memory_bandwidth=4.22e12,
                                measured_launch_overhead_s=6e-6)
 
-    # As measured on H200 (bench/results/q4_h200_round2.json): the 1-token fused gemv beats cuBLAS
+    # As measured on H200 (bench/results/q4_linear_h200.json): the 1-token fused gemv beats cuBLAS
     # bf16 (1.02-1.17x); at 256-4096 tokens the kernels are about 0.1x, fused or separate. (Its
     # 4- and 16-token rows timed other decode kernels; the model predicts graphopt's, which the
     # H100 measured at 1.65-1.74x and 1.30-1.54x: tests/test_cost_model_measured.py.)

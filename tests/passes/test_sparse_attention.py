@@ -106,7 +106,7 @@ def test_host_path_is_priced_unless_the_step_replays_from_a_cuda_graph():
         assert ("host path" in direct.name) == (direct.ms > gpu.ms)
 
 
-PREDICTOR_H100 = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_predictor_h100_session23.json"
+PREDICTOR_H100 = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_predictor_h16_h100.json"
 
 
 def test_predictor_estimate_tracks_the_h100_timings():
@@ -121,7 +121,7 @@ def test_predictor_estimate_tracks_the_h100_timings():
         assert 0.85 < est.ms / r["whole_graph_ms"] < 1.2, (r["L"], r["causal"], est.ms, r["whole_graph_ms"])
 
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_attention_h200_round2.json"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_attention_h200.json"
 
 
 def _measured_h200():

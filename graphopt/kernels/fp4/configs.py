@@ -46,7 +46,7 @@ MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-
 # BLOCK_M 1, 2 or 4 is the CUDA-core kernel (_fp4_gemv_words_kernel, that many tokens per
 # program), 16, 32 or 64 the tensor-core one
 # (_fp4_gemv_words_mma_kernel, up to that many tokens per program). From the H100 sweeps of
-# bench/bench_fp4_decode.py (bench/results/fp4_decode_h100_*): the CUDA-core kernel is fastest
+# bench/bench_fp4_decode.py (bench/results/fp4_decode_h100_wide_word.log): the CUDA-core kernel is fastest
 # with narrow tiles, 8-16 rows of 256-1024 elements (1 token: 8x1024 with 4 warps, 0.030 ms on
 # 5120->13824; 8x256 with 1 warp and a split of 4, 0.028 ms on 13824->5120), the tensor-core one
 # with 64 rows x 128 elements or 128 x 256 and a split of 8-16 (bench/results/
@@ -62,7 +62,7 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
             for bn, bk, sk in ((64, 128, 4), (64, 128, 8), (64, 128, 16), (128, 256, 4), (128, 256, 8),
                                (128, 256, 16)))
     # the tensor-core kernel at 32 and 64 tokens per program: the best tiles of the H100 sweeps
-    # (bench/results/fp4_decode_h100_session31_mma_m*): 32 tokens 128 x 128 elements, split 8 (49.9 /
+    # (bench/results/fp4_decode_mma_32_64tok_h100*): 32 tokens 128 x 128 elements, split 8 (49.9 /
     # 55.2 us on 13824->5120 / 5120->13824; 16-token programs 76-82 us); 64 tokens 128 x 256, split 8
     # (70.9 / 79.5 us; 32-token programs 86-94 us, 16-token 135-153 us); unsplit 128-element tiles
     # keep a candidate for layers with K <= 128
@@ -72,20 +72,20 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
                                       (128, 64, 256, 8, 4), (128, 64, 128, 8, 4), (128, 64, 128, 4, 4),
                                       (128, 64, 128, 2, 4), (128, 64, 128, 1, 4)))
     # one token, integer dot products (_fp4_gemv_int_kernel): the best tiles of the H100 sweeps
-    # (bench/results/fp4_decode_h100_int_dots.*): 16 x 512 elements with 4 warps (20.7 us on
+    # (bench/results/fp4_decode_int_1tok_h100.*): 16 x 512 elements with 4 warps (20.7 us on
     # 5120->13824) and 16 x 256 with 1 warp and a split of 8 (20.6 us on 13824->5120), against
     # 25.4-27.2 us for the FMA kernel's tuned tiles; on LLaMA-7B's step shapes
-    # (fp4_decode_h100_int_wide_llama7b.*): 32 x 512, 4 warps (4096->12288, 14.9 us), 16 x 2048,
+    # (fp4_decode_int_llama7b_h100.*): 32 x 512, 4 warps (4096->12288, 14.9 us), 16 x 2048,
     # 4 warps (4096->4096, 7.6 us), 32 x 256, 1 warp, split 2 (4096->22016, 26.1 us); and 16 x 256,
-    # 1 warp (4096->32000, 34.4 us; fp4_decode_h100_int_wide_lmhead.*)
+    # 1 warp (4096->32000, 34.4 us; fp4_decode_int_lmhead_h100.*)
     + tuple(KernelConfig(bn, 1, bk, sk, num_warps=w, num_stages=1, int_dots=True)
             for bn, bk, w, sk in ((16, 512, 4, 1), (16, 1024, 4, 1), (16, 512, 4, 2), (16, 256, 1, 2),
                                   (16, 256, 1, 8), (32, 256, 1, 8), (32, 128, 1, 4), (32, 512, 4, 1),
                                   (16, 2048, 4, 1), (32, 256, 1, 2), (16, 256, 1, 1)))
     # two tokens per program, integer dot products: the best tiles of the H100 sweep
-    # (bench/results/fp4_decode_h100_int_two_tokens.*): 16 x 256, 1 warp, split 4 (28.6 us on
+    # (bench/results/fp4_decode_int_2_4tok_h100.*): 16 x 256, 1 warp, split 4 (28.6 us on
     # 5120->13824, 29.8 us on 13824->5120; 25.8 / 29.0 us in
-    # fp4_decode_h100_int_register_fix.*), against 40-43 us for the tensor-core kernel. Four tokens
+    # fp4_decode_int_1_2tok_h100.*), against 40-43 us for the tensor-core kernel. Four tokens
     # per program measured 50-52 us there, slower than the tensor-core kernel's 41-43 us: not listed.
     + tuple(KernelConfig(bn, 2, bk, sk, num_warps=1, num_stages=1, int_dots=True)
             for bn, bk, sk in ((16, 256, 4), (16, 256, 8), (16, 256, 2), (32, 128, 4), (8, 512, 1), (8, 512, 2)))
@@ -93,13 +93,13 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
 # Every tensor-core tile also on pre-permuted activations (permute_x: one more launch per call,
 # and no shuffle of the activation tile in the kernel; offline sm_90 at 64 x 128 x 256: 1125
 # instead of 1682 instructions per K step, no spills instead of 328 bytes). H100, L2-cold, with the
-# permutation's launch (bench/results/fp4_decode_h100_session31_px_*): best permuted / plain tile
+# permutation's launch (bench/results/fp4_decode_mma_permuted_*tok_h100.*): best permuted / plain tile
 # 41.2 / 45.6 and 40.8 / 44.7 us at 16 tokens on 5120->13824 / 13824->5120, 45.5 / 53.6 and
 # 47.6 / 50.6 at 32, 57.8 / 70.9 and 61.0 / 80.9 at 64. The tuner still times both.
 DECODE_CONFIGS += tuple(dataclasses.replace(c, permute_x=True) for c in DECODE_CONFIGS
                         if c.block_m in MMA_BLOCK_M and not c.int_dots)
 # fp4_tma's Gluon kernel (TMA-fed words, activations and scales, sm_90+, NVFP4 with bf16
-# activations): the best tiles of the H100 sweep (bench/results/fp4_decode_h100_session33_tma.*):
+# activations): the best tiles of the H100 sweep (bench/results/fp4_decode_mma_vs_tma_h100.*):
 # 64 rows x 256 elements, 4 warps, 2 ring slots, unsplit on 5120->13824 and split 4-8 on
 # 13824->5120: 28-30 us at 1-16 tokens (tensor-core kernel above: 38-41 us), 30-33 us at 32 tokens
 # (54-66), 34-46 us at 64 (58-66); 27-29 us at 4-16 tokens with the scales also loaded by TMA.
@@ -122,7 +122,7 @@ DEQUANT_CONFIG = KernelConfig(64, 1, KERNEL_K_MULTIPLE)  # placeholder: the dequ
 # Dequantize tile: (rows, elements per row, warps, interleave) per program. interleave 1: one
 # contiguous store per row (INTERLEAVE in _fp4_dequantize_kernel), 0: two half-block stores. The
 # first entry is the default; bench_fp4.py --dequant-sweep times them all. H100, NVFP4, W bf16
-# 5120x13824 (bench/results/fp4_h100_dequant_sweep.json): (64, 64, 4, 0) 0.31 ms;
+# 5120x13824 (bench/results/fp4_dequant_tiles_h100.json): (64, 64, 4, 0) 0.31 ms;
 # (8, 1024, 4, 0) 0.147 ms; interleaved (4, 1024, 4, 1) 0.071 ms = 2.55 TB/s, 0.86 of the copy.
 DEQUANT_TILES: tuple[tuple[int, int, int, int], ...] = (
     (4, 1024, 4, 1), (8, 1024, 4, 1), (4, 2048, 4, 1), (16, 512, 4, 1), (2, 4096, 8, 1),

@@ -138,7 +138,7 @@ _MID_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s, sk) for bm, bn, p, w, s, sk 
     (32, 64, 1, 4, 4, 1))] + _WIDE_N_CONFIGS
 # 17-64 tokens: the operand-swapped kernel on blocks of 32 tokens (two at 64 tokens; the token
 # block is the grid's fastest axis, so the second block's read of W can hit L2). H100, 64 tokens,
-# fused (bench/results/q4_decode_h100_session30_swap_m32.*): 90.6 / 95.1 us on 5120->13824 /
+# fused (bench/results/q4_decode_swap_64tok_h100.*): 90.6 / 95.1 us on 5120->13824 /
 # 13824->5120 against 118.9 / 116.1 us for the best "gemm" tile; 64-token blocks took 113-119 us.
 _MID_SWAP_CONFIGS = [TileConfig("swap", 32, bn, 1, 4, 3, 0, "last") for bn in (128, 256)]
 _LARGE_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in (
