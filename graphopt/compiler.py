@@ -36,6 +36,8 @@ import logging
 import warnings
 from typing import Any, Callable, Iterator
 
+import torch
+import torch._dynamo.exc
 import torch.fx as fx
 
 import graphopt.ops  # noqa: F401  (the rewrites emit graphopt::* ops; `import graphopt` may not have loaded them)
@@ -130,7 +132,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
     try:
         compiled = _downstream(gm, example_inputs, config, mode)
     except Exception as exc:  # noqa: BLE001 - a rewrite never turns a program that runs into one that fails
-        if not any(d.applied for d in ctx.decisions):
+        # Dynamo's restarts (e.g. Inductor asking to re-trace with scalars as tensors) are not failures
+        if not any(d.applied for d in ctx.decisions) or isinstance(exc, torch._dynamo.exc.RestartAnalysis):
             raise
         message = (f"graphopt: the downstream compiler failed on the rewritten graph ({type(exc).__name__}: "
                    f"{str(exc)[:2000]}); compiling the graph without graphopt's rewrites")

@@ -348,8 +348,9 @@ def fused_attention(
     if family == "triton_flash":
         programs = b * h * -(-lq // TRITON_ATTENTION_QUERY_BLOCK)
         streamed_s = moved / (programs * TRITON_ATTENTION_BYTES_PER_S_PER_PROGRAM)
-        # each program walks all its keys in sequence: with few programs (decode) that walk is the time
-        walk_s = -(-lk // DECODE_ATTENTION_BLOCK_N) * TRITON_FLASH_STEP_S
+        # a decode call (a few query rows) has few programs, each walking all its keys in sequence,
+        # load after load: that walk is its time (measured with one query token only)
+        walk_s = -(-lk // DECODE_ATTENTION_BLOCK_N) * TRITON_FLASH_STEP_S if lq <= 16 else 0.0
         if max(streamed_s, walk_s) > body_s:
             body_s, bound = max(streamed_s, walk_s), "memory" if streamed_s >= walk_s else "latency"
     floor_s = ATTENTION_FLOOR_S.get(family, 0.0)
