@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from graphopt import cost_model
 from graphopt.cost_model import Estimate
-from graphopt.onnx_export import register_onnx_translation
+from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, module_path
 from graphopt.passes.fx_utils import arg, canonical, device, dtype, erase_unused, fake, fix_symbolic_sizes, size_hints
 

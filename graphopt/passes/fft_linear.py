@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from graphopt import cost_model
 from graphopt.kernels import fft_chain as fft
-from graphopt.onnx_export import register_onnx_translation
+from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
 from graphopt.passes.fx_utils import arg, bias_problem, device, dtype, find_linears, replace_with_call, shape, tokens
 from graphopt.plan import plan_section, same_weights

@@ -56,7 +56,7 @@ import torch.fx as fx
 from graphopt import cost_model
 from graphopt.cost_model import Estimate
 from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N, DEFAULT_CDFTHRESHD, DEFAULT_SIMTHRESHD1
-from graphopt.onnx_export import register_onnx_translation
+from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, module_path
 from graphopt.passes.fx_utils import device, dtype, fix_symbolic_sizes, replace_with_call, size_hints, symbolic_size
 
@@ -219,6 +219,11 @@ def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, cau
 # ---------------------------------------------------------------------------------------------
 # Plan lookup
 # ---------------------------------------------------------------------------------------------
+def attention_key(node, index: int) -> str:
+    """How plans name an attention: its module path, else its position among the graph's attentions."""
+    return module_path(node) or f"#{index}"
+
+
 def plan_layer(layers: dict, key: str) -> tuple[str | None, dict | None]:
     """(plan key, layer entry) for the attention at module path `key`: the same path, else the one
     plan key that ends the path or that the path ends (the same model compiled inside a wrapper,
@@ -353,7 +358,6 @@ class SparseAttentionPass(GraphPass):
 
     def run(self, ctx: PassContext) -> None:
         from graphopt.plan import plan_section
-        from graphopt.sparse_tuning import attention_key
 
         if (why := ctx.differentiated_reason()) is not None:
             ctx.record(self.name, False, why)
