@@ -883,68 +883,6 @@ if triton is not None:
     )(_sparse_attention_kernel)
 
     # ------------------------------------------------------------------------ predictor kernels
-    # v1 (variant="v1"): one program per 128 tokens of one head, LUT with a 31-step bisection.
-    @triton.jit
-    def _pool_tile(
-        x_base, stride_l, stride_d, L, start, pooled_ptr, sim_ptr, first_block, n_blocks,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        """TOKENS tokens from `start` = TOKENS // BLOCK blocks: their means -> pooled[first_block + s]
-        (HEAD_DIM fp32) and mean pairwise cosine similarities -> sim[first_block + s]."""
-        SEGMENTS: tl.constexpr = TOKENS // BLOCK
-        offs_l = start + tl.arange(0, TOKENS)
-        offs_d = tl.arange(0, BLOCK_D)
-        x = tl.load(x_base + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
-                    mask=(offs_l[:, None] < L) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-        norm = tl.maximum(tl.sqrt(tl.sum(x * x, 1)), 1e-12)  # (TOKENS,); padded tokens stay 0 below
-        unit = x / norm[:, None]
-        x_sum = tl.sum(tl.reshape(x, (SEGMENTS, BLOCK, BLOCK_D)), 1)  # (SEGMENTS, BLOCK_D)
-        unit_sum = tl.sum(tl.reshape(unit, (SEGMENTS, BLOCK, BLOCK_D)), 1)
-        segs = tl.arange(0, SEGMENTS)
-        count = tl.minimum(tl.maximum(L - (start + segs * BLOCK), 0), BLOCK).to(tl.float32)  # (SEGMENTS,)
-        safe = tl.maximum(count, 1.0)
-        pooled = x_sum / safe[:, None]
-        sim = tl.sum(unit_sum * unit_sum, 1) / (safe * safe)
-        blocks = first_block + segs
-        seg_ok = segs < n_blocks
-        tl.store(pooled_ptr + blocks.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], pooled,
-                 mask=seg_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-        tl.store(sim_ptr + blocks, sim, mask=seg_ok)
-
-    @triton.jit
-    def _pool_qk_kernel(
-        q_ptr, k_ptr, work_ptr,
-        stride_qb, stride_qh, stride_ql, stride_qd,
-        stride_kb, stride_kh, stride_kl, stride_kd,
-        H, HKV, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, Q_TILES, K_TILES, N_Q_PROGRAMS,
-        off_sim_q, off_pooled_k, off_sim_k,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):
-        """1-D grid: the first N_Q_PROGRAMS = B*H*Q_TILES programs pool TOKENS query tokens each, the
-        next B*HKV*K_TILES programs TOKENS key tokens each, into one fp32 workspace laid out as
-        pooled_q (B*H, nQ, D) | sim_q (B*H, nQ) | pooled_k (B*HKV, nK, D) | sim_k (B*HKV, nK)."""
-        pid = tl.program_id(0)
-        if pid < N_Q_PROGRAMS:
-            bh = pid // Q_TILES
-            tile = pid % Q_TILES
-            b = bh // H
-            h = bh % H
-            first = tile * (TOKENS // BLOCK_M)
-            _pool_tile(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, stride_ql, stride_qd, Lq,
-                       tile * TOKENS, work_ptr, work_ptr + off_sim_q, bh * N_Q_BLOCKS + first, N_Q_BLOCKS - first,
-                       HEAD_DIM, BLOCK_D, TOKENS, BLOCK_M)
-        else:
-            pid = pid - N_Q_PROGRAMS
-            bh = pid // K_TILES
-            tile = pid % K_TILES
-            b = bh // HKV
-            h = bh % HKV
-            first = tile * (TOKENS // BLOCK_N)
-            _pool_tile(k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh, stride_kl, stride_kd, Lk,
-                       tile * TOKENS, work_ptr + off_pooled_k, work_ptr + off_sim_k, bh * N_K_BLOCKS + first,
-                       N_K_BLOCKS - first, HEAD_DIM, BLOCK_D, TOKENS, BLOCK_N)
-
     @triton.jit
     def _mask_tile(pid_r, pid_c, pid_bh, H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS: tl.constexpr,
                    COLS: tl.constexpr):
@@ -972,78 +910,10 @@ if triton is not None:
         tl.store(lut_rows + position, cols[None, :] + tl.zeros_like(keep), mask=(keep != 0) & row_ok[:, None])
         tl.store(count_ptr + q_rows, tl.sum(keep, 1), mask=row_ok)
 
-    @triton.jit
-    def _predict_lut_kernel(
-        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
-        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, scale,
-        off_sim_q, off_pooled_k, off_sim_k,
-        HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
-        IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr,
-    ):
-        """Grid (cdiv(nQ, ROWS), B*H): ROWS rows of the block mask, from the pooled scores to the
-        compact ascending lists lut[row, :count] the attention kernel reads. All in registers:
-        pooled QK^T (fp32 dot over D chunks), masked row softmax, top-cdf selection by bisection
-        over the fp32 bit patterns of the threshold (no sort), forced blocks, compaction."""
-        h, rows, row_ok, cols, col_ok, q_rows, k_rows = _mask_tile(
-            tl.program_id(0), 0, tl.program_id(1), H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS, N_K_POW2)
-        # pooled scores (ROWS, N_K_POW2): pooled_q (ROWS, D) @ pooled_k^T (D, nK), in D chunks
-        scores = tl.zeros([ROWS, N_K_POW2], dtype=tl.float32)
-        for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
-            offs_d = d0 + tl.arange(0, D_CHUNK)
-            pq = tl.load(work_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
-                         mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            pkt = tl.load(work_ptr + off_pooled_k + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
-                          mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-            scores += tl.dot(pq, pkt, input_precision="ieee")
-        scores = scores * scale
-        if PER_HEAD:
-            sim_thresh = tl.load(sim_thresh_ptr + h)
-            cdf_thresh = tl.load(cdf_thresh_ptr + h)
-        cdf_thresh = cdf_thresh + tl.zeros([ROWS], dtype=tl.float32)  # (ROWS,): a tensor in every mode
-        # Boolean algebra in int32 (0/1): the interpreter and the compiler agree on it.
-        q_similar = (tl.load(work_ptr + off_sim_q + q_rows, mask=row_ok, other=0.0) > sim_thresh).to(tl.int32)
-        k_similar = (tl.load(work_ptr + off_sim_k + k_rows, mask=col_ok, other=0.0) > sim_thresh).to(tl.int32)
-        allowed = col_ok.to(tl.int32)[None, :] + tl.zeros([ROWS, N_K_POW2], dtype=tl.int32)
-        diagonal = tl.zeros([ROWS, N_K_POW2], dtype=tl.int32)
-        if IS_CAUSAL:
-            last_query = tl.minimum((rows + 1) * BLOCK_M, Lq) - 1  # (ROWS,)
-            last_key = tl.minimum((cols + 1) * BLOCK_N, Lk) - 1  # (N_K_POW2,)
-            allowed = allowed & (cols[None, :] * BLOCK_N <= last_query[:, None]).to(tl.int32)
-            diagonal = allowed & (last_key[None, :] > rows[:, None] * BLOCK_M).to(tl.int32)
-        candidates = allowed & k_similar[None, :]
-        logits = tl.where(candidates != 0, scores, float("-inf"))
-        row_max = tl.max(logits, 1)
-        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-        weights = tl.where(candidates != 0, tl.exp(logits - row_max[:, None]), 0.0)
-        probs = weights / tl.maximum(tl.sum(weights, 1), 1e-30)[:, None]
-        # Top-cdf: sorted descending, a block is kept iff the mass sorted before it is < cdf; for
-        # the first of equal values that mass is F(p) = sum of the probs > p, non-increasing in p,
-        # so the kept blocks are exactly probs >= t*, t* = the smallest fp32 t >= 0 with F(t) < cdf.
-        # Non-negative fp32 values are ordered like their bit patterns: bisect those (31 steps).
-        lo = tl.full([ROWS], -1, dtype=tl.int32)  # F(lo) >= cdf (virtual below 0)
-        hi = tl.full([ROWS], 0x7F800001, dtype=tl.int32)  # F(hi) < cdf (virtual above +inf)
-        for _ in range(31):
-            mid = lo + (hi - lo) // 2
-            t = mid.to(tl.float32, bitcast=True)
-            mass_above = tl.sum(tl.where(probs > t[:, None], probs, 0.0), 1)
-            below_cdf = mass_above < cdf_thresh
-            hi = tl.where(below_cdf, mid, hi)
-            lo = tl.where(below_cdf, lo, mid)
-        threshold = tl.minimum(hi, 0x7F800000).to(tl.float32, bitcast=True)
-        top = ((probs >= threshold[:, None]) & (hi <= 0x7F800000)[:, None]).to(tl.int32)
-        keep_whole_row = (q_similar == 0).to(tl.int32) | (cdf_thresh >= 1.0).to(tl.int32)  # (ROWS,)
-        keep = (top & candidates) | (k_similar == 0).to(tl.int32)[None, :] | diagonal | keep_whole_row[:, None]
-        keep = keep & allowed
-        # at least one block per row: the allowed block with the highest pooled score
-        best = tl.argmax(tl.where(allowed != 0, scores, float("-inf")), 1)  # (ROWS,)
-        _store_block_lists(keep, best, cols, q_rows, row_ok, lut_ptr, count_ptr, N_K_BLOCKS)
-
-    # The kernels above are predictor "v1" (kept for side-by-side benchmarks: variant="v1"). "v2"
-    # below (its pooling is also v3's): one program per block with all its loads in flight at once (40-50
-    # registers at D=128 instead of ~175, so ~5 programs per SM stream Q and K instead of one),
-    # and a LUT kernel whose masks are rebuilt rather than kept live (no spills up to nK = 512),
-    # with a 3-pivot threshold search (16 steps instead of 31) where the rows are short.
+    # Predictor "v2" (its pooling is also v3's): one program per block with all its loads in flight
+    # at once (40-50 registers at D=128, so ~5 programs per SM stream Q and K), and a LUT kernel
+    # whose masks are rebuilt rather than kept live (no spills up to nK = 512), with a 3-pivot
+    # threshold search (16 steps instead of 31) where the rows are short.
     @triton.jit
     def _pool_slice_sums(x_base, stride_l, stride_d, L, first, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          SUB: tl.constexpr):
@@ -1095,8 +965,8 @@ if triton is not None:
         SUB_M: tl.constexpr, SUB_N: tl.constexpr, LOOP_STAGES: tl.constexpr,
     ):
         """1-D grid, one program per block: programs [0, B*H*nQ) pool query block `pid` (it is row
-        pid of pooled_q / sim_q), the next B*HKV*nK key block `pid - B*H*nQ`. Same workspace as
-        `_pool_qk_kernel`: pooled_q (B*H, nQ, D) | sim_q (B*H, nQ) | pooled_k (B*HKV, nK, D) | sim_k."""
+        pid of pooled_q / sim_q), the next B*HKV*nK key block `pid - B*H*nQ`, into one fp32 workspace
+        laid out as pooled_q (B*H, nQ, D) | sim_q (B*H, nQ) | pooled_k (B*HKV, nK, D) | sim_k (B*HKV, nK)."""
         pid = tl.program_id(0)
         offs_d = tl.arange(0, BLOCK_D)
         if pid < N_Q_PROGRAMS:
@@ -1180,9 +1050,12 @@ if triton is not None:
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
         weights = tl.where(candidates != 0, tl.exp(logits - row_max[:, None]), 0.0)
         probs = weights / tl.maximum(tl.sum(weights, 1), 1e-30)[:, None]
-        # Top-cdf threshold t* = the smallest fp32 t >= 0 with F(t) = mass(probs > t) < cdf (see
-        # `_predict_lut_kernel`; F as computed is monotone, so t* does not depend on how it is
-        # searched), over bit patterns in (lo, hi] with F(lo) >= cdf (lo = -1: below 0) and
+        # Top-cdf: sorted descending, a block is kept iff the mass sorted before it is < cdf; for
+        # the first of equal values that mass is F(p) = sum of the probs > p, non-increasing in p,
+        # so the kept blocks are exactly probs >= t*, t* = the smallest fp32 t >= 0 with F(t) < cdf.
+        # Non-negative fp32 values are ordered like their bit patterns: t* is searched (F as
+        # computed is monotone, so t* does not depend on how it is searched) over bit patterns in
+        # (lo, hi] with F(lo) >= cdf (lo = -1: below 0) and
         # F(hi) < cdf: hi starts at the row's largest probability (F = 0 there, < cdf if cdf > 0;
         # <= 1.0 + 2 ulp, so 31 halvings or 16 quarterings reach hi = lo + 1). PIVOTS = 3 quarters
         # (lo, hi] per step with three independent row sums; a pivot equal to lo is not evaluated.
@@ -1223,8 +1096,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     ):
-        """Grid (cdiv(nQ, ROWS), B*H), same contract as `_predict_lut_kernel`: ROWS rows of the block
-        mask, from the pooled scores to the compact ascending lists lut[row, :count]."""
+        """Grid (cdiv(nQ, ROWS), B*H): ROWS rows of the block mask, from the pooled scores to the
+        compact ascending lists lut[row, :count] the attention kernel reads, in registers."""
         h, rows, row_ok, cols, col_ok, q_rows, k_rows = _mask_tile(
             tl.program_id(0), 0, tl.program_id(1), H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS, N_K_POW2)
         scores = _pooled_scores(work_ptr, q_rows, row_ok, k_rows, col_ok, off_pooled_k,
@@ -1278,7 +1151,7 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
-PREDICTOR_VARIANTS = ("v3", "v2", "v1")  # v3: default; v2: one LUT launch; v1: one program per 128 tokens
+PREDICTOR_VARIANTS = ("v3", "v2")  # v3: default; v2: scores and selection in one LUT launch
 
 
 def _require_triton(*tensors: torch.Tensor) -> None:
@@ -1311,7 +1184,6 @@ def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n:
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     n_q, n_k = cdiv(Lq, block_m), cdiv(Lk, block_n)
-    tokens = max(block_m, block_n)
 
     def aligned(n: int) -> int:  # sections start on 64-byte boundaries (vector loads of pooled_k)
         return cdiv(n, 16) * 16
@@ -1321,8 +1193,7 @@ def _predictor_geometry(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n:
     off_sim_k = off_pooled_k + aligned(B * Hkv * n_k * D)
     off_scores = off_sim_k + aligned(B * Hkv * n_k)  # v3 only: the pooled scores (B*H*nQ, nK)
     work_size = off_scores + (B * H * n_q * n_k if variant == "v3" else 0)
-    return dict(B=B, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D, n_q=n_q, n_k=n_k, tokens=tokens, variant=variant,
-                q_tiles=cdiv(Lq, tokens), k_tiles=cdiv(Lk, tokens), off_sim_q=off_sim_q,
+    return dict(B=B, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D, n_q=n_q, n_k=n_k, variant=variant, off_sim_q=off_sim_q,
                 off_pooled_k=off_pooled_k, off_sim_k=off_sim_k, off_scores=off_scores, work_size=work_size)
 
 
@@ -1351,15 +1222,6 @@ def _launch_pool(q: torch.Tensor, k: torch.Tensor, g: dict, block_m: int, block_
         work = torch.empty(g["work_size"], device=q.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(g["D"])
     offsets = (g["off_sim_q"], g["off_pooled_k"], g["off_sim_k"])
-    if g["variant"] == "v1":
-        n_q_programs = g["B"] * g["H"] * g["q_tiles"]
-        _pool_qk_kernel[(n_q_programs + g["B"] * g["Hkv"] * g["k_tiles"],)](
-            q, k, work, *q.stride(), *k.stride(),
-            g["H"], g["Hkv"], g["Lq"], g["Lk"], g["n_q"], g["n_k"], g["q_tiles"], g["k_tiles"], n_q_programs, *offsets,
-            HEAD_DIM=g["D"], BLOCK_D=block_d, TOKENS=g["tokens"], BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=8 if g["tokens"] * block_d >= 8192 else 4,
-        )
-        return work
     # one program per block; a slice of SUB tokens is `slice_elements` elements
     n_q_programs = g["B"] * g["H"] * g["n_q"]
     sub = max(1, slice_elements // block_d)
@@ -1436,10 +1298,6 @@ def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, blo
     def pool():
         _launch_pool(q, k, g, block_m, block_n, work)
 
-    def lut_v1():
-        _predict_lut_kernel[grid](*args, **meta, D_CHUNK=min(32, block_d) if n_k_pow2 <= 512 else 16,
-                                  num_warps=max(4, min(16, PREDICTOR_ROWS * n_k_pow2 // 1024)))
-
     def lut_v2():
         _predict_lut_kernel_v2[grid](*args, **meta, **_lut_kernel_config(n_k_pow2, block_d))
 
@@ -1470,7 +1328,7 @@ def _predictor_launchers(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, blo
         select_v3()
     lut_v3.parts = {"scores": scores_v3, "select": select_v3}  # timed one by one in the benchmark
 
-    lut_launch = {"v1": lut_v1, "v2": lut_v2, "v3": lut_v3}[variant]
+    lut_launch = {"v2": lut_v2, "v3": lut_v3}[variant]
     return pool, lut_launch, work, lut, counts
 
 
@@ -1506,7 +1364,7 @@ def predict_block_lut(
     launches (pool Q and K with self-similarity; pooled scores; softmax + top-cdf + LUT), three
     allocations, no host synchronization: it can be captured in a CUDA graph. Float thresholds go
     to the kernels as scalars (no tensor is built). variant: "v3" (default); "v2" (scores and
-    selection in one launch) and "v1" (one program per 128 tokens) are kept for benchmarks."""
+    selection in one launch, compared with v3 in the benchmark)."""
     pool, lut_launch, _, lut, counts = _predictor_launchers(
         q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
         block_m=block_m, block_n=block_n, variant=variant)
