@@ -318,7 +318,7 @@ _refuse_gradients(decode_attention_op, "decode_attention")
 # ==== end decode_attention =====================================================================
 
 
-# ==== sparse_attention (graphopt/kernels/sparse_attention.py, passes/sparse_attention.py) ======
+# ==== sparse_attention (graphopt/kernels/sparse_attention/, passes/sparse_attention.py) =======
 def sparse_attention_runs_dense(lq: int, lk: int, is_causal: bool, dense_below: int) -> bool:
     """Whether graphopt::sparse_attention runs dense attention for these lengths (see below)."""
     return dense_below > 0 and (min(lq, lk) < dense_below or (is_causal and lq != lk))
