@@ -112,7 +112,8 @@ def _fused_attention_rows(q, k, v, causal: bool, shape: str, timer, suffix: str,
     the kind ("" or " graph"). A backend that rejects the problem is reported and skipped."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from graphopt.kernels.flash_attention import estimate_flash_attention, flash_attention
+    from graphopt.cost.attention import estimate_flash_attention
+    from graphopt.kernels.flash_attention import flash_attention
 
     _, h, length, d = q.shape
     rows = []

@@ -41,6 +41,7 @@ from bench.common import cuda_graph_ms, median_ms, out_dir, print_table, write_j
 from graphopt import cost_model  # noqa: E402
 from graphopt.fft_explorer import explore_fft  # noqa: E402
 from graphopt.hardware import get_spec  # noqa: E402
+from graphopt.cost import fft_chain as fft_cost  # noqa: E402
 from graphopt.kernels import fft_chain as fft  # noqa: E402
 
 
@@ -117,7 +118,7 @@ def kernel_candidates(shapes, token_counts, b, k, device, smoke, only=None):
             dense_ms = median_ms(dense_fn)
             dense_graph = cuda_graph_ms(dense_fn) if device.type == "cuda" else dense_ms
             dense_pred = cost_model.linear(hw, t, in_f, out_f, bias=True).ms
-            chosen, _ = fft.choose_implementation(hw, t, in_f, out_f, b, k, device_type=device.type)
+            chosen, _ = fft_cost.choose_implementation(hw, t, in_f, out_f, b, k, device_type=device.type)
             for impl in impls:
                 row = {"shape": f"{in_f}->{out_f}", "tokens": t, "impl": impl, "correct": verdict[impl][0], "rel_error": verdict[impl][1],
                        "timing": "cuda-graph" if device.type == "cuda" else "eager (cpu)", "cublas_ms": dense_ms, "cublas_graph_ms": dense_graph}
@@ -128,7 +129,7 @@ def kernel_candidates(shapes, token_counts, b, k, device, smoke, only=None):
                 except Exception as exc:  # noqa: BLE001
                     print(f"FAIL timing {impl} {in_f}->{out_f} T={t}: {type(exc).__name__}: {exc}")
                     ms = graph = float("nan")
-                pred = fft.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl).ms
+                pred = fft_cost.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl).ms
                 row.update(ms=ms, graph_ms=graph, speedup=dense_ms / ms, graph_speedup=dense_graph / graph,
                            predicted_ms=pred, predicted_speedup=dense_pred / pred, chosen_by_cost_model=impl == chosen,
                            spectra_GBps=(8.0 * t * (k * -(-in_f // b) + -(-out_f // b)) * (b // 2 + 1) * 2) / (graph * 1e-3) / 1e9)
@@ -178,7 +179,7 @@ def fit_sweep(device, smoke: bool) -> Path:
                     except Exception as exc:  # noqa: BLE001 - one failing config must not end the sweep
                         print(f"FAIL {impl} {in_f}->{out_f} B={b} K={k} T={t}: {type(exc).__name__}: {exc}")
                         continue
-                    pred = fft.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl, bias=False)
+                    pred = fft_cost.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl, bias=False)
                     rows.append({"in_features": in_f, "out_features": out_f, "block_size": b, "k": k, "tokens": t, "impl": impl,
                                  "graph_ms": ms, "cublas_graph_ms": dense_ms, "speedup": dense_ms / ms, "predicted_ms": pred.ms})
                     print(f"{in_f:>6}->{out_f:<6} T={t:<5} B={b:<5} K={k:<3} {impl:<15} {ms:8.4f} ms  cuBLAS {dense_ms:8.4f}  "
@@ -236,12 +237,12 @@ def main() -> int:
     path = write_json("bench_fft_chain", rows, block_size=b, k=k, targets=targets, kernel_breakdown=breakdown,
                       explorer_agreement={"agree": agree, "total": total, "rate": agree / total if total else None},
                       explorer={str(t): a for t, a in explorer.items()},
-                      cost_model_constants={"launch_fraction_in_graph": fft.LAUNCH_FRACTION_IN_GRAPH, "fma_efficiency": fft.FMA_EFFICIENCY,
-                                            "serial_step_s": fft.SERIAL_STEP_S, "dft_contract_step_s": fft.DFT_CONTRACT_STEP_S,
-                                            "dft_gemm_step_s": fft.DFT_GEMM_STEP_S, "dft2_latency_s": fft.DFT2_LATENCY_S,
-                                            "dft2_gemm_step_s": fft.DFT2_GEMM_STEP_S, "dft2_contract_step_s": fft.DFT2_CONTRACT_STEP_S,
-                                            "dft2_gather_memory_efficiency": fft.DFT2_GATHER_MEMORY_EFFICIENCY,
-                                            "dft2_inkernel_gather_matrix_fraction": fft.DFT2_INKERNEL_GATHER_MATRIX_FRACTION,
+                      cost_model_constants={"launch_fraction_in_graph": fft_cost.LAUNCH_FRACTION_IN_GRAPH, "fma_efficiency": fft_cost.FMA_EFFICIENCY,
+                                            "serial_step_s": fft_cost.SERIAL_STEP_S, "dft_contract_step_s": fft_cost.DFT_CONTRACT_STEP_S,
+                                            "dft_gemm_step_s": fft_cost.DFT_GEMM_STEP_S, "dft2_latency_s": fft_cost.DFT2_LATENCY_S,
+                                            "dft2_gemm_step_s": fft_cost.DFT2_GEMM_STEP_S, "dft2_contract_step_s": fft_cost.DFT2_CONTRACT_STEP_S,
+                                            "dft2_gather_memory_efficiency": fft_cost.DFT2_GATHER_MEMORY_EFFICIENCY,
+                                            "dft2_inkernel_gather_matrix_fraction": fft_cost.DFT2_INKERNEL_GATHER_MATRIX_FRACTION,
                                             "fft_chain_efficiency": cost_model.KERNEL_EFFICIENCY["fft_chain"]})
     print(f"explorer cost-model agreement over all token counts: {agree}/{total}" + (f" = {100 * agree / total:.0f}% (target >= 90%)" if total else ""))
     print(f"JSON: {path}")

@@ -20,9 +20,9 @@ eager (do_bench: includes the host launch path when the GPU work is shorter) and
 CUDA graph (GPU time only; the predictor has no host sync, so it can be captured), the sparsity it
 finds there with the default thresholds, and the end-to-end time (predictor + kernel) against
 dense. Then the predictor breakdown (also alone with --predictor-only, L >= 8k): the pooling launch
-alone, the LUT stage alone and the whole predictor, for every variant (v1: the first; v2: the
-default; v3: the LUT stage in two launches), eager and CUDA graph, as % of cuDNN dense; the
-variants' block masks are compared with v2's and the torch reference's first. Prints the
+alone, the LUT stage alone and the whole predictor, for every variant (v3: the default, the LUT
+stage in two launches; v2: scores and selection in one LUT launch), eager and CUDA graph, as % of
+cuDNN dense; the variants' block masks are compared with v2's and the torch reference's first. Prints the
 issue's targets (met / not met) last. Writes JSON and a speed-vs-density PNG to $OUT (or bench/out).
 
     python bench/bench_sparse_attention.py --predictor-only   # the breakdown alone (~1 min)
@@ -230,11 +230,11 @@ def predictor_breakdown(lengths: list[int]) -> list[dict]:
                         row["predict_block_lut_ms"] = time_ms(lambda v=variant: sa.predict_block_lut(qs, ks, is_causal=causal, variant=v))
                     rows.append(row)
                 by_variant = {r["variant"]: r for r in rows[-len(stages):]}
-                v1 = by_variant["v1"]
+                v2 = by_variant["v2"]
                 for variant, r in by_variant.items():
                     for key in ("pool_ms", "lut_ms", "whole_ms", "whole_graph_ms"):
-                        if variant != "v1" and v1.get(key) and r.get(key):
-                            r[f"speedup_{key[:-3]}"] = v1[key] / r[key]
+                        if variant != "v2" and v2.get(key) and r.get(key):
+                            r[f"speedup_{key[:-3]}"] = v2[key] / r[key]
             except Exception as exc:
                 print(f"FAIL predictor breakdown L={length} causal={causal}: {type(exc).__name__}: {exc}")
     return rows
@@ -252,7 +252,7 @@ def main_predictor_only() -> int:
                config={"B": 1, "H": HEADS, "D": HEAD_DIM, "dtype": str(DTYPE), "block_m": sa.BLOCK_M, "block_n": sa.BLOCK_N})
     print(f"total bench time: {time.perf_counter() - START:.0f} s")
     print_table("sparse attention predictor breakdown per variant (local+sink inputs, default thresholds; "
-                "graph = CUDA-graph replay; speedup = v1 / variant)", rows, BREAKDOWN_COLUMNS)
+                "graph = CUDA-graph replay; speedup = v2 / variant)", rows, BREAKDOWN_COLUMNS)
     return 0
 
 
@@ -366,7 +366,7 @@ def main() -> int:
     for key, config in tuned_configs.items():
         print(f"autotuned sparse kernel config {key}: {config}")
     print(f"total bench time: {time.perf_counter() - START:.0f} s")
-    print_table("sparse attention predictor breakdown per variant (graph = CUDA-graph replay; speedup = v1 / variant)",
+    print_table("sparse attention predictor breakdown per variant (graph = CUDA-graph replay; speedup = v2 / variant)",
                 breakdown_rows, BREAKDOWN_COLUMNS)
     print_table("sparse attention: predictor on local+sink inputs (default thresholds; graph = CUDA-graph replay, GPU only)",
                 predictor_rows, ["L", "causal", "sparsity_found", "rel_L1_vs_dense", "cudnn_ms", "predictor_ms",

@@ -7,7 +7,7 @@ configurations, CUDA-graph times, cuBLAS bf16 beside them), and for the hardware
     cost model picks the implementation it predicts fastest, the row counts as agreeing when
     (cuBLAS predicted / picked predicted > 1) == (cuBLAS measured / picked measured > 1);
   * with --fit: a grid search of the dft2 constants (DFT2_*) minimizing the mean |log error| of
-    the dft2 and dft2_pregather rows, printed for pasting into graphopt/kernels/fft_chain.py.
+    the dft2 and dft2_pregather rows, printed for pasting into graphopt/cost/fft_chain.py.
 
     python bench/fit_fft_cost_model.py bench/results/fft_fit_sweep_h100.json --gpu h100 [--fit]
 """
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphopt.fft_explorer import predicted_speedup  # noqa: E402
 from graphopt.hardware import get_spec  # noqa: E402
+from graphopt.cost import fft_chain as fft_cost  # noqa: E402
 from graphopt.kernels import fft_chain as fft  # noqa: E402
 
 FIT_GRID = {
@@ -43,7 +44,7 @@ def predictions(hw, rows):
     preds = {}
     for r in rows:
         key = (r["in_features"], r["out_features"], r["tokens"], r["block_size"], r["k"])
-        preds.setdefault(key, {})[r["impl"]] = fft.estimate_fft_chain(hw, r["tokens"], r["in_features"], r["out_features"],
+        preds.setdefault(key, {})[r["impl"]] = fft_cost.estimate_fft_chain(hw, r["tokens"], r["in_features"], r["out_features"],
                                                                       r["block_size"], r["k"], r["impl"], bias=False).ms
     return preds
 
@@ -104,12 +105,12 @@ def main() -> int:
     names = list(FIT_GRID)
     for values in itertools.product(*(FIT_GRID[n] for n in names)):
         for n, v in zip(names, values):
-            setattr(fft, n, v)
+            setattr(fft_cost, n, v)
         s = score(hw, rows)
         if best is None or s < best[0]:
             best = (s, values)
     for n, v in zip(names, best[1]):
-        setattr(fft, n, v)
+        setattr(fft_cost, n, v)
     print("\nfitted: " + ", ".join(f"{n} = {v}" for n, v in zip(names, best[1])) + f"  (mean |log error| {best[0]:.3f})")
     report(hw, rows, "fitted constants")
     return 0

@@ -40,7 +40,7 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "triton_flash": (0.70, 0.9),
     # Block-sparse Triton kernel: tile matmul rate fitted to bench/results/sparse_attention_h200.json
     # (32 timings, L=4k-32k, density 0.1-1) together with a per-query-block cost of 6 tiles (the
-    # model's SPARSE_ROW_COST_TILES, fitted to the H100 kernels, is 3.5: graphopt.passes.sparse_attention).
+    # model's SPARSE_ROW_COST_TILES, fitted to the H100 kernels, is 3.5: graphopt.cost.sparse_attention).
     "triton_sparse": (0.68, 0.85),
     # FP4 / Q4 kernels, fitted to bench/results/{fp4,q4}_linear_h200.json (H200, triton 3.6); the
     # compute term is CUDA-core decode/epilogue work (see the op counts in graphopt/cost/fp4.py and

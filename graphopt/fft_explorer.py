@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from graphopt import cost_model
+from graphopt.cost import fft_chain as fft_cost
 from graphopt.hardware import get_spec
 from graphopt.kernels import fft_chain as fft
 from graphopt.hardware.timing import capture_cuda_graph
@@ -104,7 +105,7 @@ def predicted_speedup(hw, tokens: int, in_features: int, out_features: int, bloc
                       device_type: str = "cuda", dtype_bytes: int = 2) -> tuple[str, float]:
     """(implementation, predicted cuBLAS time / FFT-chain time) as the explorer scores a row: the
     implementation the cost model picks (no bias) against the dense linear's estimate."""
-    impl, est = fft.choose_implementation(hw, tokens, in_features, out_features, block_size, k, device_type=device_type,
+    impl, est = fft_cost.choose_implementation(hw, tokens, in_features, out_features, block_size, k, device_type=device_type,
                                           dtype_bytes=dtype_bytes, bias=False)
     return impl, cost_model.linear(hw, tokens, in_features, out_features, dtype_bytes=dtype_bytes).ms / est.ms
 

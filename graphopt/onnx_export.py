@@ -3,7 +3,8 @@
 `export_onnx(model, example_inputs, path, **options)` captures the model as one graph with
 Dynamo (fullgraph), runs the same passes as the backend, and exports the rewritten graph with
 `torch.onnx.export(..., dynamo=True)`. Each `graphopt::*` op reaches ONNX through a translation
-(an onnxscript function) that its pass registers with `register_onnx_translation`; some ops have
+(an onnxscript function) that its pass registers with `graphopt.onnx_registry.register_onnx_translation`
+(also importable from here); some ops have
 several forms (e.g. the standard FP4 `DequantizeLinear` and a form onnxruntime runs today),
 chosen per op with `onnx_forms={"graphopt::fp4_linear": "runnable"}`.
 
@@ -31,22 +32,16 @@ import torch.fx as fx
 
 from graphopt.config import GraphOptConfig
 from graphopt.hardware import get_spec
+from graphopt.onnx_registry import DEFAULT_FORM
+from graphopt.onnx_registry import TRANSLATIONS as _TRANSLATIONS
+from graphopt.onnx_registry import register_onnx_translation as _register
 
-# (op overload, form) -> onnxscript function
-_TRANSLATIONS: dict[tuple[Any, str], Callable] = {}
-DEFAULT_FORM = "standard"
+# The registry lives in graphopt.onnx_registry (passes register there without importing the
+# exporter); the decorator stays importable from here.
+register_onnx_translation = _register
+
 DEFAULT_OPSET = 23  # Attention (23), DFT (20), DequantizeLinear with FLOAT4E2M1 (23)
 MAX_IR_VERSION = 13  # what onnxruntime 1.31 loads
-
-
-def register_onnx_translation(op: Any, form: str = DEFAULT_FORM) -> Callable[[Callable], Callable]:
-    """Decorator: `fn` translates `op` (a torch.ops.graphopt.* overload) in the given form."""
-
-    def decorate(fn: Callable) -> Callable:
-        _TRANSLATIONS[(op, form)] = fn
-        return fn
-
-    return decorate
 
 
 def translation_table(forms: dict[str, str] | None = None) -> dict[Any, Callable]:

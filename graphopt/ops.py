@@ -318,7 +318,7 @@ _refuse_gradients(decode_attention_op, "decode_attention")
 # ==== end decode_attention =====================================================================
 
 
-# ==== sparse_attention (graphopt/kernels/sparse_attention.py, passes/sparse_attention.py) ======
+# ==== sparse_attention (graphopt/kernels/sparse_attention/, passes/sparse_attention.py) =======
 def sparse_attention_runs_dense(lq: int, lk: int, is_causal: bool, dense_below: int) -> bool:
     """Whether graphopt::sparse_attention runs dense attention for these lengths (see below)."""
     return dense_below > 0 and (min(lq, lk) < dense_below or (is_causal and lq != lk))
@@ -525,11 +525,12 @@ for _op, _name in ((q4_quantize_q8_1, "quantize_q8_1"), (q4_q8_gemm, "q4_q8_gemm
 del _op, _name
 # ==== end q4 ===================================================================================
 
-# ==== fft_chain (graphopt/kernels/fft_chain.py, passes/fft_linear.py) =========================
+# ==== fft_chain (graphopt/kernels/fft_chain/, passes/fft_linear.py) ===========================
 # y = sum_k BC(C_k) P_k x + bias from spectral coefficient planes coeff_real/coeff_imag (C, N, F)
-# and the K-1 non-identity permutations perms (K-1, in). impl: auto | torch | triton | dft.
-# CPU: the torch rfft reference; CUDA: the chosen kernel. The kernel module is imported lazily
-# (it imports this package for the cost model).
+# and the K-1 non-identity permutations perms (K-1, in). impl: one of
+# graphopt.kernels.fft_chain.IMPL_CHOICES; the fft_linear pass writes the cost model's choice,
+# "auto" runs the kernel family's fixed rule (default_implementation).
+# CPU: the torch rfft reference; CUDA: the chosen kernel. The kernel package is imported lazily.
 @torch.library.custom_op("graphopt::fft_chain_linear", mutates_args=())
 def fft_chain_linear(
     x: torch.Tensor, coeff_real: torch.Tensor, coeff_imag: torch.Tensor, perms: torch.Tensor,

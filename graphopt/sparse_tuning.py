@@ -81,18 +81,12 @@ class _Recorder:
         return torch.ops.graphopt.attention.default(q, k, v, bias, scale, is_causal, num_kv_groups, backend)
 
 
-def attention_key(node, index: int) -> str:
-    """How plans name an attention: its module path, else its position among the graph's attentions."""
-    from graphopt.passes.base import module_path
-
-    return module_path(node) or f"#{index}"
-
-
 def capture_attention(model: torch.nn.Module, inputs: Sequence[tuple]) -> dict[str, LayerCapture]:
     """Run `model` on each input tuple and record q, k, v of every matched attention."""
     from graphopt.config import GraphOptConfig
     from graphopt.hardware import get_spec
     from graphopt.passes import run_passes
+    from graphopt.passes.sparse_attention import attention_key  # how plans name an attention
 
     store: dict[str, LayerCapture] = {}
     # force: every matched attention becomes a graphopt::attention node to record, including SDPA

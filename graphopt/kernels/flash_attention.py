@@ -743,13 +743,3 @@ def flash_attention(q, k, v, bias=None, *, scale=None, is_causal=False):
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return FlashAttentionFunction.apply(q, k, v, bias, float(scale), bool(is_causal))
-
-
-def estimate_flash_attention(hw, batch, heads, len_q, len_k, head_dim, *, kv_heads=None, causal=False,
-                             dtype_bytes=2, has_mask=False):
-    """Roofline estimate of the forward kernel (cost-model family `triton_flash`)."""
-    from graphopt import cost_model
-
-    return cost_model.fused_attention(hw, batch, heads, len_q, len_k, head_dim, family="triton_flash", causal=causal,
-                                      dtype_bytes=dtype_bytes, has_mask=has_mask, kv_heads=kv_heads,
-                                      name="Triton flash attention")

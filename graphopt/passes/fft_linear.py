@@ -19,7 +19,7 @@ Two kinds of match, one Decision each:
    is declined with its reason. Measured on an H100 (bench/RESULTS.md, both sides replayed from
    CUDA graphs, bf16, B=512 K=2 on 5120<->13824): 3.0-3.9x cuBLAS at 1-16 tokens, 1.15-1.8x at
    256, and at 4096 1.5-1.7x (up projection) and 0.97-1.06x (down). The estimates are those of
-   graphopt.kernels.fft_chain, fitted to the H100 runs; they assume CUDA-graph replay, and they
+   graphopt.cost.fft_chain, fitted to the H100 runs; they assume CUDA-graph replay, and they
    decide per token count (an H200-era fit had the chain losing at 256 and 4096 tokens).
 
 Plan section format:
@@ -39,8 +39,9 @@ import torch
 import torch.fx as fx
 
 from graphopt import cost_model
+from graphopt.cost import fft_chain as fft_cost
 from graphopt.kernels import fft_chain as fft
-from graphopt.onnx_export import register_onnx_translation
+from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
 from graphopt.passes.fx_utils import arg, bias_problem, device, dtype, find_linears, replace_with_call, shape, tokens
 from graphopt.plan import plan_section, same_weights
@@ -123,9 +124,9 @@ class FFTLinearPass(GraphPass):
         dt = dtype(x)
         dtype_bytes = torch.empty((), dtype=dt).element_size() if dt is not None else 4
         has_bias = bias is not None
-        impl, after = fft.choose_implementation(ctx.hardware, rows, in_features, out_features, block_size, k,
+        impl, after = fft_cost.choose_implementation(ctx.hardware, rows, in_features, out_features, block_size, k,
                                                 device_type=_device_type(x), dtype_bytes=dtype_bytes, bias=has_bias)
-        before = fft.estimate_fft_chain(ctx.hardware, rows, in_features, out_features, block_size, k, "torch",
+        before = fft_cost.estimate_fft_chain(ctx.hardware, rows, in_features, out_features, block_size, k, "torch",
                                         dtype_bytes=dtype_bytes, bias=has_bias)
         folded = self._fold_spectrum(ctx, node, coeff_real, coeff_imag)
         reason = (f"FFTChainLinear {in_features}->{out_features} B={block_size} K={k}: {impl} kernel for {rows} tokens "
@@ -210,7 +211,7 @@ class FFTLinearPass(GraphPass):
         dtype_bytes = torch.empty((), dtype=dt).element_size() if dt is not None else 4
         has_bias = m.bias_node is not None
         before = cost_model.linear(ctx.hardware, tokens, m.in_features, m.out_features, dtype_bytes=dtype_bytes, bias=has_bias)
-        impl, after = fft.choose_implementation(ctx.hardware, tokens, m.in_features, m.out_features, block_size, k,
+        impl, after = fft_cost.choose_implementation(ctx.hardware, tokens, m.in_features, m.out_features, block_size, k,
                                                 device_type=_device_type(m.input), dtype_bytes=dtype_bytes, bias=has_bias)
         ok, why = self.accept(ctx, before, after)
         if not ok:

@@ -1,5 +1,5 @@
 """The `sparse_attention` pass (lossy, opt-in): re-lowers `graphopt::attention` nodes to
-`graphopt::sparse_attention` (SpargeAttn-style predicted block sparsity, graphopt/kernels/sparse_attention.py).
+`graphopt::sparse_attention` (SpargeAttn-style predicted block sparsity, graphopt/kernels/sparse_attention/).
 
 It runs after the `attention` pass and rewrites the `graphopt::attention` nodes that pass emitted;
 when the attention pass is disabled it runs that pass's matcher itself (`find_attention` +
@@ -16,7 +16,7 @@ The cost model decides: dense time (the backend the attention pass chose, on the
 against the predictor (3 launches) plus the block-sparse kernel at the plan's measured sparsity
 (without a plan: an assumed ASSUMED_SPARSITY_WITHOUT_PLAN, recorded as such). Both estimates are
 rooflines fitted to the H200 timings (bench/results/sparse_attention_h200.json; see
-the constants below). Where the kernel wins there (bf16, D=128, B=1, H=16, predictor
+the constants in graphopt/cost/sparse_attention.py). Where the kernel wins there (bf16, D=128, B=1, H=16, predictor
 included, against cuDNN): from L=8k at 50% of the blocks skipped (1.09-1.15x at 8k, 1.24-1.40x
 at 16k-32k), 75% skipped 1.6-2.6x, 90% skipped 2.3-5.4x; at L=4k only from ~75% skipped
 (1.08-1.5x); never at density 1 (the kernel alone is 0.64-0.80x cuDNN). Short sequences and
@@ -53,172 +53,31 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt import cost_model
+from graphopt.cost.sparse_attention import (
+    BREAK_EVEN_SEARCH_LIMIT,
+    break_even_length,
+    estimate_dense,
+    estimate_sparse_attention,
+    priced_host_launches,
+)
 from graphopt.cost_model import Estimate
 from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N, DEFAULT_CDFTHRESHD, DEFAULT_SIMTHRESHD1
-from graphopt.onnx_export import register_onnx_translation
+from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, module_path
 from graphopt.passes.fx_utils import device, dtype, fix_symbolic_sizes, replace_with_call, size_hints, symbolic_size
 
 log = logging.getLogger("graphopt")
 
 ASSUMED_SPARSITY_WITHOUT_PLAN = 0.5  # fraction of QK blocks skipped, for the cost model only
-PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; top-cdf + compact lists
-
-# Fitted to bench/results/sparse_attention_h200.json (H200, bf16, B=1, H=16, D=128,
-# L=4k-32k, causal and not, densities 1/0.5/0.25/0.1; ceilings 690 TFLOP/s, 4.22 TB/s, 6 us launch):
-#  - KERNEL_EFFICIENCY["triton_sparse"] (graphopt/cost_model.py) = 0.68: the matmul rate of a kept
-#    128 x 64 tile (least squares over the 32 kernel timings with the row cost below; the dense
-#    kernel runs 408-472 TFLOP/s, 0.59-0.68 of the ceiling, including its row cost);
-#  - SPARSE_ROW_COST_TILES: each query block (row) also costs some tiles' worth of time (Q load,
-#    pipeline fill, epilogue, store) whatever its density. With the single loop's tensor
-#    descriptors built on the host, the fixed cost per program is 7.3 us against 2.18 us per tile
-#    at 8k (bench/results/sparse_fixed_cost_h100.json: 3.3 tiles). 3.5 puts the H100 runs
-#    (sparse_attention_h100_host_desc_8k.json and _16k_32k.json) within 1.00-1.12x of the
-#    CUDA-graph timings (6 gives up to 1.29x), and sparse_attention_h100_mask_loop.json within
-#    0.90-1.06x; the sparse-or-dense call is right on 24 of 24 rows of each. (The H200 run alone
-#    fits 6: every kernel timing within 0.80-1.13x.)
-#  - The predictor (v3 kernels) is fitted to an H100 run (bench/results/sparse_predictor_h16_h100.json:
-#    0.036 / 0.065 / 0.139 ms at L = 8k / 16k / 32k, B=1, H=16, D=128, CUDA graph):
-#    PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.95: the whole predictor's timings are 1.00-1.06x of this
-#    model (the pooling launch alone reads Q and K at 2.4 / 2.7 / 2.8 TB/s, 0.82-0.96 of the copy
-#    bandwidth); PREDICTOR_S_PER_SCORE = 10 ps per (query block, key block) pooled score for the
-#    scores GEMM and the selection beyond their launches: 3.1 + 4.6 us at 8k (131k scores), 19 +
-#    20 us at 32k (2.1M). The v1 predictor, which the H200 timings ran, reads Q and K at
-#    ~0.9 TB/s and takes 4x longer per score.
-SPARSE_ROW_COST_TILES = 3.5
-PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.95
-PREDICTOR_S_PER_SCORE = 10e-12
-
-
-# ---------------------------------------------------------------------------------------------
-# Cost model
-# ---------------------------------------------------------------------------------------------
-def _blocks(n: int, block: int) -> int:
-    return -(-n // block)
-
-
-def kept_tile_count(lq: int, lk: int, *, causal: bool, density: float) -> float:
-    """Kept (query block, key block) tiles per head: `density` of those dense attention computes
-    (under causality the tiles at or below the diagonal, diagonal tiles whole)."""
-    n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
-    if causal:
-        allowed = sum(min(n_k, _blocks(min((i + 1) * BLOCK_M, lq), BLOCK_N)) for i in range(n_q))
-    else:
-        allowed = n_q * n_k
-    return density * allowed
-
-
-def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, dtype_bytes: int = 2) -> Estimate:
-    """Pool Q and K blocks (read each once, at PREDICTOR_POOL_MEMORY_EFFICIENCY of the memory
-    ceiling), then the pooled scores, top-cdf selection and compact lists (their bytes at the
-    pointwise rate, three launches), plus PREDICTOR_S_PER_SCORE per pooled score."""
-    n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
-    pooled = dtype_bytes * (b * h * lq * d + b * hkv * lk * d)
-    moved = 4 * (b * h * n_q * (d + 1) + b * hkv * n_k * (d + 1))  # pooled blocks, read back by the LUT launch
-    moved += 4 * b * h * n_q * (n_k + 1)  # compact lists and counts written
-    flops = 2.0 * b * h * n_q * n_k * d
-    est = cost_model.roofline(hw, "sparse attention predictor", flops=flops, bytes_moved=moved,
-                              launches=PREDICTOR_LAUNCHES, family="pointwise", unit="fp32")
-    if not hw.is_gpu:
-        return cost_model.roofline(hw, "sparse attention predictor", flops=flops, bytes_moved=moved + pooled,
-                                   launches=PREDICTOR_LAUNCHES, family="pointwise", unit="fp32")
-    pool_ms = pooled / (hw.memory_ceiling * PREDICTOR_POOL_MEMORY_EFFICIENCY) * 1e3
-    est = Estimate(est.name, est.ms + pool_ms, flops, moved + pooled, est.launches,
-                   "memory" if pool_ms > est.ms else est.bound)
-    select_ms = b * h * n_q * n_k * PREDICTOR_S_PER_SCORE * 1e3
-    return Estimate(est.name, est.ms + select_ms, flops, est.bytes, est.launches,
-                    "latency" if select_ms > est.ms else est.bound)
-
-
-def estimate_sparse_kernel(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
-                           dtype_bytes: int = 2) -> Estimate:
-    """The block-sparse flash kernel alone: kept tiles plus SPARSE_ROW_COST_TILES per query block,
-    at the triton_sparse tile rate; Q and O once, K/V once per head (L2 reuse) scaled by density."""
-    density = max(0.0, min(1.0, 1.0 - sparsity))
-    n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
-    tile_flops = 2.0 * BLOCK_M * BLOCK_N * (d + d)
-    flops = b * h * tile_flops * (kept_tile_count(lq, lk, causal=causal, density=density) + SPARSE_ROW_COST_TILES * n_q)
-    moved = dtype_bytes * (2 * b * h * lq * d + 2 * b * hkv * lk * d * max(density, 1.0 / max(1, n_k)))
-    moved += 4 * b * h * n_q * (n_k + 1)  # compact lists read
-    return cost_model.roofline(hw, "Triton block-sparse attention", flops=flops, bytes_moved=moved, family="triton_sparse")
-
-
-def estimate_sparse_attention(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
-                              dtype_bytes: int = 2, host_launches: float = 0.0) -> Estimate:
-    """Predictor + block-sparse flash kernel keeping (1 - sparsity) of the tiles dense attention
-    computes; with `host_launches` (units of `cost_model.host_paced`), at least the op's host path."""
-    kernel = estimate_sparse_kernel(hw, b, h, hkv, lq, lk, d, causal=causal, sparsity=sparsity, dtype_bytes=dtype_bytes)
-    predictor = estimate_predictor(hw, b, h, hkv, lq, lk, d, dtype_bytes=dtype_bytes)
-    est = cost_model.chain(f"sparse attention ({sparsity:.0%} of blocks skipped)", predictor, kernel)
-    return cost_model.host_paced(hw, est, host_launches, "graphopt::sparse_attention host path")
-
-
-def estimate_dense(hw, backend: str, b, h, hkv, lq, lk, d, *, causal: bool, dtype_bytes: int = 2,
-                   host_launches: float = 0.0) -> Estimate:
-    """The dense attention the attention pass chose (its op's `backend` argument); with
-    `host_launches`, at least its op's host path."""
-    if backend == "triton":
-        est = cost_model.fused_attention(hw, b, h, lq, lk, d, family="triton_flash", causal=causal,
-                                         dtype_bytes=dtype_bytes, kv_heads=hkv, name="Triton flash (dense)")
-    else:
-        sdpa_backend = backend if backend in cost_model.SDPA_BACKENDS else "cudnn"
-        est = cost_model.sdpa(hw, b, h, lq, lk, d, backend=sdpa_backend, causal=causal, dtype_bytes=dtype_bytes,
-                              kv_heads=hkv)
-    return cost_model.host_paced(hw, est, host_launches, "graphopt::attention host path")
-
-
-def priced_host_launches(ctx, backend: str, dense_is_op: bool) -> tuple[float, float]:
-    """(sparse, dense) host-path units for the estimates: zero where the host path is not priced
-    (CUDA-graph replay, or not a GPU); the dense side only where it is a graphopt::attention node
-    (a plain SDPA call's host path, about 1.6 units, is left out)."""
-    if not (ctx.config.prices_host_path and ctx.hardware.is_gpu):
-        return 0.0, 0.0
-    return (cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES,
-            cost_model.attention_op_host_launches(backend) if dense_is_op else 0.0)
-
-
-# The longest sequence the break-even search below considers, and its scan step (tokens).
-BREAK_EVEN_SEARCH_LIMIT = 1 << 20
-BREAK_EVEN_SCAN_STEP = 8
-
-
-def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, causal: bool, sparsity: float,
-                      dtype_bytes: int = 2, limit: int = BREAK_EVEN_SEARCH_LIMIT,
-                      host_launches: tuple[float, float] = (0.0, 0.0)) -> int | None:
-    """The self-attention length L (Lq = Lk = L) from which predictor + sparse kernel are estimated
-    faster than dense `backend`, or None if not even at `limit`. The sparse estimate's fixed parts
-    (predictor launches, a row cost per query block) fall behind dense attention's L^2 as L grows,
-    so the comparison flips from dense to sparse once, apart from a band just above the flip where
-    block rounding makes the estimates trade places (up to 9% apart, over 1.15x of lengths). A
-    binary search finds a winning length; a scan in steps of BREAK_EVEN_SCAN_STEP tokens up to
-    twice it moves the answer past the last loss it samples. Losses narrower than the step can
-    remain: over the hardware table, backends and a range of shapes, up to 7 lengths, estimated at
-    most 2% slower (tests/passes/test_sparse_attention.py checks this). host_launches: the (sparse,
-    dense) host-path units of `priced_host_launches`, which only move the flip to longer lengths."""
-    def wins(length: int) -> bool:
-        dense = estimate_dense(hw, backend, b, h, hkv, length, length, d, causal=causal, dtype_bytes=dtype_bytes,
-                               host_launches=host_launches[1])
-        sparse = estimate_sparse_attention(hw, b, h, hkv, length, length, d, causal=causal, sparsity=sparsity,
-                                           dtype_bytes=dtype_bytes, host_launches=host_launches[0])
-        return sparse.ms < dense.ms
-
-    if not wins(limit):
-        return None
-    low, high = 1, limit  # wins(high) holds
-    while low < high:
-        mid = (low + high) // 2
-        if wins(mid):
-            high = mid
-        else:
-            low = mid + 1
-    losses = [n for n in range(high, min(2 * high, limit), BREAK_EVEN_SCAN_STEP) if not wins(n)]
-    return losses[-1] + 1 if losses else high
-
 
 # ---------------------------------------------------------------------------------------------
 # Plan lookup
 # ---------------------------------------------------------------------------------------------
+def attention_key(node, index: int) -> str:
+    """How plans name an attention: its module path, else its position among the graph's attentions."""
+    return module_path(node) or f"#{index}"
+
+
 def plan_layer(layers: dict, key: str) -> tuple[str | None, dict | None]:
     """(plan key, layer entry) for the attention at module path `key`: the same path, else the one
     plan key that ends the path or that the path ends (the same model compiled inside a wrapper,
@@ -353,7 +212,6 @@ class SparseAttentionPass(GraphPass):
 
     def run(self, ctx: PassContext) -> None:
         from graphopt.plan import plan_section
-        from graphopt.sparse_tuning import attention_key
 
         if (why := ctx.differentiated_reason()) is not None:
             ctx.record(self.name, False, why)

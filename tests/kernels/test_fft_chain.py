@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import graphopt  # noqa: F401  (registers graphopt::fft_chain_linear)
+from graphopt.cost import fft_chain as fft_cost
 from graphopt.kernels import fft_chain as fft
 
 # (in, out, B, K): divisible sizes, and odd sizes that B does not divide (zero padding)
@@ -157,6 +158,29 @@ def test_distillation_that_ends_worse_keeps_the_projection():
         assert abs(fft.relative_error(layer(x[200:]), dense(x[200:])) - errs["rel_error"]) < 1e-6
 
 
+def test_auto_runs_a_fixed_rule_without_the_cost_model():
+    """impl="auto" at call time (eager, or a graph the fft_linear pass did not lower): dft2_pregather
+    for 16-bit and fp32 CUDA inputs where it runs, else the torch path; the kernel package never
+    asks the cost model (the pass writes the cost model's choice into the op at compile time)."""
+    import ast
+    from pathlib import Path
+
+    class OnCuda:  # the rule reads only these two attributes
+        is_cuda, dtype = True, torch.bfloat16
+
+    assert fft.default_implementation(OnCuda, 512) == ("dft2_pregather" if fft.HAS_TRITON else "torch")
+    assert fft.default_implementation(OnCuda, 9) == "torch"  # odd block: no packed spectrum
+    OnCuda.dtype = torch.float64
+    assert fft.default_implementation(OnCuda, 512) == "torch"
+    assert fft.default_implementation(torch.randn(2, 8), 512) == "torch"
+    package = Path(fft.__file__).parent
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+                assert not any(n.startswith(("graphopt.cost", "graphopt.passes")) for n in names), (path.name, names)
+
+
 def test_invalid_arguments_name_the_valid_choices():
     layer = fft.FFTChainLinear(32, 16, 16, 2)
     cr, ci = fft.spectral_coefficients(layer.coeffs.detach())
@@ -255,19 +279,19 @@ def test_cost_model_beats_cublas_only_at_few_tokens_on_h100():
     from graphopt.hardware import get_spec
 
     hw = get_spec("h100")
-    impl, est = fft.choose_implementation(hw, 16, 5120, 13824, 512, 2, implementations=MEASURED)
+    impl, est = fft_cost.choose_implementation(hw, 16, 5120, 13824, 512, 2, implementations=MEASURED)
     assert impl in ("torch", "triton")
     assert est.ms < cost_model.linear(hw, 16, 5120, 13824).ms
-    assert fft.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "dft").launches == 3
+    assert fft_cost.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "dft").launches == 3
     # 256 and 4096 tokens: every implementation measured 0.31-0.64x cuBLAS on the H200
     for tokens in (256, 4096):
-        _, best = fft.choose_implementation(hw, tokens, 5120, 13824, 512, 2, implementations=MEASURED)
+        _, best = fft_cost.choose_implementation(hw, tokens, 5120, 13824, 512, 2, implementations=MEASURED)
         assert best.ms > cost_model.linear(hw, tokens, 5120, 13824).ms
     # a huge K makes the FFT chain slower than dense at many tokens
-    _, big = fft.choose_implementation(hw, 4096, 13824, 5120, 256, 16, implementations=MEASURED)
+    _, big = fft_cost.choose_implementation(hw, 4096, 13824, 5120, 256, 16, implementations=MEASURED)
     assert big.ms > cost_model.linear(hw, 4096, 13824, 5120).ms
     # the torch path is launch-bound at 16 tokens: ~13 launches
-    assert fft.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "torch").launches >= 12
+    assert fft_cost.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "torch").launches >= 12
 
 
 # ---- dft2: frequency-major spectra, tensor-core contraction -------------------------------------
@@ -364,14 +388,14 @@ def test_dft2_estimates_and_choice():
 
     hw = get_spec("h100")
     assert {"dft2", "dft2_pregather"} <= set(fft.available_implementations("cuda", 512))
-    assert fft.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "dft2").launches == 3
-    assert fft.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "dft2_pregather").launches == 4
-    assert fft.estimate_fft_chain(hw, 16, 5120, 13824, 512, 1, "dft2_pregather").launches == 3
+    assert fft_cost.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "dft2").launches == 3
+    assert fft_cost.estimate_fft_chain(hw, 16, 5120, 13824, 512, 2, "dft2_pregather").launches == 4
+    assert fft_cost.estimate_fft_chain(hw, 16, 5120, 13824, 512, 1, "dft2_pregather").launches == 3
     for tokens in (1, 16, 256, 4096):
-        impl, est = fft.choose_implementation(hw, tokens, 13824, 5120, 512, 2)
-        cheapest = min(fft.estimate_fft_chain(hw, tokens, 13824, 5120, 512, 2, i).ms for i in fft.IMPLEMENTATIONS)
-        assert est.ms == cheapest and fft.estimate_fft_chain(hw, tokens, 13824, 5120, 512, 2, impl).ms == cheapest
-    only, _ = fft.choose_implementation(hw, 16, 13824, 5120, 512, 2, implementations=("dft2",))
+        impl, est = fft_cost.choose_implementation(hw, tokens, 13824, 5120, 512, 2)
+        cheapest = min(fft_cost.estimate_fft_chain(hw, tokens, 13824, 5120, 512, 2, i).ms for i in fft.IMPLEMENTATIONS)
+        assert est.ms == cheapest and fft_cost.estimate_fft_chain(hw, tokens, 13824, 5120, 512, 2, impl).ms == cheapest
+    only, _ = fft_cost.choose_implementation(hw, 16, 13824, 5120, 512, 2, implementations=("dft2",))
     assert only == "dft2"
 
 
@@ -437,7 +461,7 @@ def test_cost_model_tracks_recorded_h200_timings():
     assert len(rows) >= 80 and {r[5] for r in rows} == set(MEASURED)
     agree: dict[str, list[int]] = {}
     for in_f, out_f, b, k, t, impl, bias, fft_ms, dense_ms in rows:
-        pred = fft.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl, bias=bias).ms
+        pred = fft_cost.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl, bias=bias).ms
         assert 0.65 < pred / fft_ms < 1.7, (in_f, out_f, b, k, t, impl, pred, fft_ms)
         dense_pred = cost_model.linear(hw, t, in_f, out_f, bias=bias).ms
         agree.setdefault(impl, []).append((dense_pred > pred) == (dense_ms > fft_ms))
@@ -459,10 +483,10 @@ def test_never_chooses_an_implementation_measured_slower_than_cublas_on_h200(cal
     losers = 0
     for in_f, out_f, b, k, t, impl, bias, fft_ms, dense_ms in _recorded_h200_rows():
         dense_pred = cost_model.linear(hw, t, in_f, out_f, bias=bias).ms
-        chosen, best = fft.choose_implementation(hw, t, in_f, out_f, b, k, bias=bias)
+        chosen, best = fft_cost.choose_implementation(hw, t, in_f, out_f, b, k, bias=bias)
         if fft_ms > 1.05 * dense_ms:
             losers += 1
-            pred = fft.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl, bias=bias).ms
+            pred = fft_cost.estimate_fft_chain(hw, t, in_f, out_f, b, k, impl, bias=bias).ms
             assert pred >= dense_pred, (in_f, out_f, b, k, t, impl, fft_ms, dense_ms, pred, dense_pred)
             assert not (chosen == impl and best.ms < dense_pred)
     assert losers >= 70  # most recorded rows lose: the check is not vacuous

@@ -227,9 +227,11 @@ def test_triton_predictor_search_modes_match_reference(monkeypatch, pivots):
     # on long ones: force each mode at a tiny size. Unstructured random q/k (flat rows: t* is small and
     # many blocks are kept) and structured ones (peaked rows), odd L, GQA, per-head thresholds
     # including cdf 0 (only forced blocks), a cdf just below 1, and similarity above every block.
-    config = sa._lut_kernel_config
-    monkeypatch.setattr(sa, "_lut_kernel_config", lambda n, d: {**config(n, d), "PIVOTS": pivots,
-                                                                "SEARCH_STEPS": 16 if pivots == 3 else 31})
+    from graphopt.kernels.sparse_attention import predictor  # where the launches read it
+
+    config = predictor._lut_kernel_config
+    monkeypatch.setattr(predictor, "_lut_kernel_config", lambda n, d: {**config(n, d), "PIVOTS": pivots,
+                                                                       "SEARCH_STEPS": 16 if pivots == 3 else 31})
     monkeypatch.setitem(sa.V3_SHAPE, "pivots", pivots)
     random_qk = on_device(randn(1, 4, 700, 32, seed=60), randn(1, 2, 700, 32, seed=61))
     structured_qk = _structured_mixture(1, 4, 2, 700, 32, seed=62)

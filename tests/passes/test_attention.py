@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
-from graphopt.passes import attention as attention_module
+from graphopt.passes.attention import choose as attention_choose  # where the pass reads what tests patch
 from graphopt import cost_model
 from graphopt.passes.attention import attention_key
 
@@ -587,16 +587,16 @@ def test_dispatcher_choice_follows_backend_switches():
 
     hw_name = device_spec(torch.cuda.current_device()).name
     query = (hw_name, torch.bfloat16, 128, 128, False, 64, 64, False)
-    first = attention_module._dispatcher_choice(*query)
+    first = attention_choose._dispatcher_choice(*query)
     assert first in ("flash", "cudnn", "efficient", "math")
     switch = {"flash": torch.backends.cuda.enable_flash_sdp, "cudnn": torch.backends.cuda.enable_cudnn_sdp,
               "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "math": torch.backends.cuda.enable_math_sdp}
     switch[first](False)
     try:
-        assert attention_module._dispatcher_choice(*query) != first
+        assert attention_choose._dispatcher_choice(*query) != first
     finally:
         switch[first](True)
-    assert attention_module._dispatcher_choice(*query) == first
+    assert attention_choose._dispatcher_choice(*query) == first
 
 
 @pytest.mark.parametrize("priority", ["flash first", "cudnn first"])
@@ -607,7 +607,7 @@ def test_sdpa_prefill_on_h100_target(priority, use_cache, monkeypatch):
     is constant and proven causal, which turns a masked full-square call into a causal one."""
     order = [1, 2, 0, 3] if priority == "flash first" else [3, 1, 2, 0]  # SDPBackend ids
     monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: order)
-    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
+    monkeypatch.setattr(attention_choose, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
     model = _llama_sdpa(layers=1, hidden=1024, heads=8, kv_heads=8, dtype=torch.bfloat16)  # head dim 128
     ids = torch.randint(0, 256, (1, 2048), generator=torch.Generator().manual_seed(0))
     report = graphopt.explain(_Logits(model, use_cache), ids, downstream="eager", target="h100", graph_replay=True)
@@ -639,8 +639,8 @@ def test_rewrite_emits_a_plain_sdpa_call_when_pytorch_runs_the_chosen_backend(pr
     (Inductor launches it without the custom op's Python path); otherwise graphopt::attention."""
     order = [1, 2, 0, 3] if priority == "flash first" else [3, 1, 2, 0]
     monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: order)
-    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
-    monkeypatch.setattr(attention_module, "_triton_applicable", lambda match: (False, "not in this test"))
+    monkeypatch.setattr(attention_choose, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
+    monkeypatch.setattr(attention_choose, "_triton_applicable", lambda match: (False, "not in this test"))
     module = LlamaStyleAttention(groups=1, build_causal_mask=True)
     q, k, v = qkv(b=1, h=8, lq=1024, lk=1024, d=128, dtype=torch.bfloat16)
     gm, decisions, out = rewritten_graph(module, (q, k, v), "h100", force=force, graph_replay=True)
@@ -656,11 +656,9 @@ def test_rewrite_emits_a_plain_sdpa_call_when_pytorch_runs_the_chosen_backend(pr
 def test_one_token_sdpa_on_h100_target_goes_to_the_triton_kernel(monkeypatch):
     """Decode: cuDNN takes no single key, the dispatcher runs flash (5.3 us on the H100 against
     2.4 us for our kernel); with the Triton kernel available the call is rewritten to it."""
-    from graphopt.passes import attention as attention_pass
-
     monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: [3, 1, 2, 0])
-    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
-    monkeypatch.setattr(attention_pass, "_triton_applicable", lambda match: (True, ""))
+    monkeypatch.setattr(attention_choose, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
+    monkeypatch.setattr(attention_choose, "_triton_applicable", lambda match: (True, ""))
     q, k, v = qkv(b=1, h=32, lq=1, lk=1, d=128, dtype=torch.bfloat16)
     (d,) = compile_and_compare(SdpaCall(), q, k, v, target="h100", atol=1e-2, graph_replay=True)
     assert d.implementation == "triton" and "cudnn" in d.details["rejected"]
@@ -681,11 +679,9 @@ def test_static_cache_decode_step_goes_to_the_split_key_kernel(monkeypatch):
     kernel (one program per KV head and key chunk) is predicted fastest, the graph gets one
     graphopt::decode_attention node with the chunk count chosen for the H100's SMs, and on CPU
     (the op's torch reference) the output equals the call as written."""
-    from graphopt.passes import attention as attention_pass
-
     monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: [3, 1, 2, 0])
-    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)
-    monkeypatch.setattr(attention_pass, "_triton_applicable", lambda match: (True, ""))
+    monkeypatch.setattr(attention_choose, "_dispatcher_choice", lambda *args: None)
+    monkeypatch.setattr(attention_choose, "_triton_applicable", lambda match: (True, ""))
     q, k, v = qkv(b=1, h=32, hkv=8, lq=1, lk=640, d=128, dtype=torch.bfloat16)
     mask = (torch.arange(640) < 517)[None, None, None, :]
     gm, decisions, out = rewritten_graph(_GqaDecodeStep(), (q, k, v, mask), "h100", graph_replay=True)
@@ -702,7 +698,7 @@ def test_static_cache_decode_step_goes_to_the_split_key_kernel(monkeypatch):
 
 def test_the_decode_kernel_is_not_offered_for_causal_calls_or_many_query_rows(monkeypatch):
     monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: [3, 1, 2, 0])
-    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)
+    monkeypatch.setattr(attention_choose, "_dispatcher_choice", lambda *args: None)
     for module, lq in ((SdpaCall(is_causal=True), 4), (SdpaCall(), 128)):
         q, k, v = qkv(b=1, h=8, lq=lq, lk=256, d=64, dtype=torch.bfloat16)
         _, decisions, _ = rewritten_graph(module, (q, k, v), "h100", graph_replay=True, force=True)
@@ -717,8 +713,8 @@ def test_direct_calls_price_the_ops_host_path(monkeypatch):
     machine). A one-token SDPA call then stays as dispatched, and a small masked attention, which
     the op alone can take, is left hand-written; graph_replay=True rewrites both (tests above)."""
     monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: [3, 1, 2, 0])
-    monkeypatch.setattr(attention_module, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
-    monkeypatch.setattr(attention_module, "_triton_applicable", lambda match: (True, ""))
+    monkeypatch.setattr(attention_choose, "_dispatcher_choice", lambda *args: None)  # the order decides (GPU hosts too)
+    monkeypatch.setattr(attention_choose, "_triton_applicable", lambda match: (True, ""))
     q, k, v = qkv(b=1, h=32, lq=1, lk=1, d=128, dtype=torch.bfloat16)
     report = graphopt.explain(SdpaCall(), q, k, v, target="h100", downstream="eager")
     (d,) = [d for d in report.decisions if d.pass_name == "attention"]

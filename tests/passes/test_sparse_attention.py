@@ -14,6 +14,7 @@ import graphopt
 from graphopt import cost_model
 from graphopt.hardware import SPECS, get_spec
 from graphopt.kernels import sparse_attention as sa
+from graphopt.cost import sparse_attention as sparse_cost
 from graphopt.passes import sparse_attention as sp
 from graphopt.plan import save_plan
 
@@ -73,8 +74,8 @@ def test_short_sequence_is_declined_by_the_cost_model():
 def test_cost_model_prefers_sparse_only_at_length():
     hw = get_spec("h100")
     for length, wins in ((256, False), (2048, False), (16384, True)):  # at 50% sparsity
-        dense = sp.estimate_dense(hw, "cudnn", 1, 16, 16, length, length, 128, causal=False)
-        sparse = sp.estimate_sparse_attention(hw, 1, 16, 16, length, length, 128, causal=False, sparsity=0.5)
+        dense = sparse_cost.estimate_dense(hw, "cudnn", 1, 16, 16, length, length, 128, causal=False)
+        sparse = sparse_cost.estimate_sparse_attention(hw, 1, 16, 16, length, length, 128, causal=False, sparsity=0.5)
         assert (sparse.ms < dense.ms) == wins, (length, dense, sparse)
 
 
@@ -90,16 +91,16 @@ def test_host_path_is_priced_unless_the_step_replays_from_a_cuda_graph():
     hw = get_spec("h100")
     for replay, expected in ((False, (cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES, 0.0)), (True, (0.0, 0.0))):
         ctx = SimpleNamespace(config=GraphOptConfig(graph_replay=replay), hardware=hw)
-        assert sp.priced_host_launches(ctx, "cudnn", dense_is_op=False) == expected
+        assert sparse_cost.priced_host_launches(ctx, "cudnn", dense_is_op=False) == expected
     ctx = SimpleNamespace(config=GraphOptConfig(), hardware=hw)
-    assert sp.priced_host_launches(ctx, "triton", dense_is_op=True)[1] == cost_model.ATTENTION_OP_HOST_LAUNCHES["triton"]
+    assert sparse_cost.priced_host_launches(ctx, "triton", dense_is_op=True)[1] == cost_model.ATTENTION_OP_HOST_LAUNCHES["triton"]
     ctx = SimpleNamespace(config=GraphOptConfig(), hardware=get_spec("cpu"))
-    assert sp.priced_host_launches(ctx, "cudnn", dense_is_op=True) == (0.0, 0.0)
+    assert sparse_cost.priced_host_launches(ctx, "cudnn", dense_is_op=True) == (0.0, 0.0)
     units = cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES
     for length, wins_on_gpu, wins_called_directly in ((2048, True, False), (8192, True, True)):
-        dense = sp.estimate_dense(hw, "cudnn", 1, 32, 32, length, length, 128, causal=False)
-        gpu = sp.estimate_sparse_attention(hw, 1, 32, 32, length, length, 128, causal=False, sparsity=0.75)
-        direct = sp.estimate_sparse_attention(hw, 1, 32, 32, length, length, 128, causal=False, sparsity=0.75,
+        dense = sparse_cost.estimate_dense(hw, "cudnn", 1, 32, 32, length, length, 128, causal=False)
+        gpu = sparse_cost.estimate_sparse_attention(hw, 1, 32, 32, length, length, 128, causal=False, sparsity=0.75)
+        direct = sparse_cost.estimate_sparse_attention(hw, 1, 32, 32, length, length, 128, causal=False, sparsity=0.75,
                                               host_launches=units)
         assert (gpu.ms < dense.ms, direct.ms < dense.ms) == (wins_on_gpu, wins_called_directly), (length, dense, gpu, direct)
         assert direct.ms == max(gpu.ms, units * hw.host_op_overhead * 1e3)
@@ -117,7 +118,7 @@ def test_predictor_estimate_tracks_the_h100_timings():
     rows = [r for r in json.loads(PREDICTOR_H100.read_text())["rows"] if r["variant"] == "v3"]
     assert len(rows) == 6
     for r in rows:
-        est = sp.estimate_predictor(hw, 1, 16, 16, r["L"], r["L"], 128)
+        est = sparse_cost.estimate_predictor(hw, 1, 16, 16, r["L"], r["L"], 128)
         assert 0.85 < est.ms / r["whole_graph_ms"] < 1.2, (r["L"], r["causal"], est.ms, r["whole_graph_ms"])
 
 
@@ -139,13 +140,13 @@ def _recorded_rows():
     cfg = data["config"]
     hw = _measured_h200()
     return [(cfg["B"], cfg["H"], cfg["D"], r["L"], r["causal"], r["density"], r["ours_ms"],
-             sp.estimate_predictor(hw, cfg["B"], cfg["H"], cfg["H"], r["L"], r["L"], cfg["D"]).ms, r["cudnn_ms"])
+             sparse_cost.estimate_predictor(hw, cfg["B"], cfg["H"], cfg["H"], r["L"], r["L"], cfg["D"]).ms, r["cudnn_ms"])
             for r in data["rows"]]
 
 
 def _predicted(hw, b, h, d, length, causal, density):
-    dense = sp.estimate_dense(hw, "cudnn", b, h, h, length, length, d, causal=causal)
-    sparse = sp.estimate_sparse_attention(hw, b, h, h, length, length, d, causal=causal, sparsity=1.0 - density)
+    dense = sparse_cost.estimate_dense(hw, "cudnn", b, h, h, length, length, d, causal=causal)
+    sparse = sparse_cost.estimate_sparse_attention(hw, b, h, h, length, length, d, causal=causal, sparsity=1.0 - density)
     return sparse, dense
 
 
@@ -160,7 +161,7 @@ def test_cost_model_tracks_recorded_h200_timings():
     assert len(rows) == 32
     agree = banded = 0
     for b, h, d, length, causal, density, kernel_ms, predictor_ms, cudnn_ms in rows:
-        kernel = sp.estimate_sparse_kernel(hw, b, h, h, length, length, d, causal=causal, sparsity=1.0 - density)
+        kernel = sparse_cost.estimate_sparse_kernel(hw, b, h, h, length, length, d, causal=causal, sparsity=1.0 - density)
         if kernel_ms >= 0.1:
             banded += 1
             assert 0.75 < kernel.ms / kernel_ms < 1.2, (length, causal, density, kernel.ms, kernel_ms)
@@ -362,10 +363,10 @@ def test_symbolic_length_gets_the_break_even_length_as_its_gate(attention_pass, 
     assert host[0] == (0.0 if graph_replay else cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES)
     args = (get_spec("h100"), decision.details["dense_backend"], 1, 2, 2, 32)
     kwargs = dict(causal=True, sparsity=sp.ASSUMED_SPARSITY_WITHOUT_PLAN, dtype_bytes=4)  # float32 inputs
-    gate = sp.break_even_length(*args, **kwargs, host_launches=host)
+    gate = sparse_cost.break_even_length(*args, **kwargs, host_launches=host)
     assert decision.applied and gate is not None and decision.details["dense_below"] == gate > 320
     if not graph_replay:
-        assert gate > sp.break_even_length(*args, **kwargs)
+        assert gate > sparse_cost.break_even_length(*args, **kwargs)
     assert f"sparse for L >= {gate}" in decision.reason and "at the example L=" in decision.reason
     for out, (q, k, v) in zip(outs, inputs):  # below the gate: dense, as SDPA computes it
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6, rtol=1e-5)
@@ -378,12 +379,12 @@ def test_break_even_length_is_where_the_estimates_cross(target, backend):
     hw = get_spec(target)
     for (b, h, hkv, d), causal, sparsity in (((1, 32, 32, 128), False, 0.5), ((1, 32, 8, 128), True, 0.5),
                                              ((4, 16, 4, 64), True, 0.9)):
-        gate = sp.break_even_length(hw, backend, b, h, hkv, d, causal=causal, sparsity=sparsity)
+        gate = sparse_cost.break_even_length(hw, backend, b, h, hkv, d, causal=causal, sparsity=sparsity)
         assert gate is not None and 256 < gate < 16384, (target, backend, gate)
 
         def ratio(length):
-            sparse = sp.estimate_sparse_attention(hw, b, h, hkv, length, length, d, causal=causal, sparsity=sparsity)
-            return sparse.ms / sp.estimate_dense(hw, backend, b, h, hkv, length, length, d, causal=causal).ms
+            sparse = sparse_cost.estimate_sparse_attention(hw, b, h, hkv, length, length, d, causal=causal, sparsity=sparsity)
+            return sparse.ms / sparse_cost.estimate_dense(hw, backend, b, h, hkv, length, length, d, causal=causal).ms
 
         assert ratio(gate - 1) >= 1.0
         above = [ratio(n) for n in range(gate, 4 * gate, 3)]
@@ -391,7 +392,7 @@ def test_break_even_length_is_where_the_estimates_cross(target, backend):
     # no skipped blocks: never a win at any length (measured on the H100 and H200; before Hopper
     # the kernel is priced at SDPA flash's efficiency, cost_model.family_efficiency)
     for causal in (False, True):
-        assert sp.break_even_length(hw, backend, 1, 32, 32, 128, causal=causal, sparsity=0.0) is None
+        assert sparse_cost.break_even_length(hw, backend, 1, 32, 32, 128, causal=causal, sparsity=0.0) is None
 
 
 def test_symbolic_head_count_and_head_dim_are_guarded():
@@ -532,7 +533,7 @@ def test_cost_model_tracks_the_h100_timings(run):
     agree = 0
     for r in rows:
         b, h, d, length, causal, density = cfg["B"], cfg["H"], cfg["D"], r["L"], r["causal"], r["density"]
-        kernel = sp.estimate_sparse_kernel(hw, b, h, h, length, length, d, causal=causal, sparsity=1.0 - density)
+        kernel = sparse_cost.estimate_sparse_kernel(hw, b, h, h, length, length, d, causal=causal, sparsity=1.0 - density)
         assert 0.75 < kernel.ms / r["ours_graph_ms"] < 1.2, (length, causal, density, kernel.ms, r["ours_graph_ms"])
         sparse, dense = _predicted(hw, b, h, d, length, causal, density)
         agree += (sparse.ms < dense.ms) == (r["ours_graph_ms"] + predictor_ms[(length, causal)] < r["cudnn_ms"])
