@@ -27,7 +27,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench.common import gbps, print_table, write_json  # noqa: E402
-from graphopt.timing import cold_graph_ms, copies_for  # noqa: E402
+from graphopt.hardware.timing import cold_graph_ms, copies_for  # noqa: E402
 
 GPU = torch.cuda.is_available() and not OPTS.cpu_smoke
 DEVICE = "cuda" if GPU else "cpu"

@@ -73,7 +73,7 @@ DEFAULT_CALIBRATION_SHAPES: tuple[tuple[int, int, int, int, int, bool, str], ...
 
 def _time_ms(fn) -> float:
     try:
-        from graphopt.timing import median_ms
+        from graphopt.hardware.timing import median_ms
 
         return float(median_ms(fn))
     except ImportError:

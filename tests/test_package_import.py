@@ -57,3 +57,16 @@ def test_the_tuning_key_names_the_installed_graphopt_version():
     from graphopt.kernels import tuning
 
     assert tuning.graphopt_version() in (graphopt.__version__, "unknown")
+
+
+def test_each_pass_module_imports_on_its_own():
+    """A pass module imported first (as a tool or a test may do) registers the ops it names."""
+    result = _run("""
+        import importlib, subprocess, sys
+        for name in ("attention", "sparse_attention", "fp4_linear", "q4_linear", "fft_linear"):
+            code = f"import graphopt.passes.{name}"
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            assert done.returncode == 0, (name, done.stderr[-500:])
+        print("ok")
+    """)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -41,6 +41,7 @@ import torch.fx as fx
 from graphopt import cost_model
 from graphopt.cost import fft_chain as fft_cost
 from graphopt.kernels import fft_chain as fft
+import graphopt.ops  # noqa: F401  (registers the graphopt::* ops this module names)
 from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext
 from graphopt.passes.fx_utils import arg, bias_problem, device, dtype, find_linears, replace_with_call, shape, tokens

@@ -56,7 +56,8 @@ import torch
 from graphopt import cost_model
 from graphopt.cost import fp4 as fp4_cost
 from graphopt.kernels import fp4 as fp4k
-from graphopt.onnx_export import register_onnx_translation
+import graphopt.ops  # noqa: F401  (registers the graphopt::* ops this module names)
+from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, log
 from graphopt.passes.fx_utils import (LinearMatch, bias_problem, dtype, find_linears, replace_siblings_with_call,
                                       replace_with_call, sibling_groups)

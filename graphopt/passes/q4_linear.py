@@ -59,7 +59,8 @@ from graphopt import cost_model
 from graphopt.cost.q4 import estimate_q4_fused, estimate_q4_separate, predict_linear
 from graphopt.cost_model import roofline
 from graphopt.kernels import q4 as q4k
-from graphopt.onnx_export import register_onnx_translation
+import graphopt.ops  # noqa: F401  (registers the graphopt::* ops this module names)
+from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, log
 from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical, dtype, find_linears,
                                       replace_siblings_with_call, replace_with_call, shape, sibling_groups)
