@@ -941,3 +941,23 @@ class FillThenScale(nn.Module):
 
 def test_a_fill_scaled_down_after_masking_is_not_a_mask():
     compile_and_compare(FillThenScale(), *qkv(), count=0)
+
+
+class _IntMaskAttention(nn.Module):
+    """Scores plus an int32 additive mask: eager and Inductor run it (int promotes to float)."""
+
+    def forward(self, q, k, v, mask):
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + mask
+        return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("target", ["cpu", "h100"])
+def test_an_int_mask_added_to_the_scores_keeps_the_program_running(target):
+    """The rewrite casts an integer additive mask to the scores' dtype: the rewritten call runs and
+    gives the same output (a rewrite never turns a program that runs into one that fails)."""
+    q, k, v = qkv(b=2, h=2, lq=7, lk=9, d=16)
+    mask = torch.zeros(2, 1, 7, 9, dtype=torch.int32)
+    mask[0, :, :, -3:] = -10000
+    mask[1, :, :, :2] = -3
+    (d,) = compile_and_compare(_IntMaskAttention(), q, k, v, mask, target=target, atol=1e-4, graph_replay=True)
+    assert d.applied

@@ -14,7 +14,7 @@ from graphopt import cost_model
 from graphopt.passes.attention.masks import SYMBOLIC_MASK_NOTE
 from graphopt.passes.attention.match import AttentionMatch, _ndim
 from graphopt.passes.base import PassContext
-from graphopt.passes.fx_utils import device, erase_unused, fake, fix_symbolic_sizes
+from graphopt.passes.fx_utils import device, dtype, erase_unused, fake, fix_symbolic_sizes
 
 # ---------------------------------------------------------------------------------------------
 # Rewrite
@@ -116,7 +116,13 @@ def _build_bias(graph: fx.Graph, match: AttentionMatch) -> fx.Node | None:
     total = None
     for t in terms:
         if t.kind == "add":
-            part = t.node if t.multiplier == 1.0 else graph.call_function(operator.mul, (t.node, t.multiplier))
+            part = t.node
+            term_dtype = dtype(t.node)
+            if term_dtype is not None and not term_dtype.is_floating_point:
+                # an integer mask added to float scores: SDPA and the kernels take float or bool masks
+                part = graph.call_method("to", (part, dtype(match.q) or torch.float32))
+            if t.multiplier != 1.0:
+                part = graph.call_function(operator.mul, (part, t.multiplier))
         else:
             fill = t.fill * t.multiplier if math.isfinite(t.fill) else t.fill
             masked = t.node if t.kind == "drop" else graph.call_function(torch.logical_not, (t.node,))
