@@ -951,6 +951,22 @@ class _IntMaskAttention(nn.Module):
         return scores.softmax(-1) @ v
 
 
+class _BoolAddAttention(nn.Module):
+    """A bool tensor added to the scores: legal (True adds 1.0); Inductor's own pass rewrites it."""
+
+    def forward(self, q, k, v, mask):
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + mask
+        return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("target", ["cpu", "h100"])
+def test_a_bool_tensor_added_to_the_scores_is_rewritten_as_an_additive_bias(target):
+    q, k, v = qkv(b=2, h=2, lq=7, lk=9, d=16)
+    mask = torch.rand(2, 1, 7, 9, generator=torch.Generator().manual_seed(1)) > 0.5
+    (d,) = compile_and_compare(_BoolAddAttention(), q, k, v, mask, target=target, atol=1e-4, graph_replay=True)
+    assert d.applied and d.details["bias"] == "float"
+
+
 @pytest.mark.parametrize("target", ["cpu", "h100"])
 def test_an_int_mask_added_to_the_scores_keeps_the_program_running(target):
     """The rewrite casts an integer additive mask to the scores' dtype: the rewritten call runs and

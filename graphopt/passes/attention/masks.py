@@ -214,9 +214,6 @@ def _check_terms(ctx: PassContext, match: Any) -> None:
         if term.kind in ("keep", "drop") and dtype(term.node) != torch.bool:
             match.reason = f"mask of dtype {dtype(term.node)} in masked_fill/where (expected bool)"
             return
-        if term.kind == "add" and dtype(term.node) == torch.bool:
-            match.reason = "bool tensor added to the scores"
-            return
 
 
 def _prove_causal(ctx: PassContext, match: Any, cache: dict | None = None) -> None:
