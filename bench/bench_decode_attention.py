@@ -100,9 +100,7 @@ def fit(rows: list[dict], hw) -> dict:
     def walk(r):  # 64-key steps in sequence, as the cost model counts them
         if r["variant"] == "triton":
             return -(-r["lk"] // cost_model.DECODE_ATTENTION_BLOCK_N)
-        steps = -(-(-(-r["lk"] // r["splits"])) // cost_model.DECODE_ATTENTION_BLOCK_N)
-        waves = -(-(r["batch"] * KV_HEADS * r["splits"]) // (cost_model.DECODE_ATTENTION_PROGRAMS_PER_SM * hw.sm_count))
-        return waves * steps
+        return cost_model.decode_attention_walk(hw, r["batch"], KV_HEADS, r["lk"], r["splits"])
 
     result = {}
     for family, select, launches in (("decode", lambda r: r["variant"].startswith("decode"), 2),

@@ -40,7 +40,7 @@ if REPO not in sys.path:  # run as a script, bench/ is sys.path[0]; `bench.*` an
 
 import torch  # noqa: E402
 
-from bench.llama_models import DecodeLoop, arguments, compile_kwargs, peak_gb, resolve, sweep, timed, write_result  # noqa: E402
+from bench.llama_models import DecodeLoop, arguments, compile_kwargs, peak_gb, resolve, sweep, timed  # noqa: E402
 
 COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ms_step", "compile_s", "peak_gb", "agree",
            "identical", "error"]
@@ -63,10 +63,7 @@ def measure(model, prompt: torch.Tensor, opts, variant: str, mode: str) -> tuple
 
 def main() -> None:
     opts = resolve(arguments(__doc__).parse_args())
-    def save(rows):
-        return write_result("decode_loop", opts, rows)
-
-    save(sweep(opts, measure, "decode loop", COLUMNS, save=save))
+    sweep(opts, measure, "decode loop", COLUMNS, name="decode_loop")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ if REPO not in sys.path:  # run as a script, bench/ is sys.path[0]; `bench.*` an
 
 import torch  # noqa: E402
 
-from bench.llama_models import DecodeLoop, arguments, compile_kwargs, peak_gb, resolve, sweep, timed, write_result  # noqa: E402
+from bench.llama_models import DecodeLoop, arguments, compile_kwargs, peak_gb, resolve, sweep, timed  # noqa: E402
 
 COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ttft_ms", "compile_s", "peak_gb", "agree", "identical",
            "loop_tok_s", "hf_ms_token", "error"]
@@ -101,10 +101,7 @@ def hf_overhead(model, prompt: torch.Tensor, opts, mode: str, generate_decode_s:
 
 def main() -> None:
     opts = resolve(arguments(__doc__).parse_args())
-    def save(rows):
-        return write_result("generate", opts, rows)
-
-    save(sweep(opts, measure, "HF generate", COLUMNS, save=save))
+    sweep(opts, measure, "HF generate", COLUMNS, name="generate")
 
 
 if __name__ == "__main__":

@@ -193,12 +193,11 @@ def int4_weights(model: nn.Module) -> Iterator[nn.Module]:
             setattr(parent, child, module)
 
 
-def sweep(opts: argparse.Namespace, measure: Callable, title: str, columns: list[str],
-          save: Callable[[list[dict]], Any] | None = None) -> list[dict]:
+def sweep(opts: argparse.Namespace, measure: Callable, title: str, columns: list[str], name: str) -> list[dict]:
     """Every shape, batch and (variant, mode) of `opts`: measure(model, prompt, opts, variant, mode)
     gives a row and the greedy tokens, run under no_grad with the int4 linears in place for int4.
-    Prints a table per shape and batch; returns all the rows, and hands the rows so far to `save`
-    after each variant (a run cut short keeps what it measured)."""
+    Prints a table per shape and batch; writes the rows so far with write_result(name, ...) after
+    each variant (a run cut short keeps what it measured) and at the end; returns all the rows."""
     rows: list[dict] = []
     for shape in opts.shapes:
         model = build_model(shape, opts.device, opts.dtype, opts.attn)  # one model for every variant (8B: 16 GB)
@@ -218,8 +217,7 @@ def sweep(opts: argparse.Namespace, measure: Callable, title: str, columns: list
                 reference = tokens if variant == "eager" else reference
                 table.append({**base, **row, **agreement(tokens, reference)})
                 print(f"{shape} batch {batch} {variant} {mode}: {row['tok_s'] or 0:.1f} tok/s", flush=True)
-                if save:
-                    save(rows + table)
+                write_result(name, opts, rows + table)
             fresh_start(opts.device, model)
             add_ratios(table, "tok_s", opts.modes)
             print_table(f"{title}, LLaMA {shape}, batch {batch}, prompt {opts.prompt}, {opts.new_tokens} new tokens, "
@@ -227,6 +225,7 @@ def sweep(opts: argparse.Namespace, measure: Callable, title: str, columns: list
             rows += table
         del model
         fresh_start(opts.device)
+    write_result(name, opts, rows)
     return rows
 
 

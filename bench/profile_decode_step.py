@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import sys
 
@@ -70,7 +71,7 @@ def main() -> None:
     summary, kernels = [], []
     for variant in variants:
         fresh_start("cuda", model)
-        with int4_weights(model) if variant == "int4" else torch.no_grad(), torch.no_grad():
+        with int4_weights(model) if variant == "int4" else contextlib.nullcontext(), torch.no_grad():
             loop = DecodeLoop(model, prompt, opts.new_tokens, compile_kwargs(variant, "reduce-overhead", False))
             wall_ms, per_step = profile_step(loop, steps)
         gpu_us = sum(us for us, _ in per_step.values())

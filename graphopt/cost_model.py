@@ -376,6 +376,15 @@ def decode_attention_splits(hw: HardwareSpec, b: int, kv_heads: int, lk: int) ->
     return max(1, min(most, -(-programs // max(1, b * kv_heads))))
 
 
+def decode_attention_walk(hw: HardwareSpec, b: int, kv_heads: int, lk: int, splits: int) -> int:
+    """64-key steps the split-key kernel takes in sequence: one chunk's steps times the waves of
+    programs over the SMs."""
+    keys_per_chunk = -(-lk // splits)
+    steps = -(-keys_per_chunk // DECODE_ATTENTION_BLOCK_N)
+    waves = -(-(b * kv_heads * splits) // max(1, DECODE_ATTENTION_PROGRAMS_PER_SM * hw.sm_count))
+    return waves * steps
+
+
 def decode_attention(hw: HardwareSpec, b: int, h: int, lq: int, lk: int, d: int, *, kv_heads: int,
                      dtype_bytes: int = 2, has_mask: bool = False, splits: int | None = None) -> Estimate:
     """The split-key decode kernel and its merge: K and V read once per KV head, and a chunk's
@@ -391,9 +400,8 @@ def decode_attention(hw: HardwareSpec, b: int, h: int, lq: int, lk: int, d: int,
                    family="triton_flash")
     if not hw.is_gpu:
         return est
-    steps = -(-(-(-lk // splits)) // DECODE_ATTENTION_BLOCK_N)
-    waves = -(-(b * kv_heads * splits) // max(1, DECODE_ATTENTION_PROGRAMS_PER_SM * hw.sm_count))
-    latency_s = DECODE_ATTENTION_FIT["fixed_s"] + waves * steps * DECODE_ATTENTION_FIT["step_s"]
+    walk = decode_attention_walk(hw, b, kv_heads, lk, splits)
+    latency_s = DECODE_ATTENTION_FIT["fixed_s"] + walk * DECODE_ATTENTION_FIT["step_s"]
     launch_s = est.launches * hw.launch_overhead
     body_s = est.ms * 1e-3 - launch_s
     bound = est.bound if body_s >= latency_s else "latency"

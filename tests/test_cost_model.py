@@ -130,3 +130,10 @@ def test_graph_replay_option_switches_host_pricing_off():
     assert not GraphOptConfig(cuda_graphs=True).prices_host_path
     with pytest.raises(ValueError, match="graph_replay must be True or False"):
         GraphOptConfig(graph_replay="yes")
+
+
+def test_decode_attention_splits_fill_the_gpu_with_at_least_two_steps_per_chunk():
+    hw = SPECS["h100"]  # 132 SMs: 264 programs wanted
+    assert cm.decode_attention_splits(hw, 1, 8, 640) == -(-640 // (2 * cm.DECODE_ATTENTION_BLOCK_N))
+    assert cm.decode_attention_splits(hw, 1, 8, 32768) == 33
+    assert cm.decode_attention_splits(hw, 64, 8, 32768) == 1

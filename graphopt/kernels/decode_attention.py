@@ -20,8 +20,6 @@ The number of chunks is the caller's choice (the attention pass's, at compile ti
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from graphopt.kernels.launch import INTERPRET, launch
@@ -213,9 +211,3 @@ def decode_attention(q, k, v, bias=None, *, scale: float, splits: int) -> torch.
            HEAD_DIM=head_dim, D_PAD=d_pad, ROWS=rows, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out
 
-
-def default_splits(batch: int, kv_heads: int, len_k: int, programs: int) -> int:
-    """Chunks per (batch, KV head) for about `programs` programs of at least two BLOCK_N steps
-    each (a plain rule; the cost model chooses `programs` from the GPU's SM count)."""
-    most = max(1, math.ceil(len_k / (2 * BLOCK_N)))
-    return max(1, min(most, math.ceil(programs / max(1, batch * kv_heads))))

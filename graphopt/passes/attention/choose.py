@@ -66,28 +66,38 @@ def sdpa_applicable(backend: str, dt: torch.dtype, d: int, dv: int, has_bias: bo
     return False, f"unknown SDPA backend {backend}"
 
 
-def _triton_applicable(match: AttentionMatch) -> tuple[bool, str]:
-    try:
-        from graphopt.kernels import flash_attention
-    except Exception as exc:  # the kernel module is optional at import time
-        return False, f"Triton kernel unavailable ({type(exc).__name__}: {exc})"
+def _kernel_operands(match: AttentionMatch):
+    """Fake (B, H, L, D) q, k, v and a memory-free bias of the match, as our kernels receive them."""
     q, k, v = fake(match.q), fake(match.k), fake(match.v)
     if match.k_transposed:
         k = k.transpose(-2, -1)
     if match.batched_3d:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    if q.dtype == torch.float32 and not _tf32_allowed():
-        return False, ("fp32 inputs: the Triton kernel computes in TF32 (~1e-3 relative error), which this "
-                       "lossless pass uses only when torch.backends.cuda.matmul.allow_tf32 is on")
     bias = None
     if match.terms and match.scores_shape:
         bias_dtype = torch.bool if _bias_kind(match) == "bool" else q.dtype
         bias = torch.empty((), dtype=bias_dtype, device=q.device).expand(match.scores_shape)  # no memory
+    return q, k, v, bias
+
+
+def _kernel_supports(kernel, what: str, q, k, v, bias) -> tuple[bool, str]:
     try:
-        ok, why = flash_attention.supports(q, k, v, bias)
+        ok, why = kernel.supports(q, k, v, bias)
     except Exception as exc:
-        return False, f"Triton kernel supports() failed: {type(exc).__name__}: {exc}"
+        return False, f"{what} supports() failed: {type(exc).__name__}: {exc}"
     return bool(ok), str(why)
+
+
+def _triton_applicable(match: AttentionMatch) -> tuple[bool, str]:
+    try:
+        from graphopt.kernels import flash_attention
+    except Exception as exc:  # the kernel module is optional at import time
+        return False, f"Triton kernel unavailable ({type(exc).__name__}: {exc})"
+    q, k, v, bias = _kernel_operands(match)
+    if q.dtype == torch.float32 and not _tf32_allowed():
+        return False, ("fp32 inputs: the Triton kernel computes in TF32 (~1e-3 relative error), which this "
+                       "lossless pass uses only when torch.backends.cuda.matmul.allow_tf32 is on")
+    return _kernel_supports(flash_attention, "Triton kernel", q, k, v, bias)
 
 
 def _decode_applicable(match: AttentionMatch) -> tuple[bool, str]:
@@ -98,20 +108,7 @@ def _decode_applicable(match: AttentionMatch) -> tuple[bool, str]:
         return False, f"Triton decode kernel unavailable ({type(exc).__name__}: {exc})"
     if match.is_causal:
         return False, "the decode kernel takes a mask, not a causal flag"
-    q, k, v = fake(match.q), fake(match.k), fake(match.v)
-    if match.k_transposed:
-        k = k.transpose(-2, -1)
-    if match.batched_3d:
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    bias = None
-    if match.terms and match.scores_shape:
-        bias_dtype = torch.bool if _bias_kind(match) == "bool" else q.dtype
-        bias = torch.empty((), dtype=bias_dtype, device=q.device).expand(match.scores_shape)  # no memory
-    try:
-        ok, why = decode_attention.supports(q, k, v, bias)
-    except Exception as exc:
-        return False, f"Triton decode kernel supports() failed: {type(exc).__name__}: {exc}"
-    return bool(ok), str(why)
+    return _kernel_supports(decode_attention, "Triton decode kernel", *_kernel_operands(match))
 
 
 def _tf32_allowed() -> bool:
