@@ -82,7 +82,7 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: str = "nvfp4", *, fp4_weight: fp4k.Fp4Tensor | None = None
                     ) -> "QuantizedLinear":
-        """Quantize `linear`'s weight where it lives (a GPU quantizes in milliseconds per layer).
+        """Quantize `linear`'s weight where it lives (on a GPU when the model is there).
         fp4_weight: an already quantized (e.g. GPTQ-calibrated) weight to use instead."""
         check_format(format)
         w = linear.weight.detach()
