@@ -111,3 +111,38 @@ def test_load_errors_name_the_problem(tmp_path):
         graphopt.load_quantized(llama_tiny(num_hidden_layers=1), path)
     with pytest.raises(TypeError, match="a model \\(nn.Module\\) or a transformers config"):
         graphopt.load_quantized({"hidden_size": 64}, path)
+
+
+@pytest.mark.slow
+def test_recipe_load_compile_generate_matches_eager(tmp_path):
+    """The README's recipe on CPU: quantize, save, load from the config, then HF generate (static
+    cache) compiled with graphopt and the fp4_linear pass: the greedy tokens equal the eager ones."""
+    import transformers
+
+    from graphopt.compiler import recording_decisions
+
+    model = graphopt.quantize_(llama_tiny(), format="nvfp4")
+    path = graphopt.save_quantized(model, tmp_path / "m.safetensors")
+    loaded = graphopt.load_quantized(model.config, path)
+    ids = prompt(length=12)
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, cache_implementation="static", pad_token_id=0)
+    config = transformers.CompileConfig(backend=graphopt.backend(passes={"fp4_linear": True}), mode="default")
+    config._compile_all_devices = True  # transformers compiles generate's decode step on CUDA only, unless told
+    with torch.no_grad(), recording_decisions() as decisions:
+        eager = model.generate(ids, disable_compile=True, **kwargs)
+        compiled = loaded.generate(ids, compile_config=config, **kwargs)
+    assert torch.equal(compiled, eager)
+    kept = [d for d in decisions if d.pass_name == "fp4_linear"]
+    assert len(kept) == 15 and all(d.details["quantized_in_place"] and not d.applied for d in kept)
+
+
+def test_bench_script_imports_and_checks_its_rows():
+    from bench import bench_quantized
+
+    def options(rows):
+        return bench_quantized.argparse.Namespace(device="cpu", shape=None, formats="nvfp4", rows=rows, layers=None)
+
+    with pytest.raises(SystemExit, match="bad row 'saved-q4_0:inductor'"):  # q4_0 is not among the formats
+        bench_quantized.resolve(options("saved-q4_0:inductor"))
+    resolved = bench_quantized.resolve(options("bf16:inductor,saved-nvfp4:graphopt"))
+    assert resolved.rows == [("bf16", "inductor"), ("saved-nvfp4", "graphopt")] and resolved.shape == "tiny"
