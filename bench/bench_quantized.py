@@ -26,7 +26,7 @@ before the process starts:
 Rows run in the order given and stop before the --budget-s of wall time would be passed (a row
 that would not fit is recorded as skipped), so the whole run fits the device's 10-minute limit.
 
-    python bench/bench_quantized.py                       # 8B shape on the GPU, ~9 min
+    python bench/bench_quantized.py                       # 8B shape on the GPU, within --budget-s (500 s)
     python bench/bench_quantized.py --layers 8            # the same rows on an 8-layer 8B-wide model
     python bench/bench_quantized.py --shape tiny --prompt 16 --new-tokens 4   # CPU smoke run
 """
