@@ -1,4 +1,8 @@
-"""graphopt.explain: compile and run a model once, and report every pass decision."""
+"""graphopt.explain: compile and run a model once, and report every pass decision.
+
+Under tensor parallelism (torchrun, torch.distributed.tensor) every rank compiles its own graph
+over its own shards; its report says which rank it is, and `Report.all_ranks()` collects every
+rank's report (a collective: all ranks call it)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ class Report:
 
     decisions: list[Decision] = field(default_factory=list)
     output: Any = None
+    rank: int | None = None  # this process's torch.distributed rank, when several processes run
+    world_size: int | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -38,7 +44,7 @@ class Report:
     def table(self):
         from rich.table import Table
 
-        table = Table(title="graphopt decisions")
+        table = Table(title="graphopt decisions" + (f", rank {self.rank} of {self.world_size}" if self.rank is not None else ""))
         for column in ("pass", "location", "decision", "implementation", "before ms", "after ms", "reason"):
             table.add_column(column, overflow="fold")
         for d in self.decisions:
@@ -50,6 +56,17 @@ class Report:
         saved = self.memory_saved_bytes
         table.caption = f"rewrites applied: {summary}" + (f"; weight memory saved: {saved / 2**20:.2f} MiB" if saved else "")
         return table
+
+    def all_ranks(self) -> list["Report"]:
+        """Every rank's report, in rank order (their decisions; outputs stay on their ranks). A
+        collective over the default process group: every rank must call it. [self] in a single process."""
+        if self.rank is None:
+            return [self]
+        import torch.distributed as dist
+
+        gathered: list = [None] * int(self.world_size)
+        dist.all_gather_object(gathered, (self.rank, self.world_size, self.decisions))
+        return [Report(decisions, None, rank, world) for rank, world, decisions in gathered]
 
     def __str__(self) -> str:
         from rich.console import Console
@@ -98,6 +115,7 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Rep
     from graphopt import compiler as backend_module
     from graphopt.config import GraphOptConfig
     from graphopt.logging_setup import configure_logging
+    from graphopt.passes.tensor_parallel import rank_and_world
 
     _refuse_model_keywords(model, options)
     GraphOptConfig.from_options(options)  # fail early and clearly on bad options
@@ -106,4 +124,5 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Rep
         compiled = torch.compile(model, backend="graphopt", options=options or None)
         with torch.no_grad():
             output = compiled(*example_inputs)
-    return Report(sink, output)
+    ranks = rank_and_world()
+    return Report(sink, output, *(ranks or (None, None)))

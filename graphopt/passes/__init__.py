@@ -79,7 +79,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig,
     ctx.for_export = for_export
     for name, graph_pass in ordered_passes(config):
         if graph_pass is None:
-            ctx.decisions.append(Decision(name, False, "pass module failed to import (see log)"))
+            ctx.decisions.append(Decision(name, False, "pass module failed to import (see log)", rank=ctx.rank))
             continue
         snapshot = _graph_copy(gm.graph)
         frozen_before = dict(ctx.frozen)
@@ -94,7 +94,8 @@ def run_passes(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig,
             gm.recompile()
             ctx.frozen = frozen_before
             del ctx.decisions[n_decisions:]
-            ctx.decisions.append(Decision(name, False, f"pass failed and was skipped: {type(exc).__name__}: {exc}"))
+            ctx.decisions.append(Decision(name, False, f"pass failed and was skipped: {type(exc).__name__}: {exc}",
+                                          rank=ctx.rank))
     return ctx
 
 

@@ -18,6 +18,7 @@ import torch.fx as fx
 from graphopt.config import GraphOptConfig
 from graphopt.cost_model import Estimate
 from graphopt.hardware import HardwareSpec
+from graphopt.passes.tensor_parallel import rank_and_world
 
 log = logging.getLogger("graphopt")
 
@@ -34,6 +35,7 @@ class Decision:
     predicted_ms_after: float | None = None
     implementation: str | None = None  # the chosen candidate kernel, when applied
     details: dict[str, Any] = field(default_factory=dict)  # e.g. bytes saved, SQNR, sparsity
+    rank: int | None = None  # the torch.distributed rank that compiled the graph (several processes)
 
     @property
     def predicted_speedup(self) -> float | None:
@@ -88,6 +90,8 @@ class PassContext:
         self._constant_count = 0
         self.plan: dict | None = None  # loaded lazily by graphopt.plan
         self.for_export = False  # the graph goes to the ONNX exporter (run_passes)
+        ranks = rank_and_world()
+        self.rank = ranks[0] if ranks else None  # each rank compiles its own graph (tensor parallelism)
 
     # -- decisions -------------------------------------------------------------------------------
     def record(
@@ -104,10 +108,11 @@ class PassContext:
     ) -> Decision:
         decision = Decision(
             pass_name, applied, reason, module_path(node) if node is not None else "",
-            before.ms if before else None, after.ms if after else None, implementation, details,
+            before.ms if before else None, after.ms if after else None, implementation, details, self.rank,
         )
         self.decisions.append(decision)
-        log.info("%s %s at %s: %s", pass_name, "applied" if applied else "declined", decision.location or "?", reason)
+        log.info("%s%s %s at %s: %s", "" if self.rank is None else f"rank {self.rank}: ", pass_name,
+                 "applied" if applied else "declined", decision.location or "?", reason)
         return decision
 
     # -- values of graph inputs ----------------------------------------------------------------

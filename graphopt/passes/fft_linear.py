@@ -180,6 +180,11 @@ class FFTLinearPass(GraphPass):
             ctx.record(self.name, False, f"dense linear {location or '?'}: the plan has no fitted FFT-chain coefficients "
                        f"for it (its layers: {named})", node=m.node)
             return
+        if m.shard is not None:
+            why = m.problem or (f"{m.shard.describe()}: a plan's FFT chain is fitted to the whole weight of a "
+                                "single-device model and does not split into per-rank shards")
+            ctx.record(self.name, False, f"tensor-parallel linear: {why}", node=m.node)
+            return
         budget = ctx.config.error_budget["fft_linear"]
         err = entry.get("rel_error")
         if err is None or not err <= budget:  # NaN never passes

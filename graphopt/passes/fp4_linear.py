@@ -60,7 +60,8 @@ import graphopt.ops  # noqa: F401  (registers the graphopt::* ops this module na
 from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, log
 from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, dtype, find_linears, model_state_input,
-                                      replace_siblings_with_call, replace_with_call, sibling_groups)
+                                      replace_linear, replace_siblings_with_call, sibling_groups)
+from graphopt.passes.tensor_parallel import all_ranks_agree, all_ranks_amax
 from graphopt.passes.fx_utils import tokens as token_count
 from graphopt.plan import plan_section, save_plan
 from graphopt.quant.linear import FP4_SCALE_SEARCH
@@ -147,6 +148,8 @@ class Fp4LinearPass(GraphPass):
 
     def _decide(self, ctx: PassContext, m: LinearMatch, fmt: str) -> tuple[str | None, dict]:
         """(why not, {}) or (None, the estimates): every check that needs no quantized weight."""
+        if m.problem is not None:
+            return m.problem, {}
         ok, why = ctx.can_freeze(m.weight_node)
         if not ok:
             return why, {}
@@ -184,8 +187,7 @@ class Fp4LinearPass(GraphPass):
         in_f, out_f = m.in_features, m.out_features
 
         # Measure before freezing: a declined layer must not pin the parameter.
-        value = ctx.example_value(m.weight_node).detach()
-        weight = value.t() if m.weight_transposed else value  # (N, K)
+        weight = m.value(ctx)  # (N, K); a tensor-parallel linear: this rank's shard
         source = "compile-time quantization"
         tie_key = (m.weight_node, m.weight_transposed)
         first_use = None if plan.has(m.location) else tied.get(tie_key)
@@ -200,7 +202,7 @@ class Fp4LinearPass(GraphPass):
             q = dataclasses.replace(q, codes=q.codes.to(weight.device), scales=q.scales.to(weight.device),
                                     global_scale=q.global_scale.to(weight.device))
         else:
-            q = fp4k.quantize_fp4(weight, fmt, scale_search=SCALE_SEARCH)
+            q = fp4k.quantize_fp4(weight, fmt, scale_search=SCALE_SEARCH, tensor_amax=_tensor_amax([m], [weight], fmt))
         sqnr = first_use["sqnr"] if first_use is not None else fp4k.sqnr_db(weight, fp4k.dequantize_fp4(q))
         if not sqnr >= budget_db:  # NaN (a weight fp4 cannot hold) fails too
             ctx.record(self.name, False, f"weight SQNR {sqnr:.2f} dB below the budget of {budget_db:.2f} dB "
@@ -220,16 +222,16 @@ class Fp4LinearPass(GraphPass):
                 tied[tie_key] = dict(q=q, sqnr=sqnr, constants=constants, location=m.location or node.name)
         kernel, tuned = _op_kernel(ctx, info, kw, m.bias_node is not None)
         ctx.record(
-            self.name, True, info["reason"] + info["note"], node=node, before=before, after=after,
+            self.name, True, info["reason"] + info["note"] + m.shard_note, node=node, before=before, after=after,
             implementation=_implementation(path, tuned),
             memory_saved_bytes=int(saved), dense_weight_bytes=int(dense_bytes),
             fp4_weight_bytes=int(fp4_bytes), sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from=source,
+            **m.shard_details,
         )
         x_node = replaced.get(m.input, m.input)
         bias_node = replaced.get(m.bias_node, m.bias_node)
-        return replace_with_call(ctx, node, torch.ops.graphopt.fp4_linear.default,
-                                 (x_node, *constants, bias_node, out_f, in_f, fmt, kernel),
-                                 matched=list(m.extra_nodes))
+        return replace_linear(ctx, m, torch.ops.graphopt.fp4_linear.default,
+                              (x_node, *constants, bias_node, out_f, in_f, fmt, kernel))
 
     def _siblings(self, ctx: PassContext, group: list[LinearMatch], fmt: str, budget_db: float, replaced: dict):
         """Quantize a sibling group's weights as one (concatenated along the output features; for
@@ -243,11 +245,15 @@ class Fp4LinearPass(GraphPass):
             if why is not None:
                 return None
             infos.append(info)
-        weights = [ctx.example_value(m.weight_node).detach() for m in group]
-        q = fp4k.quantize_fp4(torch.cat(weights), fmt, scale_search=SCALE_SEARCH)
+        weights = [m.value(ctx) for m in group]
+        q = fp4k.quantize_fp4(torch.cat(weights), fmt, scale_search=SCALE_SEARCH,
+                              tensor_amax=_tensor_amax(group, weights, fmt))
         restored = fp4k.dequantize_fp4(q).split([w.shape[0] for w in weights])
         sqnrs = [fp4k.sqnr_db(w, r) for w, r in zip(weights, restored)]
-        if not all(sqnr >= budget_db for sqnr in sqnrs):  # NaN fails too
+        ok = all(sqnr >= budget_db for sqnr in sqnrs)  # NaN fails too
+        if group[0].shard is not None and group[0].shard.style != "replicated":
+            ok = all_ranks_agree(group[0].shard, ok)  # else ranks would reach _one's all-reduces unevenly
+        if not ok:
             return None
         for m in group:
             m.weight(ctx)  # freeze
@@ -263,10 +269,11 @@ class Fp4LinearPass(GraphPass):
             share = kw.nbytes * w.shape[0] // out_total
             ctx.record(
                 self.name, True, f"{info['reason']}{info['note']}; run as one {out_total}x{in_f} FP4 GEMM with its "
-                f"siblings ({names}), predicted {fused_after.ms:.4f} ms for all", node=m.node, before=info["before"],
+                f"siblings ({names}), predicted {fused_after.ms:.4f} ms for all{m.shard_note}", node=m.node, before=info["before"],
                 after=info["after"], implementation=_implementation(path, tuned),
                 memory_saved_bytes=int(dense_bytes - share), dense_weight_bytes=int(dense_bytes), fp4_weight_bytes=int(share),
                 sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from="compile-time quantization (with its siblings)",
+                **m.shard_details,
             )
         x_node = replaced.get(group[0].input, group[0].input)
         return replace_siblings_with_call(ctx, group, torch.ops.graphopt.fp4_linear.default,
@@ -282,6 +289,16 @@ class Fp4LinearPass(GraphPass):
         codes_fp4 = ctx.add_constant(kw.codes.view(torch.float4_e2m1fn_x2), "fp4_codes_e2m1") if ctx.for_export else codes
         return (codes, codes_fp4, ctx.add_constant(kw.scales, "fp4_scales"),
                 ctx.add_constant(kw.global_scale, "fp4_global_scale"))
+
+
+def _tensor_amax(group: list[LinearMatch], weights: list[torch.Tensor], fmt: str) -> torch.Tensor | None:
+    """For NVFP4 weights sharded over tensor-parallel ranks, the largest |value| of the whole weights
+    (one all-reduce), so each rank's blocks get the scales they have in the single-device model;
+    None otherwise (the weights' own amax)."""
+    shard = group[0].shard
+    if fmt != "nvfp4" or shard is None or shard.style == "replicated":
+        return None
+    return all_ranks_amax(shard, torch.stack([w.abs().amax() for w in weights]).amax())
 
 
 def _set_arg(node, index: int, name: str, value) -> None:

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from graphopt.passes.base import PassContext, module_path
+from graphopt.passes.tensor_parallel import LinearShard, linear_shard, local_bias_node, local_example, wrap_local
 
 _FUNCTIONS: dict[Any, str] = {
     operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm", torch.baddbmm: "baddbmm",
@@ -205,7 +206,9 @@ def erase_unused(nodes: list[fx.Node], graph: fx.Graph) -> None:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class LinearMatch:
-    """y = x @ weight.T + bias, with `weight` an [out_features, in_features] view of a parameter."""
+    """y = x @ weight.T + bias, with `weight` an [out_features, in_features] view of a parameter.
+    With a DTensor weight (tensor parallelism), `shard` says how the linear runs on this rank;
+    `input`, `in_features`, `out_features` and `value` are then the rank's local ones."""
 
     node: fx.Node  # computes y
     input: fx.Node  # x (..., in_features)
@@ -214,15 +217,37 @@ class LinearMatch:
     bias_node: fx.Node | None
     kind: str  # "linear" | "addmm" | "matmul"
     extra_nodes: tuple[fx.Node, ...] = ()  # e.g. the W.T node of `x @ W.T`, erased with the match
+    shard: LinearShard | None = None
 
     @property
     def location(self) -> str:
         return module_path(self.node)
 
+    @property
+    def problem(self) -> str | None:
+        """Why this linear cannot be rewritten at all (a DTensor form no pass handles), or None."""
+        return self.shard.problem if self.shard is not None else None
+
+    @property
+    def shard_note(self) -> str:
+        """"; <the rank's shard>" for a tensor-parallel linear, else "": for decision reasons."""
+        return f"; {self.shard.describe()}" if self.shard is not None and self.shard.problem is None else ""
+
+    @property
+    def shard_details(self) -> dict:
+        """Decision details naming a tensor-parallel linear's shard on this rank ({} otherwise)."""
+        return {"shard": self.shard.describe()} if self.shard is not None and self.shard.problem is None else {}
+
+    def value(self, ctx: PassContext) -> torch.Tensor:
+        """The [out, in] weight this rank multiplies by (not frozen: measure before deciding)."""
+        w = self.shard.local_weight if self.shard is not None else ctx.example_value(self.weight_node)
+        w = w.detach()
+        return w.t() if self.weight_transposed else w
+
     def weight(self, ctx: PassContext) -> torch.Tensor:
         """The frozen [out, in] weight (registers the parameter as frozen)."""
-        w = ctx.freeze(self.weight_node)
-        return w.t() if self.weight_transposed else w
+        ctx.freeze(self.weight_node)
+        return self.value(ctx)
 
     def bias(self, ctx: PassContext) -> torch.Tensor | None:
         if self.bias_node is None:
@@ -233,11 +258,15 @@ class LinearMatch:
 
     @property
     def in_features(self) -> int:
+        if self.shard is not None and self.shard.problem is None:
+            return self.shard.local_weight.shape[1]
         s = shape(self.weight_node)
         return s[0] if self.weight_transposed else s[1]
 
     @property
     def out_features(self) -> int:
+        if self.shard is not None and self.shard.problem is None:
+            return self.shard.local_weight.shape[0]
         s = shape(self.weight_node)
         return s[1] if self.weight_transposed else s[0]
 
@@ -250,10 +279,11 @@ def bias_problem(m: LinearMatch) -> str | None:
     that only broadcasts, such as (1,), would make the op's launcher refuse the call at run time."""
     if m.bias_node is None:
         return None
-    bias_shape = shape(m.bias_node)
-    if bias_shape != (m.out_features,):
+    bias_shape = shape(m.bias_node)  # a DTensor bias: its global shape
+    out_features = m.shard.weight.shape[0] if m.shard is not None else m.out_features
+    if bias_shape != (out_features,):
         what = "of unknown or symbolic shape" if bias_shape is None else f"of shape {bias_shape}"
-        return f"bias {what} is not a ({m.out_features},) vector, one value per output feature"
+        return f"bias {what} is not a ({out_features},) vector, one value per output feature"
     return None
 
 
@@ -272,7 +302,8 @@ def _param_2d(ctx: PassContext, node: Any) -> bool:
 
 
 def find_linears(ctx: PassContext) -> list[LinearMatch]:
-    """Every linear whose weight is a 2-D model parameter: F.linear, addmm (Conv1D), x @ W, x @ W.T."""
+    """Every linear whose weight is a 2-D model parameter: F.linear, addmm (Conv1D), x @ W, x @ W.T.
+    A DTensor weight's match carries its shard (graphopt.passes.tensor_parallel)."""
     matches = []
     for node in list(ctx.gm.graph.nodes):
         kind = canonical(node)
@@ -280,19 +311,58 @@ def find_linears(ctx: PassContext) -> list[LinearMatch]:
             x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
             if _param_2d(ctx, w):
                 bias = b if isinstance(b, fx.Node) else None
-                matches.append(LinearMatch(node, x, w, False, bias, "linear"))
+                matches.append(_match(ctx, LinearMatch(node, x, w, False, bias, "linear")))
         elif kind == "addmm":
             b, x, w = arg(node, 0, "input"), arg(node, 1, "mat1"), arg(node, 2, "mat2")
             if _param_2d(ctx, w) and arg(node, 3, "beta", 1) == 1 and arg(node, 4, "alpha", 1) == 1:
-                matches.append(LinearMatch(node, x, w, True, b if isinstance(b, fx.Node) else None, "addmm"))
+                matches.append(_match(ctx, LinearMatch(node, x, w, True, b if isinstance(b, fx.Node) else None, "addmm")))
         elif kind == "matmul":
             x, w = node.args[0], node.args[1]
             if _param_2d(ctx, w):
-                matches.append(LinearMatch(node, x, w, True, None, "matmul"))
+                matches.append(_match(ctx, LinearMatch(node, x, w, True, None, "matmul")))
             elif canonical(w) in ("t", "T", "mT") or (canonical(w) == "transpose" and sorted(w.args[1:3]) in ([-2, -1], [0, 1])):
                 if _param_2d(ctx, w.args[0]):
-                    matches.append(LinearMatch(node, x, w.args[0], False, None, "matmul", (w,)))
+                    matches.append(_match(ctx, LinearMatch(node, x, w.args[0], False, None, "matmul", (w,))))
     return matches
+
+
+def _match(ctx: PassContext, m: LinearMatch) -> LinearMatch:
+    """`m` with its tensor-parallel shard, if its weight is a DTensor: the input becomes the local one."""
+    m.shard = linear_shard(ctx, m.node, m.input, m.weight_node, m.bias_node, m.kind)
+    if m.shard is not None and m.shard.problem is None:
+        m.extra_nodes = (*m.extra_nodes, m.input)  # the input hook's from_local, erased once unused
+        m.input = m.shard.local_input
+    return m
+
+
+def replace_linear(ctx: PassContext, m: LinearMatch, target: Any, args: tuple, matched: list[fx.Node] | None = None) -> fx.Node:
+    """replace_with_call for a linear match. A tensor-parallel linear is replaced by target(*args) on
+    the rank's local tensors (a DTensor bias in `args` read as its local shard), wrapped back into the
+    DTensor the linear produced, so the redistribute after it runs its collective as before."""
+    matched = [*(matched or []), *m.extra_nodes]
+    if m.shard is None:
+        return replace_with_call(ctx, m.node, target, args, matched=matched)
+    graph = ctx.gm.graph
+    if m.bias_node is not None:
+        local_bias = local_bias_node(graph, m.bias_node, m.node)
+        args = tuple(local_bias if a is m.bias_node else a for a in args)
+    with graph.inserting_before(m.node):
+        local = graph.call_function(target, tuple(args))
+    _local_meta(local, m, m.out_features)
+    wrapped = wrap_local(graph, m.shard, local, m.node)
+    m.node.replace_all_uses_with(wrapped)
+    erase_unused([m.node, *matched], graph)
+    return wrapped
+
+
+def _local_meta(node: fx.Node, m: LinearMatch, features: int) -> None:
+    """Meta of a node computing (part of) a tensor-parallel linear on local tensors."""
+    example = local_example(fake(m.input), features)
+    if example is not None:
+        node.meta["example_value"] = example
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in m.node.meta:
+            node.meta[key] = m.node.meta[key]
 
 
 def sibling_groups(matches: list[LinearMatch]) -> list[list[LinearMatch]]:
@@ -302,8 +372,13 @@ def sibling_groups(matches: list[LinearMatch]) -> list[list[LinearMatch]]:
     linear against the weights concatenated along the output features."""
     by_input: dict[tuple, list[LinearMatch]] = {}
     for m in matches:
-        if m.kind == "linear" and m.bias_node is None and not m.weight_transposed and not m.extra_nodes:
-            by_input.setdefault((m.input, dtype(m.weight_node)), []).append(m)
+        if m.problem is not None:
+            continue
+        # a tensor-parallel member's extra node is its input hook's from_local; the local inputs group
+        shard = None if m.shard is None else (m.shard.style, m.shard.mesh, repr(m.shard.out_placements))
+        plain = not m.extra_nodes or (m.shard is not None and len(m.extra_nodes) == 1)
+        if m.kind == "linear" and m.bias_node is None and not m.weight_transposed and plain:
+            by_input.setdefault((m.input, dtype(m.weight_node), shard), []).append(m)
     return [group for group in by_input.values() if len(group) >= 2]
 
 
@@ -318,17 +393,25 @@ def replace_siblings_with_call(ctx: PassContext, group: list[LinearMatch], targe
         fused = graph.call_function(target, tuple(args))
         parts = graph.call_function(torch.split, (fused, sizes, -1))
         outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(group))]
+    sharded = group[0].shard is not None
     value = fake(first)
-    if isinstance(value, torch.Tensor):
+    if sharded:
+        _local_meta(fused, group[0], sum(sizes))
+    elif isinstance(value, torch.Tensor):
         try:  # metadata for later passes; never fail the rewrite for it
             fused.meta["example_value"] = value.new_empty((*value.shape[:-1], sum(sizes)))
         except Exception:
             pass
+    values = []
     for m, out in zip(group, outs):
-        for key in ("example_value", "val", "nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key in m.node.meta:
-                out.meta[key] = m.node.meta[key]
+        if sharded:  # each member's local part, wrapped back into its DTensor
+            _local_meta(out, m, m.out_features)
+            out = wrap_local(graph, m.shard, out, m.node)
+        else:
+            for key in ("example_value", "val", "nn_module_stack", "stack_trace", "source_fn_stack"):
+                if key in m.node.meta:
+                    out.meta[key] = m.node.meta[key]
         m.node.replace_all_uses_with(out)
-    erase_unused([m.node for m in group], graph)
-    return outs
-
+        values.append(out)
+    erase_unused([n for m in group for n in (m.node, *m.extra_nodes)], graph)
+    return values

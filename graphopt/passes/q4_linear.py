@@ -63,7 +63,8 @@ import graphopt.ops  # noqa: F401  (registers the graphopt::* ops this module na
 from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, log
 from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical, dtype, find_linears, model_state_input,
-                                      replace_siblings_with_call, replace_with_call, shape, sibling_groups)
+                                      replace_linear, replace_siblings_with_call, replace_with_call, shape,
+                                      sibling_groups)
 
 
 def _dtype_bytes(dt: torch.dtype | None) -> int:
@@ -180,9 +181,9 @@ class Q4LinearPass(GraphPass):
     # -- 2. fake-quant idiom: (round(x / s).clamp(a, b) * s) @ W_q4 ------------------------------
     def _fuse_fake_quant(self, ctx: PassContext) -> None:
         for m in find_linears(ctx):
-            idiom = _match_fake_quant(m.input)
+            idiom = None if m.shard is not None else _match_fake_quant(m.input)
             if idiom is None:
-                continue  # not an idiom: the plain linear rewrite below sees it
+                continue  # not an idiom (or tensor-parallel): the plain linear rewrite below sees it
             x, scale, qmin, qmax, nodes = idiom
             node = m.node
             promoted = dtype(node)
@@ -249,6 +250,8 @@ class Q4LinearPass(GraphPass):
     def _decide(self, ctx: PassContext, m: LinearMatch, out_features: int | None = None) -> tuple[str | None, dict]:
         """(why not, details) or (None, the estimates and mode): every check before quantizing.
         out_features: cost the layer with this many outputs (a sibling group's total)."""
+        if m.problem is not None:
+            return m.problem, {}
         ok, why = ctx.can_freeze(m.weight_node)
         if not ok:
             return why, {}
@@ -284,8 +287,7 @@ class Q4LinearPass(GraphPass):
                        **info.get("details", {}))
             return
         before, after, details = info["before"], info["after"], info["details"]
-        w = ctx.example_value(m.weight_node).detach()
-        w = w.t() if m.weight_transposed else w
+        w = m.value(ctx)  # a tensor-parallel linear: this rank's shard; Q4_0 blocks stay inside it
         tie_key = (m.weight_node, m.weight_transposed)
         first_use = tied.get(tie_key)
         if first_use is None:
@@ -308,13 +310,12 @@ class Q4LinearPass(GraphPass):
             constants, saved = first_use["constants"], 0
             note += f"; shares the Q4_0 weight of {first_use['location']} (tied)"
         kernel = _tuned_kernel(ctx, info, qweight, scales, m.bias_node is not None)
-        ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{note}", node=node,
+        ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{note}{m.shard_note}", node=node,
                    before=before, after=after, implementation=f"q4_linear {info['mode']}", sqnr_db=sqnr,
-                   memory_saved_bytes=saved, tile=_tile_name(kernel), **details)
-        return replace_with_call(ctx, node, torch.ops.graphopt.q4_linear.default,
-                                 (replaced.get(m.input, m.input), *constants,
-                                  replaced.get(m.bias_node, m.bias_node), _op_mode(info["mode"]), kernel),
-                                 matched=list(m.extra_nodes))
+                   memory_saved_bytes=saved, tile=_tile_name(kernel), **details, **m.shard_details)
+        return replace_linear(ctx, m, torch.ops.graphopt.q4_linear.default,
+                              (replaced.get(m.input, m.input), *constants,
+                               replaced.get(m.bias_node, m.bias_node), _op_mode(info["mode"]), kernel))
 
     def _siblings(self, ctx: PassContext, group: list[LinearMatch], budget: float, replaced: dict) -> list | None:
         """One Q4 GEMM for a sibling group: the weights concatenated along the output features
@@ -324,7 +325,7 @@ class Q4LinearPass(GraphPass):
         members = [self._decide(ctx, m) for m in group]
         if any(why is not None for why, _ in members):
             return None
-        weights = [ctx.example_value(m.weight_node).detach() for m in group]
+        weights = [m.value(ctx) for m in group]
         quantized = [q4k.quantize_weight(w) for w in weights]
         sqnrs = [q4k.weight_sqnr_db(w, qw, sc) for w, (qw, sc) in zip(weights, quantized)]
         if not all(sqnr >= budget for sqnr in sqnrs):  # NaN fails too
@@ -343,9 +344,9 @@ class Q4LinearPass(GraphPass):
             saved = w.numel() * w.element_size() - qw.numel() - sc.numel() * sc.element_size()
             ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{info['note']}; run as one "
                        f"{out_total}x{m.in_features} Q4 GEMM with its siblings ({names}), predicted {total['after'].ms:.4f} "
-                       f"ms for all", node=m.node, before=info["before"], after=info["after"],
+                       f"ms for all{m.shard_note}", node=m.node, before=info["before"], after=info["after"],
                        implementation=f"q4_linear {total['mode']}", sqnr_db=sqnr, memory_saved_bytes=saved,
-                       tile=_tile_name(kernel), **info["details"])
+                       tile=_tile_name(kernel), **info["details"], **m.shard_details)
         return replace_siblings_with_call(ctx, group, torch.ops.graphopt.q4_linear.default,
                                           (replaced.get(group[0].input, group[0].input),
                                            *self._constants(ctx, qweight, scales), None, _op_mode(total["mode"]),

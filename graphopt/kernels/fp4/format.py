@@ -160,12 +160,16 @@ def _quantize_blocks(blocks: torch.Tensor, scale: torch.Tensor, error_weights: t
 # ---------------------------------------------------------------------------------------------
 # Public format API
 # ---------------------------------------------------------------------------------------------
-def quantize_fp4(w: torch.Tensor, format: str = "nvfp4", *, scale_search: bool = False) -> Fp4Tensor:
+def quantize_fp4(w: torch.Tensor, format: str = "nvfp4", *, scale_search: bool = False,
+                 tensor_amax: torch.Tensor | None = None) -> Fp4Tensor:
     """Quantize a 2-D weight (N, K) along K into MXFP4 or NVFP4 (see the module docstring).
 
     `scale_search=True`: per block, try a few decode scales around the amax rule (MXFP4: the
     power of two below and above; NVFP4: multipliers 0.8-1.5 of amax/6, each rounded to e4m3)
     and keep the one with the lowest squared error. Never worse than the amax rule, per block.
+    `tensor_amax`: for `w` a part of a larger tensor (a tensor-parallel shard), that tensor's
+    largest |value|, at least w's: NVFP4's global scale is then the whole tensor's, so each block
+    is quantized as in the whole tensor. MXFP4 has no global scale and ignores it.
     """
     block_size = _check_format(format)
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
@@ -175,17 +179,24 @@ def quantize_fp4(w: torch.Tensor, format: str = "nvfp4", *, scale_search: bool =
         raise ValueError("quantize_fp4: the weight contains NaN or Inf")
     n, k = w.shape
     blocks = _blocks(w, block_size)  # (N, B, bs)
-    global_scale = _global_scale(blocks, format)
+    global_scale = _global_scale(blocks, format, tensor_amax)
     codes, scales, _ = _choose_block_scales(blocks, format, global_scale, scale_search, finite_max=_finite_max(w))
     packed = pack_nibbles(codes.flatten(1))
     return Fp4Tensor(packed.contiguous(), scales.contiguous(), global_scale.reshape(()), (n, k), format)
 
 
-def _global_scale(blocks: torch.Tensor, format: str) -> torch.Tensor:
+def _global_scale(blocks: torch.Tensor, format: str, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 per-tensor decode scale: NVFP4 amax(|W|) / (6 * 448) (1.0 for an all-zero W), MXFP4 1.0."""
     if format == "mxfp4":
         return torch.ones((), dtype=torch.float32, device=blocks.device)
-    tensor_amax = blocks.abs().amax() if blocks.numel() else torch.zeros((), device=blocks.device)
+    local_amax = blocks.abs().amax() if blocks.numel() else torch.zeros((), device=blocks.device)
+    if tensor_amax is None:
+        tensor_amax = local_amax
+    else:
+        tensor_amax = torch.as_tensor(tensor_amax, device=blocks.device).to(local_amax.dtype).reshape(())
+        if bool(tensor_amax < local_amax):
+            raise ValueError(f"quantize_fp4: tensor_amax {float(tensor_amax):g} is below the weight's own largest "
+                             f"|value| {float(local_amax):g}; it must be the amax of a tensor that contains the weight")
     return torch.where(tensor_amax > 0, tensor_amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(tensor_amax)).to(torch.float32)
 
 

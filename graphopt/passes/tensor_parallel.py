@@ -1,0 +1,206 @@
+"""Tensor parallelism (torch.distributed.tensor, "DTensor"): rewriting a rank's local shard.
+
+A model split with `parallelize_module` (ColwiseParallel / RowwiseParallel on q/k/v/o and
+gate/up/down, as gpt-fast and torchtitan do) reaches the backend as a torch-level graph that keeps
+DTensor at each parallelized linear and computes on local tensors everywhere else:
+
+    x_dt = DTensor.from_local(x, mesh, (Replicate(),))     # the module's input hook
+    y_dt = linear(x_dt, W)                                  # W: a DTensor parameter, global shape
+    y = y_dt.redistribute((Shard(-1),)).to_local()          # its output hook
+
+Attention between the projections sees each rank's local heads as plain tensors, so the attention
+passes need nothing from here. A weight pass rewrites the linear on the rank's shard instead:
+op(x, packed local shard), wrapped back with `from_local` and the placement the DTensor linear
+had: Shard(last) for a column-parallel weight (Shard(0) with a replicated input), Partial() for a
+row-parallel one (Shard(1) with an input sharded on its last dim). The `redistribute` after it
+stays, so the collectives DTensor inserted (the all-reduce of the partial sums) run unchanged.
+Every other DTensor linear is left alone, with the reason (`LinearShard.problem`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+def _dtensor_api():
+    """(DTensor, Shard, Replicate, Partial), or None where torch has no torch.distributed."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    return DTensor, Shard, Replicate, Partial
+
+
+def is_dtensor(value: Any) -> bool:
+    api = _dtensor_api()
+    return api is not None and isinstance(value, api[0])
+
+
+def rank_and_world() -> tuple[int, int] | None:
+    """(rank, world size) of this process where torch.distributed runs with more than one process."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class LinearShard:
+    """How a linear against a DTensor weight runs on this rank. `problem` says why it cannot be
+    rewritten per rank (then nothing else need be set)."""
+
+    problem: str | None = None
+    style: str = ""  # "column-parallel" | "row-parallel" | "replicated"
+    local_input: fx.Node | None = None  # x, the local tensor the input hook wrapped
+    mesh: Any = None  # the from_local mesh argument (a graph input), reused for the output
+    out_placements: tuple = ()
+    weight: torch.Tensor | None = None  # the DTensor parameter
+    coordinate: int = 0  # this rank's index along the mesh
+    mesh_size: int = 1
+
+    @property
+    def local_weight(self) -> torch.Tensor:
+        return self.weight.to_local()
+
+    def describe(self) -> str:
+        """E.g. "column-parallel shard 32x64 of 64x64 (mesh index 1 of 2)"."""
+        local, full = tuple(self.local_weight.shape), tuple(self.weight.shape)
+        return (f"{self.style} shard {local[0]}x{local[1]} of {full[0]}x{full[1]} "
+                f"(mesh index {self.coordinate} of {self.mesh_size})")
+
+
+def _is_from_local(node: Any) -> bool:
+    api = _dtensor_api()
+    return (api is not None and isinstance(node, fx.Node) and node.op == "call_function"
+            and node.target is api[0].from_local)
+
+
+def _node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx.Node | None,
+                 kind: str) -> LinearShard | None:
+    """The per-rank form of a linear whose weight is a DTensor parameter, or None for a plain weight."""
+    weight = ctx.example_value(weight_node)
+    if not is_dtensor(weight):
+        return None
+    _, Shard, Replicate, _ = _dtensor_api()
+    if kind != "linear":
+        return LinearShard(f"DTensor weight used through {kind}: only F.linear of a parallelized nn.Linear is "
+                           "rewritten per rank")
+    mesh = weight.device_mesh
+    if mesh.ndim != 1:
+        return LinearShard(f"DTensor weight on a {mesh.ndim}-D device mesh: only 1-D (tensor-parallel) meshes are "
+                           "rewritten per rank")
+    if not _is_from_local(x):
+        return LinearShard("the DTensor linear's input is not a local tensor wrapped by DTensor.from_local "
+                           "(the input hook of ColwiseParallel / RowwiseParallel)")
+    local_x = _node_arg(x, 0, "local_tensor")
+    in_placements = tuple(_node_arg(x, 2, "placements") or ())
+    w_placements = tuple(weight.placements)
+    x_dims = len(getattr(_fake(local_x), "shape", ()))
+    last = Shard(x_dims - 1) if x_dims else None
+    in_sharded_last = len(in_placements) == 1 and isinstance(in_placements[0], Shard) and in_placements[0].dim in (-1, x_dims - 1)
+    if w_placements == (Shard(0),) and in_placements == (Replicate(),):
+        style, out = "column-parallel", (last,)
+    elif w_placements == (Shard(1),) and in_sharded_last:
+        style, out = "row-parallel", (_dtensor_api()[3](),)
+    elif w_placements == (Replicate(),) and in_placements == (Replicate(),):
+        style, out = "replicated", (Replicate(),)
+    else:
+        return LinearShard(f"DTensor placements input {in_placements}, weight {w_placements}: only column-parallel "
+                           "(replicated input, Shard(0) weight) and row-parallel (input sharded on its last dim, "
+                           "Shard(1) weight) linears are rewritten per rank")
+    if last is None:
+        return LinearShard("the local input's shape is unknown")
+    recorded = getattr(_fake(node), "placements", None)
+    if recorded is not None and tuple(recorded) != out:
+        return LinearShard(f"DTensor gives this linear's output the placements {tuple(recorded)}, not the {out} of a "
+                           f"{style} linear")
+    for dim, placement in enumerate(w_placements):
+        if isinstance(placement, Shard) and weight.shape[placement.dim] % mesh.size(dim):
+            return LinearShard(f"uneven shards: weight dim {placement.dim} of size {weight.shape[placement.dim]} does not "
+                               f"split evenly over {mesh.size(dim)} ranks")
+    if bias_node is not None:
+        bias = ctx.example_value(bias_node)
+        if style == "row-parallel":
+            return LinearShard("row-parallel linear with a bias: the bias is added once, after the all-reduce of the "
+                               "partial sums, which a per-rank rewrite does not reproduce")
+        wanted = (Shard(0),) if style == "column-parallel" else (Replicate(),)
+        if not is_dtensor(bias) or tuple(bias.placements) != wanted:
+            return LinearShard(f"{style} linear whose bias is not a DTensor parameter placed {wanted}")
+    coordinate = mesh.get_coordinate()
+    return LinearShard(None, style, local_x, _node_arg(x, 1, "device_mesh"), out, weight,
+                       coordinate[0] if coordinate else 0, mesh.size(0))
+
+
+def _fake(node: Any) -> Any:
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return None
+
+
+def local_value(ctx, node: fx.Node) -> Any:
+    """The rank's local tensor of a DTensor graph input, else the input's value."""
+    value = ctx.example_value(node)
+    return value.to_local() if is_dtensor(value) else value
+
+
+def local_bias_node(graph: fx.Graph, bias_node: fx.Node, before: fx.Node) -> fx.Node:
+    """A node reading the local shard of a DTensor bias, inserted before `before`."""
+    with graph.inserting_before(before):
+        return graph.call_method("to_local", (bias_node,))
+
+
+def wrap_local(graph: fx.Graph, shard: LinearShard, local: fx.Node, like: fx.Node | None) -> fx.Node:
+    """DTensor.from_local(local, mesh, shard.out_placements) inserted after `local`: the value the
+    DTensor linear had, for the redistribute that follows it. `like`: the replaced node, whose
+    recorded value and module stack the wrapper takes."""
+    DTensor = _dtensor_api()[0]
+    with graph.inserting_after(local):
+        wrapped = graph.call_function(DTensor.from_local, (local, shard.mesh, shard.out_placements),
+                                      {"run_check": False})
+    if like is not None:
+        for key in ("example_value", "val", "nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in like.meta:
+                wrapped.meta[key] = like.meta[key]
+    return wrapped
+
+
+def local_example(value: Any, features: int) -> Any:
+    """A local (..., features) example like `value` (the local input), for the meta of a rewritten
+    node: later passes read shapes and dtypes from it."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.new_empty((*value.shape[:-1], features))
+    except Exception:  # noqa: BLE001 - metadata only
+        return None
+
+
+def all_ranks_amax(shard: LinearShard, local_amax: torch.Tensor) -> torch.Tensor:
+    """The largest |value| over every rank's shard (one all-reduce over the weight's mesh), so that a
+    per-tensor scale (NVFP4's global scale) is the one the whole weight would get. Every rank
+    compiles the same graph and reaches this call for the same layers, in the same order."""
+    amax = local_amax.detach().to(device=shard.local_weight.device, dtype=torch.float32).reshape(1).clone()
+    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=shard.weight.device_mesh.get_group(0))
+    return amax.to(local_amax.device).reshape(())
+
+
+
+def all_ranks_agree(shard: LinearShard, ok: bool) -> bool:
+    """Whether `ok` holds on every rank of the weight's mesh (one all-reduce): for a choice that
+    decides which collectives follow (a sibling group quantized as one, or member by member), so
+    that every rank makes the same calls."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=shard.local_weight.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=shard.weight.device_mesh.get_group(0))
+    return bool(flag.item() > 0)
+
+
+__all__ = ["LinearShard", "linear_shard", "is_dtensor", "rank_and_world", "local_value", "local_bias_node", "wrap_local",
+           "local_example", "all_ranks_amax", "all_ranks_agree"]
