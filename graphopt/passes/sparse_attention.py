@@ -66,6 +66,7 @@ from graphopt.onnx_registry import register_onnx_translation
 from graphopt.ops import DENSE_ATTENTION_TARGETS
 from graphopt.passes.base import GraphPass, PassContext, module_path
 from graphopt.passes.fx_utils import device, dtype, fix_symbolic_sizes, replace_with_call, size_hints, symbolic_size
+from graphopt.passes.tensor_parallel import head_shard
 
 log = logging.getLogger("graphopt")
 
@@ -90,15 +91,23 @@ def plan_layer(layers: dict, key: str) -> tuple[str | None, dict | None]:
 
 
 def layer_thresholds(section: dict | None, key: str, heads: int, *, head_dim: int | None = None,
-                     is_causal: bool | None = None):
+                     is_causal: bool | None = None, head_shard: tuple[int, int] | None = None):
     """(simthreshd1, cdfthreshd, pvthreshd or None, measured sparsity or None, layer dict or None, note).
     A plan layer tuned on another head count, head dim or causality is declined: its errors were
-    measured on another attention."""
+    measured on another attention. head_shard: (mesh index, mesh size) where the attention holds a
+    tensor-parallel rank's contiguous share of the heads; a plan tuned on the whole model then
+    gives this rank its heads' thresholds."""
     plan_key, layer = plan_layer((section or {}).get("layers", {}), key)
     if layer is None:
         note = "no plan" if section is None else f"plan has no layer {key!r}"
         return ([DEFAULT_SIMTHRESHD1] * heads, [DEFAULT_CDFTHRESHD] * heads, None, None, None,
                 f"{note}: untuned defaults simthreshd1={DEFAULT_SIMTHRESHD1}, cdfthreshd={DEFAULT_CDFTHRESHD} (error not measured)")
+    shard_note = ""
+    if head_shard is not None and layer.get("heads") == heads * head_shard[1]:
+        first, total = head_shard[0] * heads, heads * head_shard[1]
+        layer = {**layer, "heads": heads, **{field: values[first:first + heads] for field, values in layer.items()
+                                             if isinstance(values, list) and len(values) == total}}  # per-head lists
+        shard_note = f", heads {first}-{first + heads - 1} of {total}: this tensor-parallel rank's"
     if layer.get("heads") != heads or len(layer.get("cdfthreshd", [])) != heads:
         raise _Decline(f"plan layer {plan_key!r} has {layer.get('heads')} heads, the attention has {heads}")
     if head_dim is not None and layer.get("head_dim") not in (None, head_dim):
@@ -114,7 +123,8 @@ def layer_thresholds(section: dict | None, key: str, heads: int, *, head_dim: in
     pv = None if all(math.isinf(x) for x in pv_list) else pv_list
     sparsity = [0.0 if dense[i] else float(layer["sparsity"][i] or 0.0) for i in range(heads)]
     matched = "" if plan_key == key else f", plan layer {plan_key!r}"
-    return sim, cdf, pv, sum(sparsity) / heads, layer, f"tuned plan ({sum(not x for x in dense)}/{heads} heads sparse{matched})"
+    return (sim, cdf, pv, sum(sparsity) / heads, layer,
+            f"tuned plan ({sum(not x for x in dense)}/{heads} heads sparse{matched}{shard_note})")
 
 
 class _Decline(Exception):
@@ -154,6 +164,9 @@ class _Site:
         backend = dispatched_sdpa_backend(ctx, match)
         return (shapes, bool(match.terms), match.scale, match.is_causal, backend, dtype(match.q),
                 device(match.q) or torch.device("cpu"), _symbolic_lengths(match.q, match.k))
+
+    def query(self) -> fx.Node:
+        return self.node.args[0] if self.match is None else self.match.q
 
     def attention_node(self, ctx: PassContext) -> fx.Node:
         """The graphopt::attention node to replace (rewriting the SDPA call into one first)."""
@@ -255,7 +268,8 @@ class SparseAttentionPass(GraphPass):
         if not ctx.hardware.is_gpu and not ctx.config.force:
             raise _Decline(f"target {ctx.hardware.name} is not a GPU: the CPU op runs the slow torch reference "
                            "(force=True applies it anyway)")
-        sim, cdf, pv, sparsity, layer, source = layer_thresholds(section, key, h, head_dim=d, is_causal=is_causal)
+        sim, cdf, pv, sparsity, layer, source = layer_thresholds(section, key, h, head_dim=d, is_causal=is_causal,
+                                                                 head_shard=head_shard(site.query()))
         if layer is not None:
             if all(layer.get("dense", [])):
                 raise _Decline(f"the tuned plan marks every head of {key!r} dense (no head reached useful sparsity "

@@ -145,10 +145,31 @@ def _fake(node: Any) -> Any:
     return None
 
 
-def local_value(ctx, node: fx.Node) -> Any:
-    """The rank's local tensor of a DTensor graph input, else the input's value."""
-    value = ctx.example_value(node)
-    return value.to_local() if is_dtensor(value) else value
+def head_shard(query: fx.Node, max_depth: int = 32) -> tuple[int, int] | None:
+    """(mesh index, mesh size) where `query`, a (B, H, L, D) attention query, holds this rank's
+    contiguous share of the heads: its nearest ancestor that leaves DTensor (`to_local`) reads the
+    output of a column-parallel projection, sharded on its last dim over a 1-D mesh. Else None."""
+    api = _dtensor_api()
+    if api is None:
+        return None
+    Shard = api[1]
+    frontier, seen = [query], {query}
+    for _ in range(max_depth):
+        nearest = [n for n in frontier if n.op == "call_method" and n.target == "to_local"]
+        if nearest:
+            value = _fake(nearest[0].args[0])
+            if not is_dtensor(value) or value.device_mesh.ndim != 1 or len(value.placements) != 1:
+                return None
+            placement = value.placements[0]
+            if not isinstance(placement, Shard) or placement.dim not in (-1, value.dim() - 1):
+                return None
+            coordinate = value.device_mesh.get_coordinate()
+            return (coordinate[0] if coordinate else 0), value.device_mesh.size(0)
+        frontier = [p for n in frontier for p in n.all_input_nodes if p not in seen]
+        seen.update(frontier)
+        if not frontier:
+            return None
+    return None
 
 
 def local_bias_node(graph: fx.Graph, bias_node: fx.Node, before: fx.Node) -> fx.Node:
@@ -202,5 +223,5 @@ def all_ranks_agree(shard: LinearShard, ok: bool) -> bool:
     return bool(flag.item() > 0)
 
 
-__all__ = ["LinearShard", "linear_shard", "is_dtensor", "rank_and_world", "local_value", "local_bias_node", "wrap_local",
+__all__ = ["LinearShard", "linear_shard", "head_shard", "is_dtensor", "rank_and_world", "local_bias_node", "wrap_local",
            "local_example", "all_ranks_amax", "all_ranks_agree"]

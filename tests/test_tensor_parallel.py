@@ -1,0 +1,239 @@
+"""graphopt on tensor-parallel models: two CPU processes (gloo) split a tiny LLaMA with PyTorch's
+own tensor parallelism (torch.distributed.tensor.parallel.parallelize_module, ColwiseParallel on
+q/k/v and gate/up, RowwiseParallel on o and down), compile it with graphopt, and compare with the
+same model in one process compiled with the same options.
+
+One spawn runs every case (module fixture `runs`); the tests read what each rank recorded. Lossy
+passes are compared against the single-process model with the same pass: a rank quantizes its own
+shard, with block boundaries inside the shard and (NVFP4) the whole weight's global scale, so its
+blocks are the single-process model's blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+
+WORLD = 2
+VOCAB = 128
+FORCED = dict(force=True, target="h100")  # the GPU cost model's candidates; on CPU every op runs its reference
+EAGER = dict(downstream="eager")  # the passes and the rewritten graph are the same; Inductor in one case only (time)
+CASES: dict[str, dict] = {
+    "attention": dict(**FORCED, **EAGER),  # the default passes
+    "fp4_linear": dict(passes={"fp4_linear": True}, **FORCED),  # NVFP4; Inductor traces the rewritten DTensor graph
+    "fp4_linear-mxfp4": dict(passes={"fp4_linear": True}, fp4_format="mxfp4", **FORCED, **EAGER),
+    "q4_linear": dict(passes={"q4_linear": True}, **FORCED, **EAGER),
+    # with a plan tuned on the whole model (write_plan): 4 heads per layer, a dense FFT chain for gate_proj
+    "sparse_attention+fft_linear": dict(passes={"sparse_attention": True, "fft_linear": True}, **FORCED, **EAGER),
+}
+PLANNED = "sparse_attention+fft_linear"
+SIM = [0.1, 0.2, 0.3, 0.4]  # the plan's per-head simthreshd1: rank r gets heads 2r, 2r+1
+LOSSLESS = ("attention",)
+
+
+def tiny_llama(dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                         num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def parallelize_llama(model, mesh):
+    """The tensor-parallel plan gpt-fast and torchtitan use for a LLaMA decoder layer."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    return model
+
+
+class BiasedMLP(torch.nn.Module):
+    """A column-parallel linear with a bias (split with the weight) and a row-parallel one with a
+    bias (added once after the all-reduce, which a per-rank rewrite cannot reproduce)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.up = torch.nn.Linear(64, 128)
+        self.down = torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def write_plan(directory: Path) -> Path:
+    """A plan as the tuners write it for the single-device model: per-head sparse thresholds for
+    both attentions, fitted FFT-chain coefficients for layer 0's gate_proj."""
+    from safetensors.torch import save_file
+
+    from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N
+    from graphopt.plan import save_plan
+
+    head = dict(heads=4, is_causal=True, head_dim=16, simthreshd1=SIM, cdfthreshd=[0.9] * 4, pvthreshd=[None] * 4,
+                dense=[False] * 4, sparsity=[0.5] * 4, l1=[0.01] * 4)
+    save_file({"model.layers.0.mlp.gate_proj.coeffs": torch.zeros(2, 2, 1, 64)}, str(directory / "fft.safetensors"))
+    layer = dict(in_features=64, out_features=128, block_size=64, k=2, rel_error=0.01)
+    return save_plan(directory / "plan.json", {
+        "sparse_attention": dict(block_m=BLOCK_M, block_n=BLOCK_N, l1=0.06,
+                                 layers={f"model.layers.{i}.self_attn": head for i in range(2)}),
+        "fft_linear": dict(file="fft.safetensors", layers={"model.layers.0.mlp.gate_proj": layer})})
+
+
+def _decisions(report) -> list[dict]:
+    return [dict(pass_name=d.pass_name, applied=d.applied, location=d.location, reason=d.reason, rank=d.rank,
+                 shard=d.details.get("shard"), simthreshd1=d.details.get("simthreshd1")) for d in report.decisions]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        import graphopt
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+        results: dict = {}
+        plan_dir = Path(out_dir) / f"plan{rank}"
+        plan_dir.mkdir()
+        plan = str(write_plan(plan_dir))
+        for name, options in CASES.items():
+            options = {**options, "plan": plan} if name == PLANNED else options
+            report = graphopt.explain(parallelize_llama(tiny_llama(), mesh), ids, **options)
+            gathered = report.all_ranks()
+            entry = dict(logits=report.output.logits, decisions=_decisions(report), table=str(report),
+                         gathered=[(r.rank, r.world_size, r.counts) for r in gathered])
+            if list(CASES).index(name) % WORLD == rank:  # the single-process runs, shared out between the ranks
+                entry["single"] = graphopt.explain(tiny_llama(), ids, **options).output.logits
+                if name in LOSSLESS:
+                    with torch.no_grad():
+                        entry["float64"] = tiny_llama(torch.float64)(ids).logits
+            results[name] = entry
+        # a biased MLP: the column-parallel bias is split with its weight, the row-parallel one declined
+        mlp = parallelize_module(BiasedMLP().eval(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2))
+        report = graphopt.explain(mlp, x, passes={"fp4_linear": True}, downstream="eager", **FORCED)
+        with torch.no_grad():  # clone: the outputs end in DTensor's async all-reduce, which torch.save does not wait for
+            results["biased_mlp"] = dict(output=report.output.clone(), decisions=_decisions(report),
+                                         float64=BiasedMLP().double()(x.double()), eager=mlp(x).clone())
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    """What each rank recorded, by rank."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    reference = reference.double()
+    return float(10 * torch.log10(reference.pow(2).sum() / (reference - approximation.double()).pow(2).sum()))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensor_parallel_logits_equal_single_process(runs, case):
+    """Every rank's logits equal the single-process model's with the same options, within fp32
+    tolerance; the lossless case also equals the float64 model."""
+    reference = runs[list(CASES).index(case) % WORLD][case]
+    for rank in range(WORLD):
+        torch.testing.assert_close(runs[rank][case]["logits"], reference["single"])
+    if case in LOSSLESS:
+        torch.testing.assert_close(runs[0][case]["logits"].double(), reference["float64"], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_rewrites_each_ranks_local_heads(runs):
+    """Each rank rewrites the attention of both layers over its local heads (2 of 4 query heads,
+    1 of 2 KV heads: GQA within the rank)."""
+    for rank in range(WORLD):
+        applied = [d for d in runs[rank]["attention"]["decisions"] if d["pass_name"] == "attention" and d["applied"]]
+        assert [d["location"] for d in applied] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+        assert all(d["rank"] == rank for d in applied)
+
+
+@pytest.mark.parametrize("case", ["fp4_linear", "fp4_linear-mxfp4", "q4_linear"])
+def test_weight_passes_rewrite_every_shard(runs, case):
+    """The seven parallelized linears of each layer are rewritten on their local shards (q/k/v and
+    gate/up as sibling groups of local shards, o and down alone), and the replicated lm_head whole;
+    each decision names the rank and the shard."""
+    pass_name = case.split("-")[0]
+    for rank in range(WORLD):
+        decisions = [d for d in runs[rank][case]["decisions"] if d["pass_name"] == pass_name]
+        assert len(decisions) == 2 * 7 + 1 and all(d["applied"] for d in decisions), decisions
+        by_location = {d["location"]: d for d in decisions}
+        q = by_location["model.layers.0.self_attn.q_proj"]
+        down = by_location["model.layers.1.mlp.down_proj"]
+        assert q["shard"] == f"column-parallel shard 32x64 of 64x64 (mesh index {rank} of 2)"
+        assert down["shard"] == f"row-parallel shard 64x64 of 64x128 (mesh index {rank} of 2)"
+        assert "row-parallel shard 64x64 of 64x128" in down["reason"]
+        assert "with its siblings" in q["reason"]
+        assert by_location["lm_head"]["shard"] is None
+        assert all(d["rank"] == rank for d in decisions)
+
+
+def test_explain_report_names_the_rank_and_gathers_every_rank(runs):
+    for rank in range(WORLD):
+        entry = runs[rank]["fp4_linear"]
+        assert f"rank {rank} of 2" in entry["table"]
+        assert "column-parallel shard" in entry["table"]
+        assert [(r, w) for r, w, _ in entry["gathered"]] == [(0, 2), (1, 2)]
+        assert all(counts["fp4_linear"] == 15 for _, _, counts in entry["gathered"])
+
+
+def test_fft_linear_declines_shards_with_the_reason(runs):
+    """The plan's FFT chain for gate_proj was fitted to the whole weight: each rank declines it
+    for its shard, saying so; nothing is rewritten."""
+    for rank in range(WORLD):
+        decisions = [d for d in runs[rank][PLANNED]["decisions"] if d["pass_name"] == "fft_linear"]
+        assert decisions and not any(d["applied"] for d in decisions)
+        gate = next(d for d in decisions if d["location"] == "model.layers.0.mlp.gate_proj")
+        assert gate["reason"].startswith(f"tensor-parallel linear: column-parallel shard 64x64 of 128x64 (mesh index {rank}")
+        assert "does not split into per-rank shards" in gate["reason"]
+
+
+def test_sparse_attention_takes_each_ranks_heads_from_the_plan(runs):
+    """A plan tuned on the single-device model (4 heads) gives each rank the thresholds of its two
+    local heads."""
+    for rank in range(WORLD):
+        applied = [d for d in runs[rank][PLANNED]["decisions"] if d["pass_name"] == "sparse_attention" and d["applied"]]
+        assert len(applied) == 2
+        for d in applied:
+            assert d["simthreshd1"] == pytest.approx(SIM[2 * rank:2 * rank + 2])
+            assert f"heads {2 * rank}-{2 * rank + 1} of 4: this tensor-parallel rank's" in d["reason"]
+
+
+def test_biased_column_parallel_rewritten_row_parallel_declined(runs):
+    for rank in range(WORLD):
+        entry = runs[rank]["biased_mlp"]
+        by_location = {d["location"]: d for d in entry["decisions"] if d["pass_name"] == "fp4_linear"}
+        assert by_location["up"]["applied"] and by_location["up"]["shard"].startswith("column-parallel")
+        assert not by_location["down"]["applied"]
+        assert "row-parallel linear with a bias" in by_location["down"]["reason"]
+        assert _sqnr_db(entry["float64"], entry["output"]) > 20.0  # one FP4 layer: about 25 dB
+        assert not torch.equal(entry["output"], entry["eager"])  # the rewrite ran
