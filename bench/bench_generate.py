@@ -85,7 +85,7 @@ def measure(model, prompt: torch.Tensor, opts, variant: str, mode: str) -> tuple
     row = {"tok_s": prompt.shape[0] * (n - 1) / decode_s if decode_s > 0 else None, "ttft_ms": statistics.median(t_1) * 1e3,
            "compile_s": None if variant == "eager" else first_s - statistics.median(t_n),
            "peak_gb": peak_gb(device), "t_n_s": t_n, "t_1_s": t_1}
-    if variant == "inductor":
+    if variant == "inductor" and getattr(opts, "hf_overhead", True):
         row.update(hf_overhead(model, prompt, opts, mode, decode_s))
     return row, tokens
 

@@ -1,0 +1,257 @@
+"""Decode tokens/s and per-GPU memory of LLaMA-3-8B (random weights) split over N GPUs by PyTorch's tensor parallelism.
+
+Run it with torchrun; the tensor-parallel size is the number of processes (N = 1: the one-GPU
+model, not split):
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tensor_parallel.py --loops decode
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tensor_parallel.py --loops generate
+    torchrun --nproc-per-node 2 bench/bench_tensor_parallel.py --shapes tiny --device cpu --force \\
+        --prompt 16 --new-tokens 8 --repeats 1                                      # CPU smoke (gloo)
+
+The split is the one gpt-fast and torchtitan use, through torch.distributed.tensor.parallel
+.parallelize_module: ColwiseParallel on q/k/v and gate/up, RowwiseParallel on o and down (an
+all-reduce after each), lm_head column-parallel with its logits gathered, the embedding
+row-parallel (both as transformers' own plan and torchtitan shard them). Every rank builds the
+same random model (one seed) and keeps its shards. NCCL's NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0, set here when unset), as the machines require.
+
+Loops (--loops), batch 1 by default, CUDA graphs on (mode="reduce-overhead"):
+- decode: gpt-fast's loop (bench/llama_models.py DecodeLoop, as bench_decode_loop.py): a
+  StaticCache filled by the plain model, then the compiled one-token step in a Python loop;
+- generate: HF generate with a static cache and CompileConfig (bench_generate.py's measurement,
+  without its HF-overhead column).
+Variants (--variants): inductor (bf16), graphopt (its default passes, bf16), graphopt-fp4
+(fp4_linear on every linear the cost model takes; --force for all). Each rank quantizes its own
+shards (the whole weight's NVFP4 global scale, one all-reduce at compile time).
+
+Per row: tok_s (rank 0's; every rank runs the same steps in lock step), ms_step; peak_gb: each
+rank's torch.cuda.max_memory_allocated over the variant; weight_gb: each rank's weight bytes as
+the compiled step reads them, i.e. its parameter shards (the replicated norms counted on every
+rank) minus what graphopt's rewrites saved (FP4 codes and scales in place of bf16); the
+quantized variants keep the bf16 parameters too, which peak_gb counts. identical: the greedy
+tokens equal the inductor variant's of the same loop; ranks_agree: every rank generated the same
+tokens. The rows go to bench/results/tensor_parallel_<gpu>_tp<N>.json (--out), merged with the
+rows already there for other loops, variants or shapes, so a sweep can be split over invocations.
+Each invocation of one loop at the 8B shape (32 layers) and three variants is sized to finish in
+well under 9 minutes on H100s; --layers shrinks the model, --variants drops variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script, bench/ is sys.path[0]; `bench.*` and `graphopt` live at the root
+    sys.path.insert(0, REPO)
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before NCCL makes a communicator
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench import bench_decode_loop, bench_generate  # noqa: E402
+from bench.common import environment, print_table  # noqa: E402
+from bench.llama_models import SHAPES, build_model, fresh_start, gpu_slug, random_prompt  # noqa: E402
+
+LOOPS = ("decode", "generate")
+VARIANTS = ("inductor", "graphopt", "graphopt-fp4")
+COLUMNS = ["loop", "variant", "tp", "tok_s", "vs_inductor", "ms_step", "compile_s", "weight_gb", "peak_gb", "identical",
+           "ranks_agree", "error"]
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default 8b; tiny on CPU)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's, 32 for 8b)")
+    parser.add_argument("--loops", default=",".join(LOOPS), help=f"comma list of {', '.join(LOOPS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--mode", default=None, help="torch.compile mode (default reduce-overhead on CUDA, default on CPU)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when there is one), cuda or cpu")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=128, help="generated tokens")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (the median is reported)")
+    parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="HF attention implementation")
+    parser.add_argument("--force", action="store_true", help="graphopt-fp4 with force=True (on CPU, the way to run the rewrite)")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/tensor_parallel_<gpu>_tp<N>.json)")
+    return parser
+
+
+def resolve(opts: argparse.Namespace) -> argparse.Namespace:
+    opts.device = ("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device
+    opts.dtype = torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
+    opts.shapes = (opts.shapes or ("8b" if opts.device.startswith("cuda") else "tiny")).split(",")
+    opts.loops, opts.variants = opts.loops.split(","), opts.variants.split(",")
+    opts.mode = opts.mode or ("reduce-overhead" if opts.device.startswith("cuda") else "default")
+    for name, values, valid in (("shape", opts.shapes, SHAPES), ("loop", opts.loops, LOOPS),
+                                ("variant", opts.variants, VARIANTS)):
+        bad = [v for v in values if v not in valid]
+        if bad:
+            raise SystemExit(f"unknown {name} {bad}; valid choices: {', '.join(valid)}")
+    if opts.new_tokens < 2:
+        raise SystemExit("--new-tokens must be at least 2 (decode speed is measured past the first token)")
+    opts.hf_overhead = False  # bench_generate.measure: no extra Inductor loop per row
+    return opts
+
+
+def start_processes(device: str) -> tuple[int, int]:
+    """(rank, world size): torchrun's processes joined in one group (NCCL on GPUs, gloo on CPU),
+    each on its own GPU; a plain `python` run is one process without a group."""
+    if "RANK" not in os.environ:
+        return 0, 1
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return rank, world
+
+
+def parallelize_llama(model: nn.Module, world: int, device: str) -> nn.Module:
+    """The model split over `world` ranks (unchanged for one)."""
+    if world == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
+    layer_plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                  "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                  "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, layer_plan)
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    if not model.config.tie_word_embeddings:  # a tied weight would be split twice
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    return parallelize_module(model, mesh, plan)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """This rank's parameter bytes: its shards of the split weights, the replicated ones whole."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def saved_bytes(decisions: list) -> int:
+    """Weight bytes graphopt's applied rewrites no longer read, each layer counted once (a
+    recompile records its decisions again)."""
+    saved: dict = {}
+    for d in decisions:
+        if d.applied and d.details.get("memory_saved_bytes"):
+            saved[(d.pass_name, d.location)] = int(d.details["memory_saved_bytes"])
+    return sum(saved.values())
+
+
+def gather(value, world: int) -> list:
+    if world == 1:
+        return [value]
+    out: list = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def run_variant(model, prompt, opts, loop: str, variant: str, world: int) -> tuple[dict, torch.Tensor | None]:
+    """One row (rank 0's view, memory of every rank) and this rank's tokens."""
+    from graphopt.compiler import recording_decisions
+
+    measure = {"decode": bench_decode_loop.measure, "generate": bench_generate.measure}[loop]
+    fresh_start(opts.device, model)
+    if world > 1:
+        dist.barrier()
+    row: dict = {"loop": loop, "variant": variant, "tp": world, "mode": opts.mode}
+    tokens = None
+    try:
+        with recording_decisions() as decisions, torch.no_grad():
+            result, tokens = measure(model, prompt, opts, variant, opts.mode)
+        row.update(tok_s=result["tok_s"], compile_s=result["compile_s"],
+                   ms_step=result.get("ms_step") or (1e3 * prompt.shape[0] / result["tok_s"] if result["tok_s"] else None))
+        weight_gb = (weight_bytes(model) - saved_bytes(decisions)) / 1e9
+        rewrites = {}
+        for d in decisions:
+            rewrites[d.pass_name] = rewrites.get(d.pass_name, 0) + int(d.applied)
+        local = {"peak_gb": result["peak_gb"], "weight_gb": weight_gb, "rewrites": rewrites}
+    except Exception as exc:  # noqa: BLE001 - reported in its row; the other variants still run
+        local = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    per_rank = gather(local, world)
+    errors = [r["error"] for r in per_rank if "error" in r]
+    if errors:
+        row["error"] = errors[0]
+        return row, None
+    row.update(peak_gb=[r["peak_gb"] for r in per_rank], weight_gb=[round(r["weight_gb"], 4) for r in per_rank],
+               rewrites=per_rank[0]["rewrites"])
+    all_tokens = gather(tokens.cpu(), world)
+    row["ranks_agree"] = all(torch.equal(t, all_tokens[0]) for t in all_tokens)
+    return row, tokens
+
+
+def result_path(opts, world: int) -> Path:
+    return Path(opts.out) if opts.out else Path(REPO) / "bench" / "results" / f"tensor_parallel_{gpu_slug()}_tp{world}.json"
+
+
+def write_rows(opts, world: int, rows: list[dict]) -> Path:
+    """Rows merged into the file's: a row replaces the one of the same shape, layers, loop,
+    variant, mode and batch."""
+    path = result_path(opts, world)
+    key = lambda r: tuple(str(r.get(k)) for k in ("shape", "layers", "loop", "variant", "mode", "batch"))  # noqa: E731
+    kept = []
+    if path.exists():
+        kept = [r for r in json.loads(path.read_text()).get("rows", []) if key(r) not in {key(n) for n in rows}]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    options = {k: str(v) for k, v in vars(opts).items()}
+    environment_info = {**environment(), "world_size": world, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE")}
+    path.write_text(json.dumps({"environment": environment_info, "options": options, "rows": kept + rows}, indent=2,
+                               default=str))
+    return path
+
+
+def main() -> None:
+    opts = resolve(arguments().parse_args())
+    if opts.device == "cpu":  # Inductor's OpenMP kernels beside aten's threads: see llama_models.resolve
+        torch.set_num_threads(1)
+    rank, world = start_processes(opts.device)
+    rows: list[dict] = []
+    try:
+        for shape in opts.shapes:
+            model = build_model(shape, opts.device, opts.dtype, opts.attn, layers=opts.layers)
+            layers = model.config.num_hidden_layers
+            model = parallelize_llama(model, world, opts.device)
+            prompt = random_prompt(model, opts.batch, opts.prompt)
+            for loop in opts.loops:
+                table, reference = [], None
+                for variant in opts.variants:
+                    row, tokens = run_variant(model, prompt, opts, loop, variant, world)
+                    row = {"shape": shape, "layers": layers, "batch": opts.batch, **row}
+                    if variant == "inductor":
+                        reference = tokens
+                    if tokens is not None and reference is not None:
+                        row["identical"] = bool(torch.equal(tokens.cpu(), reference.cpu()))
+                    table.append(row)
+                    if rank == 0:
+                        print(f"{shape} tp={world} {loop} {variant}: {row.get('tok_s') or 0:.1f} tok/s"
+                              f"{'  ' + row['error'] if 'error' in row else ''}", flush=True)
+                base = next((r.get("tok_s") for r in table if r["variant"] == "inductor"), None)
+                for row in table:
+                    row["vs_inductor"] = row["tok_s"] / base if base and row.get("tok_s") else None
+                rows += table
+                if rank == 0:
+                    print_table(f"tensor parallel {world}, LLaMA {shape} ({layers} layers), {loop}, batch {opts.batch}, "
+                                f"prompt {opts.prompt}, {opts.new_tokens} new tokens, {opts.mode}", table, COLUMNS)
+                    print(f"wrote {write_rows(opts, world, rows)}", flush=True)
+            del model
+            fresh_start(opts.device)
+    finally:
+        with contextlib.suppress(Exception):
+            if world > 1:
+                dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
