@@ -344,7 +344,7 @@ def replace_linear(ctx: PassContext, m: LinearMatch, target: Any, args: tuple, m
         return replace_with_call(ctx, m.node, target, args, matched=matched)
     graph = ctx.gm.graph
     if m.bias_node is not None:
-        local_bias = local_bias_node(graph, m.bias_node, m.node)
+        local_bias = local_bias_node(graph, m.shard, m.bias_node, m.node)
         args = tuple(local_bias if a is m.bias_node else a for a in args)
     with graph.inserting_before(m.node):
         local = graph.call_function(target, tuple(args))

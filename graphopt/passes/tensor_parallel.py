@@ -12,8 +12,9 @@ Attention between the projections sees each rank's local heads as plain tensors,
 passes need nothing from here. A weight pass rewrites the linear on the rank's shard instead:
 op(x, packed local shard), wrapped back with `from_local` and the placement the DTensor linear
 had: Shard(last) for a column-parallel weight (Shard(0) with a replicated input), Partial() for a
-row-parallel one (Shard(1) with an input sharded on its last dim). The `redistribute` after it
-stays, so the collectives DTensor inserted (the all-reduce of the partial sums) run unchanged.
+row-parallel one (Shard(1) with an input sharded on its last dim; its bias is added on mesh index 0
+only, so the partial sums add up to one bias). The `redistribute` after it stays, so the
+collectives DTensor inserted (the all-reduce of the partial sums) run unchanged.
 Every other DTensor linear is left alone, with the reason (`LinearShard.problem`).
 """
 
@@ -128,9 +129,6 @@ def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx
                                f"split evenly over {mesh.size(dim)} ranks")
     if bias_node is not None:
         bias = ctx.example_value(bias_node)
-        if style == "row-parallel":
-            return LinearShard("row-parallel linear with a bias: the bias is added once, after the all-reduce of the "
-                               "partial sums, which a per-rank rewrite does not reproduce")
         wanted = (Shard(0),) if style == "column-parallel" else (Replicate(),)
         if not is_dtensor(bias) or tuple(bias.placements) != wanted:
             return LinearShard(f"{style} linear whose bias is not a DTensor parameter placed {wanted}")
@@ -172,8 +170,12 @@ def head_shard(query: fx.Node, max_depth: int = 32) -> tuple[int, int] | None:
     return None
 
 
-def local_bias_node(graph: fx.Graph, bias_node: fx.Node, before: fx.Node) -> fx.Node:
-    """A node reading the local shard of a DTensor bias, inserted before `before`."""
+def local_bias_node(graph: fx.Graph, shard: LinearShard, bias_node: fx.Node, before: fx.Node) -> fx.Node | None:
+    """What this rank adds as the bias of a rewritten linear, inserted before `before`: the local
+    shard of a column-parallel bias; a row-parallel linear's whole bias on mesh index 0 and none
+    elsewhere, since its outputs are partial sums that the all-reduce adds up."""
+    if shard.style == "row-parallel" and shard.coordinate != 0:
+        return None
     with graph.inserting_before(before):
         return graph.call_method("to_local", (bias_node,))
 
