@@ -103,6 +103,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         import graphopt
+        from graphopt.quant import quantized_layers
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -125,6 +126,19 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                     with torch.no_grad():
                         entry["float64"] = tiny_llama(torch.float64)(ids).logits
             results[name] = entry
+        # graphopt.quantize_ on the split model: each rank packs its shards, and the layers keep the split's hooks
+        for fmt in ("nvfp4", "q4_0"):
+            quantized = graphopt.quantize_(parallelize_llama(tiny_llama(), mesh), format=fmt)
+            entry = dict(layers={name: repr(m) for name, m in quantized_layers(quantized).items()})
+            with torch.no_grad():
+                entry["eager"] = quantized(ids).logits
+            if fmt == "nvfp4":
+                report = graphopt.explain(quantized, ids, passes={"fp4_linear": True}, **EAGER)
+                entry.update(logits=report.output.logits, decisions=_decisions(report))
+            if rank == 0:
+                with torch.no_grad():
+                    entry["single"] = graphopt.quantize_(tiny_llama(), format=fmt)(ids).logits
+            results[f"quantize_{fmt}"] = entry
         # biases: the column-parallel one split with its weight, the row-parallel one added by rank 0
         mlp = parallelize_module(BiasedMLP().eval(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
         x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2))
@@ -262,3 +276,21 @@ def test_sequence_parallel_input_declined_with_the_reason(runs):
         down = next(d for d in entry["decisions"] if d["pass_name"] == "fp4_linear" and d["location"] == "down")
         assert down["applied"]
         assert _sqnr_db(entry["eager"], entry["output"]) > 15.0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "q4_0"])
+def test_quantize_packs_each_ranks_shards(runs, fmt):
+    """graphopt.quantize_ on the split model quantizes each rank's shard (NVFP4 with the whole weight's
+    global scale): the logits equal the unsplit model quantized the same way, eagerly and compiled."""
+    single = runs[0][f"quantize_{fmt}"]["single"]
+    for rank in range(WORLD):
+        entry = runs[rank][f"quantize_{fmt}"]
+        assert len(entry["layers"]) == 2 * 7 + 1
+        assert "in_features=64, out_features=32" in entry["layers"]["model.layers.0.self_attn.q_proj"]
+        assert "tensor-parallel shard" in entry["layers"]["model.layers.0.self_attn.q_proj"]
+        assert "tensor-parallel shard" not in entry["layers"]["lm_head"]
+        torch.testing.assert_close(entry["eager"], single)
+        if fmt == "nvfp4":
+            torch.testing.assert_close(entry["logits"], single)
+            kept = [d for d in entry["decisions"] if d["pass_name"] == "fp4_linear"]
+            assert len(kept) == 15 and all("already quantized" in d["reason"] for d in kept)

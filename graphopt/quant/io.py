@@ -38,6 +38,11 @@ def save_quantized(model: nn.Module, path, *, plan=None) -> Path:
     if not layers:
         raise ValueError("save_quantized: the model has no graphopt QuantizedLinear layers; call graphopt.quantize_ "
                          "first (torch.save or safetensors save a dense model)")
+    split = [name for name, m in layers.items() if m.output_placements is not None]
+    if split:
+        raise ValueError(f"save_quantized: {split[0]!r} (and {len(split) - 1} more) hold this rank's shard of a "
+                         "tensor-parallel model, not the layer; save the unsplit model, or quantize the split model "
+                         "where it runs (graphopt.quantize_ after parallelize_module)")
     state = model.state_dict()
     persistent = set(state)
     buffers = dict(model.named_buffers(remove_duplicate=False))

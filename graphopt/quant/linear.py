@@ -12,6 +12,13 @@ quantized here computes what the pass computes on the same weight. The op's `ker
 "" (the op's static default path and tile); a compile with backend="graphopt" and the matching
 pass enabled replaces it with the cost model's choice for the GPU (the weights stay as they are).
 
+Tensor parallelism: a layer of a model split by torch.distributed.tensor.parallel.parallelize_module
+(ColwiseParallel: weight Shard(0); RowwiseParallel: Shard(1)) is quantized on this rank's shard,
+NVFP4 with the whole weight's global scale (one all-reduce), so its blocks are those of the
+unsplit layer. It keeps the split's input and output hooks: forward takes the DTensor the input
+hook makes, runs the op on the local tensors and returns the DTensor the dense layer would
+(column: sharded on the last dim; row: partial sums, with the bias on mesh index 0 only).
+
 The packed buffers keep their dtype through `model.to(dtype)`, `.half()` and the like (_apply): a
 dtype conversion would destroy the bit patterns. The bias, when there is one, is a parameter that
 needs no gradient and follows the model's dtype. Inference only: the ops have no backward.
@@ -78,6 +85,7 @@ class QuantizedLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        self.output_placements: tuple | None = None  # a tensor-parallel shard's (see the module docstring)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: str = "nvfp4", *, fp4_weight: fp4k.Fp4Tensor | None = None
@@ -86,13 +94,19 @@ class QuantizedLinear(nn.Module):
         fp4_weight: an already quantized (e.g. GPTQ-calibrated) weight to use instead."""
         check_format(format)
         w = linear.weight.detach()
+        shard = tensor_parallel_style(linear)
+        if shard is not None:
+            w = w.to_local()
         if w.is_meta:
             raise ValueError("QuantizedLinear.from_linear: the weight is on the meta device (not materialized); "
                              "load the model's weights first, or load a saved quantized model with graphopt.load_quantized")
         if w.numel() and not bool(torch.isfinite(w).all()):
             raise ValueError("QuantizedLinear.from_linear: the weight contains NaN or Inf")
-        has_bias = linear.bias is not None
-        layer = cls(linear.in_features, linear.out_features, format, has_bias, device="meta")
+        bias = linear.bias
+        if shard is not None and bias is not None:  # row-parallel: partial sums, the bias counted once
+            bias = bias.to_local() if shard[0] == "column" or _mesh_index(linear.weight) == 0 else None
+        has_bias = bias is not None
+        layer = cls(w.shape[1], w.shape[0], format, has_bias, device="meta")
         if format == "q4_0":
             qweight, scales = q4k.quantize_weight(w)
             if not bool(torch.isfinite(scales).all()):
@@ -101,20 +115,35 @@ class QuantizedLinear(nn.Module):
             packed = {"qweight": qweight, "scales": scales}
         else:
             if fp4_weight is None:
-                fp4_weight = fp4k.quantize_fp4(w, format, scale_search=FP4_SCALE_SEARCH)
-            elif fp4_weight.format != format or tuple(fp4_weight.shape) != (linear.out_features, linear.in_features):
+                amax = _whole_amax(linear.weight, w) if shard is not None and format == "nvfp4" else None
+                fp4_weight = fp4k.quantize_fp4(w, format, scale_search=FP4_SCALE_SEARCH, tensor_amax=amax)
+            elif fp4_weight.format != format or tuple(fp4_weight.shape) != tuple(w.shape):
                 raise ValueError(f"QuantizedLinear.from_linear: the given weight is {fp4_weight.format} "
-                                 f"{tuple(fp4_weight.shape)}, the layer needs {format} "
-                                 f"({linear.out_features}, {linear.in_features})")
+                                 f"{tuple(fp4_weight.shape)}, the layer needs {format} {tuple(w.shape)}")
             kw = fp4k.to_kernel_layout(fp4_weight)
             packed = {"codes": kw.codes, "scales": kw.scales, "global_scale": kw.global_scale}
         for name, tensor in packed.items():
             layer._buffers[name] = tensor.to(w.device).contiguous()
         if has_bias:
-            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if shard is not None:
+            layer.output_placements = shard[1]
+            for hooks in _HOOK_DICTS:  # the split's input and output hooks come along
+                getattr(layer, hooks).update(getattr(linear, hooks))
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.output_placements is None:
+            return self._local_forward(x)
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(x, DTensor):
+            raise TypeError("QuantizedLinear: this layer is a tensor-parallel shard and takes the DTensor its input "
+                            f"hook (parallelize_module) makes; got a {type(x).__name__}")
+        return DTensor.from_local(self._local_forward(x.to_local()), x.device_mesh, self.output_placements,
+                                  run_check=False)
+
+    def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format == "q4_0":
             return torch.ops.graphopt.q4_linear.default(x, self.qweight, self.scales, self.bias, "fused", "")
         return torch.ops.graphopt.fp4_linear.default(x, self.codes, self.codes, self.scales, self.global_scale, self.bias,
@@ -147,5 +176,50 @@ class QuantizedLinear(nn.Module):
                 self._buffers[name] = self._buffers[name].view(dtypes[name])
 
     def extra_repr(self) -> str:
+        split = "" if self.output_placements is None else f", tensor-parallel shard (output {self.output_placements})"
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, " \
-               f"bias={self.bias is not None}"
+               f"bias={self.bias is not None}{split}"
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+def tensor_parallel_style(linear: nn.Linear) -> tuple[str, tuple] | None:
+    """("column" | "row", the placements of its output) for a linear whose weight is a DTensor split
+    by ColwiseParallel / RowwiseParallel over a 1-D mesh; None for a plain weight. Another split is
+    an error naming the ones quantize_ takes."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    w = linear.weight
+    if not isinstance(w, DTensor):
+        return None
+    if w.device_mesh.ndim == 1 and tuple(w.placements) == (Shard(0),):
+        return "column", (Shard(-1),)
+    if w.device_mesh.ndim == 1 and tuple(w.placements) == (Shard(1),):
+        return "row", (Partial(),)
+    raise ValueError(f"a DTensor weight placed {tuple(w.placements)} on a {w.device_mesh.ndim}-D mesh; quantize_ takes "
+                     "column-parallel (Shard(0)) and row-parallel (Shard(1)) weights on a 1-D mesh (ColwiseParallel, "
+                     "RowwiseParallel)")
+
+
+def local_shape(linear: nn.Linear) -> tuple[int, int]:
+    """(out_features, in_features) of the weight this rank holds."""
+    w = linear.weight
+    w = w.to_local() if tensor_parallel_style(linear) is not None else w
+    return int(w.shape[0]), int(w.shape[1])
+
+
+def _mesh_index(weight) -> int:
+    coordinate = weight.device_mesh.get_coordinate()
+    return coordinate[0] if coordinate else 0
+
+
+def _whole_amax(weight, local: torch.Tensor) -> torch.Tensor:
+    """The largest |value| of the whole split weight: one all-reduce over its mesh (every rank
+    quantizes the same layers in the same order)."""
+    amax = local.abs().amax().to(torch.float32).reshape(1).clone()
+    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=weight.device_mesh.get_group(0))
+    return amax.reshape(())

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from graphopt.quant.linear import FP4_FORMATS, QuantizedLinear, check_format, unsupported_reason
+from graphopt.quant.linear import FP4_FORMATS, QuantizedLinear, check_format, local_shape, unsupported_reason
 
 log = logging.getLogger("graphopt")
 
@@ -60,7 +60,11 @@ def quantize_(model: nn.Module, format: str = "nvfp4", plan=None,
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
-        if (why := unsupported_reason(linear.out_features, linear.in_features, format)) is not None:
+        try:
+            shape = local_shape(linear)  # a tensor-parallel layer: this rank's shard
+        except ValueError as exc:
+            raise ValueError(f"quantize_: layer {name!r}: {exc}") from None
+        if (why := unsupported_reason(*shape, format)) is not None:
             skipped.append(f"{name} ({why})")
             continue
         fp4_weight = _planned(plan_weights, name, format, linear)
@@ -101,6 +105,9 @@ def _planned(plan_weights, name: str, format: str, linear: nn.Linear):
     """The plan's FP4 weight for layer `name`, on the layer's device; None where the plan has none."""
     if plan_weights is None or not plan_weights.has(name):
         return None
+    if local_shape(linear) != (linear.out_features, linear.in_features):
+        raise ValueError(f"quantize_: layer {name!r} is split over tensor-parallel ranks and the plan holds its whole "
+                         "weight; quantize the split model without a plan (each rank quantizes its shard)")
     q, problem = plan_weights.get(name, format, (linear.out_features, linear.in_features))
     if q is None:
         raise ValueError(f"quantize_: plan weights for {name!r}: {problem}")
