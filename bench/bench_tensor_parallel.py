@@ -21,8 +21,10 @@ Loops (--loops), batch 1 by default, CUDA graphs on (mode="reduce-overhead"):
 - generate: HF generate with a static cache and CompileConfig (bench_generate.py's measurement,
   without its HF-overhead column).
 Variants (--variants): inductor (bf16), graphopt (its default passes, bf16), graphopt-fp4
-(fp4_linear on every linear the cost model takes; --force for all). Each rank quantizes its own
-shards (the whole weight's NVFP4 global scale, one all-reduce at compile time).
+(fp4_linear on every linear the cost model takes; --force for all), quantized-fp4 (the split model
+through graphopt.quantize_(format="nvfp4"), which releases the bf16 linears, then graphopt-fp4's
+compile; it runs last in each loop and the model is built again for the next loop). Each rank
+quantizes its own shards, with the whole weight's NVFP4 global scale (one all-reduce).
 
 Per row: tok_s (rank 0's; every rank runs the same steps in lock step), ms_step; peak_gb: each
 rank's torch.cuda.max_memory_allocated over the variant; weight_gb: each rank's weight bytes as
@@ -59,7 +61,7 @@ from bench.common import environment, print_table  # noqa: E402
 from bench.llama_models import SHAPES, build_model, fresh_start, gpu_slug, random_prompt  # noqa: E402
 
 LOOPS = ("decode", "generate")
-VARIANTS = ("inductor", "graphopt", "graphopt-fp4")
+VARIANTS = ("inductor", "graphopt", "graphopt-fp4", "quantized-fp4")
 COLUMNS = ["loop", "variant", "tp", "tok_s", "vs_inductor", "ms_step", "compile_s", "weight_gb", "peak_gb", "identical",
            "ranks_agree", "error"]
 
@@ -87,6 +89,7 @@ def resolve(opts: argparse.Namespace) -> argparse.Namespace:
     opts.dtype = torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
     opts.shapes = (opts.shapes or ("8b" if opts.device.startswith("cuda") else "tiny")).split(",")
     opts.loops, opts.variants = opts.loops.split(","), opts.variants.split(",")
+    opts.variants.sort(key=lambda v: v == "quantized-fp4")  # last: it quantizes the model in place
     opts.mode = opts.mode or ("reduce-overhead" if opts.device.startswith("cuda") else "default")
     for name, values, valid in (("shape", opts.shapes, SHAPES), ("loop", opts.loops, LOOPS),
                                 ("variant", opts.variants, VARIANTS)):
@@ -132,8 +135,11 @@ def parallelize_llama(model: nn.Module, world: int, device: str) -> nn.Module:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """This rank's parameter bytes: its shards of the split weights, the replicated ones whole."""
-    total = 0
+    """This rank's weight bytes: its shards of the split parameters, the replicated ones whole, and
+    the packed buffers of graphopt.quantize_'s layers."""
+    from graphopt.quant import quantized_layers
+
+    total = sum(layer.packed_nbytes for layer in quantized_layers(model).values())
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         total += local.numel() * local.element_size()
@@ -163,6 +169,12 @@ def run_variant(model, prompt, opts, loop: str, variant: str, world: int) -> tup
     from graphopt.compiler import recording_decisions
 
     measure = {"decode": bench_decode_loop.measure, "generate": bench_generate.measure}[loop]
+    compiled_as = variant
+    if variant == "quantized-fp4":
+        import graphopt
+
+        graphopt.quantize_(model, format="nvfp4")
+        compiled_as = "graphopt-fp4"
     fresh_start(opts.device, model)
     if world > 1:
         dist.barrier()
@@ -170,7 +182,7 @@ def run_variant(model, prompt, opts, loop: str, variant: str, world: int) -> tup
     tokens = None
     try:
         with recording_decisions() as decisions, torch.no_grad():
-            result, tokens = measure(model, prompt, opts, variant, opts.mode)
+            result, tokens = measure(model, prompt, opts, compiled_as, opts.mode)
         row.update(tok_s=result["tok_s"], compile_s=result["compile_s"],
                    ms_step=result.get("ms_step") or (1e3 * prompt.shape[0] / result["tok_s"] if result["tok_s"] else None))
         weight_gb = (weight_bytes(model) - saved_bytes(decisions)) / 1e9
@@ -220,11 +232,15 @@ def main() -> None:
     rows: list[dict] = []
     try:
         for shape in opts.shapes:
-            model = build_model(shape, opts.device, opts.dtype, opts.attn, layers=opts.layers)
-            layers = model.config.num_hidden_layers
-            model = parallelize_llama(model, world, opts.device)
-            prompt = random_prompt(model, opts.batch, opts.prompt)
+            model = None
             for loop in opts.loops:
+                if model is None or "quantized-fp4" in opts.variants:  # the last loop left it quantized
+                    model = None
+                    fresh_start(opts.device)
+                    model = parallelize_llama(build_model(shape, opts.device, opts.dtype, opts.attn, layers=opts.layers),
+                                              world, opts.device)
+                layers = model.config.num_hidden_layers
+                prompt = random_prompt(model, opts.batch, opts.prompt)
                 table, reference = [], None
                 for variant in opts.variants:
                     row, tokens = run_variant(model, prompt, opts, loop, variant, world)

@@ -35,6 +35,9 @@ Layers without an entry are quantized at compile time as without a plan.
 Each match records one Decision; applied ones carry `memory_saved_bytes` (dense weight bytes
 minus packed codes + scales), the weight SQNR, the format and the kernel path for this token count.
 Output shape and dtype are unchanged. Inference only (the op has no autograd formula).
+Tensor-parallel linears (DTensor weights; graphopt.passes.tensor_parallel): each rank quantizes its
+shard, NVFP4 with the whole weight's global scale (one all-reduce per layer or sibling group, made
+in the same order on every rank), and the op runs on the local tensors.
 
 ONNX (graphopt.export_onnx, onnx_forms={"graphopt::fp4_linear": "standard" | "runnable"}):
   standard: DequantizeLinear(FLOAT4E2M1 codes, fp32 block scales, axis=1, block_size=32|16)

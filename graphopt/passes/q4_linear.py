@@ -25,6 +25,10 @@ user's forward. q4_tma's Gluon decode is a candidate of the separate mode only u
 more host time per call than the layer's GPU work, while Inductor launches the Triton kernels from
 its generated code.
 
+Tensor-parallel linears (DTensor weights; graphopt.passes.tensor_parallel): each rank quantizes its
+shard (Q4_0 blocks run along the input features, inside a shard whose width is a multiple of 32)
+and the op runs on the local tensors, the collectives after it unchanged.
+
 Activation range: Q8_1 stores each 32-value block's step d = amax / 127 in fp16, byte-for-byte as
 ggml does. A block whose largest magnitude is below about 8e-3 gets a subnormal step (fewer
 significant bits), below about 8e-6 a zero step (the block then contributes nothing), and above

@@ -44,6 +44,10 @@ fastest applicable of our Triton kernel and SDPA's cuDNN / flash / memory-effici
 the roofline cost model or, where `graphopt calibrate` measured the shape, by the measured table
 (graphopt.calibrate.calibrate_attention_table). `attention_backend` in the config forces one.
 
+Tensor parallelism (torch.distributed.tensor): the q/k/v the matcher sees are the local tensors of
+column-parallel projections, so each rank rewrites the attention of its own heads, GQA groups
+whole (a rank holds its query heads' KV heads).
+
 Modules: `match` (the matcher), `masks` (constant evaluation, term checks, the causal proof),
 `choose` (candidates, their estimates, the emulation of SDPA's dispatch), `rewrite`, `onnx` (the
 ONNX translation). The measured table is written by graphopt.calibrate (`graphopt calibrate`).
