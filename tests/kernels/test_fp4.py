@@ -156,6 +156,30 @@ def test_quantize_rejects_bad_input():
         quantize_fp4(torch.randn(32), "nvfp4")
 
 
+@pytest.mark.parametrize("search", [False, True], ids=["amax-rule", "scale-search"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_a_shard_with_the_whole_tensors_amax_quantizes_as_in_the_whole_tensor(fmt, search):
+    """A tensor-parallel shard (rows, or columns on block boundaries) quantized with the whole
+    weight's tensor_amax gets the bytes of that part of the whole weight's quantization."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 192, generator=g) * 0.02
+    w[5, 7] = 0.3  # the whole weight's largest value, in the first row shard and column shard only
+    whole = dequantize_fp4(quantize_fp4(w, fmt, scale_search=search))
+    amax = w.abs().amax()
+    for part, index in ((w[48:], (slice(48, None), slice(None))), (w[:, 96:], (slice(None), slice(96, None)))):
+        shard = dequantize_fp4(quantize_fp4(part, fmt, scale_search=search, tensor_amax=amax))
+        assert torch.equal(shard, whole[index])
+    if fmt == "nvfp4":  # with its own amax the shard's NVFP4 global scale, and so its bytes, differ
+        own = dequantize_fp4(quantize_fp4(w[48:], fmt, scale_search=search))
+        assert not torch.equal(own, whole[48:])
+
+
+def test_tensor_amax_below_the_weights_own_is_refused():
+    w = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="tensor_amax .* is below the weight's own largest"):
+        quantize_fp4(w, "nvfp4", tensor_amax=w.abs().amax() / 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels vs the dequantize-then-matmul reference (float64)
 # ---------------------------------------------------------------------------------------------
