@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -81,6 +82,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="HF attention implementation")
     parser.add_argument("--force", action="store_true", help="graphopt-fp4 with force=True (on CPU, the way to run the rewrite)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/tensor_parallel_<gpu>_tp<N>.json)")
+    parser.add_argument("--summarize", nargs="*", default=None, metavar="JSON",
+                        help="run nothing: compare the result files given (default: this GPU's, every TP size) "
+                             "across tensor-parallel sizes")
     return parser
 
 
@@ -110,7 +114,8 @@ def start_processes(device: str) -> tuple[int, int]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    # a rank that fails leaves the others waiting in a collective: give up after minutes, not NCCL's default
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=datetime.timedelta(minutes=5))
     return rank, world
 
 
@@ -197,7 +202,7 @@ def run_variant(model, prompt, opts, loop: str, variant: str, world: int) -> tup
     if errors:
         row["error"] = errors[0]
         return row, None
-    row.update(peak_gb=[r["peak_gb"] for r in per_rank], weight_gb=[round(r["weight_gb"], 4) for r in per_rank],
+    row.update(peak_gb=[r["peak_gb"] for r in per_rank], weight_gb=[round(r["weight_gb"], 6) for r in per_rank],
                rewrites=per_rank[0]["rewrites"])
     all_tokens = gather(tokens.cpu(), world)
     row["ranks_agree"] = all(torch.equal(t, all_tokens[0]) for t in all_tokens)
@@ -208,24 +213,58 @@ def result_path(opts, world: int) -> Path:
     return Path(opts.out) if opts.out else Path(REPO) / "bench" / "results" / f"tensor_parallel_{gpu_slug()}_tp{world}.json"
 
 
-def write_rows(opts, world: int, rows: list[dict]) -> Path:
-    """Rows merged into the file's: a row replaces the one of the same shape, layers, loop,
-    variant, mode and batch."""
+def _key(row: dict, *fields: str) -> tuple:
+    return tuple(str(row.get(k)) for k in ("shape", "layers", "loop", "mode", "batch", *fields))
+
+
+def write_rows(opts, world: int, rows: list[dict]) -> list[dict]:
+    """Rows merged into the file's (a row replaces the one of the same shape, layers, loop, mode,
+    batch and variant), vs_inductor set from the merged inductor rows; returns all the rows."""
     path = result_path(opts, world)
-    key = lambda r: tuple(str(r.get(k)) for k in ("shape", "layers", "loop", "variant", "mode", "batch"))  # noqa: E731
+    new = {_key(r, "variant") for r in rows}
     kept = []
     if path.exists():
-        kept = [r for r in json.loads(path.read_text()).get("rows", []) if key(r) not in {key(n) for n in rows}]
+        kept = [r for r in json.loads(path.read_text()).get("rows", []) if _key(r, "variant") not in new]
+    merged = kept + rows
+    inductor = {_key(r): r.get("tok_s") for r in merged if r.get("variant") == "inductor"}
+    for row in merged:
+        base = inductor.get(_key(row))
+        row["vs_inductor"] = row["tok_s"] / base if base and row.get("tok_s") else None
     path.parent.mkdir(parents=True, exist_ok=True)
     options = {k: str(v) for k, v in vars(opts).items()}
     environment_info = {**environment(), "world_size": world, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE")}
-    path.write_text(json.dumps({"environment": environment_info, "options": options, "rows": kept + rows}, indent=2,
+    path.write_text(json.dumps({"environment": environment_info, "options": options, "rows": merged}, indent=2,
                                default=str))
-    return path
+    return merged
+
+
+def summarize(paths: list[Path]) -> list[dict]:
+    """One row per shape, layers, loop, mode, batch, variant and TP size, from the result files:
+    tok_s and its ratio to TP = 1 (tp1_x), the largest per-GPU weight_gb and peak_gb and their
+    ratios to TP = 1."""
+    rows = [r for path in paths for r in json.loads(Path(path).read_text()).get("rows", []) if r.get("tok_s")]
+    one = {_key(r, "variant"): r for r in rows if r.get("tp") == 1}
+    table = []
+    for r in sorted(rows, key=lambda r: (_key(r, "variant"), r.get("tp"))):
+        base = one.get(_key(r, "variant"))
+        weight, peak = max(r.get("weight_gb") or [0]), max(r.get("peak_gb") or [0], key=lambda v: v or 0)
+        out = {k: r.get(k) for k in ("loop", "variant", "tp", "tok_s", "vs_inductor")}
+        out.update(weight_gb=weight, peak_gb=peak, shape=f"{r.get('shape')} {r.get('layers')}L")
+        if base:
+            out["tp1_x"] = r["tok_s"] / base["tok_s"]
+            out["weight_vs_tp1"] = weight / max(base.get("weight_gb") or [0]) if base.get("weight_gb") else None
+        table.append(out)
+    print_table("tensor parallel: every TP size (largest per-GPU memory)", table,
+                ["shape", "loop", "variant", "tp", "tok_s", "tp1_x", "vs_inductor", "weight_gb", "weight_vs_tp1", "peak_gb"])
+    return table
 
 
 def main() -> None:
-    opts = resolve(arguments().parse_args())
+    parsed = arguments().parse_args()
+    if parsed.summarize is not None:
+        summarize(parsed.summarize or sorted((Path(REPO) / "bench" / "results").glob(f"tensor_parallel_{gpu_slug()}_tp*.json")))
+        return
+    opts = resolve(parsed)
     if opts.device == "cpu":  # Inductor's OpenMP kernels beside aten's threads: see llama_models.resolve
         torch.set_num_threads(1)
     rank, world = start_processes(opts.device)
@@ -250,17 +289,16 @@ def main() -> None:
                     if tokens is not None and reference is not None:
                         row["identical"] = bool(torch.equal(tokens.cpu(), reference.cpu()))
                     table.append(row)
-                    if rank == 0:
+                    if rank == 0:  # after every variant: a run cut short keeps what it measured
                         print(f"{shape} tp={world} {loop} {variant}: {row.get('tok_s') or 0:.1f} tok/s"
                               f"{'  ' + row['error'] if 'error' in row else ''}", flush=True)
-                base = next((r.get("tok_s") for r in table if r["variant"] == "inductor"), None)
-                for row in table:
-                    row["vs_inductor"] = row["tok_s"] / base if base and row.get("tok_s") else None
+                        merged = write_rows(opts, world, rows + table)
                 rows += table
                 if rank == 0:
+                    table = [r for r in merged if _key(r) == _key(table[0])]  # with rows of earlier invocations
                     print_table(f"tensor parallel {world}, LLaMA {shape} ({layers} layers), {loop}, batch {opts.batch}, "
                                 f"prompt {opts.prompt}, {opts.new_tokens} new tokens, {opts.mode}", table, COLUMNS)
-                    print(f"wrote {write_rows(opts, world, rows)}", flush=True)
+                    print(f"wrote {result_path(opts, world)}", flush=True)
             del model
             fresh_start(opts.device)
     finally:

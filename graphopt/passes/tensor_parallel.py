@@ -90,7 +90,7 @@ def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx
     weight = ctx.example_value(weight_node)
     if not is_dtensor(weight):
         return None
-    _, Shard, Replicate, _ = _dtensor_api()
+    _, Shard, Replicate, Partial = _dtensor_api()
     if kind != "linear":
         return LinearShard(f"DTensor weight used through {kind}: only F.linear of a parallelized nn.Linear is "
                            "rewritten per rank")
@@ -106,11 +106,11 @@ def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx
     w_placements = tuple(weight.placements)
     x_dims = len(getattr(_fake(local_x), "shape", ()))
     last = Shard(x_dims - 1) if x_dims else None
-    in_sharded_last = len(in_placements) == 1 and isinstance(in_placements[0], Shard) and in_placements[0].dim in (-1, x_dims - 1)
+    in_placements = _normalized(in_placements, x_dims)
     if w_placements == (Shard(0),) and in_placements == (Replicate(),):
         style, out = "column-parallel", (last,)
-    elif w_placements == (Shard(1),) and in_sharded_last:
-        style, out = "row-parallel", (_dtensor_api()[3](),)
+    elif w_placements == (Shard(1),) and in_placements == (last,):
+        style, out = "row-parallel", (Partial(),)
     elif w_placements == (Replicate(),) and in_placements == (Replicate(),):
         style, out = "replicated", (Replicate(),)
     else:
@@ -120,7 +120,7 @@ def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx
     if last is None:
         return LinearShard("the local input's shape is unknown")
     recorded = getattr(_fake(node), "placements", None)
-    if recorded is not None and tuple(recorded) != out:
+    if recorded is not None and _normalized(tuple(recorded), x_dims) != out:
         return LinearShard(f"DTensor gives this linear's output the placements {tuple(recorded)}, not the {out} of a "
                            f"{style} linear")
     for dim, placement in enumerate(w_placements):
@@ -135,6 +135,12 @@ def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx
     coordinate = mesh.get_coordinate()
     return LinearShard(None, style, local_x, _node_arg(x, 1, "device_mesh"), out, weight,
                        coordinate[0] if coordinate else 0, mesh.size(0))
+
+
+def _normalized(placements: tuple, ndim: int) -> tuple:
+    """Placements with Shard(-1) and the like written as Shard(ndim - 1)."""
+    Shard = _dtensor_api()[1]
+    return tuple(Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements)
 
 
 def _fake(node: Any) -> Any:
