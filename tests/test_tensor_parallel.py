@@ -62,6 +62,20 @@ def parallelize_llama(model, mesh):
     return model
 
 
+def transformers_parallelize(model, mesh):
+    """The split transformers' own tensor parallelism (from_pretrained(tp_plan="auto"), which needs
+    accelerate) applies to the model: its tp_plan through apply_tensor_parallelism. DTensor
+    parameters, plain local activations, its hooks doing the collectives. None where this
+    transformers has no such API."""
+    try:
+        from transformers.integrations.tensor_parallel import apply_tensor_parallelism
+
+        plan = model._expand_parallel_plan(model._tp_plan)
+    except (ImportError, AttributeError):
+        return None
+    return apply_tensor_parallelism(model, mesh, plan)
+
+
 class BiasedMLP(torch.nn.Module):
     """A column-parallel linear with a bias (split with the weight) and a row-parallel one with a
     bias (added once to the partial sums: by mesh index 0)."""
@@ -128,6 +142,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                     with torch.no_grad():
                         entry["float64"] = tiny_llama(torch.float64)(ids).logits
             results[name] = entry
+        # transformers' own split: each rank's shard multiplied as weight.to_local()
+        hf_model = transformers_parallelize(tiny_llama(), mesh)
+        if hf_model is not None:
+            options = dict(passes={"fp4_linear": True}, **FORCED, **EAGER)
+            report = graphopt.explain(hf_model, ids, **options)
+            results["transformers"] = dict(logits=report.output.logits, decisions=_decisions(report))
+            if rank == 0:
+                results["transformers"]["single"] = graphopt.explain(tiny_llama(), ids, **options).output.logits
         # graphopt.quantize_ on the split model: each rank packs its shards, and the layers keep the split's hooks
         for fmt in ("nvfp4", "q4_0"):
             quantized = graphopt.quantize_(parallelize_llama(tiny_llama(), mesh), format=fmt)
@@ -296,3 +318,19 @@ def test_quantize_packs_each_ranks_shards(runs, fmt):
             torch.testing.assert_close(entry["logits"], single)
             kept = [d for d in entry["decisions"] if d["pass_name"] == "fp4_linear"]
             assert len(kept) == LINEARS and all("already quantized" in d["reason"] for d in kept)
+
+
+def test_transformers_tensor_parallelism(runs):
+    """transformers' own split (its tp_plan): every linear, lm_head included, rewritten on the rank's
+    shard; the logits equal the unsplit model's with the same pass."""
+    if "transformers" not in runs[0]:
+        pytest.skip("this transformers has no apply_tensor_parallelism / _expand_parallel_plan")
+    single = runs[0]["transformers"]["single"]
+    for rank in range(WORLD):
+        entry = runs[rank]["transformers"]
+        torch.testing.assert_close(entry["logits"], single)
+        decisions = [d for d in entry["decisions"] if d["pass_name"] == "fp4_linear"]
+        assert len(decisions) == LINEARS and all(d["applied"] for d in decisions)
+        by_location = {d["location"]: d for d in decisions}
+        assert by_location["model.layers.0.self_attn.o_proj"]["shard"] == f"row-parallel shard 64x32 of 64x64 (mesh index {rank} of 2)"
+        assert by_location["lm_head"]["shard"] == f"column-parallel shard 64x64 of 128x64 (mesh index {rank} of 2)"

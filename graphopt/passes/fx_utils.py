@@ -17,7 +17,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from graphopt.passes.base import PassContext, module_path
-from graphopt.passes.tensor_parallel import LinearShard, linear_shard, local_bias_node, local_example, wrap_local
+from graphopt.passes.tensor_parallel import (LinearShard, linear_shard, local_bias_node, local_example,
+                                             local_shard_parameter, wrap_local)
 
 _FUNCTIONS: dict[Any, str] = {
     operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm", torch.baddbmm: "baddbmm",
@@ -280,7 +281,7 @@ def bias_problem(m: LinearMatch) -> str | None:
     if m.bias_node is None:
         return None
     bias_shape = shape(m.bias_node)  # a DTensor bias: its global shape
-    out_features = m.shard.weight.shape[0] if m.shard is not None else m.out_features
+    out_features = m.shard.weight.shape[0] if m.shard is not None and not m.shard.local_form else m.out_features
     if bias_shape != (out_features,):
         what = "of unknown or symbolic shape" if bias_shape is None else f"of shape {bias_shape}"
         return f"bias {what} is not a ({out_features},) vector, one value per output feature"
@@ -309,9 +310,13 @@ def find_linears(ctx: PassContext) -> list[LinearMatch]:
         kind = canonical(node)
         if kind == "linear":
             x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+            bias = b if isinstance(b, fx.Node) else None
             if _param_2d(ctx, w):
-                bias = b if isinstance(b, fx.Node) else None
                 matches.append(_match(ctx, LinearMatch(node, x, w, False, bias, "linear")))
+            elif (param := local_shard_parameter(ctx, w)) is not None:  # transformers' tensor parallelism
+                m = LinearMatch(node, x, param, False, bias, "linear", (w,))
+                m.shard = linear_shard(ctx, node, x, param, bias, "linear", local_form=True)
+                matches.append(m)
         elif kind == "addmm":
             b, x, w = arg(node, 0, "input"), arg(node, 1, "mat1"), arg(node, 2, "mat2")
             if _param_2d(ctx, w) and arg(node, 3, "beta", 1) == 1 and arg(node, 4, "alpha", 1) == 1:
@@ -329,7 +334,7 @@ def find_linears(ctx: PassContext) -> list[LinearMatch]:
 def _match(ctx: PassContext, m: LinearMatch) -> LinearMatch:
     """`m` with its tensor-parallel shard, if its weight is a DTensor: the input becomes the local one."""
     m.shard = linear_shard(ctx, m.node, m.input, m.weight_node, m.bias_node, m.kind)
-    if m.shard is not None and m.shard.problem is None:
+    if m.shard is not None and m.shard.problem is None and not m.shard.local_form:
         m.extra_nodes = (*m.extra_nodes, m.input)  # the input hook's from_local, erased once unused
         m.input = m.shard.local_input
     return m
@@ -340,7 +345,7 @@ def replace_linear(ctx: PassContext, m: LinearMatch, target: Any, args: tuple, m
     the rank's local tensors (a DTensor bias in `args` read as its local shard), wrapped back into the
     DTensor the linear produced, so the redistribute after it runs its collective as before."""
     matched = [*(matched or []), *m.extra_nodes]
-    if m.shard is None:
+    if m.shard is None or m.shard.local_form:
         return replace_with_call(ctx, m.node, target, args, matched=matched)
     graph = ctx.gm.graph
     if m.bias_node is not None:
@@ -393,7 +398,7 @@ def replace_siblings_with_call(ctx: PassContext, group: list[LinearMatch], targe
         fused = graph.call_function(target, tuple(args))
         parts = graph.call_function(torch.split, (fused, sizes, -1))
         outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(group))]
-    sharded = group[0].shard is not None
+    sharded = group[0].shard is not None and not group[0].shard.local_form
     value = fake(first)
     if sharded:
         _local_meta(fused, group[0], sum(sizes))

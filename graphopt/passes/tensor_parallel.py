@@ -15,7 +15,10 @@ had: Shard(last) for a column-parallel weight (Shard(0) with a replicated input)
 row-parallel one (Shard(1) with an input sharded on its last dim; its bias is added on mesh index 0
 only, so the partial sums add up to one bias). The `redistribute` after it stays, so the
 collectives DTensor inserted (the all-reduce of the partial sums) run unchanged.
-Every other DTensor linear is left alone, with the reason (`LinearShard.problem`).
+transformers' own tensor parallelism (`tp_plan`) keeps DTensor parameters but multiplies plain local
+tensors by `weight.to_local()`, its hooks doing the collectives; such a linear is rewritten in place
+on the same shard, with nothing to wrap. Every other DTensor linear is left alone, with the reason
+(`LinearShard.problem`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class LinearShard:
     weight: torch.Tensor | None = None  # the DTensor parameter
     coordinate: int = 0  # this rank's index along the mesh
     mesh_size: int = 1
+    local_form: bool = False  # the graph already multiplies local tensors by weight.to_local()
 
     @property
     def local_weight(self) -> torch.Tensor:
@@ -84,9 +88,20 @@ def _node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
+def local_shard_parameter(ctx, weight: Any) -> fx.Node | None:
+    """The DTensor parameter behind a linear's weight `W.to_local()` (transformers' tensor
+    parallelism multiplies by the rank's shard that way), else None."""
+    if not (isinstance(weight, fx.Node) and weight.op == "call_method" and weight.target == "to_local"):
+        return None
+    param = weight.args[0]
+    value = ctx.example_value(param) if isinstance(param, fx.Node) and param.op == "placeholder" else None
+    return param if is_dtensor(value) and isinstance(value, torch.nn.Parameter) and value.dim() == 2 else None
+
+
 def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx.Node | None,
-                 kind: str) -> LinearShard | None:
-    """The per-rank form of a linear whose weight is a DTensor parameter, or None for a plain weight."""
+                 kind: str, *, local_form: bool = False) -> LinearShard | None:
+    """The per-rank form of a linear whose weight is a DTensor parameter, or None for a plain weight.
+    local_form: the linear multiplies plain local tensors by `weight_node.to_local()`."""
     weight = ctx.example_value(weight_node)
     if not is_dtensor(weight):
         return None
@@ -98,15 +113,28 @@ def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx
     if mesh.ndim != 1:
         return LinearShard(f"DTensor weight on a {mesh.ndim}-D device mesh: only 1-D (tensor-parallel) meshes are "
                            "rewritten per rank")
+    w_placements = tuple(weight.placements)
+    for dim, placement in enumerate(w_placements):
+        if isinstance(placement, Shard) and weight.shape[placement.dim] % mesh.size(dim):
+            return LinearShard(f"uneven shards: weight dim {placement.dim} of size {weight.shape[placement.dim]} does not "
+                               f"split evenly over {mesh.size(dim)} ranks")
+    coordinate = mesh.get_coordinate()
+    index = coordinate[0] if coordinate else 0
+    if local_form:  # plain tensors in and out; the model's own hooks do the collectives
+        styles = {(Shard(0),): "column-parallel", (Shard(1),): "row-parallel", (Replicate(),): "replicated"}
+        if w_placements not in styles:
+            return LinearShard(f"local shard of a DTensor weight placed {w_placements}: only Shard(0), Shard(1) and "
+                               "Replicate() weights are rewritten per rank")
+        return LinearShard(None, styles[w_placements], x, None, (), weight, index, mesh.size(0), local_form=True)
     if not _is_from_local(x):
         return LinearShard("the DTensor linear's input is not a local tensor wrapped by DTensor.from_local "
                            "(the input hook of ColwiseParallel / RowwiseParallel)")
     local_x = _node_arg(x, 0, "local_tensor")
-    in_placements = tuple(_node_arg(x, 2, "placements") or ())
-    w_placements = tuple(weight.placements)
     x_dims = len(getattr(_fake(local_x), "shape", ()))
-    last = Shard(x_dims - 1) if x_dims else None
-    in_placements = _normalized(in_placements, x_dims)
+    if not x_dims:
+        return LinearShard("the local input's shape is unknown")
+    last = Shard(x_dims - 1)
+    in_placements = _normalized(tuple(_node_arg(x, 2, "placements") or ()), x_dims)
     if w_placements == (Shard(0),) and in_placements == (Replicate(),):
         style, out = "column-parallel", (last,)
     elif w_placements == (Shard(1),) and in_placements == (last,):
@@ -117,24 +145,16 @@ def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx
         return LinearShard(f"DTensor placements input {in_placements}, weight {w_placements}: only column-parallel "
                            "(replicated input, Shard(0) weight) and row-parallel (input sharded on its last dim, "
                            "Shard(1) weight) linears are rewritten per rank")
-    if last is None:
-        return LinearShard("the local input's shape is unknown")
     recorded = getattr(_fake(node), "placements", None)
     if recorded is not None and _normalized(tuple(recorded), x_dims) != out:
         return LinearShard(f"DTensor gives this linear's output the placements {tuple(recorded)}, not the {out} of a "
                            f"{style} linear")
-    for dim, placement in enumerate(w_placements):
-        if isinstance(placement, Shard) and weight.shape[placement.dim] % mesh.size(dim):
-            return LinearShard(f"uneven shards: weight dim {placement.dim} of size {weight.shape[placement.dim]} does not "
-                               f"split evenly over {mesh.size(dim)} ranks")
     if bias_node is not None:
         bias = ctx.example_value(bias_node)
         wanted = (Shard(0),) if style == "column-parallel" else (Replicate(),)
         if not is_dtensor(bias) or tuple(bias.placements) != wanted:
             return LinearShard(f"{style} linear whose bias is not a DTensor parameter placed {wanted}")
-    coordinate = mesh.get_coordinate()
-    return LinearShard(None, style, local_x, _node_arg(x, 1, "device_mesh"), out, weight,
-                       coordinate[0] if coordinate else 0, mesh.size(0))
+    return LinearShard(None, style, local_x, _node_arg(x, 1, "device_mesh"), out, weight, index, mesh.size(0))
 
 
 def _normalized(placements: tuple, ndim: int) -> tuple:
@@ -152,7 +172,8 @@ def _fake(node: Any) -> Any:
 def head_shard(query: fx.Node, max_depth: int = 32) -> tuple[int, int] | None:
     """(mesh index, mesh size) where `query`, a (B, H, L, D) attention query, holds this rank's
     contiguous share of the heads: its nearest ancestor that leaves DTensor (`to_local`) reads the
-    output of a column-parallel projection, sharded on its last dim over a 1-D mesh. Else None."""
+    output of a column-parallel projection, sharded on its last dim over a 1-D mesh, or the
+    projection's Shard(0) weight itself (transformers' tensor parallelism). Else None."""
     api = _dtensor_api()
     if api is None:
         return None
@@ -165,7 +186,8 @@ def head_shard(query: fx.Node, max_depth: int = 32) -> tuple[int, int] | None:
             if not is_dtensor(value) or value.device_mesh.ndim != 1 or len(value.placements) != 1:
                 return None
             placement = value.placements[0]
-            if not isinstance(placement, Shard) or placement.dim not in (-1, value.dim() - 1):
+            weight = nearest[0].args[0].op == "placeholder" and value.dim() == 2
+            if not isinstance(placement, Shard) or placement.dim not in ((0,) if weight else (-1, value.dim() - 1)):
                 return None
             coordinate = value.device_mesh.get_coordinate()
             return (coordinate[0] if coordinate else 0), value.device_mesh.size(0)
@@ -231,5 +253,5 @@ def all_ranks_agree(shard: LinearShard, ok: bool) -> bool:
     return bool(flag.item() > 0)
 
 
-__all__ = ["LinearShard", "linear_shard", "head_shard", "is_dtensor", "rank_and_world", "local_bias_node", "wrap_local",
+__all__ = ["LinearShard", "linear_shard", "local_shard_parameter", "head_shard", "is_dtensor", "rank_and_world", "local_bias_node", "wrap_local",
            "local_example", "all_ranks_amax", "all_ranks_agree"]
