@@ -150,6 +150,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             results["transformers"] = dict(logits=report.output.logits, decisions=_decisions(report))
             if rank == 0:
                 results["transformers"]["single"] = graphopt.explain(tiny_llama(), ids, **options).output.logits
+            try:
+                graphopt.quantize_(hf_model, format="nvfp4")
+            except ValueError as exc:
+                results["transformers"]["quantize_error"] = str(exc)
         # graphopt.quantize_ on the split model: each rank packs its shards, and the layers keep the split's hooks
         for fmt in ("nvfp4", "q4_0"):
             quantized = graphopt.quantize_(parallelize_llama(tiny_llama(), mesh), format=fmt)
@@ -334,3 +338,6 @@ def test_transformers_tensor_parallelism(runs):
         by_location = {d["location"]: d for d in decisions}
         assert by_location["model.layers.0.self_attn.o_proj"]["shard"] == f"row-parallel shard 64x32 of 64x64 (mesh index {rank} of 2)"
         assert by_location["lm_head"]["shard"] == f"column-parallel shard 64x64 of 128x64 (mesh index {rank} of 2)"
+        # quantize_ cannot keep the forward transformers' split replaces, and says so
+        assert "layer 'model.layers.0.self_attn.q_proj'" in entry["quantize_error"]
+        assert "transformers' own tensor parallelism" in entry["quantize_error"]

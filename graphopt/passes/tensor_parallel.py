@@ -114,18 +114,18 @@ def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx
         return LinearShard(f"DTensor weight on a {mesh.ndim}-D device mesh: only 1-D (tensor-parallel) meshes are "
                            "rewritten per rank")
     w_placements = tuple(weight.placements)
-    for dim, placement in enumerate(w_placements):
-        if isinstance(placement, Shard) and weight.shape[placement.dim] % mesh.size(dim):
-            return LinearShard(f"uneven shards: weight dim {placement.dim} of size {weight.shape[placement.dim]} does not "
-                               f"split evenly over {mesh.size(dim)} ranks")
     coordinate = mesh.get_coordinate()
     index = coordinate[0] if coordinate else 0
-    if local_form:  # plain tensors in and out; the model's own hooks do the collectives
+    if local_form:  # plain tensors in and out (the shard's own shape, even or not); the model's hooks communicate
         styles = {(Shard(0),): "column-parallel", (Shard(1),): "row-parallel", (Replicate(),): "replicated"}
         if w_placements not in styles:
             return LinearShard(f"local shard of a DTensor weight placed {w_placements}: only Shard(0), Shard(1) and "
                                "Replicate() weights are rewritten per rank")
         return LinearShard(None, styles[w_placements], x, None, (), weight, index, mesh.size(0), local_form=True)
+    for dim, placement in enumerate(w_placements):  # from_local below assumes even shards
+        if isinstance(placement, Shard) and weight.shape[placement.dim] % mesh.size(dim):
+            return LinearShard(f"uneven shards: weight dim {placement.dim} of size {weight.shape[placement.dim]} does not "
+                               f"split evenly over {mesh.size(dim)} ranks")
     if not _is_from_local(x):
         return LinearShard("the DTensor linear's input is not a local tensor wrapped by DTensor.from_local "
                            "(the input hook of ColwiseParallel / RowwiseParallel)")

@@ -196,6 +196,11 @@ def tensor_parallel_style(linear: nn.Linear) -> tuple[str, tuple] | None:
     w = linear.weight
     if not isinstance(w, DTensor):
         return None
+    if "forward" in vars(linear):  # transformers' tensor parallelism replaces the layer's forward
+        raise ValueError("a layer split by transformers' own tensor parallelism (tp_plan), whose replaced forward a "
+                         "QuantizedLinear cannot keep; quantize_ takes layers split with torch's parallelize_module "
+                         "(ColwiseParallel, RowwiseParallel). Under transformers' split, compile with the fp4_linear "
+                         "or q4_linear pass instead: it quantizes each rank's shard")
     if w.device_mesh.ndim == 1 and tuple(w.placements) == (Shard(0),):
         return "column", (Shard(-1),)
     if w.device_mesh.ndim == 1 and tuple(w.placements) == (Shard(1),):
