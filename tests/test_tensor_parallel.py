@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -128,7 +127,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
         results: dict = {}
         plan_dir = Path(out_dir) / f"plan{rank}"
-        plan_dir.mkdir()
+        plan_dir.mkdir(exist_ok=True)
         plan = str(write_plan(plan_dir))
         for name, options in CASES.items():
             options = {**options, "plan": plan} if name == PLANNED else options
@@ -196,13 +195,21 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    """What each rank recorded, by rank."""
+def runs(tmp_path_factory) -> list[dict]:
+    """What each rank recorded, by rank. One spawn per test session: under pytest-xdist the workers
+    share the session's directory, and the first to take the lock runs it for all."""
     import torch.multiprocessing as mp
+    from filelock import FileLock
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, not an older one's
+    out_dir = shared / "tensor_parallel"
+    with FileLock(str(shared / "tensor_parallel.lock")):
+        if not (out_dir / "done").exists():
+            out_dir.mkdir(exist_ok=True)
+            mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+            (out_dir / "done").touch()
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
 def _sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
