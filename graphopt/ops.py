@@ -128,7 +128,8 @@ def _attention_merge_causal(q, k, bias):
     return bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
 
 
-def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups: int, backend: str):
+def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups: int, backend: str,
+                    dropout_p: float = 0.0):
     import torch.nn.functional as F
 
     if bias is not None:
@@ -147,6 +148,8 @@ def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups:
         v = v.repeat_interleave(num_kv_groups, dim=1)
         gqa = False
     kwargs = dict(attn_mask=bias, is_causal=is_causal, scale=scale)
+    if dropout_p:
+        kwargs["dropout_p"] = dropout_p
     if gqa:
         kwargs["enable_gqa"] = True
     if on_cpu or backend in ("sdpa_cpu", "triton"):
@@ -162,6 +165,17 @@ def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups:
         context = sdpa_kernel(order)
     with context:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def attention_with_dropout(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups: int, dropout_p: float):
+    """softmax(scale * q @ k^T + bias), dropout with probability `dropout_p` on it (survivors scaled
+    by 1 / (1 - p), as F.dropout), @ v: graphopt::attention's arguments plus the dropout, through
+    SDPA's dropout_p and PyTorch's own backend choice. A plain function, not an op: a compiler
+    traces it into its SDPA call, whose random mask its backward reuses."""
+    _attention_check(q, k, v, bias, num_kv_groups, "sdpa_cpu")
+    if not 0 < dropout_p < 1:
+        raise ValueError(f"attention_with_dropout: dropout_p must be in (0, 1), got {dropout_p!r}")
+    return _attention_sdpa(q, k, v, bias, scale, is_causal, num_kv_groups, "sdpa_cpu", dropout_p)
 
 
 # Defined with torch.library.Library (not custom_op) for its host path. Its Autograd kernel

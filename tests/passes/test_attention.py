@@ -355,14 +355,15 @@ def test_probabilities_used_elsewhere_is_declined():
     assert "users" in declined(ReturnsProbabilities(), *qkv()).reason
 
 
-def test_dropout_active_in_training_is_declined():
+def test_dropout_active_in_training_is_declined_with_the_option_off():
     padding = torch.ones(B, L)
     module = BertStyleAttention(dropout_p=0.0).train()  # p=0 in training: inactive, rewritten
     compile_and_compare(module, *qkv(), padding)
     module = BertStyleAttention(dropout_p=0.5).train()
-    report = graphopt.explain(module, *qkv(), padding, downstream="eager")
+    report = graphopt.explain(module, *qkv(), padding, downstream="eager", attention_dropout=False)
     (d,) = report.declined("attention")
     assert "dropout active in training" in d.reason and report.counts["attention"] == 0
+    assert "attention_dropout=True" in d.reason  # what would rewrite it
 
 
 class FiveDimBias(nn.Module):

@@ -51,6 +51,8 @@ ONNX translation). The measured table is written by graphopt.calibrate (`graphop
 
 from __future__ import annotations
 
+import copy
+
 import torch.fx as fx
 
 from graphopt.cost.attention import attention_key
@@ -68,6 +70,8 @@ from graphopt.passes.attention.masks import MaskTerm, evaluate_constant
 from graphopt.passes.attention.match import AttentionMatch, find_attention
 from graphopt.passes.attention.rewrite import rewrite_attention
 from graphopt.passes.base import GraphPass, PassContext
+from graphopt.passes.fx_utils import dtype
+from graphopt.passes.subgraphs import BodyContext, higher_order_bodies, is_checkpoint, op_name
 
 
 class AttentionPass(GraphPass):
@@ -75,14 +79,46 @@ class AttentionPass(GraphPass):
     lossless = True
 
     def run(self, ctx: PassContext) -> None:
+        self._run_graph(ctx)
+        self._run_bodies(ctx)
+
+    def _run_bodies(self, ctx: PassContext) -> None:
+        """Attention inside activation-checkpointed regions: Dynamo puts each region's code in a body
+        GraphModule called through tag_activation_checkpoint, rewritten here like the graph itself
+        (the checkpoint recomputes the rewritten body in the backward). Other higher-order ops'
+        bodies are left alone, and each attention found in one is declined with the reason."""
+        for call, body in higher_order_bodies(ctx.gm):
+            sub = BodyContext(ctx, call, body)
+            if not is_checkpoint(call):
+                for match in find_attention(sub):
+                    node = match.output if match.output is not None else match.softmax
+                    ctx.record(self.name, False, f"attention inside the body of the higher-order op {op_name(call)}: "
+                               "graphopt rewrites inside activation-checkpointed regions only; call the attention "
+                               "outside that op to have it rewritten", node=node)
+                continue
+            snapshot = copy.deepcopy(body.graph)
+            try:
+                self.run(sub)
+                body.graph.lint()
+                body.recompile()
+            except Exception:
+                body.graph = snapshot
+                body.recompile()
+                raise
+
+    def _run_graph(self, ctx: PassContext) -> None:
         replaced: dict[fx.Node, fx.Node] = {}  # rewritten attention outputs -> their replacements
-        for match in find_attention(ctx):
+        for match in find_attention(ctx, allow_dropout=ctx.config.attention_dropout and not ctx.for_export):
             node = match.output if match.output is not None else match.softmax
             if match.reason is not None:
                 ctx.record(self.name, False, match.reason, node=node)
                 continue
             if not match.follow(replaced):
                 ctx.record(self.name, False, "overlaps an attention rewritten before it", node=node)
+                continue
+            if match.dropout_p:
+                self._rewrite_with_dropout(ctx, match, node)
+                replaced[match.output] = match.replaced_by
                 continue
             before, candidates, rejected, note = choose_implementation(ctx, match)
             forced = ctx.config.attention_backend
@@ -140,6 +176,39 @@ class AttentionPass(GraphPass):
                 ctx.decisions.remove(decision)
                 raise
             replaced[match.output] = match.replaced_by
+
+
+    def _rewrite_with_dropout(self, ctx: PassContext, match: AttentionMatch, node: fx.Node) -> None:
+        """Attention with dropout active on its probabilities -> SDPA with dropout_p, which PyTorch
+        dispatches itself (our kernels take no dropout): another random mask, the same distribution."""
+        before, candidates, rejected, _ = choose_implementation(ctx, match)
+        sdpa = {name: e for name, e in candidates.items() if name in ("sdpa_cpu", "flash", "cudnn", "efficient")}
+        dims = match.dims()
+        choice = None
+        if dims is not None:
+            choice = default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], bool(match.terms), dims[4],
+                                          lq=dims[3], is_causal=match.is_causal)
+        if choice not in sdpa:
+            choice = min(sdpa, key=lambda name: sdpa[name].ms) if sdpa else None
+        after = sdpa.get(choice)
+        if before is not None and after is not None:
+            ok, why = self.accept(ctx, before, after)
+        else:
+            ok, why = True, "symbolic shapes: fused attention assumed faster (it reads Q, K, V once)"
+        if not ok:
+            ctx.record(self.name, False, why, node=node, before=before, after=after)
+            return
+        why = f"{why}; dropout p={match.dropout_p:g} through SDPA's dropout_p (another random mask than eager's, " \
+              "the same distribution)"
+        decision = ctx.record(self.name, True, why, node=node, before=before, after=after, implementation=choice,
+                              source="hand-written", emitted="F.scaled_dot_product_attention (dropout_p)",
+                              dropout_p=match.dropout_p, is_causal=match.is_causal, num_kv_groups=match.num_kv_groups,
+                              scale=match.scale, bias=_bias_kind(match), rejected=rejected, notes=list(match.notes))
+        try:
+            rewrite_attention(ctx, match, backend=choice)
+        except Exception:
+            ctx.decisions.remove(decision)
+            raise
 
 
 PASS = AttentionPass()

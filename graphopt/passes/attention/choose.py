@@ -71,8 +71,8 @@ def _kernel_operands(match: AttentionMatch):
     q, k, v = fake(match.q), fake(match.k), fake(match.v)
     if match.k_transposed:
         k = k.transpose(-2, -1)
-    if match.batched_3d:
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if match.batched_3d:  # (B*H, L, D) as the rewrite passes it: (B, H, L, D) or (1, B*H, L, D)
+        q, k, v = (t.unflatten(0, (-1, match.heads)) if match.heads else t.unsqueeze(0) for t in (q, k, v))
     bias = None
     if match.terms and match.scores_shape:
         bias_dtype = torch.bool if _bias_kind(match) == "bool" else q.dtype
