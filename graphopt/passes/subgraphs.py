@@ -25,17 +25,16 @@ def is_checkpoint(call: fx.Node) -> bool:
 
 
 def higher_order_bodies(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule]]:
-    """(call, body) for every higher-order op call in `gm` whose first operand is a GraphModule
-    attribute (the body it runs)."""
+    """(call, body) for every GraphModule attribute of `gm` that a higher-order op call takes (the
+    body it runs; torch.cond takes two)."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
             continue
-        first = node.args[0] if node.args else None
-        if not isinstance(first, fx.Node) or first.op != "get_attr":
-            continue
-        body = getattr(gm, str(first.target), None)
-        if isinstance(body, fx.GraphModule):
-            yield node, body
+        for operand in node.args:
+            if isinstance(operand, fx.Node) and operand.op == "get_attr":
+                body = getattr(gm, str(operand.target), None)
+                if isinstance(body, fx.GraphModule):
+                    yield node, body
 
 
 def op_name(call: fx.Node) -> str:
@@ -44,12 +43,13 @@ def op_name(call: fx.Node) -> str:
 
 class BodyContext(PassContext):
     """A PassContext for the body of a higher-order op call in `parent`'s graph: decisions and
-    guards go to the parent; a body placeholder fed by a parent placeholder reads (and guards) that
-    input, so masks built from buffers are evaluated as in the enclosing graph."""
+    guards go to the parent. In an activation checkpoint's body, a placeholder fed by a parent
+    placeholder reads (and guards) that input, so masks built from buffers are evaluated as in the
+    enclosing graph; other bodies' placeholders read as inputs."""
 
     def __init__(self, parent: PassContext, call: fx.Node, body: fx.GraphModule):
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        operands = list(call.args[1:])
+        operands = list(call.args[1:]) if is_checkpoint(call) else []  # checkpoint(body, *operands)
         self._outer = {p: o for p, o in zip(placeholders, operands) if isinstance(o, fx.Node) and o.op == "placeholder"}
         inputs = [parent.example_value(self._outer[p]) if p in self._outer else fake(p) for p in placeholders]
         super().__init__(body, inputs, parent.config, parent.hardware)
