@@ -137,8 +137,12 @@ def match_sdpa(ctx: PassContext, node: fx.Node) -> AttentionMatch:
             match.reason = f"SDPA with scale {scale!r}: not a positive constant"
             return match
         match.scale = value
+    vs = size_hints(v)
     if nq == 4 and qs[1] != ks[1]:
-        if not enable_gqa or ks[1] == 0 or qs[1] % ks[1]:
+        # one K/V head broadcast over every query head (multi-query attention written without
+        # enable_gqa, as Falcon does) is K/V grouping too
+        broadcast = ks[1] == 1 and vs is not None and vs[1] == 1
+        if not (enable_gqa or broadcast) or ks[1] == 0 or qs[1] % ks[1]:
             match.reason = f"SDPA with {qs[1]} query heads and {ks[1]} key heads (enable_gqa={enable_gqa})"
             return match
         match.num_kv_groups = qs[1] // ks[1]
