@@ -1,8 +1,10 @@
 """The attention pass on the `transformers` families whose attention is written other than
 LLaMA's (tiny random configs, eager attention, CPU, fp32): BLOOM (ALiBi through baddbmm on
 (B*H, L, D) tensors), Falcon (multi-query, ALiBi, grouped heads, and its SDPA calls without
-enable_gqa), and SigLIP (its encoder, and its pooling head's nn.MultiheadAttention). Every attention
-is rewritten, logits are within 2e-4 of eager, and gradients match."""
+enable_gqa), SigLIP (its encoder, and its pooling head's nn.MultiheadAttention), and Gemma 2
+(soft-capped scores, which only graphopt's Triton kernel takes: compiled for an H100 target, whose
+op runs its torch reference on the CPU). Every attention is rewritten, logits are within 2e-4 of
+eager, and gradients match."""
 
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ def build(family: str, **variant):
         config = T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=97, **variant)
     elif family == "falcon":
         config = T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=97, **variant)
+    elif family == "gemma2":
+        config = T.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0, sliding_window=8,
+                                vocab_size=97, **variant)
     elif family == "siglip":
         config = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       image_size=32, patch_size=8)
@@ -71,7 +77,15 @@ FAMILIES = {
     "falcon_grouped_heads": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
     "falcon_sdpa_multi_query": ("falcon", {"multi_query": True, "attn_implementation": "sdpa"}),
     "siglip_with_pooling_head": ("siglip", {}),
+    "gemma2_soft_capped": ("gemma2", {}),
 }
+# where the family's attention needs graphopt's Triton kernel (fp32 through TF32, allowed here)
+TARGETS = {"gemma2_soft_capped": dict(target="h100", graph_replay=True)}
+
+
+@pytest.fixture(autouse=True)
+def _tf32(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -79,22 +93,25 @@ def test_every_attention_is_rewritten_and_logits_match(name):
     family, variant = FAMILIES[name]
     model, x, n_attention = build(family, **dict(variant))
     model.eval()
-    report = graphopt.explain(model, x, downstream="eager")
+    report = graphopt.explain(model, x, downstream="eager", **TARGETS.get(name, {}))
     attention = [d for d in report.decisions if d.pass_name == "attention"]
     assert report.counts["attention"] == n_attention == len(attention), str(report)
+    if family == "gemma2":
+        assert all(d.implementation == "triton" and d.details["softcap"] == 50.0 for d in attention)
     with torch.no_grad():
         expected = model(x)
     torch.testing.assert_close(report.output, expected, atol=2e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["bloom_padded", "falcon_alibi", "falcon_grouped_heads", "siglip_with_pooling_head"])
+@pytest.mark.parametrize("name", ["bloom_padded", "falcon_alibi", "falcon_grouped_heads", "siglip_with_pooling_head",
+                                  "gemma2_soft_capped"])
 def test_gradients_match_eager(name):
     family, variant = FAMILIES[name]
     model, x, n_attention = build(family, **dict(variant))
     model.train()  # attention dropout p=0 in these configs: the pass still applies
     eager, trained = copy.deepcopy(model), copy.deepcopy(model)
     with backend_module.recording_decisions(reset=True) as decisions:
-        out = torch.compile(trained, backend="graphopt", options={"downstream": "eager"})(x)
+        out = torch.compile(trained, backend="graphopt", options={"downstream": "eager", **TARGETS.get(name, {})})(x)
     assert sum(d.applied for d in decisions if d.pass_name == "attention") == n_attention
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
     if variant.get("padded"):

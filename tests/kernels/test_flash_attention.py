@@ -232,7 +232,7 @@ def test_supports_accepts_real_model_shapes():
 
 
 def test_supports_needs_cuda_outside_the_interpreter(monkeypatch):
-    monkeypatch.setattr(fa, "_INTERPRET", False)
+    monkeypatch.setattr(fa.reference, "_INTERPRET", False)
     q = torch.empty(1, 2, 8, 64)
     ok, why = supports(q, q, q)
     assert not ok and "CUDA device" in why

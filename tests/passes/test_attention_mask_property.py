@@ -12,7 +12,6 @@ import warnings
 import pytest
 import torch
 
-import graphopt
 from graphopt import compiler as backend_module
 
 hypothesis = pytest.importorskip("hypothesis")

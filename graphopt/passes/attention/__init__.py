@@ -66,12 +66,12 @@ from graphopt.passes.attention.choose import (
     native_sdpa_backend,
     sdpa_applicable,
 )
-from graphopt.passes.attention.masks import MaskTerm, evaluate_constant
+from graphopt.passes.attention.masks import MaskTerm, alibi_slopes, evaluate_constant
 from graphopt.passes.attention.match import AttentionMatch, find_attention
 from graphopt.passes.attention.mha import expand_multi_head_attention
 from graphopt.passes.attention.rewrite import rewrite_attention
 from graphopt.passes.base import GraphPass, PassContext
-from graphopt.passes.fx_utils import dtype
+from graphopt.passes.fx_utils import dtype, fake
 from graphopt.passes.subgraphs import BodyContext, higher_order_bodies, is_checkpoint, op_name
 
 
@@ -123,6 +123,11 @@ class AttentionPass(GraphPass):
                 replaced[match.output] = match.replaced_by
                 continue
             before, candidates, rejected, note = choose_implementation(ctx, match)
+            if not candidates and match.softcap:
+                ctx.record(self.name, False, "soft-capped scores (Gemma 2): " + "; ".join(
+                    f"{name}: {why}" for name, why in rejected.items() if name in ("triton", "sdpa_cpu", "cudnn")),
+                    node=node, before=before)
+                continue
             forced = ctx.config.attention_backend
             on_cpu = not ctx.hardware.is_gpu
             if forced != "auto" and not on_cpu:
@@ -163,12 +168,15 @@ class AttentionPass(GraphPass):
                 why = f"attention_backend={forced!r} forced; {why}"
             if note:
                 why = f"{why}; {note}"
+            if choice == "triton" and not ctx.for_export:
+                self._alibi_to_kernel(ctx, match)
             native = native_sdpa_backend(ctx, match) == choice
             details = dict(source="sdpa" if match.from_sdpa else "hand-written",
                            emitted=("F.scaled_dot_product_attention" if native else
                                     "graphopt::decode_attention" if choice == "triton_decode" else "graphopt::attention"),
                            is_causal=match.is_causal, num_kv_groups=match.num_kv_groups, scale=match.scale,
-                           bias=_bias_kind(match), candidates={k: round(v.ms, 6) for k, v in candidates.items()},
+                           bias=_bias_kind(match), softcap=match.softcap, alibi=match.alibi is not None,
+                           candidates={k: round(v.ms, 6) for k, v in candidates.items()},
                            rejected=rejected, notes=list(match.notes))
             decision = ctx.record(self.name, True, why, node=node, before=before, after=after,
                                   implementation=choice, **details)
@@ -180,9 +188,34 @@ class AttentionPass(GraphPass):
             replaced[match.output] = match.replaced_by
 
 
+    @staticmethod
+    def _alibi_to_kernel(ctx: PassContext, match: AttentionMatch) -> None:
+        """A constant ALiBi bias term becomes the Triton kernel's ALiBi: per-head slopes it turns into
+        slope * (j - i) itself, reading no bias."""
+        dims = match.dims()
+        if dims is None:
+            return
+        _, heads, _, len_q, len_k, _, _ = dims
+        for term in match.terms:
+            slopes = alibi_slopes(ctx, term, heads, len_q, len_k)
+            if slopes is None:
+                continue
+            try:
+                match.alibi = ctx.add_constant(slopes.to(fake(match.q).device), "alibi_slopes")
+            except NotImplementedError:  # no constants in a higher-order op's body: it stays a bias
+                return
+            match.terms.remove(term)
+            match.dropped.append(term.node)
+            match.notes.append("constant ALiBi bias -> the Triton kernel's ALiBi (per-head slopes)")
+            return
+
     def _rewrite_with_dropout(self, ctx: PassContext, match: AttentionMatch, node: fx.Node) -> None:
         """Attention with dropout active on its probabilities -> SDPA with dropout_p, which PyTorch
         dispatches itself (our kernels take no dropout): another random mask, the same distribution."""
+        if match.softcap:
+            ctx.record(self.name, False, f"soft-capped scores with dropout p={match.dropout_p:g}: SDPA, which draws "
+                       "the dropout, has no soft-capping", node=node)
+            return
         before, candidates, rejected, _ = choose_implementation(ctx, match)
         sdpa = {name: e for name, e in candidates.items() if name in ("sdpa_cpu", "flash", "cudnn", "efficient")}
         dims = match.dims()

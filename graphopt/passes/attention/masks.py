@@ -320,3 +320,33 @@ def _guard_state(ctx: PassContext, nodes: list[fx.Node]) -> None:
     """Buffers whose compile-time value we relied on: recompile if they change in place."""
     for node in nodes:
         ctx.guard_tensor(node)
+
+
+def alibi_slopes(ctx: PassContext, term: MaskTerm, heads: int, len_q: int, len_k: int) -> torch.Tensor | None:
+    """Per-head slopes (H,) float32 when `term` is a constant ALiBi bias: on every query row of
+    head h, slope_h * j plus a constant (BLOOM's slope * j, MPT's slope * (j - Lk + 1), or slope *
+    (j - i)), broadcast over the batch. None for any other term. The buffers read are guarded."""
+    if term.kind != "add" or term.merged_heads or len_k < 2:
+        return None
+    used: list[fx.Node] = []
+    try:
+        value = evaluate_constant(ctx, term.node, used)
+    except Exception:
+        return None
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() > 4:
+        return None
+    value = value.detach().double() * term.multiplier
+    value = value.reshape((1,) * (4 - value.dim()) + tuple(value.shape))
+    if value.shape[0] != 1 or value.shape[1] not in (1, heads) or value.shape[2] not in (1, len_q) or value.shape[3] != len_k:
+        return None
+    value = value[0]  # (H or 1, Lq or 1, Lk)
+    if not torch.isfinite(value).all():
+        return None
+    slopes = ((value[..., -1] - value[..., 0]) / (len_k - 1)).mean(-1)  # (H or 1,)
+    j = torch.arange(len_k, dtype=torch.float64, device=value.device)
+    fitted = slopes[:, None, None] * j + value[..., :1]
+    # the ALiBi the kernel computes differs from the stored bias by its float32 rounding only
+    if (slopes == 0).all() or float((value - fitted).abs().max()) > 4 * 2.0 ** -24 * float(value.abs().max()):
+        return None
+    _guard_state(ctx, used)
+    return slopes.expand(heads).float().contiguous()

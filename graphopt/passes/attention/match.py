@@ -28,6 +28,7 @@ class AttentionMatch:
     `batched_3d` says the graph works on (B*H, L, D) tensors: the rewrite adds a leading dim, or
     splits the first into (B, `heads`) where the scores were viewed as (B, H, Lq, Lk) on the way.
     `dropout_p` > 0: dropout active on the probabilities (rewritten only with attention_dropout).
+    `softcap` > 0: the scores are softcap * tanh(scale * q.k / softcap) before the mask terms.
     """
 
     softmax: fx.Node
@@ -54,6 +55,8 @@ class AttentionMatch:
     heads: int = 0  # H of a (B*H, ...) <-> (B, H, ...) view of the scores or probabilities
     heads_node: fx.Node | None = None  # the 4-D side of that view (its H is guarded by the rewrite)
     dropout_p: float = 0.0
+    softcap: float = 0.0  # > 0: the scores are soft-capped, softcap * tanh(scale * q.k / softcap)
+    alibi: fx.Node | None = None  # per-head ALiBi slopes (H,) for the Triton kernel, from a constant bias term
     size_guards: list = field(default_factory=list)  # symbolic sizes a baked scale was computed from
 
     def follow(self, replaced: dict[fx.Node, fx.Node]) -> bool:

@@ -60,7 +60,7 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
             new = graph.call_function(attention_with_dropout, (q, k, v, bias, float(match.scale), bool(match.is_causal),
                                                                int(match.num_kv_groups), float(match.dropout_p)))
         elif native:
-            if bias is not None or match.num_kv_groups != 1:
+            if bias is not None or match.num_kv_groups != 1 or match.softcap:
                 raise ValueError("a native SDPA rewrite takes no mask and no K/V head grouping")
             new = graph.call_function(F.scaled_dot_product_attention, (q, k, v),
                                       {"is_causal": bool(match.is_causal), "scale": float(match.scale)})
@@ -70,9 +70,12 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
             new = graph.call_function(torch.ops.graphopt.decode_attention.default,
                                       (q, k, v, bias, float(match.scale), splits))
         else:
+            variants = ()  # the op's defaults: no soft-capping, no ALiBi
+            if match.softcap or match.alibi is not None:
+                variants = (float(match.softcap),) + ((match.alibi,) if match.alibi is not None else ())
             new = graph.call_function(
                 torch.ops.graphopt.attention.default,
-                (q, k, v, bias, float(match.scale), bool(match.is_causal), int(match.num_kv_groups), backend),
+                (q, k, v, bias, float(match.scale), bool(match.is_causal), int(match.num_kv_groups), backend, *variants),
             )
         out = new
         if match.batched_3d:

@@ -230,6 +230,7 @@ def walk_up(ctx: PassContext, match: Any) -> None:
     node = match.softmax.args[0] if match.softmax.args else match.softmax.kwargs.get("input")
     multiplier = 1.0  # product of the scales applied between this point and the softmax
     chain: list[fx.Node] = []
+    capped_terms = 0  # terms found before (above) a soft-capping tanh
     while isinstance(node, fx.Node):
         kind = canonical(node)
         space = ndim(node)
@@ -325,6 +326,9 @@ def walk_up(ctx: PassContext, match: Any) -> None:
             chain.append(node)
             node = scores
             continue
+        if match.softcap and len(match.terms) != capped_terms:
+            match.reason = "a mask or bias added to the scores before their soft-capping (tanh)"
+            return
         if is_matmul(node):
             chain.append(node)
             match.nodes.extend(chain)
@@ -341,16 +345,24 @@ def walk_up(ctx: PassContext, match: Any) -> None:
                 match.reason = f"baddbmm onto {bias!r}, not a tensor"
                 return
             if beta != 0:
+                if match.softcap:
+                    match.reason = "a bias added to the scores (baddbmm) before their soft-capping (tanh)"
+                    return
                 match.terms.append(MaskTerm("add", bias, multiplier * beta, space=space))
             match.scale *= alpha
             chain.append(node)
             match.nodes.extend(chain)
             match_qk(ctx, match, node, q, kt)
             return
-        if kind == "tanh":
-            match.reason = ("logit soft-capping (cap * tanh(scores / cap) between QK^T and softmax, as in Gemma 2): "
-                            "no attention kernel here takes it (SDPA has no soft-capping); left as is")
-            return
+        if kind == "tanh":  # soft-capping: cap * tanh(s / cap), cap = the scales applied after it (Gemma 2)
+            if match.softcap:
+                match.reason = "the scores pass through tanh twice"
+                return
+            match.softcap = multiplier
+            capped_terms = len(match.terms)
+            chain.append(node)
+            node = node.args[0]
+            continue
         match.reason = f"scores come from {node.name} ({kind}), not a QK^T matmul"
         return
     match.reason = "softmax input is not a graph value"
