@@ -130,3 +130,43 @@ def test_supports_declines_bad_variant_arguments(what, why):
     q, k, v = _inputs(1, 2, 2, 8, 8, 16, torch.float32)
     ok, reason = supports(q, k, v, None, **{k_: (t.to(DEVICE) if torch.is_tensor(t) else t) for k_, t in what.items()})
     assert not ok and why in reason
+
+
+_BUILD_SM90 = """
+import sys
+from bench.offline_sm90 import compile_sm90, sass_and_resources
+from graphopt.kernels.flash_attention import kernels
+
+variant = sys.argv[1]
+fn = kernels._flash_attention_fwd_kernel.fn
+consts = dict(HEAD_DIM=128, D_PAD=128, BIAS_KIND=0, IS_CAUSAL=False, SOFTCAP=variant == "softcap",
+              ALIBI=variant == "alibi", BLOCK_M=128, BLOCK_N=64)
+types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+types.update(lse_ptr="*fp32", alibi_ptr="*fp32", qk_scale="fp32", cap_log2="fp32")
+div16 = [n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride_") and not n.endswith("b"))]
+sass, resources = sass_and_resources(compile_sm90(fn, types, consts, div16, 8, 3))
+print("MUFU.TANH" in sass, sass.count("LDG"), resources)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["softcap", "alibi"])
+def test_variants_build_for_sm90(variant):
+    """The GPU build of the forward kernel, offline (outside the interpreter, in a subprocess):
+    soft-capping takes the hardware tanh (tanh.approx.f32, which the interpreter cannot run), and
+    ALiBi reads nothing per tile (as many global loads as the plain kernel, plus its slope)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    results = {}
+    for name in ("plain", variant):
+        run = subprocess.run([sys.executable, "-c", _BUILD_SM90, name], capture_output=True, text=True, timeout=300,
+                             env=env, cwd=Path(__file__).resolve().parents[2])
+        assert run.returncode == 0, run.stderr[-2000:]
+        tanh, loads, _ = run.stdout.split()[:3]
+        results[name] = (tanh == "True", int(loads))
+    assert results[variant][0] == (variant == "softcap")
+    assert results[variant][1] <= results["plain"][1] + (1 if variant == "alibi" else 0)

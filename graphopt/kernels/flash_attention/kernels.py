@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from graphopt.kernels.flash_attention.configs import _KEY, _bwd_dkdv_configs, _bwd_dq_configs, _fwd_configs, _prune
+from graphopt.kernels.launch import INTERPRET as _INTERPRET
 from graphopt.kernels.tile_order import query_block_order
 
 
@@ -25,16 +26,25 @@ def _load_tile(ptrs, row_idx, n_rows, col_idx, n_cols, MASK_ROWS: tl.constexpr, 
         tile = tl.load(ptrs)
     return tile
 
+# On the GPU, tanh is one MUFU instruction (tanh.approx.f32, absolute error ~5e-4: below bf16's
+# rounding of the capped scores); the interpreter has no PTX, so it takes 2 sigmoid(2x) - 1.
+_FAST_TANH = tl.constexpr(not _INTERPRET)
+
+
 @triton.jit
 def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+    if _FAST_TANH:
+        y = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        y = 2.0 * tl.sigmoid(2.0 * x) - 1.0
+    return y
 
 @triton.jit
 def _biased_scores(qk, bias_base, stride_bias_m, stride_bias_n, rows, cols, Lq, Lk, qk_scale,
-                   cap_log2, slope_log2, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+                   cap_log2, alibi, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Scores in the log2 domain: qk * scale * log2(e) (SOFTCAP: cap * tanh(qk * scale / cap) *
-    log2(e), with qk_scale = scale / cap and cap_log2 = cap * log2(e)), plus ALiBi's
-    slope * (j - i) * log2(e), plus bias * log2(e) or -inf where masked.
+    log2(e), with qk_scale = scale / cap and cap_log2 = cap * log2(e)), plus ALIBI's `alibi` (a
+    vector broadcast along qk's rows or columns: see _alibi), plus bias * log2(e) or -inf where masked.
 
     `rows`/`cols` are query/key indices laid out like `qk` ([:, None] / [None, :] or the
     transpose); they are clamped into range, so the bias loads need no mask (out-of-range rows
@@ -45,7 +55,7 @@ def _biased_scores(qk, bias_base, stride_bias_m, stride_bias_n, rows, cols, Lq, 
     else:
         scores = qk * qk_scale
     if ALIBI:
-        scores += slope_log2 * (cols - rows).to(tl.float32)
+        scores += alibi
     if BIAS_KIND != 0:
         bias_ptrs = (bias_base + tl.minimum(rows, Lq - 1).to(tl.int64) * stride_bias_m
                      + tl.minimum(cols, Lk - 1) * stride_bias_n)
@@ -68,15 +78,25 @@ def _alibi_slope(alibi_ptr, off_h, ALIBI: tl.constexpr):
         slope = 0.0
     return slope
 
+
+@triton.jit
+def _alibi(slope_log2, idx, ref):
+    """ALiBi slope * (j - i) is computed as slope * (idx - ref) along ONE axis, with `ref` a fixed
+    index of the other axis (the program's first query row, or first key): a vector per tile, one
+    add per score. It differs from slope * (j - i) by slope * (i - ref) per query row, which softmax
+    ignores; the log-sum-exp is corrected by that amount where it is stored or read."""
+    return slope_log2 * (idx - ref).to(tl.float32)
+
 # ---------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_key_blocks(acc, l_i, m_i, q, k_base, v_base, bias_base,
                     stride_kn, stride_vn, stride_bias_m, stride_bias_n,
-                    offs_m, offs_d, lo, hi, Lq, Lk, qk_scale, cap_log2, slope_log2,
+                    offs_m, offs_d, lo, hi, Lq, Lk, qk_scale, cap_log2, slope_log2, start_m,
                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BIAS_KIND: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                     IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online softmax over key blocks [lo, hi). MASKED: the blocks may cross Lk or the diagonal."""
+    """Online softmax over key blocks [lo, hi). MASKED: the blocks may cross Lk or the diagonal.
+    ALiBi relative to the block's first query row start_m."""
     PAD_D: tl.constexpr = HEAD_DIM != D_PAD
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -92,8 +112,8 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_base, v_base, bias_base,
             alpha = tl.exp2(m_i - m_new)
         else:
             scores = _biased_scores(qk, bias_base, stride_bias_m, stride_bias_n, offs_m[:, None],
-                                    offs_n[None, :], Lq, Lk, qk_scale, cap_log2, slope_log2,
-                                    BIAS_KIND, SOFTCAP, ALIBI)
+                                    offs_n[None, :], Lq, Lk, qk_scale, cap_log2,
+                                    _alibi(slope_log2, offs_n, start_m)[None, :], BIAS_KIND, SOFTCAP, ALIBI)
             if MASKED:
                 valid = offs_n[None, :] < Lk
                 if IS_CAUSAL:
@@ -158,11 +178,11 @@ def _flash_attention_fwd_kernel(
         full_hi = (Lk // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_key_blocks(acc, l_i, m_i, q, k_base, v_base, bias_base,
                                     stride_kn, stride_vn, stride_bias_m, stride_bias_n,
-                                    offs_m, offs_d, 0, full_hi, Lq, Lk, qk_scale, cap_log2, slope_log2,
+                                    offs_m, offs_d, 0, full_hi, Lq, Lk, qk_scale, cap_log2, slope_log2, start_m,
                                     HEAD_DIM, D_PAD, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, False, BLOCK_N)
     acc, l_i, m_i = _fwd_key_blocks(acc, l_i, m_i, q, k_base, v_base, bias_base,
                                     stride_kn, stride_vn, stride_bias_m, stride_bias_n,
-                                    offs_m, offs_d, full_hi, hi, Lq, Lk, qk_scale, cap_log2, slope_log2,
+                                    offs_m, offs_d, full_hi, hi, Lq, Lk, qk_scale, cap_log2, slope_log2, start_m,
                                     HEAD_DIM, D_PAD, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, True, BLOCK_N)
     if BIAS_KIND != 0:  # fully masked rows: out 0, lse -inf
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -170,6 +190,8 @@ def _flash_attention_fwd_kernel(
     else:
         l_safe = l_i
         lse2 = m_i + tl.log2(l_i)
+    if ALIBI:  # to the log-sum-exp of slope * (j - i) (see _alibi)
+        lse2 -= _alibi(slope_log2, offs_m, start_m)
     out = acc / l_safe[:, None]
     out_base = out_ptr + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
     out_ptrs = out_base + offs_m[:, None] * stride_om + offs_d[None, :]
@@ -206,7 +228,7 @@ def _flash_attention_bwd_preprocess_kernel(
 @triton.jit
 def _bwd_dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base,
                            stride_qm, stride_dom, stride_bias_m, stride_bias_n,
-                           offs_n, offs_d, lo, hi, Lq, Lk, qk_scale, cap_log2, slope_log2,
+                           offs_n, offs_d, lo, hi, Lq, Lk, qk_scale, cap_log2, slope_log2, start_n,
                            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BIAS_KIND: tl.constexpr,
                            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                            IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -231,10 +253,12 @@ def _bwd_dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, 
         lse2 = lse * 1.4426950408889634
         if BIAS_KIND != 0:  # fully masked rows (lse -inf) have probabilities 0
             lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+        if ALIBI:  # ALiBi relative to the program's first key start_n (see _alibi)
+            lse2 += _alibi(slope_log2, offs_m, start_n)
         qk_t = tl.dot(k, q_t)  # (BLOCK_N, BLOCK_M)
         scores_t = _biased_scores(qk_t, bias_base, stride_bias_m, stride_bias_n, offs_m[None, :],
-                                  offs_n[:, None], Lq, Lk, qk_scale, cap_log2, slope_log2,
-                                  BIAS_KIND, SOFTCAP, ALIBI)
+                                  offs_n[:, None], Lq, Lk, qk_scale, cap_log2,
+                                  _alibi(slope_log2, offs_n, start_n)[:, None], BIAS_KIND, SOFTCAP, ALIBI)
         p_t = tl.exp2(scores_t - lse2[None, :])
         if MASKED and IS_CAUSAL:
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :], p_t, 0.0)
@@ -300,15 +324,15 @@ def _flash_attention_bwd_dkdv_kernel(
         slope_log2 = _alibi_slope(alibi_ptr, off_h, ALIBI)
         dk, dv = _bwd_dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_ptr + row_base, delta_ptr + row_base,
                                         bias_base, stride_qm, stride_dom, stride_bias_m, stride_bias_n,
-                                        offs_n, offs_d, diag_lo, full_lo, Lq, Lk, qk_scale, cap_log2, slope_log2,
+                                        offs_n, offs_d, diag_lo, full_lo, Lq, Lk, qk_scale, cap_log2, slope_log2, start_n,
                                         HEAD_DIM, D_PAD, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, True, BLOCK_M)
         dk, dv = _bwd_dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_ptr + row_base, delta_ptr + row_base,
                                         bias_base, stride_qm, stride_dom, stride_bias_m, stride_bias_n,
-                                        offs_n, offs_d, full_lo, tail_lo, Lq, Lk, qk_scale, cap_log2, slope_log2,
+                                        offs_n, offs_d, full_lo, tail_lo, Lq, Lk, qk_scale, cap_log2, slope_log2, start_n,
                                         HEAD_DIM, D_PAD, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, False, BLOCK_M)
         dk, dv = _bwd_dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_ptr + row_base, delta_ptr + row_base,
                                         bias_base, stride_qm, stride_dom, stride_bias_m, stride_bias_n,
-                                        offs_n, offs_d, tail_lo, m_end, Lq, Lk, qk_scale, cap_log2, slope_log2,
+                                        offs_n, offs_d, tail_lo, m_end, Lq, Lk, qk_scale, cap_log2, slope_log2, start_n,
                                         HEAD_DIM, D_PAD, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, True, BLOCK_M)
     dk *= sm_scale
     store_mask = (offs_n[:, None] < Lk) & (offs_d[None, :] < HEAD_DIM)
@@ -320,7 +344,7 @@ def _flash_attention_bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_key_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base,
                        stride_kn, stride_vn, stride_bias_m, stride_bias_n,
-                       offs_m, offs_d, lo, hi, Lq, Lk, qk_scale, cap_log2, slope_log2,
+                       offs_m, offs_d, lo, hi, Lq, Lk, qk_scale, cap_log2, slope_log2, start_m,
                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BIAS_KIND: tl.constexpr,
                        SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                        IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -336,8 +360,8 @@ def _bwd_dq_key_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base,
                          offs_d, HEAD_DIM, offs_n, Lk, PAD_D, MASKED)
         qk = tl.dot(q, k_t)  # (BLOCK_M, BLOCK_N)
         scores = _biased_scores(qk, bias_base, stride_bias_m, stride_bias_n, offs_m[:, None],
-                                offs_n[None, :], Lq, Lk, qk_scale, cap_log2, slope_log2,
-                                BIAS_KIND, SOFTCAP, ALIBI)
+                                offs_n[None, :], Lq, Lk, qk_scale, cap_log2,
+                                _alibi(slope_log2, offs_n, start_m)[None, :], BIAS_KIND, SOFTCAP, ALIBI)
         p = tl.exp2(scores - lse2[:, None])
         if MASKED:
             valid = offs_n[None, :] < Lk
@@ -391,6 +415,8 @@ def _flash_attention_bwd_dq_kernel(
     v_base = v_ptr + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
     bias_base = bias_ptr + off_b.to(tl.int64) * stride_bias_b + off_h.to(tl.int64) * stride_bias_h
     slope_log2 = _alibi_slope(alibi_ptr, off_h, ALIBI)
+    if ALIBI:  # ALiBi relative to the block's first query row start_m (see _alibi)
+        lse2 += _alibi(slope_log2, offs_m, start_m)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     if IS_CAUSAL:
         hi = tl.minimum(start_m + BLOCK_M, Lk)
@@ -400,11 +426,11 @@ def _flash_attention_bwd_dq_kernel(
         full_hi = (Lk // BLOCK_N) * BLOCK_N
     dq = _bwd_dq_key_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base,
                             stride_kn, stride_vn, stride_bias_m, stride_bias_n,
-                            offs_m, offs_d, 0, full_hi, Lq, Lk, qk_scale, cap_log2, slope_log2,
+                            offs_m, offs_d, 0, full_hi, Lq, Lk, qk_scale, cap_log2, slope_log2, start_m,
                             HEAD_DIM, D_PAD, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, False, BLOCK_N)
     dq = _bwd_dq_key_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base,
                             stride_kn, stride_vn, stride_bias_m, stride_bias_n,
-                            offs_m, offs_d, full_hi, hi, Lq, Lk, qk_scale, cap_log2, slope_log2,
+                            offs_m, offs_d, full_hi, hi, Lq, Lk, qk_scale, cap_log2, slope_log2, start_m,
                             HEAD_DIM, D_PAD, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, True, BLOCK_N)
     dq *= sm_scale
     tl.store(dq_ptr + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
