@@ -75,7 +75,7 @@ def _inference_fake(name: str):
         return fake
     return register
 
-# ==== attention (graphopt/kernels/flash_attention.py, passes/attention.py) ====================
+# ==== attention (graphopt/kernels/flash_attention/, passes/attention/) ========================
 # graphopt::attention(q, k, v, bias, scale, is_causal, num_kv_groups, backend) -> out
 #   q (B, H, Lq, D); k (B, Hkv, Lk, D); v (B, Hkv, Lk, Dv) with H == Hkv * num_kv_groups (GQA:
 #   query head h reads kv head h // num_kv_groups, as SDPA's enable_gqa and HF's repeat_kv);

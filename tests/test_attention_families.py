@@ -3,8 +3,10 @@ LLaMA's (tiny random configs, eager attention, CPU, fp32): BLOOM (ALiBi through 
 (B*H, L, D) tensors), Falcon (multi-query, ALiBi, grouped heads, and its SDPA calls without
 enable_gqa), SigLIP (its encoder, and its pooling head's nn.MultiheadAttention), and Gemma 2
 (soft-capped scores, which only graphopt's Triton kernel takes: compiled for an H100 target, whose
-op runs its torch reference on the CPU). Every attention is rewritten, logits are within 2e-4 of
-eager, and gradients match."""
+op runs its torch reference on the CPU), and DeBERTa-v2 (disentangled attention: its
+content-to-position and position-to-content terms, added to (B*H, L, L) scores viewed as (B, H, L, L),
+become the bias). Every attention is rewritten, outputs are within 2e-4 of eager, and gradients
+match."""
 
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ class Output(torch.nn.Module):
 
     def forward(self, x):
         out = self.model(x, **self.kwargs)
-        return out.logits if hasattr(out, "logits") else out.pooler_output
+        if hasattr(out, "logits"):
+            return out.logits
+        return out.pooler_output if getattr(out, "pooler_output", None) is not None else out.last_hidden_state
 
 
 def _padding():
@@ -55,6 +59,14 @@ def build(family: str, **variant):
         config = T.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0, sliding_window=8,
                                 vocab_size=97, **variant)
+    elif family == "deberta":
+        config = T.DebertaV2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   vocab_size=97, relative_attention=True, pos_att_type=["c2p", "p2c"],
+                                   max_relative_positions=16, position_buckets=8, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0)
+        model = T.AutoModel.from_config(config, attn_implementation=implementation)
+        padded = dict(attention_mask=_padding()) if padded else {}
+        return Output(model, **padded), ids, config.num_hidden_layers
     elif family == "siglip":
         config = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       image_size=32, patch_size=8)
@@ -78,6 +90,7 @@ FAMILIES = {
     "falcon_sdpa_multi_query": ("falcon", {"multi_query": True, "attn_implementation": "sdpa"}),
     "siglip_with_pooling_head": ("siglip", {}),
     "gemma2_soft_capped": ("gemma2", {}),
+    "deberta_v2_disentangled": ("deberta", {"padded": True}),
 }
 # where the family's attention needs graphopt's Triton kernel (fp32 through TF32, allowed here)
 TARGETS = {"gemma2_soft_capped": dict(target="h100", graph_replay=True)}
@@ -104,7 +117,7 @@ def test_every_attention_is_rewritten_and_logits_match(name):
 
 
 @pytest.mark.parametrize("name", ["bloom_padded", "falcon_alibi", "falcon_grouped_heads", "siglip_with_pooling_head",
-                                  "gemma2_soft_capped"])
+                                  "gemma2_soft_capped", "deberta_v2_disentangled"])
 def test_gradients_match_eager(name):
     family, variant = FAMILIES[name]
     model, x, n_attention = build(family, **dict(variant))

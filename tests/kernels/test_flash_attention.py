@@ -1,4 +1,4 @@
-"""Triton flash attention (graphopt/kernels/flash_attention.py) against a float64 reference.
+"""Triton flash attention (graphopt/kernels/flash_attention/) against a float64 reference.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py) with one small block
 configuration (BLOCK_M 32 / BLOCK_N 16 forward), so lengths like 37 or 45 cover full blocks, partial

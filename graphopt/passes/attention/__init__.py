@@ -2,16 +2,28 @@
 
 Lossless and on by default. It anchors on every softmax node and walks
 - UP the scores through ops that do not change what softmax sees beyond what the fused kernel
-  reproduces: casts (`.float()`, `.to(dtype)`, `.type(...)`, `.type_as(...)`), `contiguous`,
-  multiplication/division by a constant scalar (a Python number or a constant 0-d/1-element tensor
-  such as GPT-2's `torch.full([], sqrt(d))`), additive masks and biases (`scores + mask`, summed when
-  there are several, as in T5), `masked_fill(mask, fill)` and `torch.where(mask, scores, fill)` with a
-  very negative fill, down to the QK^T matmul (`matmul`/`@`/`bmm`). The scale may also sit on q or k
-  before the matmul. K^T may be `k.transpose(-2, -1)`/`transpose(2, 3)`/`.mT`/`permute(0, 1, 3, 2)`
-  or any other tensor (then the pass transposes it back). GQA's `repeat_kv` (expand + reshape, or
-  `repeat_interleave` over the head dim) is undone: the kernel reads the un-repeated K/V.
-- DOWN the probabilities through casts and inactive dropout (`training=False` or `p=0`) to the PV
-  matmul.
+  reproduces: casts (`.float()`, `.to(dtype)`, `.type(...)`, `.type_as(...)`), copies (`contiguous`,
+  `clone`), views between (B*H, Lq, Lk) and (B, H, Lq, Lk) (the op then works on the 4-D form),
+  multiplication/division by a constant scalar (a Python number, a constant 0-d/1-element tensor
+  such as GPT-2's `torch.full([], sqrt(d))`, or a number computed from symbolic sizes, guarded),
+  additive masks and biases (`scores + mask` or in place `scores += mask`, summed when there are
+  several, as in T5; a mask read through `m.expand_as(scores)` is `m`), `masked_fill(mask, fill)` and
+  `torch.where(mask, scores, fill)` with a very negative fill, soft-capping `cap * tanh(s / cap)`
+  (Gemma 2), down to the QK^T matmul (`matmul`/`@`/`bmm`, or `baddbmm(bias, q, k^T)`, whose bias is a
+  term: BLOOM's ALiBi). The scale may also sit on q or k before the matmul. K^T may be
+  `k.transpose(-2, -1)`/`transpose(2, 3)`/`.mT`/`permute(0, 1, 3, 2)` or any other tensor (then the
+  pass transposes it back). GQA's `repeat_kv` (expand + reshape, or `repeat_interleave` over the head
+  dim) is undone: the kernel reads the un-repeated K/V; one K/V head broadcast over the query heads
+  is K/V grouping too.
+- DOWN the probabilities through casts, copies, the same views and dropout to the PV matmul.
+  Inactive dropout (`training=False` or `p=0`) is dropped; active dropout is rewritten to SDPA with
+  `dropout_p` (ops.attention_with_dropout: another random mask, the same distribution) when the
+  config's `attention_dropout` is on, and declined otherwise.
+
+nn.MultiheadAttention's F.multi_head_attention_forward call is written out as the torch ops it runs
+where its attention weights are not read (mha.py), and then matched like the rest. Attention inside
+activation-checkpointed regions (the body of Dynamo's tag_activation_checkpoint call) is rewritten
+in that body; attention in other higher-order ops' bodies is declined with the reason.
 
 It also takes `F.scaled_dot_product_attention` calls (HF's default "sdpa" attention): their
 `attn_mask` becomes a mask term (bool = attend, float = additive), `is_causal`, `scale` (default
@@ -25,7 +37,7 @@ after it; it becomes the additive bias `where(mask, fill, 0)`. Rows with at leas
 masked (padding, which models ignore) can differ from eager:
 - with a finite fill eager gives the mean of V (equal scores). The bias gives the same only where it
   swallows the scores, as finfo(float32).min does on the SDPA paths; with -1e4 the row becomes
-  softmax(scores), and our Triton kernel gives 0 (see kernels/flash_attention.py);
+  softmax(scores), and our Triton kernel gives 0 (see kernels/flash_attention/);
 - with -inf eager gives NaN, the rewrite 0 (SDPA's safe softmax).
 A mask term whose value depends only on constants, parameters and buffers, and that nothing
 writes in place (a prefix-LM mask edited with `m[:, :p] = True` is not the value its inputs
@@ -36,17 +48,23 @@ this way are registered as frozen: an in-place change of the buffer triggers a r
 all-zero constant bias (T5's cross-attention position bias) is dropped.
 
 Declined, with a recorded reason: probabilities used elsewhere (`output_attentions=True`), dropout
-active in training, a bias that broadcasts the scores to a larger shape or has more than 4 dims,
-mixed q/k/v dtypes, an output dtype differing from v's, a softmax over another dim.
+active in training with `attention_dropout=False`, a bias that broadcasts the scores to a larger
+shape or has more than 4 dims, a mask added before the soft-capping, mixed q/k/v dtypes, an output
+dtype differing from v's, a softmax over another dim; soft-capped scores on the CPU (SDPA has no
+soft-capping; graphopt's Triton kernel, which has, runs on a GPU).
 
 The implementation is chosen at compile time: on CPU, SDPA's CPU kernel ("sdpa_cpu"); on CUDA the
 fastest applicable of our Triton kernel and SDPA's cuDNN / flash / memory-efficient backends, by
 the roofline cost model or, where `graphopt calibrate` measured the shape, by the measured table
-(graphopt.calibrate.calibrate_attention_table). `attention_backend` in the config forces one.
+(graphopt.calibrate.calibrate_attention_table). `attention_backend` in the config forces one. When
+the Triton kernel is chosen, a constant ALiBi bias (per head, slope * key position plus a constant
+per row) becomes the kernel's ALiBi: slopes it turns into slope * (j - i) itself.
 
-Modules: `match` (the matcher), `masks` (constant evaluation, term checks, the causal proof),
-`choose` (candidates, their estimates, the emulation of SDPA's dispatch), `rewrite`, `onnx` (the
-ONNX translation). The measured table is written by graphopt.calibrate (`graphopt calibrate`).
+Modules: `match` (the matcher), `walk` (the walks up the scores and down the probabilities),
+`operands` (q, k, v and their checks), `masks` (constant evaluation, term checks, the causal proof,
+ALiBi recognition), `mha` (nn.MultiheadAttention written out), `choose` (candidates, their
+estimates, the emulation of SDPA's dispatch), `rewrite`, `onnx` (the ONNX translation). The
+measured table is written by graphopt.calibrate (`graphopt calibrate`).
 """
 
 from __future__ import annotations
