@@ -133,3 +133,32 @@ def test_calls_that_stay_as_written(how, reason):
     for got, want in zip(report.output if isinstance(expected, tuple) else [report.output],
                          expected if isinstance(expected, tuple) else [expected]):
         torch.testing.assert_close(got, want)
+
+
+def test_a_call_whose_attention_is_declined_stays_as_written():
+    """With attention_dropout off, the written-out attention (dropout active) is declined: the
+    written-out ops go again and the graph calls F.multi_head_attention_forward as before."""
+    import torch.nn.functional as F
+
+    from graphopt.passes import run_passes
+
+    torch.manual_seed(0)
+    module = Attend(torch.nn.MultiheadAttention(E, HEADS, dropout=0.25, batch_first=True).train(), None, None)
+    x, y = _inputs(False, True)
+    graphs, decisions = [], []
+
+    def capture(gm, example_inputs):
+        config = graphopt.GraphOptConfig(downstream="eager", attention_dropout=False)
+        decisions.extend(run_passes(gm, example_inputs, config, graphopt.hardware.get_spec("cpu")).decisions)
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(4)
+    out = torch.compile(module, backend=capture)(x, y)
+    (d,) = [d for d in decisions if d.pass_name == "attention"]
+    assert not d.applied and "dropout active in training" in d.reason
+    (gm,) = graphs
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert F.multi_head_attention_forward in targets and torch.softmax not in targets
+    torch.manual_seed(4)
+    torch.testing.assert_close(out, module(x, y))  # the same call, the same random stream

@@ -86,7 +86,7 @@ from graphopt.passes.attention.choose import (
 )
 from graphopt.passes.attention.masks import MaskTerm, alibi_slopes, evaluate_constant
 from graphopt.passes.attention.match import AttentionMatch, find_attention
-from graphopt.passes.attention.mha import expand_multi_head_attention
+from graphopt.passes.attention.mha import expand_multi_head_attention, finish_multi_head_attention
 from graphopt.passes.attention.rewrite import rewrite_attention
 from graphopt.passes.base import GraphPass, PassContext
 from graphopt.passes.fx_utils import dtype, fake
@@ -126,7 +126,13 @@ class AttentionPass(GraphPass):
                 raise
 
     def _run_graph(self, ctx: PassContext) -> None:
-        expand_multi_head_attention(ctx, lambda node, why: ctx.record(self.name, False, why, node=node))
+        expansions = expand_multi_head_attention(ctx, lambda node, why: ctx.record(self.name, False, why, node=node))
+        try:
+            self._rewrite_matches(ctx)
+        finally:
+            finish_multi_head_attention(ctx.gm.graph, expansions)
+
+    def _rewrite_matches(self, ctx: PassContext) -> None:
         replaced: dict[fx.Node, fx.Node] = {}  # rewritten attention outputs -> their replacements
         for match in find_attention(ctx, allow_dropout=ctx.config.attention_dropout and not ctx.for_export):
             node = match.output if match.output is not None else match.softmax

@@ -1,14 +1,16 @@
 """nn.MultiheadAttention: Dynamo keeps its F.multi_head_attention_forward call as one node. Where its
 attention weights are not read (SigLIP's pooling head asks for them and drops them), the call is
 written out as the torch ops it runs (in-projection, softmax(q k^T / sqrt(d) + masks) v, output
-projection), with the attention in the form the matcher rewrites. A call that cannot be written
-out keeps its node, and the attention pass records why."""
+projection), with the attention in the form the matcher rewrites. The call stays in the graph until
+the pass has decided: where its attention is not rewritten, the written-out ops go again and the
+call is used as before. A call that cannot be written out keeps its node, and the pass records why."""
 
 from __future__ import annotations
 
 import inspect
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -27,9 +29,21 @@ def is_multi_head_attention(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.multi_head_attention_forward
 
 
-def expand_multi_head_attention(ctx: PassContext, record: Callable[[fx.Node, str], None]) -> None:
+@dataclass
+class Expansion:
+    """One call written out: the call, its output's getitem, and the nodes emitted for it."""
+
+    call: fx.Node
+    output: fx.Node  # getitem(call, 0), whose users now read `written`
+    written: fx.Node
+    softmax: fx.Node
+    emitted: list[fx.Node]
+
+
+def expand_multi_head_attention(ctx: PassContext, record: Callable[[fx.Node, str], None]) -> list[Expansion]:
     """Write out every F.multi_head_attention_forward call of ctx.gm that can be; `record(node, why)`
-    for those that cannot."""
+    for those that cannot. finish_multi_head_attention settles each once the pass has decided."""
+    expansions = []
     for node in [n for n in ctx.gm.graph.nodes if is_multi_head_attention(n)]:
         try:
             bound = _SIGNATURE.bind(*node.args, **node.kwargs)
@@ -46,13 +60,31 @@ def expand_multi_head_attention(ctx: PassContext, record: Callable[[fx.Node, str
         if why is not None:
             record(node, f"nn.MultiheadAttention left as a call: {why}")
             continue
-        _write_out(ctx.gm.graph, node, arguments)
+        expansions.append(_write_out(ctx.gm.graph, node, arguments))
+    return expansions
+
+
+def finish_multi_head_attention(graph: fx.Graph, expansions: list[Expansion]) -> None:
+    """Where the written-out attention was rewritten (its softmax is gone), the call goes; elsewhere
+    its written-out ops go and the call's output is used again."""
+    for e in expansions:
+        if getattr(e.softmax, "_erased", False):
+            for user in list(e.call.users):
+                graph.erase_node(user)
+            graph.erase_node(e.call)
+        else:
+            e.written.replace_all_uses_with(e.output)
+            for node in reversed(e.emitted):
+                if not getattr(node, "_erased", False) and not node.users:
+                    graph.erase_node(node)
 
 
 def _why_not(node: fx.Node, a: dict[str, Any]) -> str | None:
     readers = list(node.users)
     if any(u.target is not operator.getitem or u.args[1] not in (0, 1) for u in readers):
         return "its result is used other than as (output, weights)"
+    if not any(u.args[1] == 0 for u in readers):
+        return "its output is not read"
     if any(u.args[1] == 1 and u.users for u in readers):
         return "its attention weights are read (need_weights=True); the fused kernel never materializes them"
     if not all(isinstance(a[n], fx.Node) for n in ("query", "key", "value")) or size_hints(a["query"]) is None:
@@ -87,6 +119,7 @@ class _Emitter:
     def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_inputs: list):
         self.graph, self.anchor = graph, anchor
         self.mode = next(t.fake_mode for t in fake_inputs)  # the mode of the graph's recorded values
+        self.emitted: list[fx.Node] = []
 
     def __call__(self, kind: str, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
@@ -98,10 +131,11 @@ class _Emitter:
         with self.mode:
             value = getattr(values[0][0], target)(*values[0][1:], **values[1]) if kind == "method" else target(*values[0], **values[1])
         node.meta["example_value"] = value
+        self.emitted.append(node)
         return node
 
 
-def _write_out(graph: fx.Graph, node: fx.Node, a: dict[str, Any]) -> None:
+def _write_out(graph: fx.Graph, node: fx.Node, a: dict[str, Any]) -> Expansion:
     """The computation of F.multi_head_attention_forward (inputs (L, N, E), batch second), with
     the attention as softmax((q / sqrt(d)) @ k^T + masks) @ v on (N, H, L, d) tensors."""
     query, key, value, heads = a["query"], a["key"], a["value"], a["num_heads"]
@@ -132,16 +166,14 @@ def _write_out(graph: fx.Graph, node: fx.Node, a: dict[str, Any]) -> None:
     padding = a["key_padding_mask"]
     if padding is not None:  # (N, S) -> (N, 1, 1, S)
         scores = _apply_mask(fn, method, scores, method("unsqueeze", method("unsqueeze", padding, 1), 2))
-    probs = fn(torch.softmax, scores, -1)
+    probs = probs_softmax = fn(torch.softmax, scores, -1)
     if a["training"] and a["dropout_p"] > 0:
         probs = fn(F.dropout, probs, a["dropout_p"], True)
     out = method("flatten", method("permute", fn(torch.matmul, probs, v), 2, 0, 1, 3), -2)  # (L, N, E)
     out = fn(F.linear, out, a["out_proj_weight"], a["out_proj_bias"])
-    for user in list(node.users):
-        if user.args[1] == 0:
-            user.replace_all_uses_with(out)
-        graph.erase_node(user)
-    graph.erase_node(node)
+    output = next(u for u in node.users if u.args[1] == 0)
+    output.replace_all_uses_with(out)
+    return Expansion(node, output, out, probs_softmax, emit.emitted)
 
 
 def _apply_mask(fn, method, scores: fx.Node, mask: fx.Node) -> fx.Node:
