@@ -63,6 +63,7 @@ from graphopt.cost.sparse_attention import (
 from graphopt.cost_model import Estimate
 from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N, DEFAULT_CDFTHRESHD, DEFAULT_SIMTHRESHD1
 from graphopt.onnx_registry import register_onnx_translation
+from graphopt.ops import DENSE_ATTENTION_TARGETS
 from graphopt.passes.base import GraphPass, PassContext, module_path
 from graphopt.passes.fx_utils import device, dtype, fix_symbolic_sizes, replace_with_call, size_hints, symbolic_size
 
@@ -171,7 +172,7 @@ def _attention_sites(ctx: PassContext, pass_name: str) -> list[_Site]:
     attention_on = ctx.config.enabled("attention")
     sites = []
     for n in ctx.gm.graph.nodes:
-        if n.op != "call_function" or n.target is not torch.ops.graphopt.attention.default:
+        if n.op != "call_function" or n.target not in DENSE_ATTENTION_TARGETS:
             continue
         if len(n.args) > 8 and (n.args[8] or (len(n.args) > 9 and n.args[9] is not None)):
             ctx.record(pass_name, False, "soft-capped or ALiBi scores: the block-sparse kernel takes neither", node=n)
