@@ -257,6 +257,25 @@ def inplace_add_zero_mask_dropout(query, key, value, training):
     return probs.matmul(v), k, v
 
 
+def add_method_in_place(q, k, v, mask):
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(q.size(-1) ** -0.5)
+    scores.add_(mask)
+    return scores.softmax(-1) @ v
+
+
+def masked_fill_in_place(q, k, v, hidden):
+    scores = torch.matmul(q, k.transpose(-2, -1)) / 3.0
+    scores.masked_fill_(hidden, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def mask_added_into_in_place(q, k, v, mask):
+    scores = q @ k.transpose(-2, -1)
+    mask = mask.clone()
+    mask += scores  # the mask tensor is written, not the scores
+    return mask.softmax(-1) @ v
+
+
 def returns_probabilities(q, k, v):
     probs = torch.matmul(q, k.transpose(-2, -1)).div(math.sqrt(k.shape[-1])).softmax(dim=-1)
     return probs.matmul(v), probs
@@ -358,6 +377,13 @@ CASES = {
     "25_inplace_add_dropout": Case(inplace_add_dropout, extra=_mask(1, 1, 1, 2), dropout=True),
     "26_inplace_add_dropout_returns_kv": Case(inplace_add_dropout_returns_kv, extra=_mask(1, 1, 1, 2), dropout=True),
     "27_zero_mask_dropout": Case(inplace_add_zero_mask_dropout, dropout=True),
+    # the same in-place forms through the tensor methods (Dynamo records add_ / mul_ / masked_fill_)
+    "inplace_add_method": Case(add_method_in_place, extra=_mask(1, 1, 16, 16)),
+    "inplace_masked_fill_method": Case(masked_fill_in_place, extra=lambda b, g: [
+        torch.cat([torch.zeros(16, 1, dtype=torch.bool), torch.rand(16, 15, generator=g) > 0.6], dim=1)]),
+    # ... and the scores added into the mask in place: the mask tensor is written, left as written
+    "inplace_add_into_the_mask": Case(mask_added_into_in_place, extra=_mask("B", 2, 16, 16), batched_mask=True,
+                                      rewritten=0, reason="writes the scores into another tensor in place"),
     # Inductor must not rewrite it: the probabilities are returned too
     "probabilities_reused": Case(returns_probabilities, qkv_shape=(2, 4, 8, 16), rewritten=0, reason="users"),
     # an SDPA call, already PyTorch's own kernel on the CPU: left as it is, with the reason
@@ -418,8 +444,17 @@ def _run(case: Case, dynamic: bool, training: bool, downstream: str = "eager"):
     return results
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic_batch"])
-@pytest.mark.parametrize("name", list(CASES))
+def _params():
+    """Every case with a static and a dynamic batch; the checkpointed twins' dynamic runs are slow."""
+    out = []
+    for name in CASES:
+        out.append(pytest.param(name, False, id=f"{name}-static"))
+        marks = [pytest.mark.slow] if "checkpointed" in name else []
+        out.append(pytest.param(name, True, id=f"{name}-dynamic_batch", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("name, dynamic", _params())
 def test_pattern_is_rewritten_and_matches_eager(name, dynamic):
     case = CASES[name]
     with backend_module.recording_decisions(reset=True) as decisions:

@@ -88,6 +88,7 @@ from graphopt.passes.attention.masks import MaskTerm, alibi_slopes, evaluate_con
 from graphopt.passes.attention.match import AttentionMatch, find_attention
 from graphopt.passes.attention.mha import expand_multi_head_attention, finish_multi_head_attention
 from graphopt.passes.attention.rewrite import in_graph_sdpa, rewrite_attention
+from graphopt.passes.attention.walk import functionalize_score_updates
 from graphopt.passes.base import GraphPass, PassContext
 from graphopt.passes.fx_utils import dtype, fake
 from graphopt.passes.subgraphs import BodyContext, higher_order_bodies, is_checkpoint, op_name
@@ -126,6 +127,7 @@ class AttentionPass(GraphPass):
                 raise
 
     def _run_graph(self, ctx: PassContext) -> None:
+        functionalize_score_updates(ctx.gm.graph)
         expansions = expand_multi_head_attention(ctx, lambda node, why: ctx.record(self.name, False, why, node=node))
         try:
             self._rewrite_matches(ctx)

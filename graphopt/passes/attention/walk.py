@@ -385,3 +385,38 @@ def on_scores_path(node: Any, depth: int = 0) -> bool:
     return False
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# In-place updates of the scores through tensor methods
+# ---------------------------------------------------------------------------------------------
+_IN_PLACE_METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "masked_fill_": "masked_fill"}
+# Ops whose result is a tensor of its own (no view, no alias of an input: `.to()` / `.float()` may return self).
+_FRESH = {"matmul", "bmm", "baddbmm", "add", "sub", "mul", "div", "masked_fill", "where"}
+
+
+def functionalize_score_updates(graph: fx.Graph) -> None:
+    """`scores.add_(mask)` (also sub_, mul_, div_, masked_fill_) on attention scores: Dynamo records
+    the call, and the later ops read the mutated `scores` node itself. Each such call on a tensor of
+    its own (a matmul's or an arithmetic op's result, read before the call by no view) becomes its
+    out-of-place op, read by the ops after it: the same values, in the form the walks follow."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target not in _IN_PLACE_METHODS or not node.args:
+            continue
+        target = node.args[0]
+        if not isinstance(target, fx.Node) or canonical(target) not in _FRESH or in_place(target) or not on_scores_path(target):
+            continue
+        earlier = [u for u in target.users if u is not node and order[u] < order[node]]
+        if any(canonical(u) in _VIEWS or canonical(u) in ("transpose", "permute", "expand", "getitem") or in_place(u)
+               for u in earlier):
+            continue  # a view taken before the update would see it: leave the graph as it is
+        with graph.inserting_after(node):
+            out = graph.call_method(_IN_PLACE_METHODS[node.target], node.args, node.kwargs)
+        out.meta.update(node.meta)
+        later = [u for u in target.users if u is not node and u is not out and order[u] > order[node]]
+        for user in later:
+            user.replace_input_with(target, out)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
