@@ -89,14 +89,14 @@ def test_host_path_is_priced_unless_the_step_replays_from_a_cuda_graph():
     from graphopt.config import GraphOptConfig
 
     hw = get_spec("h100")
-    for replay, expected in ((False, (cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES, 0.0)), (True, (0.0, 0.0))):
+    for replay, expected in ((False, (cost_model.sparse_attention_op_host_launches(hw), 0.0)), (True, (0.0, 0.0))):
         ctx = SimpleNamespace(config=GraphOptConfig(graph_replay=replay), hardware=hw)
         assert sparse_cost.priced_host_launches(ctx, "cudnn", dense_is_op=False) == expected
     ctx = SimpleNamespace(config=GraphOptConfig(), hardware=hw)
-    assert sparse_cost.priced_host_launches(ctx, "triton", dense_is_op=True)[1] == cost_model.ATTENTION_OP_HOST_LAUNCHES["triton"]
+    assert sparse_cost.priced_host_launches(ctx, "triton", dense_is_op=True)[1] == cost_model.attention_op_host_launches(hw, "triton")
     ctx = SimpleNamespace(config=GraphOptConfig(), hardware=get_spec("cpu"))
     assert sparse_cost.priced_host_launches(ctx, "cudnn", dense_is_op=True) == (0.0, 0.0)
-    units = cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES
+    units = cost_model.sparse_attention_op_host_launches(hw)
     for length, wins_on_gpu, wins_called_directly in ((2048, True, False), (8192, True, True)):
         dense = sparse_cost.estimate_dense(hw, "cudnn", 1, 32, 32, length, length, 128, causal=False)
         gpu = sparse_cost.estimate_sparse_attention(hw, 1, 32, 32, length, length, 128, causal=False, sparsity=0.75)
@@ -360,7 +360,7 @@ def test_symbolic_length_gets_the_break_even_length_as_its_gate(attention_pass, 
                                                passes={"attention": attention_pass, "sparse_attention": True})
     (decision,) = decisions  # one compile for both lengths
     host = decision.details["host_launches"]
-    assert host[0] == (0.0 if graph_replay else cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES)
+    assert host[0] == (0.0 if graph_replay else cost_model.sparse_attention_op_host_launches(get_spec("h100")))
     args = (get_spec("h100"), decision.details["dense_backend"], 1, 2, 2, 32)
     kwargs = dict(causal=True, sparsity=sp.ASSUMED_SPARSITY_WITHOUT_PLAN, dtype_bytes=4)  # float32 inputs
     gate = sparse_cost.break_even_length(*args, **kwargs, host_launches=host)

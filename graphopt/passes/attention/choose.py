@@ -195,7 +195,7 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
         for name, e in candidates.items():
             # graphopt::decode_attention is a triton_op: Inductor launches its kernels itself
             if name != native and not (name == "triton_decode" and ctx.config.downstream == "inductor"):
-                candidates[name] = cost_model.host_paced(hw, e, cost_model.attention_op_host_launches(name),
+                candidates[name] = cost_model.host_paced(hw, e, cost_model.attention_op_host_launches(hw, name),
                                                          "graphopt::attention host path")
     return before, candidates, rejected, note
 
@@ -281,7 +281,7 @@ def native_sdpa_backend(ctx: PassContext, match: AttentionMatch) -> str | None:
     """The backend PyTorch dispatches a plain F.scaled_dot_product_attention call of the rewritten
     form (no mask, no K/V head grouping) to, when that call can be emitted; else None. A candidate
     equal to it is emitted as that call: Inductor launches it from its own wrapper, without
-    graphopt::attention's Python path (cost_model.ATTENTION_OP_HOST_LAUNCHES). Not for a forced
+    graphopt::attention's Python path (cost_model.attention_op_host_launches). Not for a forced
     backend or `force` (the tuner records graphopt::attention nodes), nor on CPU."""
     if not ctx.hardware.is_gpu or ctx.config.force:
         return None
