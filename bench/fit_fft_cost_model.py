@@ -35,8 +35,6 @@ FIT_GRID = {
     "fft_chain.dft2_latency_s": [1.0e-6, 1.5e-6, 2.0e-6, 2.5e-6],
     "fft_chain.dft2_gemm_step_s": [0.2e-6, 0.3e-6, 0.4e-6, 0.5e-6],
     "fft_chain.dft2_contract_step_s": [0.2e-6, 0.3e-6, 0.5e-6, 0.8e-6],
-    # the sweep's staged gather is slower than the autotuned kernel the data file's 0.6 describes
-    "fft_chain.dft2_gather_memory_efficiency": [0.5],
     "fft_chain.dft2_gather_step_s": [0.0, 0.5e-6, 1.0e-6, 1.5e-6, 2.0e-6],
     "fft_chain.dft2_inkernel_gather_matrix_fraction": [0.06, 0.08, 0.1, 0.12],
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ def load(gpu: str) -> Coefficients:
 
 # Specs made by with_values: their key -> the coefficients their estimates read.
 _DERIVED: dict[str, Coefficients] = {}
+_DERIVED_IDS = itertools.count(1)
 
 
 def data_gpu(hw) -> str:
@@ -136,7 +138,7 @@ def with_values(hw, values: Mapping[str, Any], label: str):
                        f"{', '.join(sorted(base.values))}")
     merged = dict(base.values)
     merged.update({n: tuple(v) if isinstance(v, list) else v for n, v in values.items()})
-    key = f"{hw.key or 'gpu'}+{label}"
+    key = f"{hw.key or 'gpu'}+{label}#{next(_DERIVED_IDS)}"  # each call its own variant
     _DERIVED[key] = Coefficients(base.gpu, f"{base.path} with {label}", merged, base.entries)
     return dataclasses.replace(hw, key=key)
 

@@ -29,8 +29,8 @@ from graphopt.kernels.fft_chain.layer import chain_dims
 #    pipelined 64-wide K step per dft2_gemm_step_s, one (frequency, 64-channel chunk) pair of
 #    tensor-core dots per dft2_contract_step_s; dft2's in-kernel gather adds dft2_gather_step_s (a
 #    dependent index -> element load) to each K step and runs its forward GEMM at
-#    dft2_inkernel_gather_matrix_fraction of the matrix ceiling; dft2_pregather's staged gather
-#    streams its bytes at dft2_gather_memory_efficiency of the memory ceiling.
+#    dft2_inkernel_gather_matrix_fraction of the matrix ceiling; dft2_pregather's staged gather is
+#    a pointwise pass over its bytes.
 # Without a CUDA graph (eager launches) the torch/triton paths pay full launches: not modelled here.
 PROGRAMS_PER_SM = 4  # resident 4-warp programs per SM assumed for the wave count
 
@@ -132,9 +132,7 @@ def estimate_fft_chain(hw, tokens: int, in_features: int, out_features: int, blo
         if impl == "dft2_pregather" and k > 1:
             # each token's row, its C*B gathered columns, and one index per column (L2-resident)
             idx_bytes = 2 if in_features <= 2**15 else 4
-            moved = db * t * in_features + (db + idx_bytes) * t * c * b
-            gather_s = moved / (hw.memory_ceiling * _fitted(hw, "dft2_gather_memory_efficiency")) if hw.is_gpu else 0.0
-            add("gather P_k x (staged row gather)", moved=moved, serial_s=gather_s)
+            add("gather P_k x (staged row gather)", moved=db * t * in_features + (db + idx_bytes) * t * c * b)
 
         def gemm_floor(rows: int, step_s: float = gemm_step_s) -> float:
             """Best of a skinny (32 x 64) and a wide (128 x 128, 8 warps: 2 per SM) tile grid."""

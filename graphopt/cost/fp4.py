@@ -38,7 +38,7 @@ from graphopt.kernels.fp4 import (FMA_BLOCK_M, MMA_BLOCK_M, PATHS, PREFILL_CONFI
 #    BLOCK_M token rows, and leaves SMs idle when its grid has fewer tiles than SMs;
 #  - dequant_copy_fraction: the `dequant` path's kernel writes W in bf16 at this fraction of the
 #    copy bandwidth.
-# tests/test_cost_model_measured.py checks the faster/slower call against the measured files, and
+# tests/cost/test_fit_regression.py checks the faster/slower call against the measured files, and
 # bench/validate_cost_model.py the agreement on held-out shapes.
 INT_GEMV_MAX_ROWS = 2  # the integer-dot tiles in DECODE_CONFIGS take 1 or 2 tokens per program
 

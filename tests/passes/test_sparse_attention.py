@@ -110,7 +110,7 @@ def test_host_path_is_priced_unless_the_step_replays_from_a_cuda_graph():
 PREDICTOR_H100 = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_predictor_h16_h100.json"
 
 
-def test_predictor_estimate_tracks_the_h100_timings():
+def test_fit_regression_predictor_estimate_tracks_the_h100_timings():
     """The default (v3) predictor (pool + scores + selection, CUDA-graph replays) on an H100 at
     L = 8k-32k, causal and not: every estimate within 0.85-1.2x of the measured time (the copy
     bandwidth of that machine)."""
@@ -135,7 +135,7 @@ def _recorded_rows():
     """(B, H, D, L, causal, density, kernel ms, predictor ms, cuDNN ms) of the H200 run. The kernel
     rows are timed on given block masks. That run timed the v1 predictor: the predictor column is
     the default predictor's estimate on that H200 (the estimate is checked against the default
-    predictor's H100 timings in test_predictor_estimate_tracks_the_h100_timings)."""
+    predictor's H100 timings in test_fit_regression_predictor_estimate_tracks_the_h100_timings)."""
     data = json.loads(RESULTS.read_text())
     cfg = data["config"]
     hw = _measured_h200()
@@ -151,7 +151,7 @@ def _predicted(hw, b, h, d, length, causal, density):
 
 
 @pytest.mark.skipif(not RESULTS.exists(), reason="recorded H200 results not in this checkout")
-def test_cost_model_tracks_recorded_h200_timings():
+def test_fit_regression_cost_model_tracks_recorded_h200_timings():
     """Kernel estimates within 0.75-1.2x of the H200 timings, and the sparse-vs-cuDNN call
     (predictor + kernel against the dense estimate) right on >= 90% of rows. Those timings are
     eager: the three rows under 0.1 ms (4k at the lowest densities, 0.049-0.076 ms) are partly the
@@ -173,7 +173,7 @@ def test_cost_model_tracks_recorded_h200_timings():
 
 @pytest.mark.skipif(not RESULTS.exists(), reason="recorded H200 results not in this checkout")
 @pytest.mark.parametrize("calibrated", [True, False])
-def test_never_predicts_a_win_where_h200_measured_a_loss(calibrated):
+def test_fit_regression_never_predicts_a_win_where_h200_measured_a_loss(calibrated):
     """Where predictor + kernel measured > 5% slower than cuDNN (density 1 everywhere), the
     estimates the pass compares (SparseAttentionPass.accept) say slower, with the measured
     ceilings and with the uncalibrated datasheet ones; and measured big wins (>= 1.5x) are taken."""
@@ -513,7 +513,7 @@ RESULTS_H100 = {"host_desc": ["sparse_attention_h100_host_desc_8k.json", "sparse
 
 
 @pytest.mark.parametrize("run", list(RESULTS_H100))
-def test_cost_model_tracks_the_h100_timings(run):
+def test_fit_regression_cost_model_tracks_the_h100_timings(run):
     """The same constants against recorded H100 runs of the single-loop kernel (causal query
     blocks in head groups, heaviest first, the masked suffix in its own loop): kernel estimates
     within 0.75-1.2x of all 24 kernel timings at 8k-32k (CUDA-graph replays: the eager time of the
