@@ -4,6 +4,7 @@
     model = torch.compile(model, backend=graphopt.backend(passes={"fp4_linear": True}), mode="reduce-overhead")
     report = graphopt.explain(model, *inputs)                    # what was rewritten, and why
     graphopt.export_onnx(model, inputs, "model.onnx")            # the rewritten graph as ONNX
+    graphopt.quantize_(model, format="nvfp4")                    # 4-bit weights in place; save_quantized / load_quantized
 
 The public names load on first use, so that `graphopt --help` does not import torch. `import graphopt`
 registers the graphopt::* custom ops when torch is already loaded; otherwise the first use of a
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
     from graphopt.compiler import GraphOptBackend
 
 __version__ = "0.1.0"
-__all__ = ["GraphOptConfig", "GraphOptBackend", "backend", "Report", "Decision", "explain", "export_onnx", "tune", "explore_fft", "__version__"]
+__all__ = ["GraphOptConfig", "GraphOptBackend", "backend", "Report", "Decision", "explain", "export_onnx", "tune", "explore_fft",
+           "quantize_", "save_quantized", "load_quantized", "QuantizedLinear", "__version__"]
 
 # Public names and the modules that define them.
 _LAZY: dict[str, str] = {
@@ -35,6 +37,10 @@ _LAZY: dict[str, str] = {
     "explain": "graphopt.explain",
     "export_onnx": "graphopt.onnx_export",
     "Decision": "graphopt.passes.base",
+    "quantize_": "graphopt.quant",
+    "save_quantized": "graphopt.quant",
+    "load_quantized": "graphopt.quant",
+    "QuantizedLinear": "graphopt.quant",
 }
 
 

@@ -197,6 +197,26 @@ def _attention_fake(q, k, v, bias, scale, is_causal, num_kv_groups, backend):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
+# SDPA backends whose graphopt::attention call a compiled graph holds as attention_in_graph instead.
+ATTENTION_GRAPH_BACKENDS: tuple[str, ...] = ("flash", "cudnn", "efficient", "math")
+
+
+def attention_in_graph(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups: int, backend: str):
+    """graphopt::attention on an SDPA backend, as a plain function in a compiled graph. AOT autograd
+    traces it into the backend's aten call (the sdpa_kernel priority is in force while it traces),
+    so Inductor launches that kernel from its generated code, with no Python op on the host path,
+    and the backend's own backward applies. Same arguments and result as graphopt::attention."""
+    _attention_check(q, k, v, bias, num_kv_groups, backend)
+    if backend not in ATTENTION_GRAPH_BACKENDS:
+        raise ValueError(f"attention_in_graph: backend {backend!r} is not an SDPA backend; valid choices: "
+                         f"{', '.join(ATTENTION_GRAPH_BACKENDS)}")
+    return _attention_sdpa(q, k, v, bias, scale, is_causal, num_kv_groups, backend)
+
+
+# What a rewritten dense attention is in a graph: either call, arguments as graphopt::attention's.
+DENSE_ATTENTION_TARGETS = (torch.ops.graphopt.attention.default, attention_in_graph)
+
+
 def _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad):
     """Explicit-formula backward in fp32 (materializes the (Lq, Lk) scores): the CPU/fallback body
     of graphopt::attention_backward, checked in the tests against autograd of the reference."""

@@ -42,6 +42,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from graphopt.kernels import sparse_attention as sa
+from graphopt.ops import DENSE_ATTENTION_TARGETS
 
 log = logging.getLogger("graphopt")
 
@@ -102,7 +103,7 @@ def capture_attention(model: torch.nn.Module, inputs: Sequence[tuple]) -> dict[s
         run_passes(gm, example_inputs, config, hardware)
         index = 0
         for node in list(gm.graph.nodes):
-            if node.op == "call_function" and node.target is torch.ops.graphopt.attention.default:
+            if node.op == "call_function" and node.target in DENSE_ATTENTION_TARGETS:
                 q, k, v, bias, scale, is_causal = node.args[:6]
                 node.target = _Recorder(store, attention_key(node, index), bool(is_causal), float(scale))
                 index += 1

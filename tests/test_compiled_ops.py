@@ -67,3 +67,58 @@ def test_inductor_launches_the_kernels_and_copies_no_weight(pass_name, tokens, m
         expected = eager(x)
     for got in [out, *replays]:
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+class _CausalGqaAttention(torch.nn.Module):
+    """LLaMA-style hand-written attention: GQA 8/2 with repeated K/V, an additive causal mask, and
+    optionally an additive per-key float bias on top (of a size bf16 adds to the scores exactly
+    enough to compare with float64)."""
+
+    def __init__(self, padded: bool):
+        super().__init__()
+        self.padded = padded
+        self.register_buffer("key_bias", torch.randn(257, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, q, k, v):
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        length = q.shape[-2]
+        mask = torch.full((length, length), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+        if self.padded:
+            mask = mask + self.key_bias[:length].to(q.dtype)
+        scores = torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + mask, -1)
+        return scores @ v
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_sdpa_backends_go_into_the_graph_as_aten_calls_and_train(backend, padded):
+    """An attention rewritten onto an SDPA backend reaches Inductor as that backend's aten call:
+    the generated code never calls graphopt::attention's Python body, and the backend's own
+    backward runs. Forward and gradients against float64, under CUDA graphs too."""
+    if backend == "flash" and padded:
+        pytest.skip("flash takes no mask")
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(1)
+    shape_q, shape_kv = (2, 8, 257, 64), (2, 2, 257, 64)
+    q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    model = _CausalGqaAttention(padded).cuda()
+    reference = model(*(t.double() for t in (q, k, v)))
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        options = {"attention_backend": backend, "force": True}
+        compiled = torch.compile(model, backend=graphopt.backend(**options), mode=mode)
+        with recording_decisions() as decisions:
+            out, code = run_and_get_code(compiled, q, k, v)
+        (d,) = [d for d in decisions if d.pass_name == "attention"]
+        assert d.applied and d.implementation == backend and d.details["emitted"] == f"aten SDPA ({backend})", d.reason
+        code = "\n".join(code)
+        assert "graphopt.attention" not in code and "scaled_dot_product" in code
+        torch.testing.assert_close(out.double(), reference, atol=2e-2, rtol=2e-2)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+        want = torch.autograd.grad(reference, (q, k, v), grad.double(), retain_graph=True)
+        for g, w in zip(got, want):
+            scale = w.abs().max().item()
+            torch.testing.assert_close(g.double(), w.double(), atol=2e-2 * scale, rtol=2e-2)

@@ -59,13 +59,15 @@ from graphopt.kernels import fp4 as fp4k
 import graphopt.ops  # noqa: F401  (registers the graphopt::* ops this module names)
 from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, log
-from graphopt.passes.fx_utils import (LinearMatch, bias_problem, dtype, find_linears, replace_siblings_with_call,
-                                      replace_with_call, sibling_groups)
+from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, dtype, find_linears, model_state_input,
+                                      replace_siblings_with_call, replace_with_call, sibling_groups)
+from graphopt.passes.fx_utils import tokens as token_count
 from graphopt.plan import plan_section, save_plan
+from graphopt.quant.linear import FP4_SCALE_SEARCH
 
 # Compile-time quantization uses the per-block MSE scale search (one-time cost; lowers weight
-# error, see tests/kernels/test_fp4.py::test_scale_search_lowers_error).
-SCALE_SEARCH = True
+# error, see tests/kernels/test_fp4.py::test_scale_search_lowers_error), as graphopt.quantize_ does.
+SCALE_SEARCH = FP4_SCALE_SEARCH
 # A lossy rewrite must buy a real speedup: launch-bound layers predicted within 5% are declined.
 MIN_PREDICTED_SPEEDUP = 1.05
 
@@ -94,9 +96,10 @@ class Fp4LinearPass(GraphPass):
         if (why := ctx.differentiated_reason()) is not None:
             ctx.record(self.name, False, why)
             return
+        self._quantized_in_place(ctx)
         fmt = ctx.config.fp4_format
         budget_db = ctx.config.error_budget["fp4_linear"]
-        plan = _PlanWeights(plan_section(ctx, self.name))
+        plan = PlanWeights(plan_section(ctx, self.name))
         replaced: dict = {}  # erased linear node -> the node now computing it (later matches read it)
         tied: dict = {}  # (weight node, transposed) -> the quantized weight its first linear made
         matches = find_linears(ctx)
@@ -112,6 +115,35 @@ class Fp4LinearPass(GraphPass):
                 new = self._one(ctx, m, fmt, budget_db, replaced, plan, tied)
                 if new is not None:
                     replaced[m.node] = new
+
+    def _quantized_in_place(self, ctx: PassContext) -> None:
+        """graphopt::fp4_linear calls that read their packed weights from the model's buffers (layers
+        that graphopt.quantize_ or graphopt.load_quantized made): the weights stay as they are (no
+        second quantization, whatever fp4_format says); on a GPU the op gets the cost model's path
+        and tile for its token count here, as the pass's own rewrites do. One Decision each, not
+        applied (nothing is rewritten)."""
+        op = torch.ops.graphopt.fp4_linear.default
+        for node in list(ctx.gm.graph.nodes):
+            if node.op != "call_function" or node.target is not op:
+                continue
+            codes = model_state_input(ctx, arg(node, 1, "codes"))
+            if codes is None:
+                continue
+            x, bias = arg(node, 0, "x"), arg(node, 5, "bias")
+            scales, global_scale = (ctx.example_value(arg(node, i, name)) for i, name in ((3, "scales"), (4, "global_scale")))
+            out_f, in_f, fmt = arg(node, 6, "out_features"), arg(node, 7, "in_features"), arg(node, 8, "format")
+            static = token_count(x)
+            kw = fp4k.Fp4KernelWeight(codes, scales, global_scale, out_f, in_f, fmt)
+            info = dict(tokens=static or 1, static_tokens=static is not None, act_dtype=dtype(x) or torch.bfloat16)
+            kernel, chosen = arg(node, 9, "kernel", ""), ""
+            if not kernel and isinstance(scales, torch.Tensor) and isinstance(global_scale, torch.Tensor):
+                kernel, _ = _op_kernel(ctx, info, kw, bias is not None)
+                chosen = kernel
+                _set_arg(node, 9, "kernel", kernel)
+            ctx.record(self.name, False, f"already quantized to {fmt} in the model (graphopt.quantize_): weights kept as "
+                       f"they are, not quantized again" + (f"; kernel chosen at compile time: {chosen}" if chosen else ""),
+                       node=node, implementation=None, quantized_in_place=True, format=fmt,
+                       fp4_weight_bytes=int(kw.nbytes) if isinstance(scales, torch.Tensor) else None, kernel=kernel)
 
     def _decide(self, ctx: PassContext, m: LinearMatch, fmt: str) -> tuple[str | None, dict]:
         """(why not, {}) or (None, the estimates): every check that needs no quantized weight."""
@@ -139,7 +171,7 @@ class Fp4LinearPass(GraphPass):
                                        f"not worth a lossy rewrite ({before.ms:.4f} -> {after.ms:.4f} ms)")
         return (None if accepted else reason + tokens_note), {**info, "reason": reason}
 
-    def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict, plan: "_PlanWeights",
+    def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict, plan: "PlanWeights",
              tied: dict):
         """One linear. A weight that an earlier linear of this graph already quantized (tied
         weights) reuses that linear's constants: one FP4 copy, its memory saving counted once."""
@@ -252,6 +284,14 @@ class Fp4LinearPass(GraphPass):
                 ctx.add_constant(kw.global_scale, "fp4_global_scale"))
 
 
+def _set_arg(node, index: int, name: str, value) -> None:
+    """Set a call node's argument, positional or keyword."""
+    if len(node.args) > index:
+        node.update_arg(index, value)
+    else:
+        node.update_kwarg(name, value)
+
+
 def _op_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> tuple[str, str]:
     """(the op's kernel string, its tuned part): the tuned path and tile where _tuned_kernel times one;
     else, for weights on a GPU, the cost model's path on that GPU for every token range, each with its
@@ -297,7 +337,7 @@ PASS = Fp4LinearPass()
 # =============================================================================================
 # Plans: pre-quantized (e.g. GPTQ-calibrated) weights per module path
 # =============================================================================================
-class _PlanWeights:
+class PlanWeights:
     """The plan's "fp4_linear" section; its safetensors file is read on first use."""
 
     def __init__(self, section: dict | None):

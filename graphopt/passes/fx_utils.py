@@ -257,6 +257,16 @@ def bias_problem(m: LinearMatch) -> str | None:
     return None
 
 
+def model_state_input(ctx: PassContext, node: Any) -> torch.Tensor | None:
+    """The tensor behind a graph input that holds model state (a parameter or buffer, such as the
+    packed weight of a graphopt.quantize_ layer), else None (a computed value, a user input, a
+    constant a pass added)."""
+    if not isinstance(node, fx.Node) or node.op != "placeholder" or not ctx.is_model_state(node):
+        return None
+    value = ctx.example_value(node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def _param_2d(ctx: PassContext, node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "placeholder" and ctx.is_parameter(node) and len(shape(node) or ()) == 2
 

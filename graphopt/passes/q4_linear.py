@@ -62,7 +62,7 @@ from graphopt.kernels import q4 as q4k
 import graphopt.ops  # noqa: F401  (registers the graphopt::* ops this module names)
 from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, log
-from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical, dtype, find_linears,
+from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical, dtype, find_linears, model_state_input,
                                       replace_siblings_with_call, replace_with_call, shape, sibling_groups)
 
 
@@ -96,9 +96,46 @@ class Q4LinearPass(GraphPass):
         if (why := ctx.differentiated_reason()) is not None:
             ctx.record(self.name, False, why)
             return
+        self._quantized_in_place(ctx)
         self._fuse_prequantized(ctx)
         self._fuse_fake_quant(ctx)
         self._quantize_linears(ctx)
+
+    # -- 0. layers quantized in the model (graphopt.quantize_) ------------------------------------
+    def _quantized_in_place(self, ctx: PassContext) -> None:
+        """graphopt::q4_linear calls that read their Q4_0 weights from the model's buffers (layers
+        that graphopt.quantize_ or graphopt.load_quantized made): the weights stay as they are; the
+        op gets the cost model's mode (q4_mode) and, on a GPU, its tile for the token count here,
+        as the pass's own rewrites do (modes and tiles give the same numbers up to fp32 summation
+        order). One Decision each, not applied (nothing is rewritten)."""
+        op = torch.ops.graphopt.q4_linear.default
+        for node in list(ctx.gm.graph.nodes):
+            if node.op != "call_function" or node.target is not op:
+                continue
+            qweight = model_state_input(ctx, arg(node, 1, "qweight"))
+            if qweight is None:
+                continue
+            x, scales, bias = arg(node, 0, "x"), ctx.example_value(arg(node, 2, "scales")), arg(node, 3, "bias")
+            act_dtype, xs = dtype(x), shape(x)
+            static = math.prod(xs[:-1]) if xs else None
+            k, n = (xs[-1] if xs else 2 * qweight.shape[1]), qweight.shape[0]
+            reason = "already quantized to q4_0 in the model (graphopt.quantize_): weights kept as they are"
+            if arg(node, 5, "kernel", "") or act_dtype not in q4k.SUPPORTED_ACT_DTYPES:
+                ctx.record(self.name, False, reason, node=node, quantized_in_place=True)
+                continue
+            before, after, mode, _, _ = predict_linear(ctx.hardware, static or 1, k, n, act_bytes=_dtype_bytes(act_dtype),
+                                                       bias=bias is not None, mode=ctx.config.q4_mode,
+                                                       tma=ctx.config.cuda_graphs)
+            mode = _op_mode(mode)
+            layer = dict(tokens=static, mode=mode, in_features=k, act_dtype=act_dtype)
+            kernel = _tuned_kernel(ctx, layer, qweight, scales, bias is not None)
+            for index, name, value in ((4, "mode", mode), (5, "kernel", kernel)):
+                if len(node.args) > index:
+                    node.update_arg(index, value)
+                else:
+                    node.update_kwarg(name, value)
+            ctx.record(self.name, False, f"{reason}; mode {mode}, tile {_tile_name(kernel)} chosen at compile time",
+                       node=node, before=before, after=after, quantized_in_place=True, mode=mode, tile=_tile_name(kernel))
 
     # -- 1. graphopt::quantize_q8_1 -> graphopt::q4_q8_gemm --------------------------------------
     def _fuse_prequantized(self, ctx: PassContext) -> None:

@@ -63,6 +63,7 @@ from graphopt.cost.sparse_attention import (
 from graphopt.cost_model import Estimate
 from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N, DEFAULT_CDFTHRESHD, DEFAULT_SIMTHRESHD1
 from graphopt.onnx_registry import register_onnx_translation
+from graphopt.ops import DENSE_ATTENTION_TARGETS
 from graphopt.passes.base import GraphPass, PassContext, module_path
 from graphopt.passes.fx_utils import device, dtype, fix_symbolic_sizes, replace_with_call, size_hints, symbolic_size
 
@@ -170,7 +171,7 @@ def _attention_sites(ctx: PassContext, pass_name: str) -> list[_Site]:
 
     attention_on = ctx.config.enabled("attention")
     sites = [_Site(n) for n in ctx.gm.graph.nodes
-             if n.op == "call_function" and n.target is torch.ops.graphopt.attention.default]
+             if n.op == "call_function" and n.target in DENSE_ATTENTION_TARGETS]
     replaced: dict = {}  # outputs of attentions rewritten here -> their replacements
     for match in find_attention(ctx):
         if match.reason is None and not match.follow(replaced):

@@ -66,7 +66,7 @@ from graphopt.passes.attention.choose import (
 )
 from graphopt.passes.attention.masks import MaskTerm, evaluate_constant
 from graphopt.passes.attention.match import AttentionMatch, find_attention
-from graphopt.passes.attention.rewrite import rewrite_attention
+from graphopt.passes.attention.rewrite import in_graph_sdpa, rewrite_attention
 from graphopt.passes.base import GraphPass, PassContext
 
 
@@ -128,7 +128,8 @@ class AttentionPass(GraphPass):
             native = native_sdpa_backend(ctx, match) == choice
             details = dict(source="sdpa" if match.from_sdpa else "hand-written",
                            emitted=("F.scaled_dot_product_attention" if native else
-                                    "graphopt::decode_attention" if choice == "triton_decode" else "graphopt::attention"),
+                                    "graphopt::decode_attention" if choice == "triton_decode" else
+                                    f"aten SDPA ({choice})" if in_graph_sdpa(ctx, match, choice) else "graphopt::attention"),
                            is_causal=match.is_causal, num_kv_groups=match.num_kv_groups, scale=match.scale,
                            bias=_bias_kind(match), candidates={k: round(v.ms, 6) for k, v in candidates.items()},
                            rejected=rejected, notes=list(match.notes))

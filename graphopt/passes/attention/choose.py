@@ -13,6 +13,7 @@ from graphopt import cost_model
 from graphopt.cost.attention import attention_key
 from graphopt.cost_model import Estimate
 from graphopt.passes.attention.match import AttentionMatch
+from graphopt.passes.attention.rewrite import in_graph_sdpa
 from graphopt.passes.base import PassContext
 from graphopt.passes.fx_utils import dtype, fake
 
@@ -193,8 +194,10 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
     if ctx.config.prices_host_path:
         native = native_sdpa_backend(ctx, match)
         for name, e in candidates.items():
-            # graphopt::decode_attention is a triton_op: Inductor launches its kernels itself
-            if name != native and not (name == "triton_decode" and ctx.config.downstream == "inductor"):
+            # graphopt::decode_attention is a triton_op (Inductor launches its kernels itself), and an
+            # SDPA backend's call goes into the graph as its aten op: neither has a Python host path
+            in_graph = in_graph_sdpa(ctx, match, name) or (name == "triton_decode" and ctx.config.downstream == "inductor")
+            if name != native and not in_graph:
                 candidates[name] = cost_model.host_paced(hw, e, cost_model.attention_op_host_launches(hw, name),
                                                          "graphopt::attention host path")
     return before, candidates, rejected, note

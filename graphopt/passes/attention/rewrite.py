@@ -1,5 +1,6 @@
 """The rewrite: a matched attention becomes one graphopt::attention node (or
-graphopt::decode_attention, or a plain SDPA call), its mask terms one bias."""
+graphopt::decode_attention, the SDPA backend's call through ops.attention_in_graph, or a plain SDPA
+call), its mask terms one bias."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from graphopt import cost_model
 from graphopt.passes.attention.masks import SYMBOLIC_MASK_NOTE
 from graphopt.passes.attention.match import AttentionMatch, _ndim
 from graphopt.passes.base import PassContext
+from graphopt.ops import ATTENTION_GRAPH_BACKENDS, attention_in_graph
 from graphopt.passes.fx_utils import device, dtype, erase_unused, fake, fix_symbolic_sizes
 
 # ---------------------------------------------------------------------------------------------
@@ -61,8 +63,11 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
             new = graph.call_function(torch.ops.graphopt.decode_attention.default,
                                       (q, k, v, bias, float(match.scale), splits))
         else:
+            target = torch.ops.graphopt.attention.default
+            if in_graph_sdpa(ctx, match, backend):
+                target = attention_in_graph
             new = graph.call_function(
-                torch.ops.graphopt.attention.default,
+                target,
                 (q, k, v, bias, float(match.scale), bool(match.is_causal), int(match.num_kv_groups), backend),
             )
         out = graph.call_method("squeeze", (new, 0)) if match.batched_3d else new
@@ -78,6 +83,15 @@ def rewrite_attention(ctx: PassContext, match: AttentionMatch, backend: str | No
     match.replaced_by = out
     erase_unused([root, match.softmax, *match.nodes, *_ancestors(match.dropped)], graph)
     return new
+
+
+def in_graph_sdpa(ctx: PassContext, match: AttentionMatch, backend: str) -> bool:
+    """Whether a rewrite onto SDPA `backend` is emitted as ops.attention_in_graph (the backend's aten
+    call, launched by the compiler with no Python op between) rather than graphopt::attention: for
+    CUDA tensors going to a compiler. The ONNX exporter keeps graphopt::attention (its translation
+    names it); the CPU keeps it too, where its body is the plain SDPA call."""
+    dev = device(match.q)
+    return backend in ATTENTION_GRAPH_BACKENDS and dev is not None and dev.type == "cuda" and not ctx.for_export
 
 
 def _with_value(new: fx.Node, source: fx.Node, fn) -> fx.Node:

@@ -1,0 +1,154 @@
+"""Host time of one graphopt op inside a compiled graph, without CUDA graphs.
+
+Method. A module chains `layers` identical blocks; each block is one operation that a graphopt pass
+rewrites into one graphopt op (a one-token bf16 linear for fp4_linear and q4_linear; a one-query
+GQA attention over a static-cache-style bool mask for the attention pass's decode kernel). Each
+variant compiles the module twice, with `--layers` blocks (default 4 and 24), mode=None (no CUDA
+graphs), and times calls issued back to back without a sync (bench.common.host_us): the GPU work
+of a block is a few microseconds, shorter than the host's, so the wall time per call is the host's
+launch path. The difference between the two depths divided by the difference in blocks is the host
+time of one block: the per-call costs (Dynamo's guards, the compiled module's prologue) cancel.
+`rewritten` counts the graphopt rewrites in the
+deep module (it must equal its depth). The same is measured with Inductor on the unrewritten module (its own kernels or extern calls for
+the same work), the baseline a user would otherwise have.
+
+    python bench/bench_op_host.py --out $OUT/op_host_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench.common import environment, host_us, print_table  # noqa: E402
+
+CALLS = 300
+
+
+class LinearChain(nn.Module):
+    def __init__(self, layers: int, width: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class DecodeAttentionChain(nn.Module):
+    """`layers` one-query attention calls over the same static cache (GQA 32/8, D 128), each
+    output feeding the next call's query, as a decode step's layers do."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, q, k, v, mask):
+        for _ in range(self.layers):
+            q = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return q
+
+
+class CausalAttentionChain(nn.Module):
+    """`layers` hand-written causal attentions (the form the attention pass lowers), each output the
+    next one's query."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, q, k, v):
+        length = q.shape[-2]
+        mask = torch.full((length, length), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+        for _ in range(self.layers):
+            q = torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + mask, -1) @ v
+        return q
+
+
+def workloads(width: int, cache: int):
+    """name -> (module factory(layers), inputs, graphopt options)."""
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(1, 1, width, device=dev, dtype=dt)
+    q = torch.randn(1, 32, 1, 128, device=dev, dtype=dt)
+    k, v = (torch.randn(1, 8, cache, 128, device=dev, dtype=dt) for _ in range(2))
+    mask = torch.zeros(1, 1, 1, cache, device=dev, dtype=torch.bool)
+    mask[..., : cache // 2] = True
+    linear = lambda n: LinearChain(n, width).to(dev, dt)  # noqa: E731
+    return {
+        "fp4_linear": (linear, (x,), dict(passes={"fp4_linear": True}, force=True)),
+        "q4_linear": (linear, (x,), dict(passes={"q4_linear": True}, force=True)),
+        "decode_attention": (DecodeAttentionChain, (q, k, v, mask), dict(attention_backend="triton_decode")),
+        "attention_cudnn": (CausalAttentionChain, tuple(torch.randn(1, 8, 64, 128, device=dev, dtype=dt) for _ in range(3)),
+                            dict(attention_backend="cudnn")),
+    }
+
+
+def launches_per_call(fn) -> float:
+    """Kernel launches the host makes in one call (the profiler's runtime launch events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    calls = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    return sum(e.count for e in prof.key_averages() if e.key in names) / calls
+
+
+def per_call(module: nn.Module, inputs, backend) -> tuple[float, float]:
+    """(host us per call, kernel launches per call) of the compiled module."""
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(*inputs)
+        run = lambda: compiled(*inputs)  # noqa: E731
+        return host_us(run, CALLS, repeats=7), launches_per_call(run)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", default="4,24", help="the two chain depths, comma separated")
+    parser.add_argument("--width", type=int, default=1024, help="linear layers' width")
+    parser.add_argument("--cache", type=int, default=640, help="attention's key length")
+    parser.add_argument("--out", default=None, help="JSON path")
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_op_host.py measures CUDA launches and needs a GPU; none is visible here.")
+        return 0
+    import graphopt
+
+    shallow, deep = (int(n) for n in opts.layers.split(","))
+    rows = []
+    for name, (factory, inputs, options) in workloads(opts.width, opts.cache).items():
+        for label, backend in (("inductor", "inductor"), ("graphopt", graphopt.backend(**options))):
+            (t0, n0), (t1, n1) = (per_call(factory(n), inputs, backend) for n in (shallow, deep))
+            times = [t0, t1]
+            rewritten = (sum(graphopt.explain(factory(deep), *inputs, **options).counts.values())
+                         if label == "graphopt" else None)
+            rows.append({"block": name, "backend": label, "rewritten": rewritten, f"call_us_{shallow}": times[0], f"call_us_{deep}": times[1],
+                         "per_block_us": (times[1] - times[0]) / (deep - shallow),
+                         "launches_per_block": (n1 - n0) / (deep - shallow)})
+            print(rows[-1], flush=True)
+    print_table("Host time per block inside a compiled graph, mode=None (slope of call time over depth)", rows)
+    if opts.out:
+        import json
+
+        with open(opts.out, "w") as fh:
+            json.dump({"environment": environment(), "options": vars(opts), "rows": rows}, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
