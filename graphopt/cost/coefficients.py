@@ -124,6 +124,8 @@ def describe(hw) -> str:
         runs = " and ".join(sorted({e["measured_on"].upper() for e in load(gpu).entries.values()}))
         return (f"cost model for {hw.name}: coefficients fitted to {runs} runs ({path}; agreement on held-out "
                 f"shapes: {VALIDATION_FILE})")
+    if not hw.is_gpu:
+        return f"cost model for {hw.name}: unvalidated: the rates of a rough 2-core machine, fitted to no measurement"
     return (f"cost model for {hw.name}: unvalidated (graphopt was never measured on it): its estimates use "
             f"{gpu.upper()}-fitted coefficients ({path}) with this target's own rates")
 
