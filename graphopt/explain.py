@@ -16,6 +16,10 @@ class Report:
 
     decisions: list[Decision] = field(default_factory=list)
     output: Any = None
+    # The hardware the cost model priced, its coefficients and whether they were validated there
+    # (graphopt.cost.coefficients.describe); `cost_model_validated` False for a never-measured target.
+    cost_model: str = ""
+    cost_model_validated: bool = True
 
     @property
     def counts(self) -> dict[str, int]:
@@ -49,6 +53,8 @@ class Report:
         summary = ", ".join(f"{k}: {v}" for k, v in self.counts.items()) or "no pass matched anything"
         saved = self.memory_saved_bytes
         table.caption = f"rewrites applied: {summary}" + (f"; weight memory saved: {saved / 2**20:.2f} MiB" if saved else "")
+        if self.cost_model:
+            table.caption += f"\n{self.cost_model}"
         return table
 
     def __str__(self) -> str:
@@ -97,13 +103,16 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Rep
     exactly this model and these inputs."""
     from graphopt import compiler as backend_module
     from graphopt.config import GraphOptConfig
+    from graphopt.cost import coefficients
+    from graphopt.hardware import get_spec
     from graphopt.logging_setup import configure_logging
 
     _refuse_model_keywords(model, options)
-    GraphOptConfig.from_options(options)  # fail early and clearly on bad options
+    config = GraphOptConfig.from_options(options)  # fail early and clearly on bad options
     configure_logging()  # and on a bad GRAPHOPT_LOG (inside the compile it would come wrapped by Dynamo)
     with backend_module.recording_decisions(reset=True) as sink:
         compiled = torch.compile(model, backend="graphopt", options=options or None)
         with torch.no_grad():
             output = compiled(*example_inputs)
-    return Report(sink, output)
+    hw = get_spec(config.target, list(example_inputs))  # as the backend picks it
+    return Report(sink, output, coefficients.describe(hw), coefficients.validated(hw))

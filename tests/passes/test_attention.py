@@ -727,7 +727,8 @@ def test_direct_calls_price_the_ops_host_path(monkeypatch):
     (d,) = [d for d in report.decisions if d.pass_name == "attention"]
     assert not d.applied and "host launch path" in d.reason
     # the best the op offers is its host path (the Triton kernel's and the SDPA backends' alike)
-    host_ms = min(cost_model.ATTENTION_OP_HOST_LAUNCHES.values()) * hw.host_op_overhead * 1e3
+    units = min(cost_model.attention_op_host_launches(hw, backend) for backend in ("triton", "cudnn"))
+    host_ms = units * hw.host_op_overhead * 1e3
     assert d.predicted_ms_after == pytest.approx(host_ms) and host_ms > d.predicted_ms_before
 
 

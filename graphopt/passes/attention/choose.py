@@ -207,7 +207,7 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
             # SDPA backend's call goes into the graph as its aten op: neither has a Python host path
             in_graph = in_graph_sdpa(ctx, match, name) or (name == "triton_decode" and ctx.config.downstream == "inductor")
             if name != native and not in_graph:
-                candidates[name] = cost_model.host_paced(hw, e, cost_model.attention_op_host_launches(name),
+                candidates[name] = cost_model.host_paced(hw, e, cost_model.attention_op_host_launches(hw, name),
                                                          "graphopt::attention host path")
     return before, candidates, rejected, note
 
@@ -293,7 +293,7 @@ def native_sdpa_backend(ctx: PassContext, match: AttentionMatch) -> str | None:
     """The backend PyTorch dispatches a plain F.scaled_dot_product_attention call of the rewritten
     form (no mask, no K/V head grouping) to, when that call can be emitted; else None. A candidate
     equal to it is emitted as that call: Inductor launches it from its own wrapper, without
-    graphopt::attention's Python path (cost_model.ATTENTION_OP_HOST_LAUNCHES). Not for a forced
+    graphopt::attention's Python path (cost_model.attention_op_host_launches). Not for a forced
     backend or `force` (the tuner records graphopt::attention nodes), nor on CPU."""
     if not ctx.hardware.is_gpu or ctx.config.force:
         return None
