@@ -23,6 +23,13 @@ also takes SDPA calls). Logits are checked against eager.
 
 Decode rows (--decode): one query token against Lk cached keys, B=1, each SDPA backend and the
 graphopt op on our Triton kernel, timed as CUDA-graph replays.
+
+Variant rows: our Triton kernel with soft-capped scores (cap 50, Gemma 2's) and with ALiBi (BLOOM's
+slopes) against the plain kernel, forward and fwd+bwd, L=4096, D=128, causal and not ("x plain" =
+plain time / variant time, >= 0.9 is the goal). Each is checked in bf16 against a float64
+reference: the forward on two heads of the timed call, the backward on a (1, 2, 1024, 128) problem.
+
+    python bench/bench_attention.py --skip-kernels --skip-backward --skip-e2e    # the variant rows only
 """
 
 from __future__ import annotations
@@ -333,6 +340,86 @@ def bench_backward(args, device, dtype) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# soft-capped and ALiBi variants of our kernel against the plain one
+# ---------------------------------------------------------------------------------------------
+def _alibi_slopes(heads: int, device) -> torch.Tensor:
+    """BLOOM's slopes for a power-of-two head count: 2^(-8 (i + 1) / H)."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=device)
+
+
+def bench_variants(args, device, dtype) -> list[dict]:
+    from graphopt.kernels import flash_attention as fa
+
+    rows = []
+    heads, head_dim = args.heads, args.head_dim
+    variants = {"plain": {}, "soft-capped (cap 50)": {"softcap": 50.0},
+                "ALiBi": {"alibi_slopes": _alibi_slopes(heads, device)}}
+    for length in args.variant_lengths:
+        batch = max(1, args.tokens // length)
+        for causal in (False, True):
+            _free_gpu_memory()
+            gen = torch.Generator(device=device).manual_seed(length + 2)
+            q, k, v, grad_out = (torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, generator=gen)
+                                 for _ in range(4))
+            flops = 4.0 * batch * heads * length * length * head_dim / (2 if causal else 1)
+            small = [t[:1, :2, : args.variant_check_length].contiguous() for t in (q, k, v, grad_out)]
+            shape_rows = []
+            for name, extra in variants.items():
+                options = dict(scale=head_dim ** -0.5, is_causal=causal, **extra)
+                small_options = dict(options, alibi_slopes=extra["alibi_slopes"][:2]) if "alibi_slopes" in extra else options
+                for mode in ("forward", "fwd+bwd"):
+                    row = {"B": batch, "H": heads, "L": length, "D": head_dim, "causal": causal, "variant": name,
+                           "mode": mode, "check": "", "ms": None, "TFLOP/s": None, "x plain": None, "note": ""}
+                    shape_rows.append(row)
+                    try:
+                        if mode == "forward":
+                            out = fa.flash_attention_forward(q, k, v, **options)[0]
+                            ref = fa.reference_attention(*(t[:1, :2].double() for t in (q, k, v)), **small_options)
+                            err = _rel_err(out[:1, :2], ref)
+                            out = ref = None
+                            fn = lambda: fa.flash_attention_forward(q, k, v, **options)  # noqa: E731
+                            row_flops = flops
+                        else:
+                            err = _variant_grad_error(fa, small, small_options)
+                            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+                            def fn(leaves=leaves, options=options):
+                                fa.flash_attention(*leaves, **options).backward(grad_out)
+                            row_flops = flops * 3.5
+                        row["check"] = f"{'PASS' if err <= CHECK_TOL else 'FAIL'} {err:.1e}"
+                        row["ms"] = median_ms(fn, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+                        row["TFLOP/s"] = tflops(row_flops, row["ms"])
+                        if mode == "forward":
+                            best = getattr(fa._flash_attention_fwd_kernel, "best_config", None)
+                            if best is not None:
+                                row["note"] = f"BM{best.kwargs['BLOCK_M']} BN{best.kwargs['BLOCK_N']} w{best.num_warps} s{best.num_stages}"
+                    except Exception as exc:  # one failing variant never stops the run
+                        _failed(row, exc, args)
+                    finally:
+                        fn = None
+                        _free_gpu_memory()
+                    print(f"  variant L={length:>6} causal={causal!s:5} {name:22} {mode:8} {row['check']:14} "
+                          f"{_ms(row['ms'])} ms  {row['note']}", flush=True)
+            for row in shape_rows:
+                plain = next((r["ms"] for r in shape_rows if r["variant"] == "plain" and r["mode"] == row["mode"]), None)
+                if plain and row["ms"]:
+                    row["x plain"] = plain / row["ms"]
+            rows += shape_rows
+            q = k = v = grad_out = None
+    return rows
+
+
+def _variant_grad_error(fa, small, options) -> float:
+    """Max relative error of our fwd+bwd gradients against float64 autograd of the reference."""
+    q, k, v, grad_out = small
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    fa.flash_attention(*leaves, **options).backward(grad_out)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    fa.reference_attention(*ref_leaves, **options).backward(grad_out.double())
+    return max(_rel_err(a.grad, b.grad) for a, b in zip(leaves, ref_leaves))
+
+
+# ---------------------------------------------------------------------------------------------
 # end-to-end rows
 # ---------------------------------------------------------------------------------------------
 def bench_e2e(args, device, dtype) -> list[dict]:
@@ -409,6 +496,7 @@ def parse_args(argv=None):
     parser.add_argument("--skip-backward", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true", help="no forward kernel rows")
     parser.add_argument("--decode", action="store_true", help="add one-query-token rows (CUDA-graph replays)")
+    parser.add_argument("--skip-variants", action="store_true", help="no soft-capped / ALiBi kernel rows")
     parser.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
@@ -417,6 +505,7 @@ def parse_args(argv=None):
         args.bwd_lengths = [40]
         args.e2e_lengths = [24]
         args.decode_lengths = [1, 40]
+        args.variant_lengths, args.variant_check_length = [48], 40
         args.warmup_ms, args.rep_ms = 1, 5
     else:
         args.heads, args.head_dim, args.tokens = 32, 128, 16384
@@ -424,6 +513,7 @@ def parse_args(argv=None):
         args.bwd_lengths = [1024, 4096]
         args.e2e_lengths = [2048, 4096]
         args.decode_lengths = [1, 256, 2048, 8192]
+        args.variant_lengths, args.variant_check_length = [4096], 1024
         args.warmup_ms, args.rep_ms = 25, 100
     return args
 
@@ -441,12 +531,16 @@ def main(argv=None):
     kernel_rows = [] if args.skip_kernels else bench_kernels(args, device, dtype)
     decode_rows = bench_decode(args, device, dtype) if args.decode else []
     backward_rows = [] if args.skip_backward else bench_backward(args, device, dtype)
+    variant_rows = [] if args.skip_variants else bench_variants(args, device, dtype)
     e2e_rows = [] if args.skip_e2e else bench_e2e(args, device, dtype)
     path = write_json("bench_attention", kernel_rows + backward_rows, e2e=e2e_rows, decode=decode_rows,
-                      dtype=str(dtype), elapsed_s=time.perf_counter() - start)
+                      variants=variant_rows, dtype=str(dtype), elapsed_s=time.perf_counter() - start)
     print(f"\nwrote {path}; total {time.perf_counter() - start:.0f}s\n")
     if backward_rows:
         print_table("Attention fwd+bwd (TFLOP/s counts 3.5x forward FLOPs)", backward_rows)
+    if variant_rows:
+        print_table("Our kernel: soft-capped and ALiBi scores against plain (x plain = plain ms / variant ms)",
+                    variant_rows)
     if e2e_rows:
         print_table("End-to-end prefill (logits vs eager)", e2e_rows)
     if decode_rows:

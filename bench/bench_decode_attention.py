@@ -12,9 +12,9 @@ CUDA-graph replays (bench.common.cuda_graph_ms, median):
 GB/s counts K and V read once (2 * B * 8 * Lk * 128 * 2 bytes). predicted_us is
 graphopt.cost_model's estimate of the decode and triton rows.
 
---fit: fits DECODE_ATTENTION_FIT (fixed_s, step_s) and TRITON_FLASH_STEP_S by least squares on the
-batch-1 rows at Lk 640 and 8192 and reports the relative error of the estimates on every other row
-(held out).
+--fit: fits decode_attention.fixed_s / step_s and attention.triton_flash_step_s (coefficients of
+graphopt/cost/data/<gpu>.json) by least squares on the batch-1 rows at Lk 640 and 8192 and reports
+the relative error of the estimates on every other row (held out).
 
     python bench/bench_decode_attention.py --fit --out $OUT/decode_attention_h100.json   # one H100, ~1 minute
 """

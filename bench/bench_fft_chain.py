@@ -19,7 +19,7 @@
     python bench/bench_fft_chain.py --cpu-smoke      # tiny sizes on CPU (Triton interpreter)
     python bench/bench_fft_chain.py --fit-sweep      # GPU: every implementation on the explorer's
         # --quick configurations (CUDA graph) plus the per-kernel times of the dft2 pipelines:
-        # the data the dft2 cost-model constants are fitted to (bench/fit_fft_cost_model.py)
+        # the data the dft2 cost-model coefficients are fitted to (bench/fit_fft_cost_model.py)
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from bench.common import cuda_graph_ms, median_ms, out_dir, print_table, write_j
 from graphopt import cost_model  # noqa: E402
 from graphopt.fft_explorer import explore_fft  # noqa: E402
 from graphopt.hardware import get_spec  # noqa: E402
+from graphopt.cost import coefficients  # noqa: E402
 from graphopt.cost import fft_chain as fft_cost  # noqa: E402
 from graphopt.kernels import fft_chain as fft  # noqa: E402
 
@@ -151,7 +152,7 @@ def kernel_candidates(shapes, token_counts, b, k, device, smoke, only=None):
 def fit_sweep(device, smoke: bool) -> Path:
     """Each (shape, B, K) of the explorer's --quick set at its token counts: every implementation
     replayed from a CUDA graph, cuBLAS bf16 beside it, and the per-kernel device time of the dft2
-    pipelines (what `bench/fit_fft_cost_model.py` fits the DFT2_* constants to)."""
+    pipelines (what `bench/fit_fft_cost_model.py` fits the fft_chain.dft2_* coefficients to)."""
     from graphopt.fft_explorer import QUICK_COMBOS, matrix_shape
 
     hw = get_spec("auto") if device.type == "cuda" else get_spec("cpu")
@@ -224,6 +225,7 @@ def main() -> int:
     rows, breakdown = kernel_candidates(shapes, token_counts, b, k, device, smoke, only)
     agree = sum(a["agreement"]["agree"] for a in explorer.values())
     total = sum(a["agreement"]["total"] for a in explorer.values())
+    fitted = coefficients.for_hardware(get_spec("auto") if device.type == "cuda" else get_spec("cpu"))
     targets = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         for t in token_counts:
@@ -237,13 +239,9 @@ def main() -> int:
     path = write_json("bench_fft_chain", rows, block_size=b, k=k, targets=targets, kernel_breakdown=breakdown,
                       explorer_agreement={"agree": agree, "total": total, "rate": agree / total if total else None},
                       explorer={str(t): a for t, a in explorer.items()},
-                      cost_model_constants={"launch_fraction_in_graph": fft_cost.LAUNCH_FRACTION_IN_GRAPH, "fma_efficiency": fft_cost.FMA_EFFICIENCY,
-                                            "serial_step_s": fft_cost.SERIAL_STEP_S, "dft_contract_step_s": fft_cost.DFT_CONTRACT_STEP_S,
-                                            "dft_gemm_step_s": fft_cost.DFT_GEMM_STEP_S, "dft2_latency_s": fft_cost.DFT2_LATENCY_S,
-                                            "dft2_gemm_step_s": fft_cost.DFT2_GEMM_STEP_S, "dft2_contract_step_s": fft_cost.DFT2_CONTRACT_STEP_S,
-                                            "dft2_gather_memory_efficiency": fft_cost.DFT2_GATHER_MEMORY_EFFICIENCY,
-                                            "dft2_inkernel_gather_matrix_fraction": fft_cost.DFT2_INKERNEL_GATHER_MATRIX_FRACTION,
-                                            "fft_chain_efficiency": cost_model.KERNEL_EFFICIENCY["fft_chain"]})
+                      cost_model_coefficients={name: fitted[name] for name in fitted.names("fft_chain.")
+                                               + ["efficiency.fft_chain", "gemm.partial_overlap"]},
+                      cost_model_data=fitted.path)
     print(f"explorer cost-model agreement over all token counts: {agree}/{total}" + (f" = {100 * agree / total:.0f}% (target >= 90%)" if total else ""))
     print(f"JSON: {path}")
     unit = "device us per call, torch.profiler CUDA activity" if device.type == "cuda" else "CPU op self us per call (smoke: no CUDA)"

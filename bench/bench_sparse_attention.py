@@ -12,7 +12,7 @@ For L in {4k, 8k, 16k, 32k}, causal and not, and block density 100/50/25/10 %:
 - cuDNN dense SDPA as the baseline (density 100 % means the same work as dense).
 - cuDNN, ours and FlexAttention are timed in 5 interleaved rounds per row (rotating start); each
   row's speedups use that row's own cuDNN time.
-- at 100 %, also our dense Triton flash-attention kernel (graphopt/kernels/flash_attention.py),
+- at 100 %, also our dense Triton flash-attention kernel (graphopt/kernels/flash_attention/),
   the same tile loop without a block list: the gap to it is what the LUT costs.
 Correctness first: ours against FlexAttention on the same mask (and against cuDNN at 100 %).
 Then the predictor: its time on structured local+sink inputs, as ms and as % of cuDNN dense, both

@@ -6,8 +6,9 @@ configurations, CUDA-graph times, cuBLAS bf16 beside them), and for the hardware
   * the explorer's faster/slower agreement, simulated exactly as `explore_fft` scores it: the
     cost model picks the implementation it predicts fastest, the row counts as agreeing when
     (cuBLAS predicted / picked predicted > 1) == (cuBLAS measured / picked measured > 1);
-  * with --fit: a grid search of the dft2 constants (DFT2_*) minimizing the mean |log error| of
-    the dft2 and dft2_pregather rows, printed for pasting into graphopt/cost/fft_chain.py.
+  * with --fit: a grid search of the dft2 coefficients (fft_chain.dft2_*) minimizing the mean
+    |log error| of the dft2 and dft2_pregather rows, printed for the GPU's data file
+    (graphopt/cost/data/<gpu>.json).
 
     python bench/fit_fft_cost_model.py bench/results/fft_fit_sweep_h100.json --gpu h100 [--fit]
 """
@@ -25,18 +26,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphopt.fft_explorer import predicted_speedup  # noqa: E402
-from graphopt.hardware import get_spec  # noqa: E402
+from graphopt.cost import coefficients  # noqa: E402
 from graphopt.cost import fft_chain as fft_cost  # noqa: E402
+from graphopt.hardware import get_spec  # noqa: E402
 from graphopt.kernels import fft_chain as fft  # noqa: E402
 
 FIT_GRID = {
-    "DFT2_LATENCY_S": [1.0e-6, 1.5e-6, 2.0e-6, 2.5e-6],
-    "DFT2_GEMM_STEP_S": [0.2e-6, 0.3e-6, 0.4e-6, 0.5e-6],
-    "DFT2_CONTRACT_STEP_S": [0.2e-6, 0.3e-6, 0.5e-6, 0.8e-6],
-    "DFT2_GATHER_MEMORY_EFFICIENCY": [0.5],  # the sweep's gather predates the autotuned kernel (0.6, see fft_chain)
-    "DFT2_GATHER_STEP_S": [0.0, 0.5e-6, 1.0e-6, 1.5e-6, 2.0e-6],
-    "DFT2_INKERNEL_GATHER_MATRIX_FRACTION": [0.06, 0.08, 0.1, 0.12],
+    "fft_chain.dft2_latency_s": [1.0e-6, 1.5e-6, 2.0e-6, 2.5e-6],
+    "fft_chain.dft2_gemm_step_s": [0.2e-6, 0.3e-6, 0.4e-6, 0.5e-6],
+    "fft_chain.dft2_contract_step_s": [0.2e-6, 0.3e-6, 0.5e-6, 0.8e-6],
+    "fft_chain.dft2_gather_step_s": [0.0, 0.5e-6, 1.0e-6, 1.5e-6, 2.0e-6],
+    "fft_chain.dft2_inkernel_gather_matrix_fraction": [0.06, 0.08, 0.1, 0.12],
 }
+
+
+def grid_fit(hw, rows):
+    """(mean |log error|, {name: value}) of the FIT_GRID point that fits the dft2 rows of `rows` best."""
+    best = None
+    names = list(FIT_GRID)
+    for values in itertools.product(*(FIT_GRID[n] for n in names)):
+        point = dict(zip(names, values))
+        s = score(coefficients.with_values(hw, point, "grid point"), rows)
+        if best is None or s < best[0]:
+            best = (s, point)
+    return best
 
 
 def predictions(hw, rows):
@@ -98,21 +111,12 @@ def main() -> int:
     args = parser.parse_args()
     rows = json.loads(args.sweep.read_text())["rows"]
     hw = get_spec(args.gpu)
-    report(hw, rows, "current constants")
+    report(hw, rows, f"coefficients of {coefficients.for_hardware(hw).path}")
     if not args.fit:
         return 0
-    best = None
-    names = list(FIT_GRID)
-    for values in itertools.product(*(FIT_GRID[n] for n in names)):
-        for n, v in zip(names, values):
-            setattr(fft_cost, n, v)
-        s = score(hw, rows)
-        if best is None or s < best[0]:
-            best = (s, values)
-    for n, v in zip(names, best[1]):
-        setattr(fft_cost, n, v)
-    print("\nfitted: " + ", ".join(f"{n} = {v}" for n, v in zip(names, best[1])) + f"  (mean |log error| {best[0]:.3f})")
-    report(hw, rows, "fitted constants")
+    error, point = grid_fit(hw, rows)
+    print("\nfitted: " + ", ".join(f"{n} = {v}" for n, v in point.items()) + f"  (mean |log error| {error:.3f})")
+    report(coefficients.with_values(hw, point, "fit"), rows, "fitted coefficients")
     return 0
 
 

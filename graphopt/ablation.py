@@ -26,7 +26,7 @@ import torch
 from graphopt import compiler as backend_module
 from graphopt.config import PASS_NAMES
 from graphopt.passes.base import Decision, count_applied
-from graphopt.hardware.timing import cold_graph_ms, first_tensor, median_ms
+from graphopt.hardware.timing import cold_graph_ms, first_tensor, timed_ms
 
 _log = logging.getLogger("graphopt")
 
@@ -45,6 +45,11 @@ class VariantResult:
     rewrites: dict[str, int] = field(default_factory=dict)
     graph_ms: float = float("nan")  # CUDA-graph replay of the same call (GPU only; NaN if capture failed)
     graph_speedup_vs_inductor: float = float("nan")
+    spread: float = 0.0  # interquartile range of the timed calls over their median
+
+
+# A spread above this makes ratios between variants unreliable: the table says so.
+NOISY_SPREAD = 0.10
 
 
 def variant_sets(passes: list[str]) -> list[tuple[str, list[str]]]:
@@ -94,7 +99,7 @@ def measure(model, inputs, *, backend: str | None, options: dict | None, device:
             def call():
                 return fn(*inputs)
 
-            ms = median_ms(call, rep_ms=rep_ms, device=device)
+            timing = timed_ms(call, rep_ms=rep_ms, device=device)
             graph_ms = _graph_ms(call, name) if device.startswith("cuda") else float("nan")
     peak = _peak_memory_mb(device)
     if reference is None:
@@ -103,8 +108,8 @@ def measure(model, inputs, *, backend: str | None, options: dict | None, device:
         diff = (output - reference).abs()
         max_abs = float(diff.max())
         rel = float(diff.norm() / reference.norm().clamp(min=1e-30))
-    return VariantResult(name, passes, ms, compile_s, max_abs, rel, peak, rewrites=count_applied(sink),
-                         graph_ms=graph_ms), output, sink
+    return VariantResult(name, passes, timing.median_ms, compile_s, max_abs, rel, peak, rewrites=count_applied(sink),
+                         graph_ms=graph_ms, spread=timing.spread), output, sink
 
 
 def _graph_ms(call, name: str) -> float:
@@ -167,22 +172,37 @@ def results_table(results: list[VariantResult], title: str):
 
     table = Table(title=title)
     graphs = any(not math.isnan(r.graph_ms) for r in results)  # CUDA-graph timings (GPU runs)
-    columns = ["variant", "median ms", "vs eager", "vs inductor"]
+    columns = ["variant", "median ms", "spread", "vs eager", "vs inductor"]
     columns += ["CUDA graph ms", "graph vs inductor"] if graphs else []
     columns += ["max abs err", "rel err", "peak MB", "compile s", "rewrites"]
     for column in columns:
         table.add_column(column, justify="right" if column != "variant" else "left")
     for r in results:
         rewrites = ", ".join(f"{k}={v}" for k, v in r.rewrites.items()) or "-"
-        row = [r.name, f"{r.median_ms:.3f}", f"{r.speedup_vs_eager:.2f}x", f"{r.speedup_vs_inductor:.2f}x"]
+        row = [r.name, f"{r.median_ms:.3f}", f"±{50 * r.spread:.0f}%", f"{r.speedup_vs_eager:.2f}x",
+               f"{r.speedup_vs_inductor:.2f}x"]
         row += [f"{r.graph_ms:.3f}", f"{r.graph_speedup_vs_inductor:.2f}x"] if graphs else []
         row += [f"{r.max_abs_err:.2e}", f"{r.rel_err:.2e}", f"{r.peak_memory_mb:.0f}", f"{r.compile_s:.1f}", rewrites]
         table.add_row(*row)
+    caption = ["spread: half the interquartile range of the timed calls, against their median"]
     if graphs:
-        table.caption = ("median ms: the call as a user makes it (host launch path included); CUDA graph ms: the same "
-                         "call replayed from a CUDA graph, the GPU work alone (what options={'cuda_graphs': True} or a "
-                         "serving engine's graph capture gets)")
+        caption.append("median ms: the call as a user makes it (host launch path included); CUDA graph ms: the same "
+                       "call replayed from a CUDA graph, the GPU work alone (what options={'cuda_graphs': True} or a "
+                       "serving engine's graph capture gets)")
+    table.caption = "\n".join(caption)
     return table
+
+
+def noise_warning(results: list[VariantResult]) -> str | None:
+    """A warning when a variant's calls vary by more than NOISY_SPREAD: ratios closer to 1 than
+    that spread can flip from one run to the next (a shared or busy CPU, frequency scaling)."""
+    noisy = [r for r in results if r.spread > NOISY_SPREAD]
+    if not noisy:
+        return None
+    worst = max(noisy, key=lambda r: r.spread)
+    return (f"timings are noisy: the calls of {', '.join(r.name for r in noisy)} vary by up to ±{50 * worst.spread:.0f}% "
+            f"({worst.name}); speedups within that of 1.00x can flip between runs. Rerun on an idle machine "
+            f"(graphopt ablate: a longer --rep-ms) or on a GPU")
 
 
 def write_outputs(results: list[VariantResult], out_dir: Path, *, title: str) -> dict[str, Path]:
@@ -190,7 +210,12 @@ def write_outputs(results: list[VariantResult], out_dir: Path, *, title: str) ->
     from rich.console import Console
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    Console(width=180).print(results_table(results, title))
+    console = Console(width=180)
+    console.print(results_table(results, title))
+    warning = noise_warning(results)
+    if warning:
+        _log.warning(warning)
+        console.print(f"[yellow]warning:[/yellow] {warning}")
     json_path = out_dir / "ablation.json"
     json_path.write_text(json.dumps({"title": title, "environment": _environment(),
                                      "variants": [_json_ready(asdict(r)) for r in results]}, indent=2))

@@ -77,11 +77,32 @@ CUDA_GRAPH_MODES: tuple[str, ...] = ("reduce-overhead", "max-autotune")
 MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+# Dynamo wraps what a backend raises in BackendCompilerFailed, except its own ShortenTraceback
+# family, which it re-raises as it is. A bad option is the user's mistake, not a compiler failure:
+# it reaches torch.compile's caller as this ValueError (torch.compile(backend="graphopt",
+# options=...) hands the options over only at the first call; graphopt.backend(...) checks them
+# where it is built).
+_DYNAMO_PASSES_THROUGH = getattr(torch._dynamo.exc, "ShortenTraceback", None)
+
+
+class GraphOptOptionError(ValueError, *((_DYNAMO_PASSES_THROUGH,) if _DYNAMO_PASSES_THROUGH else ())):
+    """A bad graphopt option or mode, raised to the caller of the compiled model unwrapped."""
+
+    def __init__(self, message: str):
+        if _DYNAMO_PASSES_THROUGH is not None:
+            _DYNAMO_PASSES_THROUGH.__init__(self, message, first_useful_frame=None)
+        else:
+            ValueError.__init__(self, message)
+
+
 def graphopt_backend(gm: fx.GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):
     """Entry point named in pyproject's torch_dynamo_backends. Not registered here a second time:
     Dynamo registers entry points itself, and its registry rejects duplicate names."""
     configure_logging()
-    config = config_for(options, mode)
+    try:
+        config = config_for(options, mode)
+    except ValueError as exc:
+        raise GraphOptOptionError(str(exc)) from None
     hardware = get_spec(config.target, example_inputs)
     return compile_graph(gm, example_inputs, config, hardware, mode=mode)
 
@@ -233,4 +254,5 @@ def require_tensorrt() -> None:
         )
 
 
-__all__ = ["graphopt_backend", "GraphOptBackend", "config_for", "compile_graph", "tensorrt_available"]
+__all__ = ["graphopt_backend", "GraphOptBackend", "GraphOptOptionError", "config_for", "compile_graph",
+           "tensorrt_available"]

@@ -109,6 +109,10 @@ class GraphOptConfig:
     # price GPU time only. cuda_graphs=True implies it. Off, a graphopt op whose host path (Python
     # dispatch) outlasts its GPU work is priced at its host time.
     graph_replay: bool = False
+    # Attention with dropout active on its probabilities (training) is rewritten to SDPA with
+    # dropout_p: another random mask than eager's, drawn from the same distribution. Off, such
+    # attention is left as written.
+    attention_dropout: bool = True
 
     @property
     def prices_host_path(self) -> bool:
@@ -146,7 +150,7 @@ class GraphOptConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("fp4_format", self.fp4_format, FP4_FORMATS)
         _check_choice("q4_mode", self.q4_mode, Q4_MODES)
-        for flag in ("force", "fuse_sibling_linears", "cuda_graphs", "graph_replay"):
+        for flag in ("force", "fuse_sibling_linears", "cuda_graphs", "graph_replay", "attention_dropout"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"graphopt option {flag} must be True or False, got {getattr(self, flag)!r}")
         if self.cuda_graphs and self.downstream != "inductor":

@@ -2,7 +2,7 @@
 
 Every estimate is built the same way. Count the FLOPs (or integer ops) a candidate does and the
 fewest bytes it must move through device memory. Divide each by the rate of the unit that does it,
-scaled by how well that kernel family uses the unit (`KERNEL_EFFICIENCY`). Take the larger of the
+scaled by how well that kernel family uses the unit (`family_efficiency`). Take the larger of the
 two (roofline: the other overlaps), then add one launch overhead per kernel launch.
 
 Rates are the hardware *ceilings* (see graphopt.hardware: measured by `graphopt calibrate` where
@@ -21,59 +21,13 @@ import json
 import math
 from dataclasses import dataclass
 
+from graphopt.cost import coefficients
 from graphopt.hardware import HardwareSpec, cache_dir
 
-# (compute efficiency, memory efficiency) relative to the device ceilings, per kernel family.
-# Starting values come from the H100 reference points in shared/DESIGN.md; bench/bench_cost_model.py
-# prints predicted vs measured so these can be checked and refit.
-KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
-    "cublas_gemm": (1.0, 0.92),
-    # Elementwise / softmax passes over an L x L score matrix: measured on an H200 (bench_cost_model,
-    # naive attention at L=4k-8k) they reach about half the copy bandwidth.
-    "pointwise": (1.0, 0.5),
-    # Attention families, relative to the measured matmul ceiling (690 TFLOP/s on our H200;
-    # bench/results/attention_h200.json, bf16 D=128 L=4k-16k): cuDNN ~600, SDPA flash ~348,
-    # our Triton kernel 475-503 non-causal. (H100 figures in shared/DESIGN.md give 0.83 for cuDNN.)
-    "sdpa_cudnn": (0.87, 0.9),
-    "sdpa_flash": (0.50, 0.9),
-    "sdpa_efficient": (0.35, 0.9),
-    "triton_flash": (0.70, 0.9),
-    # Block-sparse Triton kernel: tile matmul rate fitted to bench/results/sparse_attention_h200.json
-    # (32 timings, L=4k-32k, density 0.1-1) together with a per-query-block cost of 6 tiles (the
-    # model's SPARSE_ROW_COST_TILES, fitted to the H100 kernels, is 3.5: graphopt.cost.sparse_attention).
-    "triton_sparse": (0.68, 0.85),
-    # FP4 / Q4 kernels, fitted to bench/results/{fp4,q4}_linear_h200.json (H200, triton 3.6); the
-    # compute term is CUDA-core decode/epilogue work (see the op counts in graphopt/cost/fp4.py and
-    # graphopt/cost/q4.py). fp4_gemv: decode + FMA of the 1-4 token word-tile kernel and bf16
-    # decode of the 16-token MMA kernel at 0.13 of fp32 peak (fitted on the H100 to the word-tile
-    # kernels, bench/results/fp4_linear_mma_decode_h100.json: 1 token 0.36-0.55 ps per weight
-    # cold with the launch, 4-16 tokens 0.58-0.84); memory 0.65 (the 1-token kernel streams 0.63 of the copy bandwidth on
-    # 5120->13824 once the 4 us launch is taken off; 0.34-0.53 with it on the six shapes).
-    # fp4_gemm: 0.066 of fp32 peak for the fused GEMM's in-tile decode (4096 tokens: 0.92 ms for
-    # 4096x4096). q4_gemv: the 1-token dp4a decode streams at 0.65 of copy bandwidth (H100,
-    # narrow one-warp tiles: 0.021 ms on 5120->13824), its CUDA-core work at 0.16; q4_gemm: the
-    # int8 GEMM (MMA + per-32-block epilogue + nibble unpack) at 0.09, fitted on both GPUs' rows
-    # (0.12 would predict the m16 decode GEMM ~10% faster than measured and take 16-token layers
-    # measured at 0.97-1.01x of cuBLAS on the H100; 0.09 predicts 4096 tokens ~1.8x slow, where
-    # cuBLAS is 8-10x faster either way).
-    "fp4_gemv": (0.13, 0.65),
-    "fp4_gemm": (0.066, 0.8),
-    "q4_gemv": (0.16, 0.65),
-    "q4_gemm": (0.09, 0.8),
-    # q4_swap: the operand-swapped decode GEMM ("swap" configs, 4-16 tokens), fitted to its tuned
-    # H100 rows (bench/results/q4_linear_decode_dp4a_h100.json): 4 tokens 0.031-0.033 ms, at 0.50 of
-    # the memory ceiling (deeper cp.async pipelines, 4 and 6 K steps, measure no faster, so it is
-    # not the bytes in flight alone); 16 tokens 0.036-0.038 ms, bound by
-    # the per-32-block epilogue and the nibble unpack (CUDA-core ops) with the int8 MMAs, at 0.14.
-    "q4_swap": (0.14, 0.5),
-    # q4_tma: the Gluon Q4 decode fed by TMA (kernels/q4_tma.py). Like the FP4 TMA kernel it is
-    # bound by its instruction stream at 4-16 tokens (profiled), so its
-    # fitted per-weight ops (graphopt.cost.q4) carry the time and the memory term is set
-    # where it does not bind.
-    "q4_tma": (0.13, 0.9),
-    "fft_chain": (0.5, 0.7),
-    "cpu_kernel": (1.0, 1.0),
-}
+# (compute, memory) efficiency of each kernel family relative to the device ceilings: the
+# "efficiency.<family>" coefficients of the GPU's data file (graphopt.cost.coefficients), which name
+# the run each was fitted to. On the CPU every family is priced at the CPU's own rates.
+CPU_EFFICIENCY = (1.0, 1.0)
 
 # Our Triton attention kernels were fitted on Hopper, where TMA loads and wgmma put them ahead of
 # SDPA's flash backend (FlashAttention-2, which uses neither). Nothing of ours was measured on an
@@ -84,15 +38,22 @@ HOPPER_FITTED_FAMILIES: tuple[str, ...] = ("triton_flash", "triton_sparse")
 HOPPER = (9, 0)
 
 
+def kernel_families(hw: HardwareSpec) -> list[str]:
+    """The kernel families the cost model prices (those with an efficiency in the data file)."""
+    return [name.removeprefix("efficiency.") for name in coefficients.for_hardware(hw).names("efficiency.")]
+
+
 def family_efficiency(hw: HardwareSpec, family: str) -> tuple[float, float]:
-    """(compute, memory) efficiency of a kernel family on `hw` (see KERNEL_EFFICIENCY)."""
-    if family not in KERNEL_EFFICIENCY:
-        raise ValueError(f"unknown kernel family {family!r}; valid choices: {', '.join(KERNEL_EFFICIENCY)}")
-    if not hw.is_gpu:
-        return KERNEL_EFFICIENCY["cpu_kernel"]
-    compute_eff, memory_eff = KERNEL_EFFICIENCY[family]
+    """(compute, memory) efficiency of a kernel family on `hw`."""
+    fitted = coefficients.for_hardware(hw)
+    name = f"efficiency.{family}"
+    if name not in fitted.values and family != "cpu_kernel":
+        raise ValueError(f"unknown kernel family {family!r}; valid choices: {', '.join(kernel_families(hw))}")
+    if not hw.is_gpu or family == "cpu_kernel":
+        return CPU_EFFICIENCY
+    compute_eff, memory_eff = fitted[name]
     if family in HOPPER_FITTED_FAMILIES and hw.compute_capability is not None and hw.compute_capability < HOPPER:
-        compute_eff = min(compute_eff, KERNEL_EFFICIENCY["sdpa_flash"][0])
+        compute_eff = min(compute_eff, fitted["efficiency.sdpa_flash"][0])
     return compute_eff, memory_eff
 
 
@@ -164,30 +125,20 @@ def chain(name: str, *parts: Estimate) -> Estimate:
 # Host path of a graphopt custom op
 # ---------------------------------------------------------------------------------------------
 # A graphopt::* op reaches its kernel through torch.library's Python dispatch, where a plain aten
-# call from Inductor's wrapper does not. Called back to back on negligible GPU work (H100 machine,
-# torch 2.11, bench/tools/probe_attention_host.py), in units of the same run's one-kernel torch op
-# (11.8 us): a plain F.scaled_dot_product_attention call 1.5-1.7, graphopt::attention on an SDPA
-# backend 7.4-9.2 under no_grad (7.7-19 with grad mode on), on the Triton kernel through the
-# autotuner's own call path 10.9 (14.4). Through `launch_tuned` (the autotuner's call path skipped
-# once it has chosen), as the op launches it, the Triton path measured a median of 6.9 units under
-# no_grad over six repeats, and the SDPA backends' paths 6.2-10.1 in the same runs
-# (bench/results/attention_op_host_h100.log), so both are priced alike. Where a
-# call's GPU work is shorter than its host path, the host path sets the pace of a stream of such
-# calls (unless they replay from a CUDA graph).
-ATTENTION_OP_HOST_LAUNCHES = {"sdpa": 7.5, "triton": 7.5}
-
-
-def attention_op_host_launches(backend: str) -> float:
+# call from Inductor's wrapper does not. Its host time per call, in units of a one-kernel torch op
+# called back to back (HardwareSpec.host_op_overhead), is a coefficient: "attention.op_host_launches.
+# <sdpa|triton>" for graphopt::attention, "sparse_attention.op_host_launches" for
+# graphopt::sparse_attention (four launches behind the op's dispatch). Where a call's GPU work is
+# shorter than its host path, the host path sets the pace of a stream of such calls (unless they
+# replay from a CUDA graph).
+def attention_op_host_launches(hw: HardwareSpec, backend: str) -> float:
     """graphopt::attention's host-path units for one of its backends (the Triton kernel or an SDPA one)."""
-    return ATTENTION_OP_HOST_LAUNCHES["triton" if backend == "triton" else "sdpa"]
+    return coefficients.value(hw, f"attention.op_host_launches.{'triton' if backend == 'triton' else 'sdpa'}")
 
 
-# graphopt::sparse_attention: four launches (the predictor's three, the kernel's one) behind the
-# op's dispatch. Called back to back on negligible GPU work on an H100 host
-# (bench/sparse_host_overhead.py): 226 us per call non-causal, 374 us causal in a stretch where
-# the same run's other calls also took 1.6-2x longer; the predictor alone 98 / 127 us, the
-# kernel's launcher 94 / 157 us. About 19 units of the 12 us torch op.
-SPARSE_ATTENTION_OP_HOST_LAUNCHES = 19.0
+def sparse_attention_op_host_launches(hw: HardwareSpec) -> float:
+    """graphopt::sparse_attention's host-path units."""
+    return coefficients.value(hw, "sparse_attention.op_host_launches")
 
 
 def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) -> Estimate:
@@ -204,15 +155,8 @@ def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) 
 # Dense GEMM
 # ---------------------------------------------------------------------------------------------
 # Near the ridge point a GEMM does not hide all of its memory time under its tensor-core time (or
-# the reverse): the weight stream and the MMA waves overlap only in part. This fraction of the
-# smaller of the two terms is added to the larger. Fitted on an H100 (cuBLAS bf16, CUDA graph,
-# bench/results/fft_fit_sweep_h100.json and the explorer log fft_chain_h100.log):
-# 5120<->13824 at 256 tokens measured 0.066-0.075 ms, where the plain max() says 0.058 and this
-# term 0.072; 16 and 4096 tokens move by <= 6% (0.0524-0.0652 and 0.72-0.86 ms measured across
-# runs there).
-GEMM_PARTIAL_OVERLAP = 0.3
-
-
+# the reverse): the weight stream and the MMA waves overlap only in part. The coefficient
+# "gemm.partial_overlap" is the fraction of the smaller of the two terms added to the larger.
 def gemm(hw: HardwareSpec, m: int, n: int, k: int, *, dtype_bytes: int = 2, name: str = "dense GEMM (cuBLAS)") -> Estimate:
     """C[m, n] = A[m, k] @ B[k, n]: reads A and B once, writes C once."""
     flops = 2.0 * max(m, MIN_GEMM_TILE_M) * n * k
@@ -223,7 +167,7 @@ def gemm(hw: HardwareSpec, m: int, n: int, k: int, *, dtype_bytes: int = 2, name
     # the overlap term uses the unpadded FLOPs: a decode GEMV's padded tile is not real MMA time
     compute_ms = roofline(hw, name, flops=2.0 * m * n * k, launches=0, family="cublas_gemm").ms
     memory_ms = roofline(hw, name, bytes_moved=moved, launches=0, family="cublas_gemm").ms
-    return Estimate(est.name, est.ms + GEMM_PARTIAL_OVERLAP * min(compute_ms, memory_ms), est.flops, est.bytes, est.launches, est.bound)
+    return Estimate(est.name, est.ms + coefficients.value(hw, "gemm.partial_overlap") * min(compute_ms, memory_ms), est.flops, est.bytes, est.launches, est.bound)
 
 
 def linear(hw: HardwareSpec, tokens: int, in_features: int, out_features: int, *, dtype_bytes: int = 2, bias: bool = False) -> Estimate:
@@ -297,20 +241,14 @@ SDPA_BACKENDS: tuple[str, ...] = ("cudnn", "flash", "efficient", "math")
 CAUSAL_DIAGONAL_TILE = 128  # key-block width of the fused kernels' diagonal tiles
 
 
-# The least GPU time of one call: B=1, H=32, D=128, one query token, Lk=1 (cuDNN: Lk=256, it
-# rejects Lk=1), CUDA-graph replays on an H100 (bench_attention.py --decode). A decode
-# step pays it per attention whatever the cache length; prefill never gets near it.
-ATTENTION_FLOOR_S: dict[str, float] = {"triton_flash": 2.4e-6, "sdpa_flash": 5.3e-6, "sdpa_efficient": 5.8e-6,
-                                       "sdpa_cudnn": 5.9e-6}
-# Our Triton kernel runs one program per (batch, head, query block) and does not split the keys:
-# with one query token (32 programs) it streamed K and V at 1.38-1.55 TB/s for Lk = 2k-8k on the
-# H100 (same run), about 45 GB/s per program, where cuDNN reached 2.6-3.1 TB/s.
-TRITON_ATTENTION_BYTES_PER_S_PER_PROGRAM = 45e9
+# Coefficients of the fused kernels (graphopt.cost.coefficients): "attention.floor_s.<family>", the
+# least GPU time of one call (a decode step pays it per attention whatever the cache length;
+# prefill never gets near it); "attention.triton_bytes_per_s_per_program", the rate at which one
+# program of our Triton kernel streams K and V (it runs one program per (batch, head, query block)
+# and does not split the keys, so a one-token query has few programs); "attention.triton_flash_step_s",
+# one 64-key step of one such program: its loads and its two dots in sequence.
 TRITON_ATTENTION_QUERY_BLOCK = 64
 DECODE_ATTENTION_BLOCK_N = 64  # keys per step of the Triton attention kernels
-# One 64-key step of one flash program, measured with one query token (bench_decode_attention.py,
-# DECODE_ATTENTION_FIT's file): the program's loads and its two dots in sequence.
-TRITON_FLASH_STEP_S = 2.0e-6
 
 
 def fused_attention(
@@ -343,27 +281,27 @@ def fused_attention(
     est = roofline(hw, name or family, flops=flops, bytes_moved=moved, family=family)
     if not hw.is_gpu:
         return est
+    fitted = coefficients.for_hardware(hw)
     launch_s = est.launches * hw.launch_overhead
     body_s, bound = est.ms * 1e-3 - launch_s, est.bound
     if family == "triton_flash":
         programs = b * h * -(-lq // TRITON_ATTENTION_QUERY_BLOCK)
-        streamed_s = moved / (programs * TRITON_ATTENTION_BYTES_PER_S_PER_PROGRAM)
+        streamed_s = moved / (programs * fitted["attention.triton_bytes_per_s_per_program"])
         # a decode call (a few query rows) has few programs, each walking all its keys in sequence,
         # load after load: that walk is its time (measured with one query token only)
-        walk_s = -(-lk // DECODE_ATTENTION_BLOCK_N) * TRITON_FLASH_STEP_S if lq <= 16 else 0.0
+        walk_s = -(-lk // DECODE_ATTENTION_BLOCK_N) * fitted["attention.triton_flash_step_s"] if lq <= 16 else 0.0
         if max(streamed_s, walk_s) > body_s:
             body_s, bound = max(streamed_s, walk_s), "memory" if streamed_s >= walk_s else "latency"
-    floor_s = ATTENTION_FLOOR_S.get(family, 0.0)
+    floor_s = fitted.values.get(f"attention.floor_s.{family}", 0.0)
     if floor_s > body_s:
         body_s = floor_s
     return Estimate(est.name, (body_s + launch_s) * 1e3, est.flops, est.bytes, est.launches, bound)
 
 
 # graphopt/kernels/decode_attention.py: one program per (batch, KV head, key chunk) steps through
-# its chunk 64 keys at a time, then a merge kernel. Per-step time and the fixed cost of the two
-# kernels: DECODE_ATTENTION_FIT (bench/results/decode_attention_<gpu>.json, fitted by
-# bench/bench_decode_attention.py --fit on the rows it names; the other rows are held out).
-DECODE_ATTENTION_FIT: dict[str, float] = {"step_s": 0.55e-6, "fixed_s": 0.5e-6}
+# its chunk 64 keys at a time, then a merge kernel. Coefficients "decode_attention.step_s" (one step)
+# and "decode_attention.fixed_s" (the two kernels' fixed cost beyond their launches), checked by
+# bench/bench_decode_attention.py --fit.
 # Programs per SM the split aims for: enough waves to cover a chunk's load latency.
 DECODE_ATTENTION_PROGRAMS_PER_SM = 2
 
@@ -401,7 +339,7 @@ def decode_attention(hw: HardwareSpec, b: int, h: int, lq: int, lk: int, d: int,
     if not hw.is_gpu:
         return est
     walk = decode_attention_walk(hw, b, kv_heads, lk, splits)
-    latency_s = DECODE_ATTENTION_FIT["fixed_s"] + walk * DECODE_ATTENTION_FIT["step_s"]
+    latency_s = coefficients.value(hw, "decode_attention.fixed_s") + walk * coefficients.value(hw, "decode_attention.step_s")
     launch_s = est.launches * hw.launch_overhead
     body_s = est.ms * 1e-3 - launch_s
     bound = est.bound if body_s >= latency_s else "latency"

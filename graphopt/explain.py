@@ -20,6 +20,10 @@ class Report:
 
     decisions: list[Decision] = field(default_factory=list)
     output: Any = None
+    # The hardware the cost model priced, its coefficients and whether they were validated there
+    # (graphopt.cost.coefficients.describe); `cost_model_validated` False for a never-measured target.
+    cost_model: str = ""
+    cost_model_validated: bool = True
     rank: int | None = None  # this process's torch.distributed rank, when several processes run
     world_size: int | None = None
 
@@ -55,6 +59,8 @@ class Report:
         summary = ", ".join(f"{k}: {v}" for k, v in self.counts.items()) or "no pass matched anything"
         saved = self.memory_saved_bytes
         table.caption = f"rewrites applied: {summary}" + (f"; weight memory saved: {saved / 2**20:.2f} MiB" if saved else "")
+        if self.cost_model:
+            table.caption += f"\n{self.cost_model}"
         return table
 
     def all_ranks(self) -> list["Report"]:
@@ -66,7 +72,8 @@ class Report:
 
         gathered: list = [None] * int(self.world_size)
         dist.all_gather_object(gathered, (self.rank, self.world_size, self.decisions))
-        return [Report(decisions, None, rank, world) for rank, world, decisions in gathered]
+        return [Report(decisions, None, self.cost_model, self.cost_model_validated, rank, world)
+                for rank, world, decisions in gathered]
 
     def __str__(self) -> str:
         from rich.console import Console
@@ -114,15 +121,18 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Rep
     exactly this model and these inputs."""
     from graphopt import compiler as backend_module
     from graphopt.config import GraphOptConfig
+    from graphopt.cost import coefficients
+    from graphopt.hardware import get_spec
     from graphopt.logging_setup import configure_logging
     from graphopt.passes.tensor_parallel import rank_and_world
 
     _refuse_model_keywords(model, options)
-    GraphOptConfig.from_options(options)  # fail early and clearly on bad options
+    config = GraphOptConfig.from_options(options)  # fail early and clearly on bad options
     configure_logging()  # and on a bad GRAPHOPT_LOG (inside the compile it would come wrapped by Dynamo)
     with backend_module.recording_decisions(reset=True) as sink:
         compiled = torch.compile(model, backend="graphopt", options=options or None)
         with torch.no_grad():
             output = compiled(*example_inputs)
-    ranks = rank_and_world()
-    return Report(sink, output, *(ranks or (None, None)))
+    hw = get_spec(config.target, list(example_inputs))  # as the backend picks it
+    rank, world_size = rank_and_world() or (None, None)
+    return Report(sink, output, coefficients.describe(hw), coefficients.validated(hw), rank, world_size)

@@ -15,7 +15,9 @@ Shapes are those of the example inputs unless `dynamic_axes` names dims to keep 
 `dynamic_axes={0: {0: "batch", 1: "seq"}, 1: {0: "batch", 1: "seq"}}` for (input_ids,
 attention_mask): Dynamo then captures those dims as symbols, the passes see symbolic shapes (those
 that need static ones decline, with the reason), and the ONNX inputs carry the names. The graph
-inputs take the names of the model's forward parameters.
+inputs take the names of the model's forward parameters (`input_ids`, `attention_mask`); the
+outputs follow the model's output structure and are named after it: `logits`, then
+`present.N.key` and `present.N.value` for a transformers KV cache (`named_outputs`).
 """
 
 from __future__ import annotations
@@ -77,14 +79,19 @@ def _load_pass_modules() -> None:
 
 
 class _RewrittenModule(torch.nn.Module):
-    """The rewritten graph, with parameters and buffers held as module state (ONNX initializers)."""
+    """The rewritten graph, with parameters and buffers held as module state (ONNX initializers).
+    Its outputs are the graph's in `output_order` (indices into the graph's outputs), named
+    `output_names`: the model's own output structure (see named_outputs), not Dynamo's order."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, user_positions: dict[int, int],
-                 size_sources: dict[int, tuple[int, int]] | None = None):
+                 size_sources: dict[int, tuple[int, int]] | None = None, output_order: list[int] | None = None,
+                 output_names: list[str] | None = None):
         super().__init__()
         self.gm = gm
         self.user_positions = user_positions
         self.size_sources = size_sources or {}
+        self.output_order = output_order
+        self.output_names = output_names
         self.n_inputs = len(example_inputs)
         for i, value in enumerate(example_inputs):
             if i not in user_positions and i not in self.size_sources:
@@ -103,7 +110,59 @@ class _RewrittenModule(torch.nn.Module):
 
     def forward(self, *user_inputs):
         out = self.gm(*[self._graph_input(i, user_inputs) for i in range(self.n_inputs)])
+        if self.output_order is not None:
+            out = tuple(out[j] for j in self.output_order)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+
+def _cache_pairs(cache: Any) -> list[tuple[Any, Any]] | None:
+    """(key, value) per layer of a transformers KV cache (a Cache with .layers, or one with
+    key_cache / value_cache), or of the legacy tuple of (key, value) pairs; None for anything else."""
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, (list, tuple)) and all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        return [(layer.keys, layer.values) for layer in layers]
+    if hasattr(cache, "key_cache") and hasattr(cache, "value_cache"):
+        return list(zip(cache.key_cache, cache.value_cache))
+    if isinstance(cache, (list, tuple)) and cache and all(
+            isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)
+            for pair in cache):
+        return [tuple(pair) for pair in cache]
+    return None
+
+
+def named_outputs(output: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a model's output with stable names, in the order of its structure: a
+    transformers ModelOutput by field (`logits`, ...), its KV cache as `present.N.key` and
+    `present.N.value`, other sequences by index (`hidden_states.0`), a bare tensor `output`."""
+    if isinstance(output, torch.Tensor):
+        return [(prefix or "output", output)]
+    if prefix in ("past_key_values", "present_key_values") or (not isinstance(output, (Mapping, list, tuple))):
+        pairs = _cache_pairs(output)
+        if pairs is not None:
+            return [(f"present.{i}.{kind}", t) for i, pair in enumerate(pairs) for kind, t in zip(("key", "value"), pair)]
+    if isinstance(output, Mapping):  # transformers' ModelOutput is an OrderedDict of its set fields
+        items = [(str(key), value) for key, value in output.items()]
+    elif isinstance(output, (list, tuple)):
+        items = [(str(i) if prefix else f"output_{i}", value) for i, value in enumerate(output)]
+    else:
+        return []
+    return [named for key, value in items for named in named_outputs(value, f"{prefix}.{key}" if prefix else key)]
+
+
+def _output_order(result: Any, graph_outputs: Sequence) -> tuple[list[int], list[str]] | None:
+    """(graph output indices, names) in the order of the model's output structure, matching each
+    named tensor to the graph output that is the same object; None when the graph's outputs are
+    not exactly the model's tensors (the export then keeps the graph's order and the exporter's names)."""
+    index = {id(t): j for j, t in enumerate(graph_outputs) if isinstance(t, torch.Tensor)}
+    order, names = [], []
+    for name, tensor in named_outputs(result):
+        j = index.get(id(tensor))
+        if j is not None and j not in order:
+            order.append(j)
+            names.append(name)
+    if sorted(order) != list(range(len(graph_outputs))):
+        return None
+    return order, names
 
 
 def _check_dynamic_axes(dynamic_axes, example_inputs: tuple) -> dict[int, dict[int, str]]:
@@ -192,7 +251,13 @@ def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, *, dynamic_
 
         ctx = run_passes(gm, inputs, config, hardware, for_export=True)
         captured.update(gm=gm, inputs=list(inputs), decisions=ctx.decisions)
-        return gm.forward
+
+        def run(*args):
+            out = gm(*args)
+            captured["outputs"] = list(out) if isinstance(out, (tuple, list)) else [out]
+            return out
+
+        return run
 
     # aliases carry the dynamic marks, so the caller's tensors are left as they were
     inputs = tuple(t.detach() if isinstance(t, torch.Tensor) and i in axes else t for i, t in enumerate(example_inputs))
@@ -201,7 +266,7 @@ def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, *, dynamic_
     torch._dynamo.reset()
     try:
         with torch.no_grad():
-            torch.compile(model, backend=capture, fullgraph=True)(*inputs)
+            result = torch.compile(model, backend=capture, fullgraph=True)(*inputs)
     except Exception as exc:
         if axes and _fixes_a_dynamic_size(exc):
             raise ValueError(f"dynamic_axes {axes}: one of these sizes was fixed during capture (typically the "
@@ -212,7 +277,9 @@ def capture_rewritten(model: torch.nn.Module, example_inputs: tuple, *, dynamic_
     user_index = {id(t): j for j, t in enumerate(inputs)}
     positions = {i: user_index[id(t)] for i, t in enumerate(captured["inputs"]) if id(t) in user_index}
     sources = _size_sources(captured["gm"], positions) if axes else {}
-    return _RewrittenModule(captured["gm"], captured["inputs"], positions, sources).eval(), captured["decisions"]
+    order, names = _output_order(result, captured.get("outputs", [])) or (None, None)
+    module = _RewrittenModule(captured["gm"], captured["inputs"], positions, sources, order, names)
+    return module.eval(), captured["decisions"]
 
 
 def _input_names(model: torch.nn.Module, count: int) -> list[str] | None:
@@ -265,6 +332,7 @@ def export_onnx(
         warnings.filterwarnings("ignore", message=r".*The axis name: \w+ will not be used")
         program = torch.onnx.export(
             rewritten, example_inputs, dynamo=True, opset_version=opset, input_names=_input_names(model, len(example_inputs)),
+            output_names=rewritten.output_names,
             custom_translation_table=table, external_data=False, optimize=not axes, dynamic_shapes=dynamic_shapes,
         )
     if axes:

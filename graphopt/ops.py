@@ -75,13 +75,16 @@ def _inference_fake(name: str):
         return fake
     return register
 
-# ==== attention (graphopt/kernels/flash_attention.py, passes/attention.py) ====================
+# ==== attention (graphopt/kernels/flash_attention/, passes/attention/) ========================
 # graphopt::attention(q, k, v, bias, scale, is_causal, num_kv_groups, backend) -> out
 #   q (B, H, Lq, D); k (B, Hkv, Lk, D); v (B, Hkv, Lk, Dv) with H == Hkv * num_kv_groups (GQA:
 #   query head h reads kv head h // num_kv_groups, as SDPA's enable_gqa and HF's repeat_kv);
 #   bias None, bool (True = attend) or additive float, broadcastable to (B, H, Lq, Lk);
 #   is_causal: top-left aligned (query i sees keys j <= i), as SDPA. Output (B, H, Lq, Dv),
-#   contiguous, in q's dtype.
+#   contiguous, in q's dtype. softcap > 0: the scores s = scale * q.k become softcap * tanh(s /
+#   softcap) before bias and masks (Gemma 2); alibi_slopes (H,): plus slope * (j - i) (ALiBi).
+#   SDPA takes neither: with soft-capping the SDPA backends and the CPU run the explicit torch
+#   reference; ALiBi becomes part of the bias there.
 # `backend` is the implementation the attention pass chose at compile time: "triton" (our
 # flash-attention kernel), "flash" / "cudnn" / "efficient" / "math" (SDPA with that backend only,
 # falling back to math if PyTorch rejects the inputs at run time), or "sdpa_cpu". CPU tensors
@@ -128,7 +131,8 @@ def _attention_merge_causal(q, k, bias):
     return bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
 
 
-def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups: int, backend: str):
+def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups: int, backend: str,
+                    dropout_p: float = 0.0):
     import torch.nn.functional as F
 
     if bias is not None:
@@ -147,6 +151,8 @@ def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups:
         v = v.repeat_interleave(num_kv_groups, dim=1)
         gqa = False
     kwargs = dict(attn_mask=bias, is_causal=is_causal, scale=scale)
+    if dropout_p:
+        kwargs["dropout_p"] = dropout_p
     if gqa:
         kwargs["enable_gqa"] = True
     if on_cpu or backend in ("sdpa_cpu", "triton"):
@@ -164,6 +170,17 @@ def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+def attention_with_dropout(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups: int, dropout_p: float):
+    """softmax(scale * q @ k^T + bias), dropout with probability `dropout_p` on it (survivors scaled
+    by 1 / (1 - p), as F.dropout), @ v: graphopt::attention's arguments plus the dropout, through
+    SDPA's dropout_p and PyTorch's own backend choice. A plain function, not an op: a compiler
+    traces it into its SDPA call, whose random mask its backward reuses."""
+    _attention_check(q, k, v, bias, num_kv_groups, "sdpa_cpu")
+    if not 0 < dropout_p < 1:
+        raise ValueError(f"attention_with_dropout: dropout_p must be in (0, 1), got {dropout_p!r}")
+    return _attention_sdpa(q, k, v, bias, scale, is_causal, num_kv_groups, "sdpa_cpu", dropout_p)
+
+
 # Defined with torch.library.Library (not custom_op) for its host path. Its Autograd kernel
 # (_attention_autograd_kernel) builds an autograd node only when a gradient is needed, and otherwise
 # goes straight below autograd. On an H100 host (bench/tools/probe_attention_host.py)
@@ -171,19 +188,54 @@ def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups:
 # against 88-225 us as a custom_op, and 71-101 us under no_grad against 75-96 us; a plain SDPA
 # call took 20-35 us.
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal, int num_kv_groups, "
-            "str backend) -> Tensor")
+            "str backend, float softcap=0.0, Tensor? alibi_slopes=None) -> Tensor")
+
+
+def _check_score_variants(q, softcap: float, alibi_slopes) -> None:
+    if not 0 <= softcap < float("inf"):
+        raise ValueError(f"graphopt::attention: softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) != (q.shape[1],):
+        raise ValueError(f"graphopt::attention: alibi_slopes must have one slope per query head ({q.shape[1]},), "
+                         f"got shape {tuple(alibi_slopes.shape)}")
+
+
+def _attention_reference(q, k, v, bias, scale, is_causal, softcap, alibi_slopes):
+    """The explicit torch form (scores materialized, fp32 for half inputs): soft-capping outside the
+    Triton kernel."""
+    from graphopt.kernels.flash_attention import reference_attention
+
+    return reference_attention(q, k, v, bias, scale=scale, is_causal=is_causal, softcap=softcap, alibi_slopes=alibi_slopes)
+
+
+def _with_alibi(q, k, bias, alibi_slopes):
+    """bias plus ALiBi's slope * (j - i) (B?, H, Lq, Lk), for the SDPA backends."""
+    from graphopt.kernels.flash_attention import alibi_bias
+
+    alibi = alibi_bias(alibi_slopes, q.shape[2], k.shape[2]).to(q.dtype if q.is_floating_point() else torch.float32)
+    if bias is None:
+        return alibi
+    if bias.dtype == torch.bool:
+        return alibi.masked_fill(~bias, float("-inf"))
+    return bias + alibi
 
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: _Optional[torch.Tensor],
-    scale: float, is_causal: bool, num_kv_groups: int, backend: str,
+    scale: float, is_causal: bool, num_kv_groups: int, backend: str, softcap: float = 0.0,
+    alibi_slopes: _Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     _attention_check(q, k, v, bias, num_kv_groups, backend)
+    _check_score_variants(q, softcap, alibi_slopes)
     if backend == "triton" and q.is_cuda:
         from graphopt.kernels.flash_attention import flash_attention_forward
 
-        out, _ = flash_attention_forward(q, k, v, bias, scale=scale, is_causal=is_causal)
+        out, _ = flash_attention_forward(q, k, v, bias, scale=scale, is_causal=is_causal, softcap=softcap,
+                                         alibi_slopes=alibi_slopes)
+    elif softcap:
+        out = _attention_reference(q, k, v, bias, scale, is_causal, softcap, alibi_slopes)
     else:
+        if alibi_slopes is not None:
+            bias = _with_alibi(q, k, bias, alibi_slopes)
         out = _attention_sdpa(q, k, v, bias, scale, is_causal, num_kv_groups, backend)
     return out.contiguous()
 
@@ -192,8 +244,9 @@ _LIB.impl("attention", attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("graphopt::attention", lib=_LIB)
-def _attention_fake(q, k, v, bias, scale, is_causal, num_kv_groups, backend):
+def _attention_fake(q, k, v, bias, scale, is_causal, num_kv_groups, backend, softcap=0.0, alibi_slopes=None):
     _attention_check(q, k, v, bias, num_kv_groups, backend)
+    _check_score_variants(q, softcap, alibi_slopes)
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -250,22 +303,40 @@ def _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num
 def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: _Optional[torch.Tensor],
     out: torch.Tensor, scale: float, is_causal: bool, num_kv_groups: int, bias_grad: bool,
+    softcap: float = 0.0, alibi_slopes: _Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias) of graphopt::attention for the Triton backend (an opaque op: AOTAutograd
     cannot trace into a Triton launch). dbias is empty unless bias_grad. On CUDA without a bias
-    gradient: the Triton kernel's backward; else the explicit fp32 formulas."""
+    gradient: the Triton kernel's backward; else the explicit fp32 formulas (with soft-capping or
+    ALiBi: autograd of the torch reference)."""
     if q.is_cuda and not bias_grad:
         from graphopt.kernels.flash_attention import flash_attention_backward, flash_attention_forward
 
-        _, lse = flash_attention_forward(q, k, v, bias, scale=scale, is_causal=is_causal)  # recompute LSE
-        dq, dk, dv = flash_attention_backward(grad_out, q, k, v, bias, out, lse, scale=scale, is_causal=is_causal)
+        variants = dict(softcap=softcap, alibi_slopes=alibi_slopes)
+        _, lse = flash_attention_forward(q, k, v, bias, scale=scale, is_causal=is_causal, **variants)  # recompute LSE
+        dq, dk, dv = flash_attention_backward(grad_out, q, k, v, bias, out, lse, scale=scale, is_causal=is_causal,
+                                              **variants)
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0)
-    grads = _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad)
+    if softcap or alibi_slopes is not None:
+        grads = _attention_reference_grads(grad_out, q, k, v, bias, scale, is_causal, softcap, alibi_slopes, bias_grad)
+    else:
+        grads = _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad)
     return tuple(g.contiguous() for g in grads)
 
 
+def _attention_reference_grads(grad_out, q, k, v, bias, scale, is_causal, softcap, alibi_slopes, bias_grad):
+    """(dq, dk, dv, dbias) by autograd through the torch reference (dbias empty unless bias_grad)."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        bias_leaf = bias.detach().requires_grad_(True) if bias_grad else bias
+        out = _attention_reference(*leaves, bias_leaf, scale, is_causal, softcap, alibi_slopes)
+        grads = torch.autograd.grad(out, leaves + ([bias_leaf] if bias_grad else []), grad_out)
+    return grads[0], grads[1], grads[2], (grads[3] if bias_grad else q.new_empty(0))
+
+
 @attention_backward.register_fake
-def _attention_backward_fake(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad):
+def _attention_backward_fake(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad, softcap=0.0,
+                             alibi_slopes=None):
     # Contiguous, as the real outputs are (empty_like would copy the strides of HF's transposed
     # q/k/v views and of a broadcast bias, and Inductor asserts the real strides against these)
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
@@ -276,10 +347,11 @@ class _AttentionFunction(torch.autograd.Function):
     """graphopt::attention where a gradient is needed: the op below autograd, then the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale, is_causal, num_kv_groups, backend):
-        out = torch.ops.graphopt.attention(q, k, v, bias, scale, is_causal, num_kv_groups, backend)  # grad mode off here
-        ctx.save_for_backward(q, k, v, bias, out)
-        ctx.options = (scale, is_causal, num_kv_groups, backend)
+    def forward(ctx, q, k, v, bias, scale, is_causal, num_kv_groups, backend, softcap=0.0, alibi_slopes=None):
+        out = torch.ops.graphopt.attention(q, k, v, bias, scale, is_causal, num_kv_groups, backend, softcap,
+                                           alibi_slopes)  # grad mode off here
+        ctx.save_for_backward(q, k, v, bias, out, alibi_slopes)
+        ctx.options = (scale, is_causal, num_kv_groups, backend, softcap)
         return out
 
     @staticmethod
@@ -288,12 +360,18 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 def _attention_backward(ctx, grad_out):
-    q, k, v, bias, out = ctx.saved_tensors
-    scale, is_causal, num_kv_groups, backend = ctx.options
+    q, k, v, bias, out, alibi_slopes = ctx.saved_tensors
+    scale, is_causal, num_kv_groups, backend, softcap = ctx.options
     bias_grad = bool(bias is not None and bias.is_floating_point() and ctx.needs_input_grad[3])
+    variants_none = (None, None)  # no gradient for softcap, alibi_slopes
     if backend == "triton" and q.is_cuda and not bias_grad:
-        dq, dk, dv, _ = torch.ops.graphopt.attention_backward(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, False)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv, _ = torch.ops.graphopt.attention_backward(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups,
+                                                              False, softcap, alibi_slopes)
+        return dq, dk, dv, None, None, None, None, None, *variants_none
+    if softcap or alibi_slopes is not None:  # SDPA takes neither: autograd of the torch reference
+        dq, dk, dv, dbias = _attention_reference_grads(grad_out, q, k, v, bias, scale, is_causal, softcap, alibi_slopes,
+                                                       bias_grad)
+        return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, *variants_none
     # SDPA backends (and a trainable bias): recompute the forward through SDPA's autograd and
     # differentiate it. Under torch.compile this traces into SDPA's own fused backward.
     with torch.enable_grad():
@@ -302,17 +380,19 @@ def _attention_backward(ctx, grad_out):
         sdpa_backend = "efficient" if backend == "triton" else backend
         recomputed = _attention_sdpa(*leaves, bias_leaf, scale, is_causal, num_kv_groups, sdpa_backend)
         grads = torch.autograd.grad(recomputed, leaves + ([bias_leaf] if bias_grad else []), grad_out)
-    return grads[0], grads[1], grads[2], (grads[3] if bias_grad else None), None, None, None, None
+    return grads[0], grads[1], grads[2], (grads[3] if bias_grad else None), None, None, None, None, *variants_none
 
 
-def _attention_autograd_kernel(keyset, q, k, v, bias, scale, is_causal, num_kv_groups, backend):
+def _attention_autograd_kernel(keyset, q, k, v, bias, scale, is_causal, num_kv_groups, backend, softcap=0.0,
+                               alibi_slopes=None):
     """The op's Autograd kernel. Without a gradient to record (inference, no_grad, frozen inputs) it
     goes straight to the implementation below autograd: no autograd.Function, none of
     register_autograd's argument walks (about 10-20 us of Python per call)."""
     if _gradient_needed((q, k, v, bias)):
-        return _AttentionFunction.apply(q, k, v, bias, scale, is_causal, num_kv_groups, backend)
+        return _AttentionFunction.apply(q, k, v, bias, scale, is_causal, num_kv_groups, backend, softcap, alibi_slopes)
     return torch.ops.graphopt.attention.default.redispatch(keyset & torch._C._after_autograd_keyset, q, k, v, bias,
-                                                           scale, is_causal, num_kv_groups, backend)
+                                                           scale, is_causal, num_kv_groups, backend, softcap,
+                                                           alibi_slopes)
 
 
 _LIB.impl("attention", _attention_autograd_kernel, "Autograd", with_keyset=True)

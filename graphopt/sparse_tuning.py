@@ -34,6 +34,7 @@ mask and PV-skipping semantics.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -42,6 +43,8 @@ import torch
 
 from graphopt.kernels import sparse_attention as sa
 from graphopt.ops import DENSE_ATTENTION_TARGETS
+
+log = logging.getLogger("graphopt")
 
 SIM_GRID: tuple[float, ...] = (-1.0, 0.2, 0.4, 0.6, 0.8)
 CDF_STEPS = 9  # binary-search steps over cdfthreshd in [0, 1]: resolution 1/512
@@ -183,6 +186,7 @@ class HeadPlan:
     dense: bool = False
     heldout_l1: float | None = None  # the largest relative L1 over the held-out inputs
     note: str = ""
+    sparsity_found: float = 0.0  # the best sparsity the search found within budget (before any fallback)
 
 
 def tune_layer(capture: LayerCapture, *, l1: float, pv_l1: float, sim_grid: Iterable[float] = SIM_GRID,
@@ -242,7 +246,8 @@ def tune_layer(capture: LayerCapture, *, l1: float, pv_l1: float, sim_grid: Iter
             simthreshd1=-1.0 if dense else float(best_sim[h]), cdfthreshd=1.0 if dense else float(best_cdf[h]),
             pvthreshd=math.inf if dense else float(pv[h]), sparsity=0.0 if dense else float(best_sparsity[h]),
             l1=0.0 if dense else float(best_l1[h]), pv_l1=0.0 if dense else float(pv_err[h]), dense=dense,
-            note=f"dense: best sparsity {float(best_sparsity[h]):.1%} < {min_sparsity:.0%}" if dense else ""))
+            note=f"dense: best sparsity {float(best_sparsity[h]):.1%} < {min_sparsity:.0%}" if dense else "",
+            sparsity_found=float(best_sparsity[h])))
     if heldout:
         sim_t = torch.tensor([p.simthreshd1 for p in plans])
         cdf_t = torch.tensor([p.cdfthreshd for p in plans])
@@ -314,7 +319,36 @@ def tune_captures(captures: dict[str, LayerCapture], *, l1: float = 0.06, pv_l1:
             section["layers"][key] = layer_section(capture, plans)
     if show:
         print_summary(results, l1=l1, pv_l1=pv_l1)
+    advice = all_dense_advice(results, tunable, l1=l1, min_sparsity=min_sparsity)
+    if advice:
+        section["note"] = advice
+        log.warning(advice)
+        if show:
+            console.print(f"[yellow]{advice}")
     return section
+
+
+def all_dense_advice(results: dict[str, list[HeadPlan]], captures: dict[str, LayerCapture], *, l1: float,
+                     min_sparsity: float) -> str | None:
+    """Why a plan keeps every head dense, and what to change: None when some head is sparse."""
+    heads = [p for plans in results.values() for p in plans]
+    if not heads or any(not p.dense for p in heads):
+        return None
+    held_out = sum(p.note.startswith("dense: held-out") for p in heads)
+    best = max((p.sparsity_found for p in heads), default=0.0)
+    lengths = sorted({c.samples[0][0].shape[2] for c in captures.values() if c.samples})
+    blocks = ", ".join(f"at {n} tokens a head has {-(-n // sa.BLOCK_M)} x {-(-n // sa.BLOCK_N)} blocks of "
+                       f"{sa.BLOCK_M} x {sa.BLOCK_N} to choose from" for n in lengths)
+    reasons = []
+    if held_out < len(heads):
+        reasons.append(f"{len(heads) - held_out} head(s) found at most {best:.1%} of their blocks skippable within "
+                       f"L1 {l1}, under --min-sparsity {min_sparsity:.0%}")
+    if held_out:
+        reasons.append(f"{held_out} head(s) went over the budget on the held-out inputs")
+    return (f"every head of the plan is dense, so sparse_attention will rewrite nothing: {'; '.join(reasons)}. "
+            f"{blocks[:1].upper()}{blocks[1:]}. To try: longer sequences "
+            f"(--seq-len; sparsity grows with length), a looser budget (--l1 {2 * l1:g}), a lower --min-sparsity, or "
+            f"more --calibration inputs if the held-out check failed")
 
 
 def print_summary(results: dict[str, list[HeadPlan]], *, l1: float, pv_l1: float, console=None) -> None:

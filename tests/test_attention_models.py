@@ -222,3 +222,64 @@ def test_softcapped_attention_is_declined_with_the_reason():
     assert all("soft-capping" in d.reason for d in declined)
     with torch.no_grad():
         torch.testing.assert_close(report.output, model(ids), atol=1e-5, rtol=0)
+
+
+def _checkpointed_llama():
+    torch.manual_seed(0)
+    config = T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=97)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    # transformers >= 5.20 names it activation_checkpointing_enable (the old name warns)
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    return model.train()
+
+
+@pytest.mark.parametrize("downstream", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_activation_checkpointed_llama_is_rewritten_inside_the_checkpoints(downstream):
+    """Dynamo puts each checkpointed layer's code in the body of a tag_activation_checkpoint call:
+    the attention is rewritten there, and loss and gradients equal eager's."""
+    from graphopt import compiler as backend_module
+    from graphopt.passes.subgraphs import higher_order_bodies, is_checkpoint
+
+    model = _checkpointed_llama()
+    (ids,) = inputs("llama")
+    eager, trained = copy.deepcopy(model), copy.deepcopy(model)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return backend_module.graphopt_backend(gm, example_inputs, options={"downstream": downstream})
+
+    with backend_module.recording_decisions(reset=True) as decisions:
+        loss = torch.compile(trained, backend=capture)(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    applied = [d for d in decisions if d.pass_name == "attention" and d.applied]
+    assert sorted(d.location for d in applied) == ["model.layers.0.self_attn", "model.layers.1.self_attn"], \
+        [d.reason for d in decisions]
+    bodies = [body for gm in graphs for call, body in higher_order_bodies(gm) if is_checkpoint(call)]
+    assert len(bodies) == 2
+    assert all(any(n.target is torch.ops.graphopt.attention.default for n in body.graph.nodes) for body in bodies)
+    expected = eager(ids, labels=ids, use_cache=False).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
+    for (name, p), (_, q) in zip(eager.named_parameters(), trained.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_attention_inside_another_higher_order_op_is_declined_with_the_reason():
+    """A body graphopt does not rewrite (here torch.cond's branches) still gets a decision per attention."""
+    class Branchy(torch.nn.Module):
+        def forward(self, q, k, v, flag):
+            def attend(q, k, v):
+                return torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+
+            def plain(q, k, v):
+                return q + 0.0
+            return torch.cond(flag, attend, plain, (q, k, v))
+
+    q, k, v = torch.randn(3, 2, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    report = graphopt.explain(Branchy(), q, k, v, torch.tensor(True), downstream="eager")
+    (d,) = report.declined("attention")
+    assert "higher-order op cond" in d.reason and report.counts["attention"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(report.output, Branchy()(q, k, v, torch.tensor(True)))

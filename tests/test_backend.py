@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -149,9 +150,20 @@ def test_weight_passes_decline_training_graphs():
         unregister_extra_pass("frozen_linear_for_test")
 
 
-def test_bad_option_reaches_the_user():
-    with pytest.raises(Exception, match="unknown graphopt option 'fp4'"):
-        torch.compile(nn.Linear(2, 2), backend="graphopt", options={"fp4": True})(torch.randn(1, 2))
+@pytest.mark.parametrize("options,fragment", [
+    ({"fp4": True}, "unknown graphopt option 'fp4'; valid choices: passes, target"),
+    ({"target": "h300"}, "target='h300' is not valid (did you mean 'h200'?); valid choices: auto, h100"),
+    ({"passes": {"fp4linear": True}}, "fp4linear"),
+])
+def test_a_bad_option_reaches_the_caller_as_a_value_error_not_a_compiler_failure(options, fragment):
+    """torch.compile(backend="graphopt", options=...) hands the options over at the first call;
+    the error then is graphopt's ValueError, not Dynamo's BackendCompilerFailed around it."""
+    compiled = torch.compile(nn.Linear(2, 2), backend="graphopt", options=options)
+    with pytest.raises(ValueError, match=re.escape(fragment)) as info:
+        compiled(torch.randn(1, 2))
+    assert not isinstance(info.value, torch._dynamo.exc.BackendCompilerFailed)
+    with pytest.raises(ValueError, match=re.escape(fragment)):  # graphopt.backend checks them where it is built
+        graphopt.backend(**options)
 
 
 def test_graphopt_log_turns_on_decision_logging(monkeypatch, caplog):

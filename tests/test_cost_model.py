@@ -3,17 +3,19 @@
 import pytest
 
 from graphopt import cost_model as cm
+from graphopt.cost import coefficients
 from graphopt.hardware import SPECS
 
 H100 = SPECS["h100"]
+OVERLAP = coefficients.value(H100, "gemm.partial_overlap")
 
 
 def test_large_gemm_is_compute_bound_at_the_matrix_ceiling():
     n = 8192
     est = cm.gemm(H100, n, n, n)
-    memory_s = 2 * 3 * n * n / (H100.memory_ceiling * cm.KERNEL_EFFICIENCY["cublas_gemm"][1])
+    memory_s = 2 * 3 * n * n / (H100.memory_ceiling * cm.family_efficiency(H100, "cublas_gemm")[1])
     # the compute term, plus the part of the (smaller) memory term it does not hide
-    expected_s = 2 * n**3 / H100.matrix_ceiling + cm.GEMM_PARTIAL_OVERLAP * memory_s + H100.launch_overhead
+    expected_s = 2 * n**3 / H100.matrix_ceiling + OVERLAP * memory_s + H100.launch_overhead
     assert est.bound == "compute"
     assert est.ms == pytest.approx(expected_s * 1e3, rel=1e-9)
 
@@ -22,8 +24,8 @@ def test_one_token_linear_is_memory_bound_on_the_weights():
     est = cm.linear(H100, 1, 5120, 13824)
     weight_bytes = 2 * (5120 * 13824 + 5120 + 13824)
     compute_s = 2 * 5120 * 13824 / H100.matrix_ceiling  # one token's real MACs, not the padded tile
-    expected_s = (weight_bytes / (H100.memory_ceiling * cm.KERNEL_EFFICIENCY["cublas_gemm"][1])
-                  + cm.GEMM_PARTIAL_OVERLAP * compute_s + H100.launch_overhead)
+    expected_s = (weight_bytes / (H100.memory_ceiling * cm.family_efficiency(H100, "cublas_gemm")[1])
+                  + OVERLAP * compute_s + H100.launch_overhead)
     assert est.bound == "memory"
     assert est.ms == pytest.approx(expected_s * 1e3, rel=1e-9)
     # shared/DESIGN.md measured 0.0636 ms on an H100; the model should be in that neighbourhood
@@ -93,10 +95,10 @@ def test_triton_attention_is_no_better_than_sdpa_flash_before_hopper():
         flash = cm.sdpa(hw, b, h, l, l, d, backend="flash")
         triton = cm.fused_attention(hw, b, h, l, l, d, family="triton_flash")
         assert triton.ms >= flash.ms, target
-        assert cm.family_efficiency(hw, "triton_sparse")[0] <= cm.KERNEL_EFFICIENCY["sdpa_flash"][0]
+        assert cm.family_efficiency(hw, "triton_sparse")[0] <= cm.family_efficiency(hw, "sdpa_flash")[0]
     # on Hopper, the measured advantage stands
     assert cm.fused_attention(H100, b, h, l, l, d, family="triton_flash").ms < cm.sdpa(H100, b, h, l, l, d, backend="flash").ms
-    assert cm.family_efficiency(SPECS["h200"], "triton_sparse") == cm.KERNEL_EFFICIENCY["triton_sparse"]
+    assert cm.family_efficiency(SPECS["h200"], "triton_sparse") == coefficients.value(SPECS["h200"], "efficiency.triton_sparse")
 
 
 def test_slower_gpu_predicts_longer_times():

@@ -96,3 +96,39 @@ def test_bad_dynamic_axes_are_clear_errors(tmp_path, axes, fragment):
 def test_dynamic_axis_of_example_size_one_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="example input has size 1 there; .* size >= 2"):
         graphopt.export_onnx(Block().eval(), (torch.randn(1, 5, 16),), tmp_path / "m.onnx", dynamic_axes={0: {0: "batch"}})
+
+
+def test_outputs_are_named_after_the_model_output_in_its_order(tmp_path):
+    """A causal LM with a KV cache: inputs input_ids, attention_mask; outputs logits first, then
+    present.N.key / present.N.value per layer (Dynamo's graph lists them in another order), each
+    equal to the eager model's tensor of that name."""
+    from graphopt.models import build
+    from graphopt.onnx_export import named_outputs
+
+    model, (ids,) = build("tiny-llama", seq_len=12, device="cpu")
+    mask = torch.ones_like(ids)
+    path = graphopt.export_onnx(model, (ids, mask), tmp_path / "lm.onnx")
+    graph = onnx.load(str(path)).graph
+    layers = model.config.num_hidden_layers
+    expected = ["logits"] + [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask"]
+    assert [o.name for o in graph.output] == expected
+    with torch.no_grad():
+        reference = dict(named_outputs(model(ids, mask)))
+    assert list(reference) == expected
+    for name, value in zip(expected, run_onnxruntime(path, ids, mask)):
+        torch.testing.assert_close(torch.from_numpy(value), reference[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_named_outputs_of_other_structures():
+    from graphopt.onnx_export import named_outputs
+
+    a, b, c, d = (torch.randn(2) for _ in range(4))
+    assert [n for n, _ in named_outputs(a)] == ["output"]
+    assert [n for n, _ in named_outputs((a, b))] == ["output_0", "output_1"]
+    assert [n for n, _ in named_outputs({"logits": a, "hidden_states": (b, c)})] == \
+        ["logits", "hidden_states.0", "hidden_states.1"]
+    # the legacy tuple-of-pairs cache
+    named = named_outputs({"logits": a, "past_key_values": ((b, c), (d, a))})
+    assert [n for n, _ in named] == ["logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
+    assert named[1][1] is b and named[4][1] is a

@@ -209,3 +209,21 @@ def test_a_declined_hand_written_attention_gets_a_sparse_decision_too():
 class ShortAttention(torch.nn.Module):
     def forward(self, q, k, v):
         return ((q * D**-0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+
+
+def test_an_all_dense_plan_says_why_and_what_to_try(capsys):
+    """Unstructured heads at 512 tokens leave nothing to skip within the budget: the plan is all
+    dense, and the tuner says so with the cause, the block counts, and the options to change."""
+    gen = torch.Generator().manual_seed(5)
+    random = T.LayerCapture("layers.0.attn", True, D**-0.5)
+    random.samples = [tuple(torch.randn(1, 2, L, D, generator=gen) for _ in range(3)) for _ in range(2)]
+    section = T.tune_captures({"layers.0.attn": random}, l1=0.01, pv_l1=0.02, sim_grid=(-1.0,))
+    assert section["layers"]["layers.0.attn"]["dense"] == [True, True]
+    note = section["note"]
+    assert note.startswith("every head of the plan is dense, so sparse_attention will rewrite nothing")
+    assert "within L1 0.01, under --min-sparsity 10%" in note and "At 512 tokens a head has 4 x 8 blocks of 128 x 64 to choose from" in note
+    assert "--seq-len" in note and "--l1 0.02" in note and "--min-sparsity" in note
+    assert "every head of the plan is dense" in capsys.readouterr().err
+    # a plan with a sparse head carries no such note
+    assert "note" not in T.tune_captures({"layers.0.attn": capture([1])}, l1=0.06, pv_l1=0.07, sim_grid=(-1.0, 0.6),
+                                         show=False)

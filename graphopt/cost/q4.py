@@ -8,7 +8,7 @@ int8 GEMM otherwise):
 the fused kernel reads bf16 activations once per N tile and quantizes them again in every N tile
 (CUDA-core work that grows with M*K*N/BLOCK_N), and stages bf16 rather than int8 activation tiles
 in shared memory; when that leaves one resident CTA per SM, its memory rate is derated
-(FUSED_SINGLE_CTA_DERATE), and a tile that does not fit at all is infeasible. The separate path
+(q4.fused_single_cta_derate), and a tile that does not fit at all is infeasible. The separate path
 pays one more launch and a write+read of the Q8_1 activations (1.125 bytes per value).
 """
 
@@ -17,52 +17,42 @@ from __future__ import annotations
 import math
 
 from graphopt import cost_model
+from graphopt.cost import coefficients
 from graphopt.cost_model import Estimate, roofline
 from graphopt.hardware import HardwareSpec
 from graphopt.kernels import fp4_tma, q4_tma
 from graphopt.kernels import q4 as q4k
 
+# Operation counts read off the kernels' code (not fitted):
 # CUDA-core operations per activation value to quantize it to Q8_1 in registers (abs, max-reduce
 # share, multiply, round via truncation + compare, convert, sum-reduce share, int8 pack).
 QUANT_OPS_PER_VALUE = 12
-# The fused GEMM re-quantizes its activation tile in every N tile: effective CUDA-core ops per value
-# and N tile. Fitted (with GEMM_UNPACK_OPS_PER_WEIGHT and q4_gemm's efficiency 0.09) to the
-# GEMM-kernel rows of bench/results/q4_linear_h200.json (H200) and
-# bench/results/q4_linear_prefill_narrow_n_h100.json (H100): the fused kernel measured 1.12-1.35x *faster*
-# than the separate one at 64-4096 tokens on both GPUs, so most of the QUANT_OPS_PER_VALUE count
-# overlaps the MMA. 1 gets fused vs separate right on all 24 rows; 2 predicts the separate path
-# faster at 256-4096 tokens (7 of 18 H200 rows and 2 of 6 H100 rows right).
-FUSED_REQUANT_OPS_PER_VALUE = 1
-# The int8 GEMM kernel unpacks each 4-bit weight to int8 once per BLOCK_M token rows (fitted, as
-# above): this is what keeps the m16 decode GEMM at 0.6-0.8x of cuBLAS for 4-16 tokens.
-GEMM_UNPACK_OPS_PER_WEIGHT = 1
 # CUDA-core operations per (row, column, 32-block) of the per-block epilogue d4*(d8*dot - 8*s8) + acc
 # (int32 -> fp32 by the exact IADD + FADD trick, then two FMAs).
 EPILOGUE_OPS_PER_BLOCK = 4
 # CUDA-core operations per weight value in the gemv decode kernel besides one FMA per token row:
 # half a byte extract, one LOP3 (nibble | exponent bits) and one FADD (remove the offset).
 GEMV_UNPACK_OPS_PER_VALUE = 2.5
-# The dp4a decode kernel: per weight value, the nibble masks/shift of its word (3 ops per 8
-# values, counted from the kernel) and, per token row, an effective 0.9 ops (each block's eight
-# dp4a form one accumulating chain, with no separate word sums). Fitted to the narrow one-warp
-# tiles on the H100, L2-cold: 1 token 0.021 ms (bench/results/q4_linear_decode_cold_tuner_h100.json:
-# 2.4-2.5x cuBLAS, 0.63 of the copy bandwidth: q4_gemv's memory efficiency), 4 tokens
-# 0.031-0.042 ms (bench/results/q4_linear_decode_chained_dp4a_h100.json), predicted within 0.95-1.19x.
-PREQUANT_SUM_OPS_PER_VALUE = 0.25  # Q8_1 blocks in: a block's sum(q) is one dp4a per 4 values, per program
+# Q8_1 blocks in: a block's sum(q) is one dp4a per 4 values, per program.
+PREQUANT_SUM_OPS_PER_VALUE = 0.25
+# The dp4a decode kernel: the nibble masks/shift of a word, 3 ops per 8 values.
 DP4A_UNPACK_OPS_PER_VALUE = 0.375
-DP4A_OPS_PER_VALUE_AND_ROW = 0.9
-# q4_tma's Gluon decode (the separate path on sm_90+, <= 16 tokens): CUDA-core ops per weight at the
-# q4_tma efficiency (nibble masks, and the per-block epilogue d4 * (d8 * dot - 8 * s8) on every
-# token column of the 8- or 16-token block). Fitted, with the quantize launch's estimate, to the
-# tuned rows of bench/results/q4_decode_kernels_h100.json (H100, L2-cold CUDA graphs): 24.7 /
-# 27.4 us at 4 tokens (8-token blocks), 29.8 / 31.1 us at 16 on the issue's two 70.8 M weight
-# layers. Only that layer size was timed, so no fixed latency is separated from the per-weight term.
-Q4_TMA_OPS_PER_WEIGHT = 1.64
-Q4_TMA_OPS_PER_WEIGHT_AND_TOKEN_ROW = 0.07
+# Fitted, the "q4.*" coefficients of the GPU's data file (graphopt.cost.coefficients):
+#  - fused_requant_ops_per_value: the fused GEMM re-quantizes its activation tile in every N tile;
+#    effective ops per value and N tile (most of QUANT_OPS_PER_VALUE overlaps the MMA);
+#  - gemm_unpack_ops_per_weight: the int8 GEMM unpacks each 4-bit weight once per BLOCK_M rows;
+#  - dp4a_ops_per_value_and_row: the dp4a decode's effective ops per weight value and token row
+#    (each block's eight dp4a form one accumulating chain);
+#  - tma_ops_per_weight, tma_ops_per_weight_and_token_row: q4_tma's Gluon decode (the separate path
+#    on sm_90+, <= 16 tokens), at the q4_tma efficiency: nibble masks, and the per-block epilogue
+#    on every token column of the 8- or 16-token block;
+#  - fused_single_cta_derate: memory-rate factor of a fused tile that leaves a single resident CTA
+#    per SM (nothing overlaps its own quantization with another CTA's loads).
 Q4_TMA_ESTIMATE = "Q4 separate (quantize + TMA decode)"
-# Memory-rate factor of a fused tile that leaves a single resident CTA per SM: nothing overlaps its
-# own quantization with another CTA's loads. An assumption (the H200 data has no such tile chosen).
-FUSED_SINGLE_CTA_DERATE = 0.7
+
+
+def _fitted(hw: HardwareSpec, name: str) -> float:
+    return coefficients.value(hw, f"q4.{name}")
 
 
 def _weight_bytes(n: int, k: int) -> float:
@@ -144,7 +134,7 @@ def _decode_estimate(hw: HardwareSpec, config: q4k.TileConfig, m: int, k: int, n
     moved = _weight_bytes(n, k) + act_in_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
         + _partial_bytes(config, splits, m, n)
     per_value = GEMV_UNPACK_OPS_PER_VALUE + m if config.kernel == "gemv" \
-        else DP4A_UNPACK_OPS_PER_VALUE + DP4A_OPS_PER_VALUE_AND_ROW * m
+        else DP4A_UNPACK_OPS_PER_VALUE + _fitted(hw, "dp4a_ops_per_value_and_row") * m
     fp32 = per_value * n * k + EPILOGUE_OPS_PER_BLOCK * m * n * (k / 32) \
         + per_program_ops_per_value * m * k * math.ceil(n / config.block_n)
     return _kernel(hw, f"{label}, {config.name})", "q4_gemv", int8_ops=0.0, fp32_ops=fp32, moved=moved,
@@ -172,9 +162,10 @@ def estimate_q4_fused(hw: HardwareSpec, tokens: int, in_features: int, out_featu
     occupancy = ctas_per_sm(hw, config, act_bytes)
     if occupancy < 1:
         return Estimate("Q4 fused GEMM (tile exceeds shared memory)", math.inf, 0.0, moved, 1, "memory")
-    derate = (FUSED_SINGLE_CTA_DERATE if occupancy == 1 else 1.0) * fill
-    fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + FUSED_REQUANT_OPS_PER_VALUE * m_pad * k * math.ceil(n / config.block_n) \
-        + GEMM_UNPACK_OPS_PER_WEIGHT * n * k * (m_pad // config.block_m)
+    derate = (_fitted(hw, "fused_single_cta_derate") if occupancy == 1 else 1.0) * fill
+    fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) \
+        + _fitted(hw, "fused_requant_ops_per_value") * m_pad * k * math.ceil(n / config.block_n) \
+        + _fitted(hw, "gemm_unpack_ops_per_weight") * n * k * (m_pad // config.block_m)
     return _kernel(hw, f"Q4 fused GEMM ({config.name}, {occupancy} CTA/SM)", family,
                    int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved, memory_derate=derate, launches=launches)
 
@@ -196,7 +187,7 @@ def estimate_q4_tma(hw: HardwareSpec, tokens: int, in_features: int, out_feature
     quant = roofline(hw, "Q8_1 quantize (TMA layout)", flops=QUANT_OPS_PER_VALUE * m * k,
                      bytes_moved=m * k * act_bytes + act_out, family="pointwise", unit="fp32")
     block_m = 8 if m <= 8 else 16
-    ops = Q4_TMA_OPS_PER_WEIGHT + Q4_TMA_OPS_PER_WEIGHT_AND_TOKEN_ROW * block_m
+    ops = _fitted(hw, "tma_ops_per_weight") + _fitted(hw, "tma_ops_per_weight_and_token_row") * block_m
     moved = _weight_bytes(n, k) + act_out + m * n * act_bytes + (n * act_bytes if bias else 0)
     kernel = _kernel(hw, f"Q4xQ8_1 TMA decode (Gluon, {block_m}-token blocks)", "q4_tma", int8_ops=0.0,
                      fp32_ops=ops * n * kp, moved=moved)
@@ -230,7 +221,7 @@ def estimate_q4_separate(hw: HardwareSpec, tokens: int, in_features: int, out_fe
     moved = _weight_bytes(n, k) + q8_bytes + m * n * act_bytes + (n * act_bytes if bias else 0) \
         + _partial_bytes(config, splits, m, n)
     fp32 = EPILOGUE_OPS_PER_BLOCK * m_pad * n * (k / 32) + m_pad * k * math.ceil(n / config.block_n) \
-        + GEMM_UNPACK_OPS_PER_WEIGHT * n * k * (m_pad // config.block_m)  # + row sums, + nibble unpack
+        + _fitted(hw, "gemm_unpack_ops_per_weight") * n * k * (m_pad // config.block_m)  # + row sums, + nibble unpack
     gemm = _kernel(hw, f"Q4xQ8_1 GEMM ({config.name})", family, int8_ops=2.0 * m_pad * n * k, fp32_ops=fp32, moved=moved,
                    launches=_launches(config, splits), memory_derate=_fill(hw, config, m, n, splits))
     return cost_model.chain("Q4 separate (quantize + GEMM)", quant, gemm)

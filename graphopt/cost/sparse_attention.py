@@ -6,35 +6,24 @@ at compile time."""
 from __future__ import annotations
 
 from graphopt import cost_model
+from graphopt.cost import coefficients
 from graphopt.cost_model import Estimate
 from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N
 
 PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; top-cdf + compact lists
 
-# Fitted to bench/results/sparse_attention_h200.json (H200, bf16, B=1, H=16, D=128,
-# L=4k-32k, causal and not, densities 1/0.5/0.25/0.1; ceilings 690 TFLOP/s, 4.22 TB/s, 6 us launch):
-#  - KERNEL_EFFICIENCY["triton_sparse"] (graphopt/cost_model.py) = 0.68: the matmul rate of a kept
-#    128 x 64 tile (least squares over the 32 kernel timings with the row cost below; the dense
-#    kernel runs 408-472 TFLOP/s, 0.59-0.68 of the ceiling, including its row cost);
-#  - SPARSE_ROW_COST_TILES: each query block (row) also costs some tiles' worth of time (Q load,
-#    pipeline fill, epilogue, store) whatever its density. With the single loop's tensor
-#    descriptors built on the host, the fixed cost per program is 7.3 us against 2.18 us per tile
-#    at 8k (bench/sparse_fixed_cost.py: 3.3 tiles). 3.5 puts the H100 runs
-#    (sparse_attention_h100_host_desc_8k.json and _16k_32k.json) within 1.00-1.12x of the
-#    CUDA-graph timings (6 gives up to 1.29x), and sparse_attention_h100_mask_loop.json within
-#    0.90-1.06x; the sparse-or-dense call is right on 24 of 24 rows of each. (The H200 run alone
-#    fits 6: every kernel timing within 0.80-1.13x.)
-#  - The predictor (v3 kernels) is fitted to an H100 run (bench/results/
-#    sparse_predictor_h16_h100.json: 0.036 / 0.065 / 0.139 ms at L = 8k / 16k / 32k, B=1, H=16, D=128, CUDA graph):
-#    PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.95: the whole predictor's timings are 1.00-1.06x of this
-#    model (the pooling launch alone reads Q and K at 2.4 / 2.7 / 2.8 TB/s, 0.82-0.96 of the copy
-#    bandwidth); PREDICTOR_S_PER_SCORE = 10 ps per (query block, key block) pooled score for the
-#    scores GEMM and the selection beyond their launches: 3.1 + 4.6 us at 8k (131k scores), 19 +
-#    20 us at 32k (2.1M). (The H200 timings above ran a slower predictor, one program per 128
-#    tokens: ~0.9 TB/s and 4x longer per score.)
-SPARSE_ROW_COST_TILES = 3.5
-PREDICTOR_POOL_MEMORY_EFFICIENCY = 0.95
-PREDICTOR_S_PER_SCORE = 10e-12
+# Coefficients of the GPU's data file (graphopt.cost.coefficients):
+#  - efficiency.triton_sparse: the matmul rate of a kept 128 x 64 tile;
+#  - sparse_attention.row_cost_tiles: each query block (row) also costs some tiles' worth of time
+#    (Q load, pipeline fill, epilogue, store) whatever its density;
+#  - sparse_attention.predictor_pool_memory_efficiency: the predictor's pooling launch reads Q and K
+#    at this fraction of the memory ceiling;
+#  - sparse_attention.predictor_s_per_score: seconds per (query block, key block) pooled score for
+#    the scores GEMM and the selection, beyond their launches.
+
+
+def _fitted(hw, name: str) -> float:
+    return coefficients.value(hw, f"sparse_attention.{name}")
 
 
 def _blocks(n: int, block: int) -> int:
@@ -53,9 +42,9 @@ def kept_tile_count(lq: int, lk: int, *, causal: bool, density: float) -> float:
 
 
 def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, dtype_bytes: int = 2) -> Estimate:
-    """Pool Q and K blocks (read each once, at PREDICTOR_POOL_MEMORY_EFFICIENCY of the memory
+    """Pool Q and K blocks (read each once, at predictor_pool_memory_efficiency of the memory
     ceiling), then the pooled scores, top-cdf selection and compact lists (their bytes at the
-    pointwise rate, three launches), plus PREDICTOR_S_PER_SCORE per pooled score."""
+    pointwise rate, three launches), plus predictor_s_per_score per pooled score."""
     n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
     pooled = dtype_bytes * (b * h * lq * d + b * hkv * lk * d)
     moved = 4 * (b * h * n_q * (d + 1) + b * hkv * n_k * (d + 1))  # pooled blocks, read back by the LUT launch
@@ -66,22 +55,22 @@ def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *
     if not hw.is_gpu:
         return cost_model.roofline(hw, "sparse attention predictor", flops=flops, bytes_moved=moved + pooled,
                                    launches=PREDICTOR_LAUNCHES, family="pointwise", unit="fp32")
-    pool_ms = pooled / (hw.memory_ceiling * PREDICTOR_POOL_MEMORY_EFFICIENCY) * 1e3
+    pool_ms = pooled / (hw.memory_ceiling * _fitted(hw, "predictor_pool_memory_efficiency")) * 1e3
     est = Estimate(est.name, est.ms + pool_ms, flops, moved + pooled, est.launches,
                    "memory" if pool_ms > est.ms else est.bound)
-    select_ms = b * h * n_q * n_k * PREDICTOR_S_PER_SCORE * 1e3
+    select_ms = b * h * n_q * n_k * _fitted(hw, "predictor_s_per_score") * 1e3
     return Estimate(est.name, est.ms + select_ms, flops, est.bytes, est.launches,
                     "latency" if select_ms > est.ms else est.bound)
 
 
 def estimate_sparse_kernel(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
                            dtype_bytes: int = 2) -> Estimate:
-    """The block-sparse flash kernel alone: kept tiles plus SPARSE_ROW_COST_TILES per query block,
+    """The block-sparse flash kernel alone: kept tiles plus row_cost_tiles per query block,
     at the triton_sparse tile rate; Q and O once, K/V once per head (L2 reuse) scaled by density."""
     density = max(0.0, min(1.0, 1.0 - sparsity))
     n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
     tile_flops = 2.0 * BLOCK_M * BLOCK_N * (d + d)
-    flops = b * h * tile_flops * (kept_tile_count(lq, lk, causal=causal, density=density) + SPARSE_ROW_COST_TILES * n_q)
+    flops = b * h * tile_flops * (kept_tile_count(lq, lk, causal=causal, density=density) + _fitted(hw, "row_cost_tiles") * n_q)
     moved = dtype_bytes * (2 * b * h * lq * d + 2 * b * hkv * lk * d * max(density, 1.0 / max(1, n_k)))
     moved += 4 * b * h * n_q * (n_k + 1)  # compact lists read
     return cost_model.roofline(hw, "Triton block-sparse attention", flops=flops, bytes_moved=moved, family="triton_sparse")
@@ -117,8 +106,9 @@ def priced_host_launches(ctx, backend: str, dense_is_op: bool) -> tuple[float, f
     (a plain SDPA call's host path, about 1.6 units, is left out)."""
     if not (ctx.config.prices_host_path and ctx.hardware.is_gpu):
         return 0.0, 0.0
-    return (cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES,
-            cost_model.attention_op_host_launches(backend) if dense_is_op else 0.0)
+    hw = ctx.hardware
+    return (cost_model.sparse_attention_op_host_launches(hw),
+            cost_model.attention_op_host_launches(hw, backend) if dense_is_op else 0.0)
 
 
 # The longest sequence the break-even search below considers, and its scan step (tokens).
@@ -159,6 +149,5 @@ def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, cau
     return losses[-1] + 1 if losses else high
 
 
-__all__ = ["BREAK_EVEN_SCAN_STEP", "BREAK_EVEN_SEARCH_LIMIT", "PREDICTOR_LAUNCHES", "PREDICTOR_POOL_MEMORY_EFFICIENCY",
-           "PREDICTOR_S_PER_SCORE", "SPARSE_ROW_COST_TILES", "break_even_length", "estimate_dense", "estimate_predictor",
+__all__ = ["BREAK_EVEN_SCAN_STEP", "BREAK_EVEN_SEARCH_LIMIT", "PREDICTOR_LAUNCHES", "break_even_length", "estimate_dense", "estimate_predictor",
            "estimate_sparse_attention", "estimate_sparse_kernel", "kept_tile_count", "priced_host_launches"]

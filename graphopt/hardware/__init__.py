@@ -54,6 +54,9 @@ class HardwareSpec:
     measured_bf16_flops: float | None = None
     measured_memory_bandwidth: float | None = None
     measured_launch_overhead_s: float | None = None
+    # The SPECS entry ("h100"); "" for a GPU that has none. The cost model reads its fitted
+    # coefficients by this key (graphopt.cost.coefficients).
+    key: str = ""
 
     @property
     def matrix_ceiling(self) -> float:
@@ -101,18 +104,18 @@ class HardwareSpec:
 # gives CPU answers (no Triton kernels, little to gain from quantized weights) rather than none.
 SPECS: dict[str, HardwareSpec] = {
     "h100": HardwareSpec("NVIDIA H100 SXM5 80GB", 989e12, 1979e12, 67e12, 3.35e12, 50 * 2**20, 132, 228 * 1024, 4e-6,
-                         compute_capability=(9, 0)),
+                         compute_capability=(9, 0), key="h100"),
     "h100_pcie": HardwareSpec("NVIDIA H100 PCIe 80GB", 756e12, 1513e12, 51e12, 2.0e12, 50 * 2**20, 114, 228 * 1024,
-                              4e-6, compute_capability=(9, 0)),
+                              4e-6, compute_capability=(9, 0), key="h100_pcie"),
     "h200": HardwareSpec("NVIDIA H200 SXM 141GB", 989e12, 1979e12, 67e12, 4.8e12, 50 * 2**20, 132, 228 * 1024, 4e-6,
-                         compute_capability=(9, 0)),
+                         compute_capability=(9, 0), key="h200"),
     "a100": HardwareSpec("NVIDIA A100 SXM4 80GB", 312e12, 624e12, 19.5e12, 2.039e12, 40 * 2**20, 108, 164 * 1024, 4e-6,
-                         compute_capability=(8, 0)),
+                         compute_capability=(8, 0), key="a100"),
     "rtx3060": HardwareSpec("NVIDIA GeForce RTX 3060 12GB", 25.4e12, 101.6e12, 12.7e12, 360e9, 3 * 2**20, 28, 100 * 1024,
-                            4e-6, compute_capability=(8, 6)),
+                            4e-6, compute_capability=(8, 6), key="rtx3060"),
     "rtx4090": HardwareSpec("NVIDIA GeForce RTX 4090", 165.2e12, 660.6e12, 82.6e12, 1008e9, 72 * 2**20, 128, 100 * 1024,
-                            4e-6, compute_capability=(8, 9)),
-    "cpu": HardwareSpec("generic CPU", 0.2e12, 0.2e12, 0.2e12, 40e9, 32 * 2**20, 2, 0, 5e-6, is_gpu=False),
+                            4e-6, compute_capability=(8, 9), key="rtx4090"),
+    "cpu": HardwareSpec("generic CPU", 0.2e12, 0.2e12, 0.2e12, 40e9, 32 * 2**20, 2, 0, 5e-6, is_gpu=False, key="cpu"),
 }
 
 # Substrings of torch.cuda.get_device_name() -> spec key. Order matters (H200 before H100).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -21,6 +22,12 @@ def median_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 1
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return statistics.median(_cpu_times_ms(fn, rep_ms))
+
+
+def _cpu_times_ms(fn: Callable[[], Any], rep_ms: float) -> list[float]:
+    """perf_counter around each call: at least 5 calls and as many as fit in `rep_ms` (at most 200),
+    after two warm-up calls."""
     for _ in range(2):
         fn()
     times: list[float] = []
@@ -29,7 +36,34 @@ def median_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 1
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call times of one function: the median and the quartiles, in ms."""
+
+    median_ms: float
+    q25_ms: float
+    q75_ms: float
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range over the median: how much one call's time varies (0.1 = 10%)."""
+        return (self.q75_ms - self.q25_ms) / self.median_ms if self.median_ms > 0 else 0.0
+
+
+def timed_ms(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100, device: str | None = None) -> Timing:
+    """median_ms with the quartiles of the same runs (CUDA: do_bench's quantiles)."""
+    on_cuda = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
+    if on_cuda:
+        from triton.testing import do_bench
+
+        q25, q50, q75 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.25, 0.5, 0.75])
+        return Timing(float(q50), float(q25), float(q75))
+    times = _cpu_times_ms(fn, rep_ms)
+    q25, q50, q75 = statistics.quantiles(times, n=4)
+    return Timing(statistics.median(times), q25, q75)
 
 
 COLD_BYTES = 120 << 20  # > 2x the H100/H200 L2 (50 MB)

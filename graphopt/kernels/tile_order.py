@@ -1,4 +1,4 @@
-"""Launch order of the attention kernels' query-block programs (flash_attention.py, sparse_attention/).
+"""Launch order of the attention kernels' query-block programs (flash_attention/, sparse_attention/).
 
 Under causality query block i visits i + 1 key blocks, so programs differ up to n-fold in work.
 The GPU dispatches programs roughly in launch order. With the query block varying fastest and the

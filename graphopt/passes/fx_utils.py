@@ -31,6 +31,9 @@ _FUNCTIONS: dict[Any, str] = {
     torch._C._nn.linear: "linear", torch.addmm: "addmm", torch.unsqueeze: "unsqueeze",
     torch.repeat_interleave: "repeat_interleave", F.scaled_dot_product_attention: "sdpa",
     operator.getitem: "getitem", torch.flatten: "flatten", torch.cat: "cat", torch.tanh: "tanh",
+    # in-place operators (`scores += mask`): the same operation, written into the first operand
+    operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
+    torch.clone: "clone",
 }
 # Method names that are already canonical, or map to a canonical name.
 _METHODS: dict[str, str] = {

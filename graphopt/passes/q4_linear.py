@@ -39,7 +39,7 @@ Where it wins (H100, the issue's two shapes, weights L2-cold): decode. 1 token 2
 (the fused dp4a kernel; bench/results/q4_linear_decode_dp4a_h100.json), 4 tokens 1.92-2.31x and 16 tokens
 1.70-1.99x (the separate path on q4_tma's Gluon decode, which the cost model picks there;
 bench/results/q4_linear_tma_4_16tok_h100.json). From 64 tokens on the int8 GEMM is slower than
-cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/test_cost_model_measured.py)
+cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/cost/test_fit_regression.py)
 therefore rewrites decode linears and declines prefill unless force=True. The estimates and the
 mode choice are graphopt.cost.q4's (estimate_q4_fused, estimate_q4_separate, predict_linear).
 

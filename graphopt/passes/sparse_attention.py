@@ -183,12 +183,20 @@ def _attention_sites(ctx: PassContext, pass_name: str) -> list[_Site]:
     from graphopt.passes.attention import find_attention, rewrite_attention
 
     attention_on = ctx.config.enabled("attention")
-    sites = [_Site(n) for n in ctx.gm.graph.nodes
-             if n.op == "call_function" and n.target in DENSE_ATTENTION_TARGETS]
+    sites = []
+    for n in ctx.gm.graph.nodes:
+        if n.op != "call_function" or n.target not in DENSE_ATTENTION_TARGETS:
+            continue
+        if len(n.args) > 8 and (n.args[8] or (len(n.args) > 9 and n.args[9] is not None)):
+            ctx.record(pass_name, False, "soft-capped or ALiBi scores: the block-sparse kernel takes neither", node=n)
+            continue
+        sites.append(_Site(n))
     replaced: dict = {}  # outputs of attentions rewritten here -> their replacements
     for match in find_attention(ctx):
         if match.reason is None and not match.follow(replaced):
             match.reason = "overlaps an attention rewritten before it"
+        if match.reason is None and match.softcap:
+            match.reason = "soft-capped scores: the block-sparse kernel takes no soft-capping"
         if attention_on and not match.from_sdpa:
             # still hand-written after the attention pass: it declined this one (its reason is on
             # record there); the block-sparse op replaces only what that pass lowered

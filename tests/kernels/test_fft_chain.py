@@ -1,7 +1,5 @@
 """FFT-chain layer: dense equivalence, projection, gradients, distillation, Triton kernels."""
 
-import json
-import re
 from pathlib import Path
 
 import pytest
@@ -267,7 +265,7 @@ def test_dft_kernels_16bit_inputs(impl, in_dtype, in_f, out_f, b, k, tokens, bia
 
 
 # Implementations with recorded H200 timings (the dft2 ones are checked against an H100 sweep in
-# tests/test_cost_model_measured.py).
+# tests/cost/test_fit_regression.py).
 MEASURED = ("torch", "triton", "dft")
 
 
@@ -412,44 +410,18 @@ def _measured_h200():
                                measured_launch_overhead_s=6e-6)
 
 
-_EXPLORE_LINE = re.compile(r"layer\s+\d+ \S+\s+(\d+)->(\d+)\s+B=(\d+)\s+K=(\d+)\s+dense\s+([\d.]+) ms\s+FFT\s+([\d.]+) ms \[\s*(\w+)\]")
-
-
 def _recorded_h200_rows():
-    """Distinct measured (in, out, B, K, tokens, impl, bias, ms, dense ms) CUDA-graph rows of the H200
-    runs of the current kernels: fft_chain_h200.json (bench rows of all three
-    implementations, and the explore-fft dft rows printed in its log) and the torch/triton rows of
-    fft_chain_torch_triton_h200.json and explore_fft_h200/ (their dft rows timed another dft kernel).
-    Files read later win on duplicates."""
-    rows: dict[tuple, tuple] = {}
-    for t in (16, 256, 4096):
-        data = json.loads((RESULTS / "explore_fft_h200" / f"explore_fft_quick_{t}tok.json").read_text())
-        for r in data["rows"]:
-            if r["impl"] in ("torch", "triton"):
-                key = (r["in_features"], r["out_features"], r["block_size"], r["k"], t, r["impl"], False)
-                rows[key] = (r["fft_ms"], r["dense_ms"])
-    for name, impls in (("fft_chain_torch_triton_h200.json", ("torch", "triton")), ("fft_chain_h200.json", MEASURED)):
-        for r in json.loads((RESULTS / name).read_text())["rows"]:
-            if r["impl"] in impls:
-                in_f, out_f = (int(v) for v in r["shape"].split("->"))
-                rows[(in_f, out_f, 512, 2, r["tokens"], r["impl"], True)] = (r["graph_ms"], r["cublas_graph_ms"])
-    tokens = None
-    for line in (RESULTS / "fft_chain_h200.log").read_text().splitlines():
-        header = re.match(r"explore-fft --quick: .*?, (\d+) tokens", line)
-        if header:
-            tokens = int(header.group(1))
-        match = _EXPLORE_LINE.match(line)
-        if match:
-            in_f, out_f, b, k = (int(v) for v in match.groups()[:4])
-            rows[(in_f, out_f, b, k, tokens, match.group(7), False)] = (float(match.group(6)), float(match.group(5)))
-    return [key + value for key, value in sorted(rows.items())]
+    """The H200 FFT-chain timings of the current kernels (bench/validate_cost_model.py reads the same)."""
+    from bench.validate_cost_model import fft_h200_records
+
+    return fft_h200_records()
 
 
 _HAVE_RESULTS = (RESULTS / "fft_chain_h200.json").exists() and (RESULTS / "fft_chain_torch_triton_h200.json").exists()
 
 
 @pytest.mark.skipif(not _HAVE_RESULTS, reason="recorded H200 results not in this checkout")
-def test_cost_model_tracks_recorded_h200_timings():
+def test_fit_regression_cost_model_tracks_recorded_h200_timings():
     """The roofline (fitted constants above estimate_fft_chain) against every recorded H200 row it
     can explain (_recorded_h200_rows, all three implementations): each predicted time within 0.65-1.7x
     of the measured one, and faster/slower-than-cuBLAS agreement >= 90% per implementation (the
@@ -471,7 +443,7 @@ def test_cost_model_tracks_recorded_h200_timings():
 
 @pytest.mark.skipif(not _HAVE_RESULTS, reason="recorded H200 results not in this checkout")
 @pytest.mark.parametrize("calibrated", [True, False])
-def test_never_chooses_an_implementation_measured_slower_than_cublas_on_h200(calibrated):
+def test_fit_regression_never_chooses_an_implementation_measured_slower_than_cublas_on_h200(calibrated):
     """No implementation measured > 5% slower than cuBLAS at a shape is predicted to beat cuBLAS
     there, so neither choose_implementation nor the fft_linear pass (which rewrites a dense linear
     only when the chosen estimate beats cost_model.linear) can pick it. Holds with the measured

@@ -1,4 +1,4 @@
-"""Triton flash attention (graphopt/kernels/flash_attention.py) against a float64 reference.
+"""Triton flash attention (graphopt/kernels/flash_attention/) against a float64 reference.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py) with one small block
 configuration (BLOCK_M 32 / BLOCK_N 16 forward), so lengths like 37 or 45 cover full blocks, partial
@@ -232,7 +232,7 @@ def test_supports_accepts_real_model_shapes():
 
 
 def test_supports_needs_cuda_outside_the_interpreter(monkeypatch):
-    monkeypatch.setattr(fa, "_INTERPRET", False)
+    monkeypatch.setattr(fa.reference, "_INTERPRET", False)
     q = torch.empty(1, 2, 8, 64)
     ok, why = supports(q, q, q)
     assert not ok and "CUDA device" in why

@@ -355,14 +355,15 @@ def test_probabilities_used_elsewhere_is_declined():
     assert "users" in declined(ReturnsProbabilities(), *qkv()).reason
 
 
-def test_dropout_active_in_training_is_declined():
+def test_dropout_active_in_training_is_declined_with_the_option_off():
     padding = torch.ones(B, L)
     module = BertStyleAttention(dropout_p=0.0).train()  # p=0 in training: inactive, rewritten
     compile_and_compare(module, *qkv(), padding)
     module = BertStyleAttention(dropout_p=0.5).train()
-    report = graphopt.explain(module, *qkv(), padding, downstream="eager")
+    report = graphopt.explain(module, *qkv(), padding, downstream="eager", attention_dropout=False)
     (d,) = report.declined("attention")
     assert "dropout active in training" in d.reason and report.counts["attention"] == 0
+    assert "attention_dropout=True" in d.reason  # what would rewrite it
 
 
 class FiveDimBias(nn.Module):
@@ -726,7 +727,8 @@ def test_direct_calls_price_the_ops_host_path(monkeypatch):
     (d,) = [d for d in report.decisions if d.pass_name == "attention"]
     assert not d.applied and "host launch path" in d.reason
     # the best the op offers is its host path (the Triton kernel's and the SDPA backends' alike)
-    host_ms = min(cost_model.ATTENTION_OP_HOST_LAUNCHES.values()) * hw.host_op_overhead * 1e3
+    units = min(cost_model.attention_op_host_launches(hw, backend) for backend in ("triton", "cudnn"))
+    host_ms = units * hw.host_op_overhead * 1e3
     assert d.predicted_ms_after == pytest.approx(host_ms) and host_ms > d.predicted_ms_before
 
 

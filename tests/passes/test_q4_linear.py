@@ -138,7 +138,7 @@ def test_declines_with_reasons():
     assert any("requires grad" in d.reason for d in sink if d.pass_name == "q4_linear")
 
 
-def test_cost_model_picks_per_token_count():
+def test_fit_regression_cost_model_picks_per_token_count_on_h200():
     import dataclasses
 
     from graphopt import cost_model
@@ -150,7 +150,7 @@ def test_cost_model_picks_per_token_count():
     # As measured on H200 (bench/results/q4_linear_h200.json): the 1-token fused gemv beats cuBLAS
     # bf16 (1.02-1.17x); at 256-4096 tokens the kernels are about 0.1x, fused or separate. (Its
     # 4- and 16-token rows timed other decode kernels; the model predicts graphopt's, which the
-    # H100 measured at 1.65-1.74x and 1.30-1.54x: tests/test_cost_model_measured.py.)
+    # H100 measured at 1.65-1.74x and 1.30-1.54x: tests/cost/test_fit_regression.py.)
     dense = cost_model.linear(h200, 1, 5120, 13824)
     assert estimate_q4_fused(h200, 1, 5120, 13824).ms < dense.ms
     for tokens in (256, 4096):

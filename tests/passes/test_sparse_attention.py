@@ -89,14 +89,14 @@ def test_host_path_is_priced_unless_the_step_replays_from_a_cuda_graph():
     from graphopt.config import GraphOptConfig
 
     hw = get_spec("h100")
-    for replay, expected in ((False, (cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES, 0.0)), (True, (0.0, 0.0))):
+    for replay, expected in ((False, (cost_model.sparse_attention_op_host_launches(hw), 0.0)), (True, (0.0, 0.0))):
         ctx = SimpleNamespace(config=GraphOptConfig(graph_replay=replay), hardware=hw)
         assert sparse_cost.priced_host_launches(ctx, "cudnn", dense_is_op=False) == expected
     ctx = SimpleNamespace(config=GraphOptConfig(), hardware=hw)
-    assert sparse_cost.priced_host_launches(ctx, "triton", dense_is_op=True)[1] == cost_model.ATTENTION_OP_HOST_LAUNCHES["triton"]
+    assert sparse_cost.priced_host_launches(ctx, "triton", dense_is_op=True)[1] == cost_model.attention_op_host_launches(hw, "triton")
     ctx = SimpleNamespace(config=GraphOptConfig(), hardware=get_spec("cpu"))
     assert sparse_cost.priced_host_launches(ctx, "cudnn", dense_is_op=True) == (0.0, 0.0)
-    units = cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES
+    units = cost_model.sparse_attention_op_host_launches(hw)
     for length, wins_on_gpu, wins_called_directly in ((2048, True, False), (8192, True, True)):
         dense = sparse_cost.estimate_dense(hw, "cudnn", 1, 32, 32, length, length, 128, causal=False)
         gpu = sparse_cost.estimate_sparse_attention(hw, 1, 32, 32, length, length, 128, causal=False, sparsity=0.75)
@@ -110,7 +110,7 @@ def test_host_path_is_priced_unless_the_step_replays_from_a_cuda_graph():
 PREDICTOR_H100 = Path(__file__).resolve().parents[2] / "bench" / "results" / "sparse_predictor_h16_h100.json"
 
 
-def test_predictor_estimate_tracks_the_h100_timings():
+def test_fit_regression_predictor_estimate_tracks_the_h100_timings():
     """The default (v3) predictor (pool + scores + selection, CUDA-graph replays) on an H100 at
     L = 8k-32k, causal and not: every estimate within 0.85-1.2x of the measured time (the copy
     bandwidth of that machine)."""
@@ -135,7 +135,7 @@ def _recorded_rows():
     """(B, H, D, L, causal, density, kernel ms, predictor ms, cuDNN ms) of the H200 run. The kernel
     rows are timed on given block masks. That run timed the v1 predictor: the predictor column is
     the default predictor's estimate on that H200 (the estimate is checked against the default
-    predictor's H100 timings in test_predictor_estimate_tracks_the_h100_timings)."""
+    predictor's H100 timings in test_fit_regression_predictor_estimate_tracks_the_h100_timings)."""
     data = json.loads(RESULTS.read_text())
     cfg = data["config"]
     hw = _measured_h200()
@@ -151,7 +151,7 @@ def _predicted(hw, b, h, d, length, causal, density):
 
 
 @pytest.mark.skipif(not RESULTS.exists(), reason="recorded H200 results not in this checkout")
-def test_cost_model_tracks_recorded_h200_timings():
+def test_fit_regression_cost_model_tracks_recorded_h200_timings():
     """Kernel estimates within 0.75-1.2x of the H200 timings, and the sparse-vs-cuDNN call
     (predictor + kernel against the dense estimate) right on >= 90% of rows. Those timings are
     eager: the three rows under 0.1 ms (4k at the lowest densities, 0.049-0.076 ms) are partly the
@@ -173,7 +173,7 @@ def test_cost_model_tracks_recorded_h200_timings():
 
 @pytest.mark.skipif(not RESULTS.exists(), reason="recorded H200 results not in this checkout")
 @pytest.mark.parametrize("calibrated", [True, False])
-def test_never_predicts_a_win_where_h200_measured_a_loss(calibrated):
+def test_fit_regression_never_predicts_a_win_where_h200_measured_a_loss(calibrated):
     """Where predictor + kernel measured > 5% slower than cuDNN (density 1 everywhere), the
     estimates the pass compares (SparseAttentionPass.accept) say slower, with the measured
     ceilings and with the uncalibrated datasheet ones; and measured big wins (>= 1.5x) are taken."""
@@ -360,7 +360,7 @@ def test_symbolic_length_gets_the_break_even_length_as_its_gate(attention_pass, 
                                                passes={"attention": attention_pass, "sparse_attention": True})
     (decision,) = decisions  # one compile for both lengths
     host = decision.details["host_launches"]
-    assert host[0] == (0.0 if graph_replay else cost_model.SPARSE_ATTENTION_OP_HOST_LAUNCHES)
+    assert host[0] == (0.0 if graph_replay else cost_model.sparse_attention_op_host_launches(get_spec("h100")))
     args = (get_spec("h100"), decision.details["dense_backend"], 1, 2, 2, 32)
     kwargs = dict(causal=True, sparsity=sp.ASSUMED_SPARSITY_WITHOUT_PLAN, dtype_bytes=4)  # float32 inputs
     gate = sparse_cost.break_even_length(*args, **kwargs, host_launches=host)
@@ -513,7 +513,7 @@ RESULTS_H100 = {"host_desc": ["sparse_attention_h100_host_desc_8k.json", "sparse
 
 
 @pytest.mark.parametrize("run", list(RESULTS_H100))
-def test_cost_model_tracks_the_h100_timings(run):
+def test_fit_regression_cost_model_tracks_the_h100_timings(run):
     """The same constants against recorded H100 runs of the single-loop kernel (causal query
     blocks in head groups, heaviest first, the masked suffix in its own loop): kernel estimates
     within 0.75-1.2x of all 24 kernel timings at 8k-32k (CUDA-graph replays: the eager time of the

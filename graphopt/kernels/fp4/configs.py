@@ -9,7 +9,6 @@ rule for a call that names none."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,74 +41,47 @@ INT_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # and of the integer-dot one
 MIN_DECODE_BLOCK_N = 8  # narrowest decode tile; sizes the split-K counters (one per tile)
 MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-core decode kernel (its MMA's N)
 # Candidates the compile-time tuner (tune.py) times once per (path, token bucket, N, K, format,
-# dtype, bias, device) on a GPU. Kept short: every distinct tile compiles once (~1 s). Decode:
-# BLOCK_M 1, 2 or 4 is the CUDA-core kernel (_fp4_gemv_words_kernel, that many tokens per
-# program), 16, 32 or 64 the tensor-core one
-# (_fp4_gemv_words_mma_kernel, up to that many tokens per program). From the H100 sweeps of
-# bench/bench_fp4_decode.py (bench/results/fp4_decode_h100_wide_word.log): the CUDA-core kernel is fastest
-# with narrow tiles, 8-16 rows of 256-1024 elements (1 token: 8x1024 with 4 warps, 0.030 ms on
-# 5120->13824; 8x256 with 1 warp and a split of 4, 0.028 ms on 13824->5120), the tensor-core one
-# with 64 rows x 128 elements or 128 x 256 and a split of 8-16 (bench/results/
-# fp4_decode_h100_split_ab.* and _paired_ab.*: 0.041-0.045 ms at 4-16 tokens on both shapes);
-# BLOCK_K 64 keeps a CUDA-core config for every K (a multiple of 64).
+# dtype, bias, device) on a GPU. Kept short: every distinct tile compiles once (~1 s). Each tile
+# below is one the tuner chose in a committed run (bench/results/fp4_linear_*.json, "tuned"), or a
+# fallback that keeps a tile for every shape; tiles that were timed in those runs and never chosen
+# (by a kernel that runs wherever they do: a loss to the TMA kernel does not count) are not listed.
+#  - The CUDA-core kernel (_fp4_gemv_words_kernel, BLOCK_M 1, 2 or 4 tokens per program): narrow
+#    tiles of 8-16 rows (fp4_linear_mma_decode_h100.json at 1 token, fp4_linear_h200.json at 4);
+#    BLOCK_K 64 keeps a tile for every K (a multiple of 64).
+#  - The tensor-core kernel (_fp4_gemv_words_mma_kernel, 16, 32 or 64 tokens per program): 64 x 128
+#    or 128 x 256 elements split 4-16 at 16 tokens, 128 x 128 split 8 and 64 x 256 split 4 at 32
+#    (fp4_linear_64tok_h100.json, fp4_linear_1_256tok_h100.json), and the same kernel on
+#    pre-permuted activations (permute_x: one more launch per call, no shuffle of the activation
+#    tile in the kernel), which won every 64-token call of fp4_linear_1_256tok_h100.json. Unsplit
+#    128-element tiles keep a 32- and a 64-token candidate for K = 128.
+#  - Integer dot products (_fp4_gemv_int_kernel) at 1 and 2 tokens per program: 16-32 rows of
+#    256-2048 elements (fp4_linear_1_2tok_h100.json, fp4_linear_13b_mlp_h100.json,
+#    fp4_linear_1_64tok_h100.json).
+#  - fp4_tma's Gluon kernel (TMA-fed words, activations and scales; sm_90+, NVFP4, bf16
+#    activations): 64 rows x 256 elements, 4 warps, 2 ring slots, at 16, 32 and 64 tokens per
+#    program with the splits it won (fp4_linear_1_64tok_h100.json, fp4_linear_13b_mlp_h100.json).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
-    tuple(KernelConfig(16, bm, bk, sk, num_warps=4, num_stages=1)
-          for bm in FMA_BLOCK_M for bk in (256, 512) for sk in (1, 2, 4, 8))
-    + tuple(KernelConfig(8, bm, bk, sk, num_warps=w, num_stages=1)
-            for bm in FMA_BLOCK_M for bk, w in ((1024, 4), (512, 2), (256, 1)) for sk in (1, 2, 4))
+    tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
+          for bn, bm, bk, sk, w in ((16, 4, 256, 1, 4), (16, 4, 256, 4, 4), (8, 1, 1024, 1, 4), (8, 1, 1024, 4, 4),
+                                    (8, 1, 256, 1, 1), (8, 1, 256, 4, 1), (8, 2, 1024, 4, 4), (8, 4, 1024, 4, 4)))
     + tuple(KernelConfig(16, bm, 64, 1, num_warps=4, num_stages=1) for bm in FMA_BLOCK_M)
-    + tuple(KernelConfig(bn, 16, bk, sk, num_warps=4, num_stages=1)
-            for bn, bk, sk in ((64, 128, 4), (64, 128, 8), (64, 128, 16), (128, 256, 4), (128, 256, 8),
-                               (128, 256, 16)))
-    # the tensor-core kernel at 32 and 64 tokens per program: the best tiles of the H100 sweeps
-    # (bench/results/fp4_decode_mma_32_64tok_h100*): 32 tokens 128 x 128 elements, split 8 (49.9 /
-    # 55.2 us on 13824->5120 / 5120->13824; 16-token programs 76-82 us); 64 tokens 128 x 256, split 8
-    # (70.9 / 79.5 us; 32-token programs 86-94 us, 16-token 135-153 us); unsplit 128-element tiles
-    # keep a candidate for layers with K <= 128
-    + tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
-            for bn, bm, bk, sk, w in ((128, 32, 128, 8, 4), (128, 32, 128, 4, 4), (256, 32, 128, 4, 8),
-                                      (64, 32, 256, 8, 4), (64, 32, 256, 4, 4), (128, 32, 128, 1, 4),
-                                      (128, 64, 256, 8, 4), (128, 64, 128, 8, 4), (128, 64, 128, 4, 4),
-                                      (128, 64, 128, 2, 4), (128, 64, 128, 1, 4)))
-    # one token, integer dot products (_fp4_gemv_int_kernel): the best tiles of the H100 sweeps
-    # (bench/results/fp4_decode_int_1tok_h100.*): 16 x 512 elements with 4 warps (20.7 us on
-    # 5120->13824) and 16 x 256 with 1 warp and a split of 8 (20.6 us on 13824->5120), against
-    # 25.4-27.2 us for the FMA kernel's tuned tiles; on LLaMA-7B's step shapes
-    # (fp4_decode_int_llama7b_h100.*): 32 x 512, 4 warps (4096->12288, 14.9 us), 16 x 2048,
-    # 4 warps (4096->4096, 7.6 us), 32 x 256, 1 warp, split 2 (4096->22016, 26.1 us); and 16 x 256,
-    # 1 warp (4096->32000, 34.4 us; fp4_decode_int_lmhead_h100.*)
-    + tuple(KernelConfig(bn, 1, bk, sk, num_warps=w, num_stages=1, int_dots=True)
-            for bn, bk, w, sk in ((16, 512, 4, 1), (16, 1024, 4, 1), (16, 512, 4, 2), (16, 256, 1, 2),
-                                  (16, 256, 1, 8), (32, 256, 1, 8), (32, 128, 1, 4), (32, 512, 4, 1),
-                                  (16, 2048, 4, 1), (32, 256, 1, 2), (16, 256, 1, 1)))
-    # two tokens per program, integer dot products: the best tiles of the H100 sweep
-    # (bench/results/fp4_decode_int_2_4tok_h100.*): 16 x 256, 1 warp, split 4 (28.6 us on
-    # 5120->13824, 29.8 us on 13824->5120; 25.8 / 29.0 us in
-    # fp4_decode_int_1_2tok_h100.*), against 40-43 us for the tensor-core kernel. Four tokens
-    # per program measured 50-52 us there, slower than the tensor-core kernel's 41-43 us: not listed.
-    + tuple(KernelConfig(bn, 2, bk, sk, num_warps=1, num_stages=1, int_dots=True)
-            for bn, bk, sk in ((16, 256, 4), (16, 256, 8), (16, 256, 2), (32, 128, 4), (8, 512, 1), (8, 512, 2)))
+    + tuple(KernelConfig(bn, bm, bk, sk, num_warps=4, num_stages=1, permute_x=permuted)
+            for bn, bm, bk, sk, permuted in (
+                (64, 16, 128, 4, False), (64, 16, 128, 8, False), (128, 16, 256, 4, False), (128, 16, 256, 8, False),
+                (128, 16, 256, 16, False), (128, 32, 128, 8, False), (64, 32, 256, 4, False), (128, 32, 128, 1, False),
+                (64, 16, 128, 4, True), (64, 16, 128, 8, True), (128, 16, 256, 8, True), (128, 16, 256, 16, True),
+                (64, 32, 256, 8, True), (64, 32, 256, 4, True), (128, 64, 256, 8, True), (128, 64, 128, 8, True),
+                (128, 64, 128, 4, True), (128, 64, 128, 2, True), (128, 64, 128, 1, True)))
+    + tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1, int_dots=True)
+            for bn, bm, bk, sk, w in ((16, 1, 512, 1, 4), (16, 1, 256, 8, 1), (32, 1, 256, 8, 1), (32, 1, 512, 1, 4),
+                                      (16, 1, 2048, 1, 4), (32, 1, 256, 2, 1), (16, 1, 256, 1, 1), (16, 2, 256, 4, 1),
+                                      (16, 2, 256, 8, 1)))
+    + tuple(KernelConfig(64, bm, 256, sk, num_warps=4, num_stages=2, tma=True)
+            for bm, sk in ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 1), (64, 4), (64, 8)))
 )
-# Every tensor-core tile also on pre-permuted activations (permute_x: one more launch per call,
-# and no shuffle of the activation tile in the kernel; offline sm_90 at 64 x 128 x 256: 1125
-# instead of 1682 instructions per K step, no spills instead of 328 bytes). H100, L2-cold, with the
-# permutation's launch (bench/results/fp4_decode_mma_permuted_*tok_h100.*): best permuted / plain tile
-# 41.2 / 45.6 and 40.8 / 44.7 us at 16 tokens on 5120->13824 / 13824->5120, 45.5 / 53.6 and
-# 47.6 / 50.6 at 32, 57.8 / 70.9 and 61.0 / 80.9 at 64. The tuner still times both.
-DECODE_CONFIGS += tuple(dataclasses.replace(c, permute_x=True) for c in DECODE_CONFIGS
-                        if c.block_m in MMA_BLOCK_M and not c.int_dots)
-# fp4_tma's Gluon kernel (TMA-fed words, activations and scales, sm_90+, NVFP4 with bf16
-# activations): the best tiles of the H100 sweep (bench/results/fp4_decode_mma_vs_tma_h100.*):
-# 64 rows x 256 elements, 4 warps, 2 ring slots, unsplit on 5120->13824 and split 4-8 on
-# 13824->5120: 28-30 us at 1-16 tokens (tensor-core kernel above: 38-41 us), 30-33 us at 32 tokens
-# (54-66), 34-46 us at 64 (58-66); 27-29 us at 4-16 tokens with the scales also loaded by TMA.
-# No 128-element steps: none won the sweep, and their 8 scale bytes per row are below a TMA box's
-# 16. The tuner keeps the integer-dot kernel where it is faster (one token, 20-21 us).
-DECODE_CONFIGS += tuple(KernelConfig(64, bm, 256, sk, num_warps=4, num_stages=2, tma=True)
-                        for bm in MMA_BLOCK_M for sk in (1, 2, 4, 8))
+# Prefill: the fused dequant-GEMM tiles chosen in those runs.
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
-    KernelConfig(128, 128, 128, num_warps=8, num_stages=3),
     KernelConfig(128, 64, 128, num_warps=4, num_stages=4),
     KernelConfig(256, 128, 64, num_warps=8, num_stages=3),
 )
@@ -136,7 +108,7 @@ _DEFAULT_DECODE: dict[int, KernelConfig] = {
     2: KernelConfig(16, 2, 256, 4, num_warps=1, num_stages=1, int_dots=True),
     4: KernelConfig(16, 4, 256, 1, num_warps=4, num_stages=1),
     16: KernelConfig(128, 16, 256, 8, num_warps=4, num_stages=1, permute_x=True),
-    32: KernelConfig(128, 32, 128, 8, num_warps=4, num_stages=1, permute_x=True),
+    32: KernelConfig(64, 32, 256, 8, num_warps=4, num_stages=1, permute_x=True),
     64: KernelConfig(128, 64, 256, 8, num_warps=4, num_stages=1, permute_x=True),
 }
 

@@ -93,12 +93,14 @@ GEMV_MAX_TOKENS = 8  # token counts for which the gemv kernel is a candidate
 DECODE_MAX_TOKENS = 16
 PROGRAMS_PER_SM = 4  # split_k=0 aims at this many programs per SM
 
-_GEMV_CONFIGS = [TileConfig("gemv", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
-    (32, 8, 4, 1, 0, "workspace"), (64, 8, 4, 1, 0, "workspace"), (64, 8, 4, 1, 0, "atomic"),
-    (64, 4, 4, 1, 0, "workspace"), (64, 8, 4, 3, 0, "workspace"), (32, 8, 4, 1, 1, "workspace"))] + [
+# Each tile list below holds the tiles the tuner chose in a committed run (bench/results/q4_*.json,
+# "tuned") or that were the fastest of a tile sweep there; tiles those runs timed and never chose
+# are not listed.
+_GEMV_DEFAULT = TileConfig("gemv", 0, 64, 8, 4, 1, 0, "workspace")
+_GEMV_CONFIGS = [_GEMV_DEFAULT] + [TileConfig("gemv", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
+    (64, 8, 4, 1, 0, "atomic"), (64, 8, 4, 3, 0, "workspace"))] + [
     TileConfig("dp4a", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
-        (32, 8, 4, 1, 0, "workspace"), (64, 8, 4, 1, 0, "workspace"), (64, 4, 4, 1, 0, "atomic"),
-        (128, 4, 8, 1, 0, "workspace"), (64, 8, 4, 3, 0, "workspace"), (32, 4, 4, 1, 1, "workspace"),
+        (32, 8, 4, 1, 0, "workspace"),
         # one-warp tiles of 16-32 rows: the fastest dp4a configs of the H100 sweep
         # (bench/results/q4_decode_h100_wide.*): 2.32-2.34x cuBLAS at 1 token, 1.04-1.12x at 4
         (32, 4, 1, 1, 4, "workspace"), (16, 8, 1, 1, 4, "workspace"), (32, 8, 1, 1, 0, "workspace"),
@@ -109,8 +111,7 @@ _GEMV_CONFIGS = [TileConfig("gemv", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, 
         # 21.4 us against 23.2 us for the best of the tiles above in the same run
         (16, 4, 1, 1, 8, "last"))]
 _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
-    (64, 2, 4, 3, 0, "workspace"), (128, 2, 4, 3, 0, "workspace"), (64, 4, 4, 3, 0, "atomic"),
-    (32, 2, 4, 4, 0, "workspace"), (64, 2, 4, 3, 1, "workspace"))]
+    (64, 2, 4, 3, 0, "workspace"), (128, 2, 4, 3, 0, "workspace"), (64, 4, 4, 3, 0, "atomic"))]
 # The operand-swapped decode tiles ("swap"), for token blocks of 8 or 16 (wgmma's N side); (block_n,
 # pairs, warps, stages, reduce[, split_k]). The H100 sweep (bench/results/q4_decode_h100_swap.*):
 # one warpgroup on 128 rows with 3 stages was best on all six rows (64-row tiles 1.3x slower, two
@@ -118,8 +119,8 @@ _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w,
 # (0.20 against 0.29 warp-instructions at 16 tokens) at 189 registers. Deeper pipelines did not
 # help (q4_decode_h100_swap_stages.*, 128-row tiles): 4 stages were 2-3% slower than 3
 # on three of four rows and 1% faster on the fourth; 6 stages were 3-9% slower on all four.
-_SWAP_SHAPES = ((128, 1, 4, 3, "last", 16), (128, 1, 4, 3, "last"), (128, 2, 4, 3, "last", 16),
-                (128, 1, 4, 4, "last", 16), (256, 1, 4, 3, "last", 16), (256, 1, 4, 3, "last"))
+_SWAP_SHAPES = ((128, 1, 4, 3, "last", 16), (128, 1, 4, 3, "last"), (128, 1, 4, 4, "last", 16),
+                (256, 1, 4, 3, "last", 16))
 
 
 def swap_configs(m: int, shapes=_SWAP_SHAPES) -> list[TileConfig]:
@@ -132,18 +133,16 @@ def swap_configs(m: int, shapes=_SWAP_SHAPES) -> list[TileConfig]:
 # 64 x 256 tiles (8 warps): the fused kernel re-quantizes its activation tile once per N tile, so
 # wider N tiles halve that work. Offline sm_90 compile (triton 3.9), warp-instructions per output
 # element and K value: 0.0096 fused / 0.0070 separate, against 0.0135 / 0.0075 at 64 x 128.
-_WIDE_N_CONFIGS = [TileConfig("gemm", 64, 256, p, 8, 3, 0) for p in (1, 2)]
+_WIDE_N_CONFIGS = [TileConfig("gemm", 64, 256, 1, 8, 3, 0)]
 _MID_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s, sk) for bm, bn, p, w, s, sk in (
-    (32, 64, 2, 4, 3, 0), (64, 64, 2, 4, 3, 0), (32, 128, 2, 4, 3, 0), (64, 128, 2, 8, 3, 1),
-    (32, 64, 1, 4, 4, 1))] + _WIDE_N_CONFIGS
+    (32, 64, 2, 4, 3, 0), (32, 128, 2, 4, 3, 0), (64, 128, 2, 8, 3, 1))] + _WIDE_N_CONFIGS
 # 17-64 tokens: the operand-swapped kernel on blocks of 32 tokens (two at 64 tokens; the token
 # block is the grid's fastest axis, so the second block's read of W can hit L2). H100, 64 tokens,
 # fused (bench/results/q4_decode_swap_64tok_h100.*): 90.6 / 95.1 us on 5120->13824 /
 # 13824->5120 against 118.9 / 116.1 us for the best "gemm" tile; 64-token blocks took 113-119 us.
 _MID_SWAP_CONFIGS = [TileConfig("swap", 32, bn, 1, 4, 3, 0, "last") for bn in (128, 256)]
 _LARGE_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in (
-    (128, 128, 1, 8, 3), (128, 128, 2, 8, 3), (128, 128, 2, 8, 4), (128, 64, 2, 4, 4), (64, 128, 2, 4, 4))
-    ] + _WIDE_N_CONFIGS
+    (128, 128, 1, 8, 3), (128, 64, 2, 4, 4))] + _WIDE_N_CONFIGS
 
 
 def tma_configs(m: int) -> list[TileConfig]:
@@ -169,7 +168,7 @@ def candidate_configs(m: int, fused: bool) -> list[TileConfig]:
 def default_config(m: int, fused: bool) -> TileConfig:
     """The untuned choice for m token rows (an op's kernel string "")."""
     if m <= GEMV_MAX_TOKENS and fused:
-        return _GEMV_CONFIGS[1]
+        return _GEMV_DEFAULT
     if m <= DECODE_MAX_TOKENS:
         return _DECODE_GEMM_CONFIGS[0]
     if m <= 64:

@@ -18,6 +18,7 @@ from graphopt.passes.base import PassContext
 from graphopt.passes.fx_utils import dtype, fake
 
 _SDPA_CANDIDATES = ("cudnn", "flash", "efficient")
+SOFTCAP_SDPA = "SDPA has no soft-capping (cap * tanh(scores / cap))"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,8 +73,8 @@ def _kernel_operands(match: AttentionMatch):
     q, k, v = fake(match.q), fake(match.k), fake(match.v)
     if match.k_transposed:
         k = k.transpose(-2, -1)
-    if match.batched_3d:
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if match.batched_3d:  # (B*H, L, D) as the rewrite passes it: (B, H, L, D) or (1, B*H, L, D)
+        q, k, v = (t.unflatten(0, (-1, match.heads)) if match.heads else t.unsqueeze(0) for t in (q, k, v))
     bias = None
     if match.terms and match.scores_shape:
         bias_dtype = torch.bool if _bias_kind(match) == "bool" else q.dtype
@@ -81,9 +82,9 @@ def _kernel_operands(match: AttentionMatch):
     return q, k, v, bias
 
 
-def _kernel_supports(kernel, what: str, q, k, v, bias) -> tuple[bool, str]:
+def _kernel_supports(kernel, what: str, q, k, v, bias, **variants) -> tuple[bool, str]:
     try:
-        ok, why = kernel.supports(q, k, v, bias)
+        ok, why = kernel.supports(q, k, v, bias, **variants)
     except Exception as exc:
         return False, f"{what} supports() failed: {type(exc).__name__}: {exc}"
     return bool(ok), str(why)
@@ -98,7 +99,7 @@ def _triton_applicable(match: AttentionMatch) -> tuple[bool, str]:
     if q.dtype == torch.float32 and not _tf32_allowed():
         return False, ("fp32 inputs: the Triton kernel computes in TF32 (~1e-3 relative error), which this "
                        "lossless pass uses only when torch.backends.cuda.matmul.allow_tf32 is on")
-    return _kernel_supports(flash_attention, "Triton kernel", q, k, v, bias)
+    return _kernel_supports(flash_attention, "Triton kernel", q, k, v, bias, softcap=match.softcap)
 
 
 def _decode_applicable(match: AttentionMatch) -> tuple[bool, str]:
@@ -109,6 +110,8 @@ def _decode_applicable(match: AttentionMatch) -> tuple[bool, str]:
         return False, f"Triton decode kernel unavailable ({type(exc).__name__}: {exc})"
     if match.is_causal:
         return False, "the decode kernel takes a mask, not a causal flag"
+    if match.softcap:
+        return False, "the decode kernel takes no soft-capping"
     return _kernel_supports(decode_attention, "Triton decode kernel", *_kernel_operands(match))
 
 
@@ -154,6 +157,10 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
         )
     candidates: dict[str, Estimate] = {}
     rejected: dict[str, str] = {}
+    if not hw.is_gpu and match.softcap:
+        rejected["sdpa_cpu"] = SOFTCAP_SDPA
+        rejected["triton"] = "graphopt's Triton kernel, which soft-caps, runs on a GPU target"
+        return before, candidates, rejected, None
     if not hw.is_gpu:
         candidates["sdpa_cpu"] = cost_model.sdpa(hw, b, h, lq, lk, d, causal=match.is_causal, dtype_bytes=nbytes,
                                                  has_mask=has_mask, kv_heads=hkv)
@@ -172,6 +179,8 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
         rejected["triton_decode"] = why
     for backend in (*_SDPA_CANDIDATES, "math"):  # math: only when forced (never the fastest)
         ok, why = sdpa_applicable(backend, dt, d, dv, has_mask, lk)
+        if match.softcap:
+            ok, why = False, SOFTCAP_SDPA
         if not ok:
             rejected[backend] = why
             continue
@@ -198,7 +207,7 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
             # SDPA backend's call goes into the graph as its aten op: neither has a Python host path
             in_graph = in_graph_sdpa(ctx, match, name) or (name == "triton_decode" and ctx.config.downstream == "inductor")
             if name != native and not in_graph:
-                candidates[name] = cost_model.host_paced(hw, e, cost_model.attention_op_host_launches(name),
+                candidates[name] = cost_model.host_paced(hw, e, cost_model.attention_op_host_launches(hw, name),
                                                          "graphopt::attention host path")
     return before, candidates, rejected, note
 
@@ -284,12 +293,12 @@ def native_sdpa_backend(ctx: PassContext, match: AttentionMatch) -> str | None:
     """The backend PyTorch dispatches a plain F.scaled_dot_product_attention call of the rewritten
     form (no mask, no K/V head grouping) to, when that call can be emitted; else None. A candidate
     equal to it is emitted as that call: Inductor launches it from its own wrapper, without
-    graphopt::attention's Python path (cost_model.ATTENTION_OP_HOST_LAUNCHES). Not for a forced
+    graphopt::attention's Python path (cost_model.attention_op_host_launches). Not for a forced
     backend or `force` (the tuner records graphopt::attention nodes), nor on CPU."""
     if not ctx.hardware.is_gpu or ctx.config.force:
         return None
     dims = match.dims()
-    if ctx.config.attention_backend != "auto" or match.terms or match.num_kv_groups != 1 or dims is None:
+    if ctx.config.attention_backend != "auto" or match.terms or match.num_kv_groups != 1 or match.softcap or dims is None:
         return None
     backend = default_sdpa_backend(ctx.hardware, dtype(match.q), dims[5], dims[6], False, dims[4], lq=dims[3],
                                    is_causal=match.is_causal)

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from graphopt.passes.base import PassContext
-from graphopt.passes.fx_utils import dtype, fake, size_hints
+from graphopt.passes.fx_utils import canonical, dtype, fake, size_hints
 
 # A mask entry at or below this (or -inf) contributes exp(fill - max) == 0 to softmax in any float
 # dtype we run, so such a fill counts as "masked out".
@@ -37,12 +37,16 @@ class MaskTerm:
           "keep"  bool tensor, True = attend (from `where(mask, scores, fill)`);
           "drop"  bool tensor, True = masked out (from `masked_fill(mask, fill)`, `where(mask, fill, scores)`).
     For keep/drop, `fill` is the value masked entries take (times `multiplier`).
+    `space`: the dims of the scores where the term applies; `merged_heads`: it applies to scores
+    viewed as (B*H, Lq, Lk) in a match whose fused op works on (B, H, Lq, Lk).
     """
 
     kind: str
     node: Any
     multiplier: float = 1.0
     fill: float = float("-inf")
+    space: int | None = None
+    merged_heads: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,10 +165,12 @@ def _get_attr(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
-def _scalar(ctx: PassContext, node: Any) -> float | None:
+def _scalar(ctx: PassContext, node: Any, sizes: list | None = None) -> float | None:
     """A Python number, or a constant one-element tensor, as a float; else None. A value read
     from a parameter or buffer (a learned temperature, a scale buffer) is guarded: the graph is
-    recompiled if it changes in place, as for a frozen mask."""
+    recompiled if it changes in place, as for a frozen mask. With `sizes`, also a number computed
+    from symbolic sizes (`1 / math.sqrt(q.size(-1))` under dynamic shapes), at the traced example;
+    the symbolic sizes it reads are appended to `sizes`, for the rewrite to guard."""
     if isinstance(node, bool):
         return None
     if isinstance(node, (int, float)):
@@ -177,6 +183,8 @@ def _scalar(ctx: PassContext, node: Any) -> float | None:
         try:
             real = evaluate_constant(ctx, node, used_state)
         except Exception:
+            if isinstance(value, (torch.SymInt, torch.SymFloat)) and sizes is not None:
+                return _size_expression(node, value, sizes)
             return None
         _guard_state(ctx, used_state)
         if isinstance(real, torch.Tensor) and real.numel() == 1:
@@ -186,20 +194,53 @@ def _scalar(ctx: PassContext, node: Any) -> float | None:
     return None
 
 
+def _size_expression(node: fx.Node, value: Any, sizes: list) -> float | None:
+    """The example value of a number computed from symbolic sizes only, with those sizes appended to
+    `sizes`; None for one that reads anything else (a tensor's item)."""
+    hint = getattr(value.node, "hint", None)
+    if hint is None:
+        return None
+    found, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        v = fake(n)
+        if isinstance(v, torch.SymInt) and (n.op == "placeholder" or canonical(n) == "size"):
+            found.append(v)  # a size Dynamo passes in, or reads off a tensor
+            continue
+        if not isinstance(v, (torch.SymInt, torch.SymFloat, int, float)) or n.op != "call_function":
+            return None
+        stack.extend(n.all_input_nodes)
+    sizes.extend(found)
+    return float(hint)
+
+
+def guard_sizes(sizes: list) -> None:
+    """Fix symbolic sizes to their example values (Dynamo recompiles for others): for a rewrite that
+    bakes a number computed from them."""
+    for size in sizes:
+        int(size)
+
+
 def _check_terms(ctx: PassContext, match: Any) -> None:
     """Every mask/bias term of `match` (an AttentionMatch) must broadcast to the scores without
     enlarging them, in <= 4 dims."""
     scores = match.scores_shape
     if scores is None:
         return  # symbolic: the op's own checks run at run time
-    if not match.from_sdpa and size_hints(match.softmax) != scores:
-        match.reason = (f"the mask/bias broadcasts the scores {tuple(scores)} up to {size_hints(match.softmax)}: "
+    merged = (scores[0] * scores[1], *scores[2:]) if len(scores) == 4 else tuple(scores)
+    softmax_shape = size_hints(match.softmax)
+    if not match.from_sdpa and softmax_shape not in (tuple(scores), merged):
+        match.reason = (f"the mask/bias broadcasts the scores {tuple(scores)} up to {softmax_shape}: "
                         "not broadcastable as the kernel needs (B, H, Lq, Lk)")
         return
     for term in match.terms:
         shape_ = size_hints(term.node)
         if shape_ is None:
             continue
+        scores = merged if term.merged_heads else match.scores_shape
         if len(shape_) > len(scores):
             match.reason = (f"mask/bias of shape {tuple(shape_)} has more dims than the scores {tuple(scores)}: "
                             "not broadcastable as the kernel needs (B, H, Lq, Lk)")
@@ -279,3 +320,33 @@ def _guard_state(ctx: PassContext, nodes: list[fx.Node]) -> None:
     """Buffers whose compile-time value we relied on: recompile if they change in place."""
     for node in nodes:
         ctx.guard_tensor(node)
+
+
+def alibi_slopes(ctx: PassContext, term: MaskTerm, heads: int, len_q: int, len_k: int) -> torch.Tensor | None:
+    """Per-head slopes (H,) float32 when `term` is a constant ALiBi bias: on every query row of
+    head h, slope_h * j plus a constant (BLOOM's slope * j, MPT's slope * (j - Lk + 1), or slope *
+    (j - i)), broadcast over the batch. None for any other term. The buffers read are guarded."""
+    if term.kind != "add" or term.merged_heads or len_k < 2:
+        return None
+    used: list[fx.Node] = []
+    try:
+        value = evaluate_constant(ctx, term.node, used)
+    except Exception:
+        return None
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() > 4:
+        return None
+    value = value.detach().double() * term.multiplier
+    value = value.reshape((1,) * (4 - value.dim()) + tuple(value.shape))
+    if value.shape[0] != 1 or value.shape[1] not in (1, heads) or value.shape[2] not in (1, len_q) or value.shape[3] != len_k:
+        return None
+    value = value[0]  # (H or 1, Lq or 1, Lk)
+    if not torch.isfinite(value).all():
+        return None
+    slopes = ((value[..., -1] - value[..., 0]) / (len_k - 1)).mean(-1)  # (H or 1,)
+    j = torch.arange(len_k, dtype=torch.float64, device=value.device)
+    fitted = slopes[:, None, None] * j + value[..., :1]
+    # the ALiBi the kernel computes differs from the stored bias by its float32 rounding only
+    if (slopes == 0).all() or float((value - fitted).abs().max()) > 4 * 2.0 ** -24 * float(value.abs().max()):
+        return None
+    _guard_state(ctx, used)
+    return slopes.expand(heads).float().contiguous()

@@ -24,12 +24,18 @@ def register() -> None:
         return
 
     @register_onnx_translation(torch.ops.graphopt.attention.default, form="standard")
-    def attention_to_onnx(q, k, v, bias=None, scale: float = 1.0, is_causal: bool = False, num_kv_groups: int = 1, backend: str = ""):
+    def attention_to_onnx(q, k, v, bias=None, scale: float = 1.0, is_causal: bool = False, num_kv_groups: int = 1,
+                          backend: str = "", softcap: float = 0.0, alibi_slopes=None):
         # 4-D inputs (B, H, L, D): ONNX reads the head counts from the shapes (q_num_heads /
         # kv_num_heads are only for 3-D inputs); GQA follows from K having fewer heads.
         # Attention has four outputs (Y, present_key, present_value, qk_matmul_output); Y is ours.
+        # Its softcap attribute caps the scores as ours does. (The attention pass emits no ALiBi
+        # slopes for export: there ALiBi stays part of the bias.)
+        if alibi_slopes is not None:
+            raise ValueError("graphopt::attention with alibi_slopes has no ONNX Attention form; export keeps ALiBi a bias")
+        extra = {"softcap": float(softcap)} if softcap else {}
         if bias is None:
-            y, _, _, _ = op.Attention(q, k, v, is_causal=int(is_causal), scale=float(scale))
+            y, _, _, _ = op.Attention(q, k, v, is_causal=int(is_causal), scale=float(scale), **extra)
         else:
-            y, _, _, _ = op.Attention(q, k, v, bias, is_causal=int(is_causal), scale=float(scale))
+            y, _, _, _ = op.Attention(q, k, v, bias, is_causal=int(is_causal), scale=float(scale), **extra)
         return y

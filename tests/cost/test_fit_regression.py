@@ -1,4 +1,7 @@
-"""The fp4_linear / q4_linear cost models against what was measured on an H200 and an H100.
+"""Fit regressions: the fp4_linear / q4_linear / FFT-chain cost models against the measured runs
+their coefficients were fitted to (graphopt/cost/data/<gpu>.json names each run). They pin the
+fit; how the model does on shapes it was not fitted to is bench/validate_cost_model.py's held-out
+report (tests/cost/test_validation.py).
 
 Offline: reads the committed benchmark JSON (bench/results/{fp4,q4}_linear_h200.json: H200, torch 2.11,
 triton 3.6, bf16 activations, cuBLAS bf16 baseline) and the H200 spec with the ceilings measured
@@ -29,7 +32,7 @@ from graphopt.hardware import SPECS
 from graphopt.kernels import fp4 as fp4k
 from graphopt.passes import fp4_linear
 
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 # The ceilings measured on the H200 that produced the JSON (graphopt calibrate / bench_cost_model).
 H200 = dataclasses.replace(SPECS["h200"], measured_bf16_flops=690e12, measured_memory_bandwidth=4.22e12,
                            measured_launch_overhead_s=6e-6)
@@ -88,7 +91,7 @@ def test_recorded_rows_cover_decode_and_prefill():
     assert {t for *_, t, _ in q4_rows} == {1, 4, 16, 64, 256, 4096}
 
 
-def test_fp4_predicted_faster_or_slower_agrees_with_h200():
+def test_fit_regression_fp4_predicted_faster_or_slower_agrees_with_h200():
     agree, disagreements = 0, []
     for k, n, tokens, cublas_ms, paths in _fp4_rows():
         before, after = fp4_linear.predict(H200, tokens, k, n, "nvfp4")
@@ -102,7 +105,7 @@ def test_fp4_predicted_faster_or_slower_agrees_with_h200():
 
 
 @pytest.mark.parametrize("source,hw", [("h200", H200), ("h100", H100)])
-def test_fp4_pass_declines_every_linear_measured_slower_than_cublas(source, hw):
+def test_fit_regression_fp4_pass_declines_every_linear_measured_slower_than_cublas(source, hw):
     for k, n, tokens, cublas_ms, paths in _fp4_rows(source):
         before, after = fp4_linear.predict(hw, tokens, k, n, "nvfp4")
         if not (after.ms < before.ms and fp4_linear.worth_rewriting(before, after)):
@@ -114,7 +117,7 @@ def test_fp4_pass_declines_every_linear_measured_slower_than_cublas(source, hw):
             f"{cublas_ms / paths[path]:.2f}x of cuBLAS on path {path}")
 
 
-def test_fp4_at_32_to_256_tokens_on_h100():
+def test_fit_regression_fp4_at_32_to_256_tokens_on_h100():
     """Past 16 tokens on the H100, all six shapes: 32 and 64 tokens from
     bench/results/fp4_linear_1_64tok_h100.json (the TMA decode kernel; CUDA-graph replays, the chosen
     path also L2-cold), 256 tokens from fp4_linear_1_256tok_h100.json (interleaved eager timing).
@@ -142,7 +145,7 @@ def test_fp4_at_32_to_256_tokens_on_h100():
             assert speedup <= 1.2, (k, n, tokens, speedup)
 
 
-def test_fp4_decode_rewritten_where_measured_clearly_faster_on_h100():
+def test_fit_regression_fp4_decode_rewritten_where_measured_clearly_faster_on_h100():
     """The decode kernels on the H100 (1-64 tokens): every row measured >= 1.25x cuBLAS
     (1 token 2.37-2.70x, 4-16 tokens 1.49-2.17x, most 32- and 64-token rows) is rewritten, and the
     predicted time is within 35% of the measured one on every row."""
@@ -156,7 +159,7 @@ def test_fp4_decode_rewritten_where_measured_clearly_faster_on_h100():
     assert clear_wins >= 26  # of 30 rows (measured 28)
 
 
-def test_q4_predicted_faster_or_slower_agrees_with_h200():
+def test_fit_regression_q4_predicted_faster_or_slower_agrees_with_h200():
     """Prefill rows only: the H200 decode rows (1-16 tokens) timed other decode kernels than the
     chained-dp4a and operand-swapped ones the model predicts; the H100 test below checks decode
     against graphopt's kernels."""
@@ -174,7 +177,7 @@ def test_q4_predicted_faster_or_slower_agrees_with_h200():
     assert total == 36 and agree >= 0.9 * total, f"{agree}/{total} agree; wrong: {disagreements}"
 
 
-def test_q4_pass_declines_every_linear_measured_slower_than_cublas():
+def test_fit_regression_q4_pass_declines_every_linear_measured_slower_than_cublas():
     """H200 (q4_linear_h200.json). Its 4- and 16-token rows timed other decode kernels than the
     chained-dp4a and operand-swapped ones the model predicts (on the H100 those measure 1.65-1.74x
     cuBLAS at 4 tokens and 1.30-1.54x at 16), so the rows are left out here (the H100 test checks
@@ -208,7 +211,7 @@ def _q4_decode_rows_h100():
     return rows
 
 
-def test_q4_h100_rewrites_the_measured_wins_and_declines_the_losses():
+def test_fit_regression_q4_h100_rewrites_the_measured_wins_and_declines_the_losses():
     """H100, the issue's two shapes. Decode (q4_decode_kernels_h100.json): the pass takes
     every layer (1 token 2.50-2.52x cuBLAS on the fused dp4a kernel, 4-16 tokens 1.75-2.31x on the
     separate path's q4_tma decode), picks the mode measured faster, and predicts its time within
@@ -230,7 +233,7 @@ def test_q4_h100_rewrites_the_measured_wins_and_declines_the_losses():
 
 
 @pytest.mark.parametrize("source,hw", [("h200", H200), ("h100", H100)])
-def test_q4_fused_or_separate_choice_matches_the_measurement_at_64_tokens_and_more(source, hw):
+def test_fit_regression_q4_fused_or_separate_choice_matches_the_measurement_at_64_tokens_and_more(source, hw):
     """Fusing the Q8_1 quantization into the GEMM measured faster than the separate quantize +
     GEMM at 64-4096 tokens on every row of both runs (H200 1.02-4.22x, H100 1.12-2.24x); the
     model's mode is the measured faster one on each."""
@@ -245,14 +248,14 @@ def test_q4_fused_or_separate_choice_matches_the_measurement_at_64_tokens_and_mo
 
 
 @pytest.mark.parametrize("tokens", [256, 4096])
-def test_fp4_not_rewritten_on_h200_at_any_measured_token_count(tokens):
+def test_fit_regression_fp4_not_rewritten_on_h200_at_any_measured_token_count(tokens):
     """The H200 measurement has no prefill (shape, tokens) where FP4 is >5% faster than cuBLAS (its
     64-token rows timed other decode kernels than graphopt's; its TMA kernel is measured on the H100)."""
     before, after = fp4_linear.predict(H200, tokens, 4096, 11008, "nvfp4")
     assert not fp4_linear.worth_rewriting(before, after)
 
 
-def test_fft_chain_dft2_model_against_the_h100_sweep():
+def test_fit_regression_fft_chain_dft2_model_against_the_h100_sweep():
     """The FFT-chain cost model (dft2 constants fitted to this sweep) against every implementation
     timed at the explorer's --quick configurations on an H100: each dft2 / dft2_pregather time
     is predicted within 0.5-2x, and the model's own pick agrees on faster/slower than cuBLAS for
@@ -268,7 +271,7 @@ def test_fft_chain_dft2_model_against_the_h100_sweep():
         assert 0.5 <= min(ratios) and max(ratios) <= 2.0, (impl, min(ratios), max(ratios))
 
 
-def test_fft_chain_explorer_agreement_on_the_h100_run():
+def test_fit_regression_fft_chain_explorer_agreement_on_the_h100_run():
     """The explorer's faster/slower call (predicted FFT chain vs predicted cuBLAS) recomputed with
     the current model for the measured --quick rows of the H100 run (16, 256, 4096 tokens; each
     row ran the implementation the model picked): >= 90%, as that run reported (315/336)."""
