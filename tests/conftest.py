@@ -1,6 +1,7 @@
 """Test setup. Without a GPU, Triton kernels run in the interpreter (TRITON_INTERPRET=1), which
 Triton reads when a kernel is decorated, so it is set here before any graphopt kernel import."""
 
+import contextlib
 import os
 
 import torch
@@ -49,3 +50,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@contextlib.contextmanager
+def tf32_allowed():
+    """torch.backends.cuda.matmul.allow_tf32 on for the block, its value restored after (set and
+    read back through the property: pytest's monkeypatch cannot delete it on undo)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

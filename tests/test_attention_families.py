@@ -17,6 +17,7 @@ import torch
 
 import graphopt
 from graphopt import compiler as backend_module
+from tests.conftest import tf32_allowed
 
 transformers = pytest.importorskip("transformers")
 T = transformers
@@ -97,8 +98,9 @@ TARGETS = {"gemma2_soft_capped": dict(target="h100", graph_replay=True)}
 
 
 @pytest.fixture(autouse=True)
-def _tf32(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+def _tf32():
+    with tf32_allowed():
+        yield
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
@@ -59,6 +61,7 @@ def test_the_tuning_key_names_the_installed_graphopt_version():
     assert tuning.graphopt_version() in (graphopt.__version__, "unknown")
 
 
+@pytest.mark.slow
 def test_each_pass_module_imports_on_its_own():
     """A pass module imported first (as a tool or a test may do) registers the ops it names."""
     result = _run("""

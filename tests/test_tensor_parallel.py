@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+pytestmark = [pytest.mark.slow,  # one two-process spawn for the module
+              pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")]
 
 WORLD = 2
 VOCAB = 128

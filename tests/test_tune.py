@@ -58,6 +58,7 @@ def with_noisy_head0(seed: int, scale: float):
     return q, k, v
 
 
+@pytest.mark.slow
 def test_heldout_check_holds_every_input_to_the_budget():
     """Two held-out inputs: with the thresholds tuned on seeds 1 and 2, head 0's relative L1 is
     0.041 on one and 0.062 on the other (the budget is 0.06), 0.057 pooled. The pooled figure
@@ -120,6 +121,7 @@ def make_model():
     return QKVAttention(), structured_with_random_head(6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_class", [QKVAttention, SdpaAttention])
 def test_tune_model_end_to_end_writes_a_plan_the_pass_uses(tmp_path, model_class):
     plan_path = tmp_path / "plan.json"
@@ -137,6 +139,7 @@ def test_tune_model_end_to_end_writes_a_plan_the_pass_uses(tmp_path, model_class
     assert decision.details["layer"] == key
 
 
+@pytest.mark.slow
 def test_cli_hook_runs_on_a_module_function(tmp_path):
     parser = argparse.ArgumentParser()
     T.add_arguments(parser)
@@ -177,6 +180,7 @@ class Wrapped(torch.nn.Module):
         return self.inner(q, k, v)
 
 
+@pytest.mark.slow
 def test_plans_match_wrapped_models_and_refuse_other_head_dims(tmp_path):
     """A plan tuned on a model applies to the same model inside a wrapper (the one plan key that
     ends the module path), and a layer of another head dim is declined rather than given

@@ -175,6 +175,7 @@ def _structured_mixture(B, H, Hkv, L, D, seed):
     return on_device(q, k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sa.PREDICTOR_VARIANTS)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 3, 3, 333, 48), (2, 4, 2, 1000, 32)])
@@ -221,6 +222,7 @@ def _assert_predictor_matches_reference(q, k, **kwargs):
     return mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pivots", [1, 3])
 def test_triton_predictor_search_modes_match_reference(monkeypatch, pivots):
     # v2 and v3 search the top-cdf threshold with 3 pivots (16 steps) on short rows and 1 (31 steps)

@@ -86,6 +86,7 @@ def make_mask(case, g: torch.Generator) -> torch.Tensor:
 
 @hypothesis.settings(max_examples=200, deadline=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
+@pytest.mark.slow
 @hypothesis.given(cases())
 def test_graphopt_matches_eager_or_eager_fails(case):
     g = torch.Generator().manual_seed(case["seed"])

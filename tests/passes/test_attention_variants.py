@@ -14,15 +14,17 @@ import torch.nn as nn
 
 import graphopt
 from graphopt import compiler as backend_module
+from tests.conftest import tf32_allowed
 
 B, H, L, D = 2, 4, 11, 16
 CAP = 5.0
 
 
 @pytest.fixture
-def tf32(monkeypatch):
+def tf32():
     """The Triton kernel takes fp32 through TF32, which the lossless pass uses only when allowed."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    with tf32_allowed():
+        yield
 
 
 def qkv(seed=0, scale=2.0):

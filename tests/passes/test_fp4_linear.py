@@ -88,6 +88,7 @@ def test_cpu_target_declines_without_force():
     assert not d.applied and "cost model predicts no win" in d.reason
 
 
+@pytest.mark.slow
 def test_gpu_target_rewrites_large_decode_layers_and_declines_tiny_ones_unless_forced():
     """H100 target, one token: a 4096x4096 layer was measured 1.85x faster than cuBLAS bf16 cold
     (bench/results/fp4_linear_mma_decode_h100.json), so the cost model rewrites it to the CUDA-core

@@ -53,6 +53,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt,head,tie", [("nvfp4", True, False), ("mxfp4", True, False), ("q4_0", False, True)],
                          ids=["nvfp4", "mxfp4", "q4_0-dense-tied-head"])
+@pytest.mark.slow
 def test_saved_model_loads_in_a_fresh_process_without_quantizing(fmt, head, tie, tmp_path):
     model = llama_tiny(tie_word_embeddings=tie).to(torch.bfloat16)
     graphopt.quantize_(model, format=fmt, filter_fn=None if head else (lambda m, name: name != "lm_head"))
