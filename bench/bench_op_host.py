@@ -12,7 +12,7 @@ time of one block: the per-call costs (Dynamo's guards, the compiled module's pr
 deep module (it must equal its depth). The same is measured with Inductor on the unrewritten module (its own kernels or extern calls for
 the same work), the baseline a user would otherwise have.
 
-    python bench/bench_op_host.py --out $OUT/op_host_h100.json
+    python bench/bench_op_host.py          # writes op_host.json to $OUT, else bench/out/
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import environment, host_us, print_table  # noqa: E402
+from bench.common import host_us, print_table, write_json  # noqa: E402
 
 CALLS = 300
 
@@ -122,7 +122,6 @@ def main() -> int:
     parser.add_argument("--layers", default="4,24", help="the two chain depths, comma separated")
     parser.add_argument("--width", type=int, default=1024, help="linear layers' width")
     parser.add_argument("--cache", type=int, default=640, help="attention's key length")
-    parser.add_argument("--out", default=None, help="JSON path")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_op_host.py measures CUDA launches and needs a GPU; none is visible here.")
@@ -142,11 +141,7 @@ def main() -> int:
                          "launches_per_block": (n1 - n0) / (deep - shallow)})
             print(rows[-1], flush=True)
     print_table("Host time per block inside a compiled graph, mode=None (slope of call time over depth)", rows)
-    if opts.out:
-        import json
-
-        with open(opts.out, "w") as fh:
-            json.dump({"environment": environment(), "options": vars(opts), "rows": rows}, fh, indent=2)
+    print(f"wrote {write_json('op_host', rows, options=vars(opts))}")
     return 0
 
 

@@ -203,7 +203,7 @@ def runs(tmp_path_factory) -> list[dict]:
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, not an older one's
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this pytest run's base directory, not an earlier run's
     out_dir = shared / "tensor_parallel"
     with FileLock(str(shared / "tensor_parallel.lock")):
         if not (out_dir / "done").exists():

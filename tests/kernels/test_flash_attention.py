@@ -31,10 +31,10 @@ OUT_TOL = {torch.float32: 5e-3, torch.float16: 1e-2}
 GRAD_TOL = {torch.float32: 2e-2, torch.float16: 3e-2}
 
 
-def _qkv(batch, heads, kv_heads, len_q, len_k, head_dim, dtype, seed=0):
+def _qkv(batch, heads, kv_heads, len_q, len_k, head_dim, dtype, seed=0, qk_scale=1.0):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, len_q, head_dim, generator=gen)
-    k = torch.randn(batch, kv_heads, len_k, head_dim, generator=gen)
+    q = torch.randn(batch, heads, len_q, head_dim, generator=gen) * qk_scale
+    k = torch.randn(batch, kv_heads, len_k, head_dim, generator=gen) * qk_scale
     v = torch.randn(batch, kv_heads, len_k, head_dim, generator=gen)
     return [t.to(DEVICE, dtype) for t in (q, k, v)]
 

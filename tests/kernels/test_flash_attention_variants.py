@@ -19,9 +19,7 @@ from graphopt.kernels.flash_attention import (
     supports,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-OUT_TOL = {torch.float32: 5e-3, torch.float16: 1e-2}
-GRAD_TOL = {torch.float32: 2e-2, torch.float16: 3e-2}
+from tests.kernels.test_flash_attention import DEVICE, GRAD_TOL, OUT_TOL, _qkv
 
 
 def _slopes(heads: int) -> torch.Tensor:
@@ -30,11 +28,7 @@ def _slopes(heads: int) -> torch.Tensor:
 
 
 def _inputs(batch, heads, kv_heads, len_q, len_k, head_dim, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, len_q, head_dim, generator=gen) * 2  # scores large enough to cap
-    k = torch.randn(batch, kv_heads, len_k, head_dim, generator=gen) * 2
-    v = torch.randn(batch, kv_heads, len_k, head_dim, generator=gen)
-    return [t.to(DEVICE, dtype) for t in (q, k, v)]
+    return _qkv(batch, heads, kv_heads, len_q, len_k, head_dim, dtype, seed, qk_scale=2.0)  # scores large enough to cap
 
 
 # (batch, heads, kv_heads, Lq, Lk, head_dim, causal, softcap, alibi, bias, dtype)
