@@ -106,13 +106,15 @@ def launches_per_call(fn) -> float:
     return sum(e.count for e in prof.key_averages() if e.key in names) / calls
 
 
-def per_call(module: nn.Module, inputs, backend) -> tuple[float, float]:
-    """(host us per call, kernel launches per call) of the compiled module."""
+def per_call(module: nn.Module, inputs, backend, inductor_patches: dict) -> tuple[float, float]:
+    """(host us per call, kernel launches per call) of the compiled module; `inductor_patches` are
+    Inductor config values in force while it compiles (the first calls)."""
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=backend, fullgraph=True)
     with torch.no_grad():
-        for _ in range(3):
-            compiled(*inputs)
+        with torch._inductor.config.patch(inductor_patches):
+            for _ in range(3):
+                compiled(*inputs)
         run = lambda: compiled(*inputs)  # noqa: E731
         return host_us(run, CALLS, repeats=7), launches_per_call(run)
 
@@ -129,13 +131,19 @@ def main() -> int:
     import graphopt
 
     shallow, deep = (int(n) for n in opts.layers.split(","))
+    # Inductor launches its own Triton kernels through its static CUDA launcher; user-defined ones
+    # (triton_op bodies) go through Triton's Python launcher unless this option is set.
+    static = {"static_launch_user_defined_triton_kernels": True}
     rows = []
     for name, (factory, inputs, options) in workloads(opts.width, opts.cache).items():
-        for label, backend in (("inductor", "inductor"), ("graphopt", graphopt.backend(**options))):
-            (t0, n0), (t1, n1) = (per_call(factory(n), inputs, backend) for n in (shallow, deep))
+        variants = [("inductor", "inductor", {}), ("graphopt", graphopt.backend(**options), {})]
+        if hasattr(torch._inductor.config, next(iter(static))):
+            variants.append(("graphopt static launch", graphopt.backend(**options), static))
+        for label, backend, patches in variants:
+            (t0, n0), (t1, n1) = (per_call(factory(n), inputs, backend, patches) for n in (shallow, deep))
             times = [t0, t1]
             rewritten = (sum(graphopt.explain(factory(deep), *inputs, **options).counts.values())
-                         if label == "graphopt" else None)
+                         if label != "inductor" else None)
             rows.append({"block": name, "backend": label, "rewritten": rewritten, f"call_us_{shallow}": times[0], f"call_us_{deep}": times[1],
                          "per_block_us": (times[1] - times[0]) / (deep - shallow),
                          "launches_per_block": (n1 - n0) / (deep - shallow)})

@@ -191,10 +191,13 @@ def run_variant(model, prompt, opts, loop: str, variant: str, world: int) -> tup
         row.update(tok_s=result["tok_s"], compile_s=result["compile_s"],
                    ms_step=result.get("ms_step") or (1e3 * prompt.shape[0] / result["tok_s"] if result["tok_s"] else None))
         weight_gb = (weight_bytes(model) - saved_bytes(decisions)) / 1e9
-        rewrites = {}
+        rewrites, declined = {}, {}
         for d in decisions:
             rewrites[d.pass_name] = rewrites.get(d.pass_name, 0) + int(d.applied)
-        local = {"peak_gb": result["peak_gb"], "weight_gb": weight_gb, "rewrites": rewrites}
+            if not d.applied:  # why, so that a row with fewer rewrites than layers explains itself
+                key = f"{d.pass_name}: {d.reason[:160]}"
+                declined[key] = declined.get(key, 0) + 1
+        local = {"peak_gb": result["peak_gb"], "weight_gb": weight_gb, "rewrites": rewrites, "declined": declined}
     except Exception as exc:  # noqa: BLE001 - reported in its row; the other variants still run
         local = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     per_rank = gather(local, world)
@@ -203,7 +206,7 @@ def run_variant(model, prompt, opts, loop: str, variant: str, world: int) -> tup
         row["error"] = errors[0]
         return row, None
     row.update(peak_gb=[r["peak_gb"] for r in per_rank], weight_gb=[round(r["weight_gb"], 6) for r in per_rank],
-               rewrites=per_rank[0]["rewrites"])
+               rewrites=per_rank[0]["rewrites"], declined=per_rank[0]["declined"])
     all_tokens = gather(tokens.cpu(), world)
     row["ranks_agree"] = all(torch.equal(t, all_tokens[0]) for t in all_tokens)
     return row, tokens

@@ -60,7 +60,7 @@ class LinearShard:
     problem: str | None = None
     style: str = ""  # "column-parallel" | "row-parallel" | "replicated"
     local_input: fx.Node | None = None  # x, the local tensor the input hook wrapped
-    mesh: Any = None  # the from_local mesh argument (a graph input), reused for the output
+    mesh: Any = None  # the DeviceMesh of the linear's input, reused for the output
     out_placements: tuple = ()
     weight: torch.Tensor | None = None  # the DTensor parameter
     coordinate: int = 0  # this rank's index along the mesh
@@ -79,9 +79,20 @@ class LinearShard:
 
 
 def _is_from_local(node: Any) -> bool:
+    """DTensor.from_local in a Dynamo graph: the function itself, or (torch before 2.13) the
+    closure Dynamo wraps it in, named "prim from_local", with the mesh and placements inside it
+    (the node's recorded DTensor value carries them in both forms)."""
     api = _dtensor_api()
     return (api is not None and isinstance(node, fx.Node) and node.op == "call_function"
-            and node.target is api[0].from_local)
+            and (node.target is api[0].from_local or getattr(node.target, "__name__", "") == "prim from_local"))
+
+
+def _is_to_local(node: Any) -> bool:
+    """`t.to_local()` in a Dynamo graph: a method call, or (torch before 2.13) a call of Dynamo's
+    closure named "prim to_local"."""
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_method" and node.target == "to_local")
+        or (node.op == "call_function" and getattr(node.target, "__name__", "") == "prim to_local"))
 
 
 def _node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -91,7 +102,7 @@ def _node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
 def local_shard_parameter(ctx, weight: Any) -> fx.Node | None:
     """The DTensor parameter behind a linear's weight `W.to_local()` (transformers' tensor
     parallelism multiplies by the rank's shard that way), else None."""
-    if not (isinstance(weight, fx.Node) and weight.op == "call_method" and weight.target == "to_local"):
+    if not _is_to_local(weight):
         return None
     param = weight.args[0]
     value = ctx.example_value(param) if isinstance(param, fx.Node) and param.op == "placeholder" else None
@@ -131,10 +142,11 @@ def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx
                            "(the input hook of ColwiseParallel / RowwiseParallel)")
     local_x = _node_arg(x, 0, "local_tensor")
     x_dims = len(getattr(_fake(local_x), "shape", ()))
-    if not x_dims:
-        return LinearShard("the local input's shape is unknown")
+    wrapped = _fake(x)
+    if not x_dims or not is_dtensor(wrapped):
+        return LinearShard("the local input's shape or its DTensor placements are unknown")
     last = Shard(x_dims - 1)
-    in_placements = _normalized(tuple(_node_arg(x, 2, "placements") or ()), x_dims)
+    in_placements = _normalized(tuple(wrapped.placements), x_dims)
     if w_placements == (Shard(0),) and in_placements == (Replicate(),):
         style, out = "column-parallel", (last,)
     elif w_placements == (Shard(1),) and in_placements == (last,):
@@ -154,7 +166,7 @@ def linear_shard(ctx, node: fx.Node, x: Any, weight_node: fx.Node, bias_node: fx
         wanted = (Shard(0),) if style == "column-parallel" else (Replicate(),)
         if not is_dtensor(bias) or tuple(bias.placements) != wanted:
             return LinearShard(f"{style} linear whose bias is not a DTensor parameter placed {wanted}")
-    return LinearShard(None, style, local_x, _node_arg(x, 1, "device_mesh"), out, weight, index, mesh.size(0))
+    return LinearShard(None, style, local_x, wrapped.device_mesh, out, weight, index, mesh.size(0))
 
 
 def _normalized(placements: tuple, ndim: int) -> tuple:
@@ -180,7 +192,7 @@ def head_shard(query: fx.Node, max_depth: int = 32) -> tuple[int, int] | None:
     Shard = api[1]
     frontier, seen = [query], {query}
     for _ in range(max_depth):
-        nearest = [n for n in frontier if n.op == "call_method" and n.target == "to_local"]
+        nearest = [n for n in frontier if _is_to_local(n)]
         if nearest:
             value = _fake(nearest[0].args[0])
             if not is_dtensor(value) or value.device_mesh.ndim != 1 or len(value.placements) != 1:
@@ -212,15 +224,26 @@ def wrap_local(graph: fx.Graph, shard: LinearShard, local: fx.Node, like: fx.Nod
     """DTensor.from_local(local, mesh, shard.out_placements) inserted after `local`: the value the
     DTensor linear had, for the redistribute that follows it. `like`: the replaced node, whose
     recorded value and module stack the wrapper takes."""
-    DTensor = _dtensor_api()[0]
     with graph.inserting_after(local):
-        wrapped = graph.call_function(DTensor.from_local, (local, shard.mesh, shard.out_placements),
-                                      {"run_check": False})
+        wrapped = graph.call_function(_from_local_on(shard.mesh, shard.out_placements), (local,))
     if like is not None:
         for key in ("example_value", "val", "nn_module_stack", "stack_trace", "source_fn_stack"):
             if key in like.meta:
                 wrapped.meta[key] = like.meta[key]
     return wrapped
+
+
+def _from_local_on(mesh: Any, placements: tuple):
+    """A function of one tensor: DTensor.from_local on `mesh` with `placements`. The mesh and the
+    placements live in the closure, not in the graph's arguments, which FX can only hold as
+    values it knows how to print (as Dynamo does for the same call)."""
+    DTensor = _dtensor_api()[0]
+
+    def from_local(local: torch.Tensor):
+        return DTensor.from_local(local, mesh, placements, run_check=False)
+
+    from_local.__name__ = "prim from_local"
+    return from_local
 
 
 def local_example(value: Any, features: int) -> Any:

@@ -1,0 +1,87 @@
+"""The tensor-parallel helpers of the linear passes read both forms in which Dynamo records
+DTensor's boundary calls: `DTensor.from_local` itself (torch 2.13) and the closure named
+"prim from_local" that holds the mesh and placements (earlier torch, e.g. the GPU machines'
+2.11). The older form is made here from the newer one, in one gloo process (a mesh of one rank:
+the placements, and so the per-rank rewrite, are those of any tensor-parallel size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = tmp_path_factory.mktemp("store") / "file"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(256, 512, bias=False)
+        self.down = nn.Linear(512, 256, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _as_prim_closures(gm: torch.fx.GraphModule) -> int:
+    """Rewrite every DTensor.from_local(t, mesh, placements) of a Dynamo graph into the form older
+    torch records: a call of a one-argument closure named "prim from_local"."""
+    from torch.distributed.tensor import DTensor
+
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is DTensor.from_local:
+            value = node.meta["example_value"]
+            mesh, placements = value.device_mesh, tuple(value.placements)
+
+            def prim(t, mesh=mesh, placements=placements):
+                return DTensor.from_local(t, mesh, placements, run_check=False)
+
+            prim.__name__ = "prim from_local"
+            node.target, node.args, node.kwargs = prim, (node.args[0],), {}
+            count += 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return count
+
+
+@pytest.mark.parametrize("graph_form", ["from_local", "prim from_local"])
+def test_column_and_row_parallel_linears_are_rewritten_in_either_graph_form(mesh, graph_form):
+    import graphopt
+    from graphopt.compiler import recording_decisions
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = MLP().eval()
+    reference = MLP().eval()
+    reference.load_state_dict(model.state_dict())
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    options = dict(passes={"fp4_linear": True}, force=True, target="h100", downstream="eager")
+    inner = graphopt.backend(**options)
+    rewritten_forms = []
+
+    def backend(gm, example_inputs):
+        rewritten_forms.append(_as_prim_closures(gm) if graph_form == "prim from_local" else 0)
+        return inner(gm, example_inputs)
+
+    x = torch.randn(3, 256)
+    with recording_decisions() as decisions, torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+        expected = torch.compile(reference, backend=graphopt.backend(**options), fullgraph=True)(x)
+    applied = [d for d in decisions if d.pass_name == "fp4_linear" and d.applied]
+    if graph_form == "prim from_local":
+        assert rewritten_forms[0] == 2  # both input hooks were in the older form
+    assert [("column-parallel" in d.reason, "row-parallel" in d.reason) for d in applied[:2]] == [(True, False), (False, True)]
+    # one rank holds the whole weight: its blocks are the single-process model's blocks
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
