@@ -328,3 +328,23 @@ def test_onnx_export_of_a_dft_choice_carries_no_tables(monkeypatch, tmp_path, im
     out = graphopt.onnx_export.run_onnxruntime(path, x)[0]
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(out), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_planned_dense_linear_gets_its_tables_as_constants(monkeypatch, tmp_path):
+    """A dense linear rewritten through a plan: its coefficients and permutations are constants of
+    the plan, so the chosen kernel gets every table it reads; the output is the fitted layer's."""
+    torch.manual_seed(9)
+    model = TwoLayers().eval()
+    plan = tmp_path / "plan.json"
+    distill(model, (torch.randn(64, 32),), layer_start=1, layer_end=1, block_size=16, k=2, steps=2, plan_path=plan,
+            show_progress=False)
+    options = dict(plan=str(plan), force=True, error_budget={"fft_linear": 10.0})
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        _, _, fitted = _rewritten(model, x, **options)  # the torch path on the CPU
+        _forcing(monkeypatch, "dft2")
+        gm, decisions, out = _rewritten(model, x, **options)
+    (tables,) = _table_args(gm).values()
+    assert set(tables) == {"dft_forward", "dft_inverse", "source_index", "coeff_operand"}
+    assert [d.location for d in decisions if d.applied] == ["layers.1"] and "as constants" in decisions[-1].reason
+    torch.testing.assert_close(out, fitted)
