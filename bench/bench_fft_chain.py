@@ -123,8 +123,10 @@ def kernel_candidates(shapes, token_counts, b, k, device, smoke, only=None):
             for impl in impls:
                 row = {"shape": f"{in_f}->{out_f}", "tokens": t, "impl": impl, "correct": verdict[impl][0], "rel_error": verdict[impl][1],
                        "timing": "cuda-graph" if device.type == "cuda" else "eager (cpu)", "cublas_ms": dense_ms, "cublas_graph_ms": dense_graph}
-                fn = lambda impl=impl: fft._LAUNCHERS[impl](x, cr, ci, perms, bias, b, out_f)  # noqa: E731
                 try:
+                    # the tables the fft_linear pass makes graph constants: built once, outside the timing
+                    tables = fft.operand_tables(impl, dtype, b, in_f, device, perms=perms, coeff_real=cr, coeff_imag=ci)
+                    fn = lambda impl=impl, tables=tables: fft._LAUNCHERS[impl](x, cr, ci, perms, bias, b, out_f, **tables)  # noqa: E731
                     ms = median_ms(fn)
                     graph = cuda_graph_ms(fn) if device.type == "cuda" else ms
                 except Exception as exc:  # noqa: BLE001
@@ -174,8 +176,9 @@ def fit_sweep(device, smoke: bool) -> Path:
                     cr, ci = fft.spectral_coefficients(layer.coeffs)
                 perms = layer.perms[1:].contiguous()
                 for impl in impls:
-                    fn = lambda impl=impl: fft._LAUNCHERS[impl](x, cr, ci, perms, None, b, out_f)  # noqa: E731
                     try:
+                        tables = fft.operand_tables(impl, dtype, b, in_f, device, perms=perms, coeff_real=cr, coeff_imag=ci)
+                        fn = lambda impl=impl, tables=tables: fft._LAUNCHERS[impl](x, cr, ci, perms, None, b, out_f, **tables)  # noqa: E731
                         ms = cuda_graph_ms(fn) if device.type == "cuda" else median_ms(fn)
                     except Exception as exc:  # noqa: BLE001 - one failing config must not end the sweep
                         print(f"FAIL {impl} {in_f}->{out_f} B={b} K={k} T={t}: {type(exc).__name__}: {exc}")

@@ -6,8 +6,9 @@ CUDA graphs, with no Python per call. Their tile is an argument the pass chose a
 The others are opaque: graphopt::attention and graphopt::sparse_attention (Library ops, whose
 Python launch path the cost model prices unless CUDA graphs replay them), the Gluon TMA decodes
 (fp4_tma_linear, q4_tma_decode: Gluon kernels are not Triton JIT functions that Inductor can
-launch) and fft_chain_linear (a custom_op with an autograd formula). Every op has a fake (meta)
-implementation. The CPU implementation is always the kernel family's torch reference.
+launch) and fft_chain_linear (a custom_op with an autograd formula; its operand tables are graph
+constants the pass builds). Every op has a fake (meta) implementation. The CPU implementation is
+always the kernel family's torch reference.
 
 Inference-only ops have no autograd formula; a call that needs a gradient is refused with a clear
 error (`_refuse_gradients` for custom ops, `_refusing_grad` for Library ops, whose fallthrough
@@ -629,25 +630,31 @@ del _op, _name
 # y = sum_k BC(C_k) P_k x + bias from spectral coefficient planes coeff_real/coeff_imag (C, N, F)
 # and the K-1 non-identity permutations perms (K-1, in). impl: one of
 # graphopt.kernels.fft_chain.IMPL_CHOICES; the fft_linear pass writes the cost model's choice,
-# "auto" runs the kernel family's fixed rule (default_implementation).
+# "auto" runs the kernel family's fixed rule (default_implementation). dft_forward, dft_inverse,
+# source_index, coeff_operand: the operand tables of impl (fft_chain.operand_tables), which the
+# pass builds at compile time and passes as graph constants where their sources are constant;
+# one not given is built for the call and freed with it (trainable coefficients, eager calls).
 # CPU: the torch rfft reference; CUDA: the chosen kernel. The kernel package is imported lazily.
 @torch.library.custom_op("graphopt::fft_chain_linear", mutates_args=())
 def fft_chain_linear(
     x: torch.Tensor, coeff_real: torch.Tensor, coeff_imag: torch.Tensor, perms: torch.Tensor,
     bias: torch.Tensor | None, block_size: int, out_features: int, impl: str,
+    dft_forward: torch.Tensor | None = None, dft_inverse: torch.Tensor | None = None,
+    source_index: torch.Tensor | None = None, coeff_operand: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from graphopt.kernels import fft_chain as _fft
 
-    return _fft.fft_chain_linear(x, coeff_real, coeff_imag, perms, bias, block_size, out_features, impl)
+    return _fft.fft_chain_linear(x, coeff_real, coeff_imag, perms, bias, block_size, out_features, impl,
+                                 dft_forward, dft_inverse, source_index, coeff_operand)
 
 
 @fft_chain_linear.register_fake
-def _fft_chain_linear_fake(x, coeff_real, coeff_imag, perms, bias, block_size, out_features, impl):
+def _fft_chain_linear_fake(x, coeff_real, coeff_imag, perms, bias, block_size, out_features, impl, *tables):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
 def _fft_chain_linear_setup(ctx, inputs, output):
-    x, coeff_real, coeff_imag, perms, bias, block_size, _, _ = inputs
+    x, coeff_real, coeff_imag, perms, bias, block_size = inputs[:6]
     ctx.save_for_backward(x, coeff_real, coeff_imag, perms)
     ctx.block_size, ctx.has_bias = block_size, bias is not None
 
@@ -657,7 +664,8 @@ def _fft_chain_linear_backward(ctx, grad):
 
     x, coeff_real, coeff_imag, perms = ctx.saved_tensors
     d_x, d_real, d_imag, d_bias = _fft.fft_chain_backward(grad, x, coeff_real, coeff_imag, perms, ctx.has_bias, ctx.block_size)
-    return d_x, d_real, d_imag, None, d_bias, None, None, None
+    # perms, the sizes, impl and the four operand tables (constants) get no gradient
+    return d_x, d_real, d_imag, None, d_bias, None, None, None, None, None, None, None
 
 
 fft_chain_linear.register_autograd(_fft_chain_linear_backward, setup_context=_fft_chain_linear_setup)

@@ -77,9 +77,7 @@ def _outputs(pass_name, mode):
     return outputs, list(decisions)
 
 
-@pytest.mark.parametrize("pass_name", [pytest.param(name, marks=pytest.mark.xfail(
-    strict=True, reason="fft_chain's dft2 path builds its operand tables at the first call and keeps them, "
-    "which CUDA-graph trees refuse")) if name == "fft_linear" else name for name in sorted(CASES)])
+@pytest.mark.parametrize("pass_name", sorted(CASES))
 def test_every_pass_replays_under_cuda_graphs_with_the_outputs_of_the_plain_graph(pass_name):
     plain, _ = _outputs(pass_name, "default")
     graphed, decisions = _outputs(pass_name, "reduce-overhead")

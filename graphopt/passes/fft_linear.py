@@ -6,10 +6,13 @@ Two kinds of match, one Decision each:
    `impl="auto"`), so a Dynamo graph of a trained structured layer already holds it; matching the
    op is exact, whereas re-discovering an rfft -> einsum -> irfft chain would be fragile for no
    gain. The pass (a) picks the implementation the cost model predicts fastest for this call
-   site's token count and writes it into the node, and (b) when the coefficients are an inference
+   site's token count and writes it into the node, (b) when the coefficients are an inference
    graph's parameter (`ctx.can_freeze`), folds the coefficient spectrum (rfft -> permute -> real /
-   imag in the graph) into constants, removing those kernels from every call. Lossless: always
-   applied.
+   imag in the graph) into constants, removing those kernels from every call, and (c) builds the
+   chosen implementation's operand tables (fft_chain.operand_tables) as constants: the DFT
+   matrices always, the gather's source index from the permutation buffer, G from folded
+   coefficients. A table whose source is not constant (trainable coefficients) is built by the op
+   at each call. Lossless: always applied.
 2. Dense linears (`find_linears`). Rewritten only through a plan: the plan's "fft_linear" section
    (written by `graphopt fftchain distill`) names fitted coefficients for the layer at that
    module path, in a safetensors file beside the plan, with the relative output error measured on
@@ -55,9 +58,11 @@ def _device_type(node) -> str:
     return dev.type if dev is not None else "cpu"
 
 
-def _constant_ancestors(node: fx.Node, ctx: PassContext):
-    """Nodes computing `node` from parameters only, in graph order, and those parameters; None if
-    anything else (a user input, a non-freezable parameter) feeds it."""
+def _constant_ancestors(node: fx.Node, ctx: PassContext, allow=None):
+    """Nodes computing `node` from model state only, in graph order, and the placeholders they
+    read; None if anything else feeds it. `allow(placeholder)` says which state counts (default:
+    parameters that can be frozen, `ctx.can_freeze`), so a user input never does."""
+    allow = allow or (lambda p: ctx.can_freeze(p)[0])
     seen: dict[fx.Node, None] = {}
     params: list[fx.Node] = []
     stack = [node]
@@ -67,8 +72,7 @@ def _constant_ancestors(node: fx.Node, ctx: PassContext):
             continue
         seen[cur] = None
         if cur.op == "placeholder":
-            ok, _ = ctx.can_freeze(cur)
-            if not ok:
+            if not allow(cur):
                 return None
             params.append(cur)
             continue
@@ -101,19 +105,92 @@ def _evaluate(nodes: list[fx.Node], values: dict[fx.Node, object], ctx: PassCont
     return values
 
 
+def _graph_constant(ctx: PassContext, node) -> torch.Tensor | None:
+    """The tensor a get_attr node reads (a constant of the graph), else None."""
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        return getattr(ctx.gm, node.target)
+    return None
+
+
+def _state_value(ctx: PassContext, node) -> torch.Tensor | None:
+    """The compile-time value of `node` when it is computed from the model's parameters and
+    buffers only (FFTChainLinear's `perms[1:]`), guarded so that a change recompiles; else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "get_attr":
+        return getattr(ctx.gm, node.target)
+    found = _constant_ancestors(node, ctx, allow=ctx.is_model_state)
+    if found is None:
+        return None
+    nodes, placeholders = found
+    values: dict = {p: ctx.guard_tensor(p) for p in placeholders}
+    if any(v is None for v in values.values()):
+        return None
+    with torch.no_grad():
+        _evaluate(nodes, values, ctx)
+    value = values.get(node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _operand_tables(ctx: PassContext, shared: dict, impl: str, x, in_features: int, block_size: int, coeff_real,
+                    coeff_imag, perms) -> dict[str, fx.Node]:
+    """get_attr nodes of the operand tables of `impl` that can be built now (see
+    fft_chain.operand_tables); none for an exported graph (ONNX has its own form of the op). The
+    DFT matrices, and source indices of equal permutations, are one constant per graph (`shared`)."""
+    dev, dt = device(x), dtype(x)
+    if ctx.for_export or dev is None or dt is None:
+        return {}
+    with torch.no_grad():
+        tables = fft.operand_tables(impl, dt, block_size, in_features, dev, perms=perms,
+                                    coeff_real=coeff_real, coeff_imag=coeff_imag)
+    nodes = {}
+    for name, table in tables.items():
+        if name in ("dft_forward", "dft_inverse"):
+            key = (name, block_size, table.dtype, table.device)
+        elif name == "source_index":
+            key = (name, impl, block_size, in_features, table.device, perms.detach().cpu().numpy().tobytes())
+        else:  # G: one per layer
+            nodes[name] = ctx.add_constant(table, f"fft_{name}")
+            continue
+        if key not in shared:
+            shared[key] = ctx.add_constant(table, f"fft_{name}")
+        nodes[name] = shared[key]
+    return nodes
+
+
+def _tables_note(ctx: PassContext, impl: str, k: int, tables: dict) -> str:
+    read = () if ctx.for_export else fft.tables_read(impl, k)
+    if not read:
+        return ""
+    per_call = [name for name in read if name not in tables]
+    return (f"; operand tables {', '.join(n for n in read if n in tables) or 'none'} as constants"
+            + (f", {', '.join(per_call)} built per call" if per_call else ""))
+
+
+def _set_tables(node: fx.Node, tables: dict[str, fx.Node]) -> None:
+    """Give the op node exactly `tables` (any table it had before was built for another choice)."""
+    for position, name in enumerate(fft.TABLE_NAMES, start=8):
+        value = tables.get(name)
+        if len(node.args) > position:
+            node.update_arg(position, value)
+        elif value is not None or name in node.kwargs:
+            node.update_kwarg(name, value)
+
+
 class FFTLinearPass(GraphPass):
     name = "fft_linear"
     lossless = False  # dense linears through a plan change numerics (FFTChainLinear ops do not)
 
     def run(self, ctx: PassContext) -> None:
+        shared: dict = {}  # operand tables one graph's call sites share
         for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in (OP, torch.ops.graphopt.fft_chain_linear)]:
-            self._lower_structured(ctx, node)
+            self._lower_structured(ctx, node, shared)
         section = plan_section(ctx, self.name)
         for match in find_linears(ctx):
-            self._dense(ctx, match, section)
+            self._dense(ctx, match, section, shared)
 
     # -- 1. FFTChainLinear: pick the kernel, fold the spectrum ------------------------------
-    def _lower_structured(self, ctx: PassContext, node: fx.Node) -> None:
+    def _lower_structured(self, ctx: PassContext, node: fx.Node, shared: dict) -> None:
         x, coeff_real, coeff_imag, perms, bias = (arg(node, i, n) for i, n in enumerate(("x", "coeff_real", "coeff_imag", "perms", "bias")))
         block_size, out_features = arg(node, 5, "block_size"), arg(node, 6, "out_features")
         x_shape, c_shape, p_shape = shape(x), shape(coeff_real), shape(perms)
@@ -130,15 +207,23 @@ class FFTLinearPass(GraphPass):
         before = fft_cost.estimate_fft_chain(ctx.hardware, rows, in_features, out_features, block_size, k, "torch",
                                         dtype_bytes=dtype_bytes, bias=has_bias)
         folded = self._fold_spectrum(ctx, node, coeff_real, coeff_imag)
+        coeff_real, coeff_imag = arg(node, 1, "coeff_real"), arg(node, 2, "coeff_imag")  # the constants, when folded
+        read = () if ctx.for_export else fft.tables_read(impl, k)
+        # the permutation buffer is read (and guarded) only when the chosen kernel gathers through it
+        perms_value = _state_value(ctx, perms) if "source_index" in read else None
+        tables = _operand_tables(ctx, shared, impl, x, in_features, block_size, _graph_constant(ctx, coeff_real),
+                                 _graph_constant(ctx, coeff_imag), perms_value) if read else {}
         reason = (f"FFTChainLinear {in_features}->{out_features} B={block_size} K={k}: {impl} kernel for {rows} tokens "
                   f"(predicted {before.ms:.4f} ms with the torch path -> {after.ms:.4f} ms)"
-                  + ("; coefficient spectrum folded into constants" if folded else "; spectrum computed per call (trainable)"))
+                  + ("; coefficient spectrum folded into constants" if folded else "; spectrum computed per call (trainable)")
+                  + _tables_note(ctx, impl, k, tables))
         ctx.record(self.name, True, reason, node=node, before=before, after=after, implementation=f"fft_chain[{impl}]",
-                   block_size=block_size, k=k, spectrum_folded=folded)
+                   block_size=block_size, k=k, spectrum_folded=folded, operand_tables=sorted(tables))
         if len(node.args) > 7:
             node.update_arg(7, impl)
         else:
             node.update_kwarg("impl", impl)
+        _set_tables(node, tables)
 
     def _fold_spectrum(self, ctx: PassContext, node: fx.Node, coeff_real, coeff_imag) -> bool:
         found = {}
@@ -166,7 +251,7 @@ class FFTLinearPass(GraphPass):
         return True
 
     # -- 2. dense linears through a plan -------------------------------------------------------
-    def _dense(self, ctx: PassContext, m, section) -> None:
+    def _dense(self, ctx: PassContext, m, section, shared: dict) -> None:
         location = m.location
         if section is None:
             ctx.record(self.name, False, "dense linear: no fft_linear plan section (fit one with `graphopt fftchain distill`)", node=m.node)
@@ -240,10 +325,13 @@ class FFTLinearPass(GraphPass):
         else:
             args.append(None)
         args += [block_size, m.out_features, impl]
-        ctx.record(self.name, True, f"{why}; fitted B={block_size} K={k}, held-out rel. error {err:.4f} <= {budget}", node=m.node,
+        tables = _operand_tables(ctx, shared, impl, m.input, m.in_features, block_size, cr, ci, perms[1:])
+        ctx.record(self.name, True, f"{why}; fitted B={block_size} K={k}, held-out rel. error {err:.4f} <= {budget}"
+                   + _tables_note(ctx, impl, k, tables), node=m.node,
                    before=before, after=after, implementation=f"fft_chain[{impl}]", rel_error=err,
-                   memory_saved_bytes=(m.in_features * m.out_features - coeffs.numel()) * dtype_bytes)
-        replace_with_call(ctx, m.node, OP, tuple(args), matched=list(m.extra_nodes))
+                   memory_saved_bytes=(m.in_features * m.out_features - coeffs.numel()) * dtype_bytes,
+                   operand_tables=sorted(tables))
+        replace_with_call(ctx, m.node, OP, tuple(args), tables, matched=list(m.extra_nodes))
 
 
 PASS = FFTLinearPass()
@@ -252,10 +340,11 @@ PASS = FFTLinearPass()
 # =============================================================================================
 # ONNX: standard DFT (opset 20) + real MatMuls for the contraction + inverse DFT
 # =============================================================================================
-def _onnx_fft_chain(x, coeff_real, coeff_imag, perms, bias, block_size: int, out_features: int, impl: str = "auto"):
+def _onnx_fft_chain(x, coeff_real, coeff_imag, perms, bias, block_size: int, out_features: int, impl: str = "auto",
+                    dft_forward=None, dft_inverse=None, source_index=None, coeff_operand=None):
     """rfft as DFT(onesided) on the permuted, padded blocks; the complex contraction as four real
     MatMuls per frequency batch; the inverse as a full-length inverse DFT of the Hermitian-extended
-    spectrum (real part), then crop and bias."""
+    spectrum (real part), then crop and bias. The Triton kernels' operand tables play no part."""
     from onnxscript import opset20 as op
 
     c_len, n_out, freqs = coeff_real.shape

@@ -1,5 +1,6 @@
 """FFT-chain layer: dense equivalence, projection, gradients, distillation, Triton kernels."""
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -358,10 +359,97 @@ def test_gather_columns_kernel_is_an_exact_gather(tokens, in_f, width, dtype, in
     assert torch.equal(out.cpu(), x[:, src.long()])
 
 
+# ---- operand tables: given by the fft_linear pass, else built per call ----------------------------
+TABLED = ("dft", "dft2", "dft2_pregather")
+
+
+def _chain(in_f, out_f, b, k, bias, seed):
+    layer = fft.FFTChainLinear(in_f, out_f, b, k, bias=bias, seed=seed)
+    cr, ci = fft.spectral_coefficients(layer.coeffs.detach())
+    return layer, cr, ci, layer.perms[1:].contiguous(), layer.bias.detach() if bias else None
+
+
 @pytest.mark.skipif(not fft.HAS_TRITON, reason="triton not installed")
-def test_dft2_operand_cache_follows_in_place_updates():
-    """The cached coefficient operands (and source table) are rebuilt after an in-place update of
-    the coefficients (permutations), never served stale."""
+@pytest.mark.parametrize("impl", TABLED)
+@pytest.mark.parametrize("in_f,out_f,b,k,tokens,bias,dtype", [
+    (100, 70, 32, 2, 6, True, torch.float32),      # padded on both sides, T not a power of two
+    (37, 29, 16, 1, 1, False, torch.float32),      # K = 1: no source index
+    (40, 56, 16, 3, 5, True, torch.bfloat16),      # 16-bit: bf16 DFT tables
+])
+def test_given_tables_give_the_per_call_result_and_the_float64_reference(impl, in_f, out_f, b, k, tokens, bias, dtype):
+    """A launcher given the tables `operand_tables` builds (what the fft_linear pass makes graph
+    constants) computes bit for bit what it computes building them itself, and both match the
+    float64 layer; `tables_read` names exactly the tables built."""
+    torch.manual_seed(14)
+    layer, cr, ci, perms, bias_t = _chain(in_f, out_f, b, k, bias, seed=6)
+    x = (2 * torch.randn(tokens, in_f)).to(dtype)
+    bias_t = bias_t.to(dtype) if bias else None
+    xd, crd, cid, permsd, biasd = _on_device(x, cr, ci, perms, bias_t)
+    tables = fft.operand_tables(impl, dtype, b, in_f, xd.device, perms=permsd, coeff_real=crd, coeff_imag=cid)
+    assert set(tables) == set(fft.tables_read(impl, k)) and ("source_index" in tables) == (impl != "dft" and k > 1)
+    given = fft._LAUNCHERS[impl](xd, crd, cid, permsd, biasd, b, out_f, **tables).cpu()
+    built = fft._LAUNCHERS[impl](xd, crd, cid, permsd, biasd, b, out_f).cpu()
+    assert given.dtype == dtype and given.shape == (tokens, out_f)
+    assert torch.equal(given, built)
+    ref = fft.reference_fft_chain(x.double(), layer.coeffs.detach().double(), layer.perms,
+                                  bias_t.double() if bias else None, b, out_f)
+    if dtype == torch.float32:
+        tol = 5e-3 if DEVICE == "cuda" else 1e-4  # TF32 on a GPU; exact fp32 in the interpreter
+        torch.testing.assert_close(given.double(), ref, rtol=tol, atol=tol)
+    else:  # a few bf16 roundings (see test_dft_kernels_16bit_inputs)
+        assert fft.relative_error(given, ref) < (8 if fft._INTERPRET else 4) * fft.relative_error(ref.to(torch.bfloat16), ref)
+    # the op: on a GPU the kernel with the given tables; on the CPU the torch reference, which ignores them
+    op = torch.ops.graphopt.fft_chain_linear
+    with_tables = op(xd, crd, cid, permsd, biasd, b, out_f, impl, **tables)
+    torch.testing.assert_close(with_tables, op(xd, crd, cid, permsd, biasd, b, out_f, impl), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not fft.HAS_TRITON, reason="triton not installed")
+def test_tables_of_another_implementation_or_shape_are_refused_by_name():
+    """A table built for another implementation, dtype or layer is a clear error naming the table
+    and the form it must have, never a silent misread."""
+    torch.manual_seed(15)
+    _, cr, ci, perms, _ = _chain(40, 24, 8, 2, False, seed=5)
+    x, cr, ci, perms = _on_device(torch.randn(3, 40), cr, ci, perms)
+    pregather = fft.operand_tables("dft2_pregather", torch.float32, 8, 40, x.device, perms=perms, coeff_real=cr, coeff_imag=ci)
+    with pytest.raises(ValueError, match=r"source_index for impl='dft2' must be a contiguous \(10, 8\) torch.int32"):
+        fft.fft_chain_dft2(x, cr, ci, perms, None, 8, 24, source_index=pregather["source_index"])
+    bf16 = fft.operand_tables("dft", torch.bfloat16, 8, 40, x.device)
+    with pytest.raises(ValueError, match=r"dft_forward for impl='dft' must be a contiguous \(8, 8\) torch.float32"):
+        fft.fft_chain_dft(x, cr, ci, perms, None, 8, 24, **bf16)
+    _, cr2, ci2, _, _ = _chain(40, 80, 8, 2, False, seed=5)  # 10 output blocks: a wider G
+    other = fft.operand_tables("dft2", torch.float32, 8, 40, x.device, coeff_real=cr2.to(x.device), coeff_imag=ci2.to(x.device))
+    with pytest.raises(ValueError, match="coeff_operand for impl='dft2'"):
+        fft.fft_chain_dft2(x, cr, ci, perms, None, 8, 24, coeff_operand=other["coeff_operand"])
+    with pytest.raises(ValueError, match="valid choices: torch, triton, dft"):
+        fft.operand_tables("cufft", torch.float32, 8, 40, x.device)
+
+
+def _live_tensors() -> dict[int, torch.Tensor]:
+    gc.collect()
+    return {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+
+@pytest.mark.skipif(not fft.HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("impl", TABLED)
+def test_a_call_without_tables_leaves_no_tensor_behind_but_its_output(impl):
+    """Nothing is cached across calls: the tensors alive after a call are those alive before it
+    plus its output (a CUDA-graph capture refuses allocations that outlive a call). The kernels
+    are compiled on another block size first, so the measured call is one a cache would miss."""
+    torch.manual_seed(16)
+    _, *warm = _chain(40, 24, 8, 2, False, seed=1)
+    fft._LAUNCHERS[impl](*_on_device(torch.randn(3, 40), *warm[:3]), None, 8, 24)
+    _, cr, ci, perms, _ = _chain(40, 24, 16, 2, False, seed=2)
+    x, cr, ci, perms = _on_device(torch.randn(3, 40), cr, ci, perms)
+    before = _live_tensors()
+    y = fft._LAUNCHERS[impl](x, cr, ci, perms, None, 16, 24)
+    left = {i: t for i, t in _live_tensors().items() if i not in before}
+    assert list(left) == [id(y)], [(tuple(t.shape), t.dtype) for t in left.values()]
+
+
+@pytest.mark.skipif(not fft.HAS_TRITON, reason="triton not installed")
+def test_dft2_without_tables_follows_in_place_updates():
+    """Built per call, the tables follow an in-place update of the coefficients and permutations."""
     torch.manual_seed(13)
     layer = fft.FFTChainLinear(40, 24, 8, 2, bias=False, seed=5)
     cr, ci = _on_device(*fft.spectral_coefficients(layer.coeffs.detach()))

@@ -6,6 +6,7 @@ import torch
 
 import graphopt
 from graphopt.fft_distill import distill
+from graphopt.kernels import fft_chain as fft
 from graphopt.kernels.fft_chain import FFTChainLinear
 
 
@@ -174,3 +175,176 @@ def test_onnx_standard_dft_runs_in_onnxruntime(tmp_path):
     with torch.no_grad():
         ref = model(x)
     torch.testing.assert_close(torch.from_numpy(out), ref, rtol=1e-4, atol=1e-5)
+
+
+# ---- operand tables as graph constants ------------------------------------------------------------
+class TwoChains(torch.nn.Module):
+    """Two FFT-chain layers of one block size (their DFT matrices are one constant per graph)."""
+
+    def __init__(self, k=2):
+        super().__init__()
+        self.a = FFTChainLinear(40, 48, 16, k, seed=1)
+        self.b = FFTChainLinear(48, 40, 16, k, seed=2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _forcing(monkeypatch, impl):
+    """The CPU target only runs the torch path: make the cost model's choice `impl`, as on a GPU
+    (the op still runs its torch reference on the CPU, so outputs stay checkable)."""
+    from graphopt.cost import fft_chain as fft_cost
+
+    choose = fft_cost.choose_implementation
+    monkeypatch.setattr(fft_cost, "choose_implementation", lambda *a, **kw: (impl, choose(*a, **kw)[1]))
+
+
+def _rewritten(model, *inputs, **options):
+    """The graph as graphopt's backend rewrites it for a compiler, its decisions, and its output."""
+    from graphopt.config import GraphOptConfig
+    from graphopt.hardware import get_spec
+    from graphopt.passes import run_passes
+
+    config = GraphOptConfig.from_options({"passes": {"fft_linear": True}, **options})
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured["ctx"] = run_passes(gm, example_inputs, config, get_spec(config.target, example_inputs))
+        captured["gm"] = gm
+        return gm
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    return captured["gm"], captured["ctx"].decisions, out
+
+
+def _table_args(gm):
+    """{op node: {table name: get_attr target}} of every fft_chain_linear call."""
+    op = torch.ops.graphopt.fft_chain_linear
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
+    assert calls
+    tables = {}
+    for call in calls:
+        given = {name: call.kwargs.get(name) for name in fft.TABLE_NAMES}
+        assert all(v is None or v.op == "get_attr" for v in given.values())
+        tables[call] = {name: v.target for name, v in given.items() if v is not None}
+    return tables
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton", "dft", "dft2", "dft2_pregather"])
+def test_the_chosen_kernels_tables_are_graph_constants(monkeypatch, impl):
+    """Inference: every table the chosen implementation reads is a get_attr constant equal to what
+    operand_tables builds from the layer (none for the cuFFT paths); the two layers share their DFT
+    matrices; the output is the model's."""
+    _forcing(monkeypatch, impl)
+    torch.manual_seed(5)
+    model, x = TwoChains().eval(), torch.randn(2, 3, 40)
+    with torch.no_grad():
+        gm, decisions, out = _rewritten(model, x)
+        ref = model(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert [d.implementation for d in decisions if d.applied] == [f"fft_chain[{impl}]"] * 2
+    per_call = list(_table_args(gm).values())
+    for tables, layer in zip(per_call, (model.a, model.b), strict=True):
+        assert set(tables) == set(fft.tables_read(impl, layer.k))
+        cr, ci = fft.spectral_coefficients(layer.coeffs.detach())
+        expected = fft.operand_tables(impl, x.dtype, 16, layer.in_features, x.device, perms=layer.perms[1:],
+                                      coeff_real=cr, coeff_imag=ci)
+        for name, target in tables.items():
+            assert torch.equal(getattr(gm, target), expected[name]), name
+    if impl.startswith("dft"):
+        assert per_call[0]["dft_forward"] == per_call[1]["dft_forward"]  # one constant
+        if impl != "dft":
+            assert per_call[0]["coeff_operand"] != per_call[1]["coeff_operand"]
+        assert "operand tables" in decisions[0].reason and "built per call" not in decisions[0].reason
+    else:
+        assert "operand tables" not in decisions[0].reason
+
+
+def test_trainable_coefficients_leave_g_to_each_call_and_train_as_eager(monkeypatch):
+    """Training (grad mode, coefficients requiring grad): the spectrum is not a constant, so G is
+    not built at compile time; the DFT matrices and the permutation's source index are. The
+    compiled step's gradients are eager's."""
+    _forcing(monkeypatch, "dft2")
+    torch.manual_seed(6)
+    model, x = TwoChains(), torch.randn(5, 40)
+    gm, decisions, out = _rewritten(model, x)
+    per_call = list(_table_args(gm).values())
+    assert len(per_call) == 2
+    for tables in per_call:
+        assert set(tables) == {"dft_forward", "dft_inverse", "source_index"}
+    assert "coeff_operand built per call" in decisions[0].reason
+    out.square().mean().backward()
+    compiled_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().mean().backward()
+    for got, want in zip(compiled_grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_model_holds_its_tables_only_in_its_graph(monkeypatch):
+    """The tables live as buffers of the compiled graph and nowhere else: once the compiled model
+    is dropped, they are freed."""
+    import gc
+    import weakref
+
+    from graphopt.compiler import recording_decisions
+
+    _forcing(monkeypatch, "dft2_pregather")
+    torch.manual_seed(7)
+    model, x = TwoChains().eval(), torch.randn(3, 40)
+    seen = []
+    real_add = graphopt.passes.base.PassContext.add_constant
+
+    def add_constant(self, tensor, hint):  # watch what the pass registers on the graph
+        seen.append((hint, weakref.ref(tensor)))
+        return real_add(self, tensor, hint)
+
+    monkeypatch.setattr(graphopt.passes.base.PassContext, "add_constant", add_constant)
+    torch._dynamo.reset()
+    with torch.no_grad(), recording_decisions(reset=True):
+        compiled = torch.compile(model, backend=graphopt.backend(passes={"fft_linear": True}, downstream="inductor"))
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+    tables = [ref for hint, ref in seen if hint.startswith(("fft_dft", "fft_source", "fft_coeff_operand"))]
+    assert len(tables) == 2 + 2 * 2  # shared DFT matrices; a source index and G per layer
+    assert all(ref() is not None for ref in tables)  # held by the compiled graph
+    del compiled
+    torch._dynamo.reset()
+    gc.collect()
+    assert [ref() for ref in tables] == [None] * len(tables)
+
+
+@pytest.mark.parametrize("impl", ["dft2", "dft2_pregather"])
+def test_onnx_export_of_a_dft_choice_carries_no_tables(monkeypatch, tmp_path, impl):
+    """The ONNX form of the op is its own DFT program: an exported graph gets no Triton tables,
+    and runs in onnxruntime with the model's output."""
+    _forcing(monkeypatch, impl)
+    torch.manual_seed(8)
+    model, x = TwoChains().eval(), torch.randn(2, 40)
+    path = graphopt.export_onnx(model, (x,), tmp_path / "fft.onnx", passes={"fft_linear": True})
+    names = [i.name for i in onnx.load(str(path)).graph.initializer]
+    assert not [n for n in names if any(t in n for t in ("dft_forward", "dft_inverse", "source_index", "coeff_operand"))]
+    out = graphopt.onnx_export.run_onnxruntime(path, x)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(out), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_planned_dense_linear_gets_its_tables_as_constants(monkeypatch, tmp_path):
+    """A dense linear rewritten through a plan: its coefficients and permutations are constants of
+    the plan, so the chosen kernel gets every table it reads; the output is the fitted layer's."""
+    torch.manual_seed(9)
+    model = TwoLayers().eval()
+    plan = tmp_path / "plan.json"
+    distill(model, (torch.randn(64, 32),), layer_start=1, layer_end=1, block_size=16, k=2, steps=2, plan_path=plan,
+            show_progress=False)
+    options = dict(plan=str(plan), force=True, error_budget={"fft_linear": 10.0})
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        _, _, fitted = _rewritten(model, x, **options)  # the torch path on the CPU
+        _forcing(monkeypatch, "dft2")
+        gm, decisions, out = _rewritten(model, x, **options)
+    (tables,) = _table_args(gm).values()
+    assert set(tables) == {"dft_forward", "dft_inverse", "source_index", "coeff_operand"}
+    assert [d.location for d in decisions if d.applied] == ["layers.1"] and "as constants" in decisions[-1].reason
+    torch.testing.assert_close(out, fitted)

@@ -48,17 +48,23 @@ rule of `default_implementation`):
             Caveat: not FlashFFTConv's b1*b2 factorization, which would cut the DFT flops further.
 - "dft2":   the dft pipeline rebuilt for latency at few tokens (3 launches). Spectra are stored
             frequency-major, XS^T (B, T*C) and YS^T (B, T*N), so one frequency over all tokens and
-            channels is a contiguous (T, C) matrix. `_dft2_forward_kernel` gathers P_k through a
-            cached int32 source table (its next tile loaded one K step ahead, the zero padding a
+            channels is a contiguous (T, C) matrix. `_dft2_forward_kernel` gathers P_k through an
+            int32 source table (its next tile loaded one K step ahead, the zero padding a
             positional mask) with skinny-M configs; `_spectral_mma_contract_kernel` does the
             contraction as tensor-core matmuls per frequency, [Yr|Yi] = Xr @ G[q,0] + Xi @ G[q,1],
-            with G (Q, 2, CP, 2NP) built once per coefficient tensor (cached); every load of a
+            with G (Q, 2, CP, 2NP) the coefficient planes laid out for it; every load of a
             program is independent, so they are in flight together; `_dft2_inverse_kernel` reads
             YS^T as its transposed A operand and adds bias, crops and casts.
 - "dft2_pregather": as dft2, but one Triton gather launch materializes P x (T, C*B) first (one
             more launch when K > 1; each token's row is staged on chip and gathered there by
             tl.gather) and the forward kernel is a plain GEMM (timings: bench/RESULTS.md, FFT chain).
             The cost-model constants DFT2_* are fitted to an H100 sweep (graphopt/cost/fft_chain.py).
+Operand tables: the DFT paths read constant tables besides x (the packed DFT matrices; for dft2
+and dft2_pregather the gather's source index and G). `operand_tables` builds those of one
+implementation; the fft_linear pass builds them at compile time from the constant coefficients
+and permutations and passes them to graphopt::fft_chain_linear as graph constants. A table not
+given is built by the launcher for that call and freed with it: no tensor a call allocates
+outlives it but its output, so the op is safe under CUDA graphs.
 Precision: the cuFFT paths are full fp32. The dft path keeps 16-bit inputs in their dtype for
 the DFT operands and the stored spectra (fp32 accumulation, fp32 coefficients): for bf16 (and fp16, run
 in bf16 for range) about twice the relative error of rounding the output to bf16 (3.4e-3 vs 1.7e-3 on 5120->13824, B=512,
@@ -78,8 +84,8 @@ from graphopt.kernels.fft_chain.launchers import (
     GATHER_ROW_CHUNK,
     IMPL_CHOICES,
     IMPLEMENTATIONS,
+    TABLE_NAMES,
     available_implementations,
-    clear_operand_cache,
     default_implementation,
     fft_chain_dft,
     fft_chain_dft2,
@@ -87,6 +93,8 @@ from graphopt.kernels.fft_chain.launchers import (
     fft_chain_linear,
     fft_chain_torch,
     fft_chain_triton,
+    operand_tables,
+    tables_read,
 )
 from graphopt.kernels.fft_chain.layer import (
     FFTChainLinear,
@@ -110,9 +118,9 @@ _dft2_coefficient_operands = _launchers._dft2_coefficient_operands
 _launch_gather_columns = _launchers._launch_gather_columns
 
 __all__ = [
-    "DFT2_COEFF_DTYPE", "GATHER_ROW_CHUNK", "HAS_TRITON", "IMPLEMENTATIONS", "IMPL_CHOICES", "FFTChainLinear",
-    "available_implementations", "block_circulant_dense", "chain_dims", "clear_operand_cache", "default_implementation",
+    "DFT2_COEFF_DTYPE", "GATHER_ROW_CHUNK", "HAS_TRITON", "IMPLEMENTATIONS", "IMPL_CHOICES", "TABLE_NAMES", "FFTChainLinear",
+    "available_implementations", "block_circulant_dense", "chain_dims", "default_implementation",
     "fft_chain_backward", "fft_chain_dft", "fft_chain_dft2", "fft_chain_dft2_pregather", "fft_chain_linear",
-    "fft_chain_spectral_reference", "fft_chain_torch", "fft_chain_triton", "make_permutations", "project_dense",
-    "reference_fft_chain", "relative_error", "spectral_coefficients",
+    "fft_chain_spectral_reference", "fft_chain_torch", "fft_chain_triton", "make_permutations", "operand_tables",
+    "project_dense", "reference_fft_chain", "relative_error", "spectral_coefficients", "tables_read",
 ]

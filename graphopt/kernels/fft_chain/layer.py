@@ -160,7 +160,8 @@ class FFTChainLinear(nn.Module):
     Parameters: `coeffs` (K, ceil(out/B), ceil(in/B), B), `bias` (out,). Buffer `perms` (K, in)
     int64 with row 0 the identity. The forward calls `torch.ops.graphopt.fft_chain_linear` with
     `impl="auto"`, so a Dynamo graph of this layer already holds the op; the fft_linear pass picks
-    the implementation per call site and folds the coefficient spectrum into constants.
+    the implementation per call site and folds the coefficient spectrum and the implementation's
+    operand tables into constants. Called directly, each call builds the tables it reads.
     """
 
     def __init__(self, in_features: int, out_features: int, block_size: int = 512, k: int = 1, bias: bool = True, seed: int = 0, *, device=None, dtype=None):

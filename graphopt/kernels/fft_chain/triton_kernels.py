@@ -264,7 +264,7 @@ if HAS_TRITON:
     # that one frequency's spectrum over all tokens and channels is one contiguous (T, C) matrix
     # and the contraction becomes small tensor-core matmuls, per frequency:
     #   [Yr | Yi] (T, 2NP) = Xr (T, CP) @ G[q, 0] (CP, 2NP) + Xi (T, CP) @ G[q, 1] (CP, 2NP)
-    # with G built once per coefficient tensor (`_dft2_coefficient_operands`). The forward GEMM
+    # with G the coefficient planes laid out by `_dft2_coefficient_operands`. The forward GEMM
     # either gathers P_k through an int32 source table whose next tile is loaded one K step ahead
     # ("dft2", 3 launches), or reads an input pre-gathered by `_gather_columns_kernel`
     # ("dft2_pregather"; the zero padding is then a mask computed from the row, not a load).
