@@ -422,6 +422,30 @@ def test_op_with_a_bad_kernel_string_is_a_clear_error():
         torch.ops.graphopt.q4_linear(x, qweight, scales, bias, "fused", "gemm_m16n32")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4, 16, 40, 200])
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+def test_every_candidate_tile_the_tuner_may_pick_computes_the_product(tokens, mode):
+    """The tuner picks whichever candidate is fastest, so every one must be right: split-K
+    reductions, inline-asm dequantization and swapped tiles run only on the GPU (the interpreter
+    runs other code paths), at a layer size where split-K splits a short K and at an odd one."""
+    wrong = []
+    for n, k, seed in ((256, 512, 1), (200, 1056, 2)):
+        x, qweight, scales, bias = _problem(tokens, n, k, torch.bfloat16, seed=seed)
+        bias = bias.to(torch.bfloat16)
+        ref = _dequant_matmul64(x, qweight, scales, bias)
+        tma = q4.tma_configs(tokens) if mode == "separate" and torch.cuda.get_device_capability() >= (9, 0) else []
+        for config in q4.candidate_configs(tokens, mode == "fused") + tma:
+            try:
+                y = q4.q4_linear_triton(x, qweight, scales, bias, mode, config=config)
+            except ValueError:  # a tile that states it does not take this shape (e.g. tma's K multiple)
+                continue
+            err = (y.double() - ref).abs().max().item()
+            if not err <= 8e-3 * ref.abs().max().item() + 1e-6:
+                wrong.append(f"{config.name} at {tokens}x{n}x{k}: max error {err:.3g}")
+    assert not wrong, "\n".join(wrong)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="tiles are timed on a GPU")
 @pytest.mark.parametrize("mode,tokens", [("fused", 1), ("separate", 4), ("fused", 40)])
 def test_tune_q4_linear_times_once_and_the_op_runs_its_choice(mode, tokens, monkeypatch, tmp_path):
