@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = ["GraphOptConfig", "GraphOptBackend", "backend", "Report", "Decision", "explain", "export_onnx", "tune", "explore_fft",
-           "quantize_", "save_quantized", "load_quantized", "QuantizedLinear", "__version__"]
+           "quantize_", "save_quantized", "load_quantized", "QuantizedLinear", "hf_quantization_config", "__version__"]
 
 # Public names and the modules that define them.
 _LAZY: dict[str, str] = {
@@ -41,6 +41,7 @@ _LAZY: dict[str, str] = {
     "save_quantized": "graphopt.quant",
     "load_quantized": "graphopt.quant",
     "QuantizedLinear": "graphopt.quant",
+    "hf_quantization_config": "graphopt.quant",
 }
 
 

@@ -5,14 +5,16 @@
                `FORMATS` (nvfp4, mxfp4, q4_0).
   io.py        `save_quantized` / `load_quantized`: one safetensors file, nothing quantized on load.
   gguf.py      Q4_0 tensors from and to GGUF files (the `gguf` package), byte for byte.
+  hf.py        `hf_quantization_config(format)`: transformers' from_pretrained quantizes through quantize_.
 """
 
+from graphopt.quant.hf import hf_quantization_config
 from graphopt.quant.io import load_quantized, read_metadata, save_quantized
 from graphopt.quant.linear import FORMATS, QuantizedLinear
 from graphopt.quant.quantize import default_filter, quantize_, quantized_layers
 
 __all__ = ["FORMATS", "QuantizedLinear", "quantize_", "quantized_layers", "default_filter", "save_quantized",
-           "load_quantized", "read_metadata", "save_gguf", "load_gguf", "read_q4_0"]
+           "load_quantized", "read_metadata", "hf_quantization_config", "save_gguf", "load_gguf", "read_q4_0"]
 
 
 def __getattr__(name: str):
