@@ -115,7 +115,7 @@ def test_backward_runs_from_the_forward_lse_and_matches_float64(name, triton_her
 @pytest.mark.parametrize("name", ["odd-causal", "softcap-alibi-causal-float-bias"])
 def test_a_trainable_bias_takes_the_recomputing_route(name, triton_here, launches):
     """The Triton backward has no bias gradient: where the bias needs one, the forward returns no
-    LSE and the backward differentiates SDPA (or, soft-capped, the torch reference) instead."""
+    LSE and the backward differentiates SDPA instead (soft-capped: the explicit formulas)."""
     q, k, v, args = _case(name)
     bias = torch.randn(1, q.shape[1], q.shape[2], k.shape[2], generator=torch.Generator().manual_seed(3)).to(DEVICE)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
@@ -123,10 +123,7 @@ def test_a_trainable_bias_takes_the_recomputing_route(name, triton_here, launche
         out = torch.ops.graphopt.attention(*leaves, *args[1:])
     assert recorded.names == ["attention"] and launches == ["_flash_attention_fwd_kernel"]
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
-    bias64, rest = ref_leaves[3], args[1:]
-    _, scale, causal, _, _, softcap, slopes = (None, *rest)
-    ref = reference_attention(*ref_leaves[:3], bias64, scale=scale, is_causal=causal, softcap=softcap,
-                              alibi_slopes=slopes)
+    ref = _reference64(*ref_leaves[:3], (ref_leaves[3], *args[1:]))
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(DEVICE, q.dtype)
     got = torch.autograd.grad(out, leaves, grad_out)
     _assert_grads_close(got, torch.autograd.grad(ref, ref_leaves, grad_out.double()), q.dtype, ["q", "k", "v", "bias"])
