@@ -16,9 +16,10 @@ Backward rows: the training path of graphopt::attention on our Triton kernel (it
 the log-sum-exp, graphopt::attention_backward reads it), called as the attention pass emits it and
 compiled from the naive module with graphopt under Inductor, against SDPA flash / cuDNN; fwd+bwd,
 and the backward alone (autograd.grad with retain_graph on one recorded forward); "x cuDNN" = cuDNN
-time / this time (> 1 is faster). Gradients are checked against SDPA's, at L in {1k, 4k}:
+time / this time (> 1 is faster). Gradients are checked against SDPA's, at L in {1k, 4k} unless
+--bwd-lengths says otherwise:
 
-    python bench/bench_attention.py --skip-kernels --skip-variants --skip-e2e   # the backward rows only
+    python bench/bench_attention.py --skip-kernels --skip-variants --skip-e2e --bwd-lengths 1024,4096,8192,16384
 
 End-to-end rows: transformers LlamaForCausalLM with LLaMA-7B shapes (hidden 4096, 32 heads,
 intermediate 11008, vocab 32000), 2 layers, random weights, bf16, batch 1, prefill of 2048 and
@@ -539,6 +540,8 @@ def parse_args(argv=None):
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None)
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-backward", action="store_true")
+    parser.add_argument("--bwd-lengths", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="sequence lengths of the backward rows (default 1024,4096)")
     parser.add_argument("--skip-kernels", action="store_true", help="no forward kernel rows")
     parser.add_argument("--decode", action="store_true", help="add one-query-token rows (CUDA-graph replays)")
     parser.add_argument("--skip-variants", action="store_true", help="no soft-capped / ALiBi kernel rows")
@@ -547,7 +550,7 @@ def parse_args(argv=None):
     if args.cpu_smoke:
         args.heads, args.head_dim, args.tokens = 2, 32, 48
         args.lengths = args.lengths or [48]
-        args.bwd_lengths = [40]
+        args.bwd_lengths = args.bwd_lengths or [40]
         args.e2e_lengths = [24]
         args.decode_lengths = [1, 40]
         args.variant_lengths, args.variant_check_length = [48], 40
@@ -555,7 +558,7 @@ def parse_args(argv=None):
     else:
         args.heads, args.head_dim, args.tokens = 32, 128, 16384
         args.lengths = args.lengths or [1024, 4096, 8192, 16384]
-        args.bwd_lengths = [1024, 4096]
+        args.bwd_lengths = args.bwd_lengths or [1024, 4096]
         args.e2e_lengths = [2048, 4096]
         args.decode_lengths = [1, 256, 2048, 8192]
         args.variant_lengths, args.variant_check_length = [4096], 1024
