@@ -30,12 +30,14 @@ def _gradient_needed(args) -> bool:
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
-def _refusing_grad(name: str, fn):
+def _refusing_grad(name: str, fn, message: str = ""):
+    message = message or (f"graphopt::{name} is inference-only (no backward), and an input requires grad: run it "
+                          "under torch.no_grad() or torch.inference_mode(), or compile models you train with "
+                          "graphopt's lossy passes off")
+
     def checked(*args):
         if _gradient_needed(args):
-            raise RuntimeError(f"graphopt::{name} is inference-only (no backward), and an input requires grad: run it "
-                               "under torch.no_grad() or torch.inference_mode(), or compile models you train with "
-                               "graphopt's lossy passes off")
+            raise RuntimeError(message)
         return fn(*args)
     return checked
 
@@ -90,11 +92,12 @@ def _inference_fake(name: str):
 # flash-attention kernel), "flash" / "cudnn" / "efficient" / "math" (SDPA with that backend only,
 # falling back to math if PyTorch rejects the inputs at run time), or "sdpa_cpu". CPU tensors
 # always run SDPA's CPU kernel, whatever the backend says.
-# Backward (register_autograd): SDPA backends recompute the forward through SDPA's own autograd
-# and differentiate it (this also gives the bias gradient, e.g. T5's learned position bias; under
-# torch.compile it traces into SDPA's fused backward). Triton: graphopt::attention_backward, an
-# opaque op running the kernel's backward (the log-sum-exp is recomputed by one extra forward,
-# since the forward op returns only `out`).
+# Backward (an Autograd kernel, _attention_autograd_kernel): SDPA backends recompute the forward
+# through SDPA's own autograd and differentiate it (this also gives the bias gradient, e.g. T5's
+# learned position bias; under torch.compile it traces into SDPA's fused backward). Triton: the
+# forward of a call that will be differentiated is graphopt::attention_forward_with_lse, which also
+# returns the kernel's log-sum-exp; it is saved for graphopt::attention_backward, an opaque op
+# running the kernel's backward from it, with no forward launch.
 from typing import Optional as _Optional
 
 ATTENTION_OP_BACKENDS: tuple[str, ...] = ("triton", "flash", "cudnn", "efficient", "math", "sdpa_cpu")
@@ -220,6 +223,12 @@ def _with_alibi(q, k, bias, alibi_slopes):
     return bias + alibi
 
 
+def _triton_kernel_runs(q: torch.Tensor, backend: str) -> bool:
+    """Whether a graphopt::attention call on `backend` runs graphopt's Triton kernel: "triton" on a
+    CUDA device. Elsewhere the op runs SDPA or the torch reference, forward and backward."""
+    return backend == "triton" and q.is_cuda
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: _Optional[torch.Tensor],
     scale: float, is_causal: bool, num_kv_groups: int, backend: str, softcap: float = 0.0,
@@ -227,7 +236,7 @@ def attention(
 ) -> torch.Tensor:
     _attention_check(q, k, v, bias, num_kv_groups, backend)
     _check_score_variants(q, softcap, alibi_slopes)
-    if backend == "triton" and q.is_cuda:
+    if _triton_kernel_runs(q, backend):
         from graphopt.kernels.flash_attention import flash_attention_forward
 
         out, _ = flash_attention_forward(q, k, v, bias, scale=scale, is_causal=is_causal, softcap=softcap,
@@ -251,6 +260,50 @@ def _attention_fake(q, k, v, bias, scale, is_causal, num_kv_groups, backend, sof
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
+# graphopt::attention_forward_with_lse(q, k, v, bias, scale, is_causal, num_kv_groups, softcap=0.0,
+#                                      alibi_slopes=None) -> (out, lse)
+#   The forward of a differentiated graphopt::attention call on the Triton backend: `out` as
+#   graphopt::attention's (backend "triton") and lse (B, H, Lq) float32, each row's natural-log
+#   log-sum-exp (-inf for a row masked everywhere), which graphopt::attention_backward takes instead
+#   of recomputing it. CUDA: the Triton kernel; elsewhere the torch reference. No autograd of its
+#   own: graphopt::attention's autograd formula calls it with grad mode off.
+# Inference keeps graphopt::attention, which returns `out` alone. The kernel stores the LSE on every
+# call either way: 4 bytes a row beside the output's 2 * D (under 2% of its stores at D = 128), while
+# a flag to skip it would double the kernel's compiled and autotuned variants.
+def attention_forward_with_lse(q, k, v, bias, scale, is_causal, num_kv_groups, softcap=0.0, alibi_slopes=None):
+    _attention_check(q, k, v, bias, num_kv_groups, "triton")
+    _check_score_variants(q, softcap, alibi_slopes)
+    if _triton_kernel_runs(q, "triton"):
+        from graphopt.kernels.flash_attention import flash_attention_forward
+
+        out, lse = flash_attention_forward(q, k, v, bias, scale=scale, is_causal=is_causal, softcap=softcap,
+                                           alibi_slopes=alibi_slopes)
+    else:
+        from graphopt.kernels.flash_attention import reference_attention
+
+        out, lse = reference_attention(q, k, v, bias, scale=scale, is_causal=is_causal, return_lse=True,
+                                       softcap=softcap, alibi_slopes=alibi_slopes)
+    return out.contiguous(), lse.float().contiguous()
+
+
+def _attention_forward_with_lse_fake(q, k, v, bias, scale, is_causal, num_kv_groups, softcap=0.0, alibi_slopes=None):
+    _attention_check(q, k, v, bias, num_kv_groups, "triton")
+    _check_score_variants(q, softcap, alibi_slopes)
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+_LIB.define("attention_forward_with_lse(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal, "
+            "int num_kv_groups, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor)")
+_NO_OWN_BACKWARD = ("graphopt::attention_forward_with_lse has no backward of its own, and an input requires grad: "
+                    "call graphopt::attention, whose autograd formula runs it")
+_LIB.impl("attention_forward_with_lse", _refusing_grad("attention_forward_with_lse", attention_forward_with_lse,
+                                                       _NO_OWN_BACKWARD), "CompositeExplicitAutograd")
+_LIB.impl("attention_forward_with_lse", torch.library.fallthrough_kernel, "Autograd")
+torch.library.register_fake("graphopt::attention_forward_with_lse",
+                            _refusing_grad("attention_forward_with_lse", _attention_forward_with_lse_fake,
+                                           _NO_OWN_BACKWARD), lib=_LIB)
+
+
 # SDPA backends whose graphopt::attention call a compiled graph holds as attention_in_graph instead.
 ATTENTION_GRAPH_BACKENDS: tuple[str, ...] = ("flash", "cudnn", "efficient", "math")
 
@@ -271,32 +324,42 @@ def attention_in_graph(q, k, v, bias, scale: float, is_causal: bool, num_kv_grou
 DENSE_ATTENTION_TARGETS = (torch.ops.graphopt.attention.default, attention_in_graph)
 
 
-def _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad):
-    """Explicit-formula backward in fp32 (materializes the (Lq, Lk) scores): the CPU/fallback body
-    of graphopt::attention_backward, checked in the tests against autograd of the reference."""
+def _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad, softcap=0.0,
+                             alibi_slopes=None):
+    """Explicit-formula backward in fp32 (materializes the (Lq, Lk) scores), soft-capping and ALiBi
+    included: the CPU/fallback body of graphopt::attention_backward (a custom op's body runs below
+    autograd, so it cannot differentiate the reference), checked in the tests against autograd of
+    the float64 reference. Rows masked everywhere get zero gradients, as from the Triton kernel."""
     f32 = torch.float32
     qf, do, of = q.to(f32), grad_out.to(f32), out.to(f32)
     kf = k.to(f32).repeat_interleave(num_kv_groups, dim=1)  # (B, H, Lk, D)
     vf = v.to(f32).repeat_interleave(num_kv_groups, dim=1)  # (B, H, Lk, Dv)
     s = scale * (qf @ kf.transpose(-2, -1))  # (B, H, Lq, Lk)
+    if softcap:
+        capped = torch.tanh(s / softcap)
+        s = softcap * capped
+    if alibi_slopes is not None:
+        from graphopt.kernels.flash_attention import alibi_bias
+
+        s = s + alibi_bias(alibi_slopes, s.shape[-2], s.shape[-1])
     if bias is not None:
         s = s.masked_fill(~bias, float("-inf")) if bias.dtype == torch.bool else s + bias.to(f32)
     if is_causal:
         allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~allowed, float("-inf"))
-    p = s.softmax(-1)
+    p = s.softmax(-1).masked_fill(s.amax(-1, keepdim=True) == float("-inf"), 0.0)
     dv = p.transpose(-2, -1) @ do  # (B, H, Lk, Dv)
     dp = do @ vf.transpose(-2, -1)
-    ds = p * (dp - (do * of).sum(-1, keepdim=True))  # d(scores incl. bias)
+    ds = p * (dp - (do * of).sum(-1, keepdim=True))  # d(final scores): the bias gradient
+    dbias = ds.sum_to_size(bias.shape).to(bias.dtype) if bias_grad else q.new_empty(0)
+    if softcap:
+        ds = ds * (1.0 - capped * capped)  # d(cap * tanh(s / cap)) / ds
     dq = scale * (ds @ kf)
     dk = scale * (ds.transpose(-2, -1) @ qf)
     if num_kv_groups > 1:
         b, h, lk = k.shape[0], k.shape[1], k.shape[2]
         dk = dk.view(b, h, num_kv_groups, lk, -1).sum(2)
         dv = dv.view(b, h, num_kv_groups, lk, -1).sum(2)
-    dbias = q.new_empty(0)
-    if bias_grad:
-        dbias = ds.sum_to_size(bias.shape).to(bias.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
 
@@ -304,40 +367,31 @@ def _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num
 def attention_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: _Optional[torch.Tensor],
     out: torch.Tensor, scale: float, is_causal: bool, num_kv_groups: int, bias_grad: bool,
-    softcap: float = 0.0, alibi_slopes: _Optional[torch.Tensor] = None,
+    softcap: float = 0.0, alibi_slopes: _Optional[torch.Tensor] = None, lse: _Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias) of graphopt::attention for the Triton backend (an opaque op: AOTAutograd
     cannot trace into a Triton launch). dbias is empty unless bias_grad. On CUDA without a bias
-    gradient: the Triton kernel's backward; else the explicit fp32 formulas (with soft-capping or
-    ALiBi: autograd of the torch reference)."""
-    if q.is_cuda and not bias_grad:
-        from graphopt.kernels.flash_attention import flash_attention_backward, flash_attention_forward
+    gradient: the Triton kernel's backward from `out` and `lse` (B, H, Lq), what
+    graphopt::attention_forward_with_lse returned; else the explicit fp32 formulas (with
+    soft-capping or ALiBi: autograd of the torch reference), which need no `lse`."""
+    if _triton_kernel_runs(q, "triton") and not bias_grad:
+        from graphopt.kernels.flash_attention import flash_attention_backward
 
-        variants = dict(softcap=softcap, alibi_slopes=alibi_slopes)
-        _, lse = flash_attention_forward(q, k, v, bias, scale=scale, is_causal=is_causal, **variants)  # recompute LSE
+        if lse is None or tuple(lse.shape) != tuple(q.shape[:-1]):
+            got = "none" if lse is None else f"shape {tuple(lse.shape)}"
+            raise ValueError(f"graphopt::attention_backward: the Triton backward needs the forward's lse (B, H, Lq) = "
+                             f"{tuple(q.shape[:-1])} from graphopt::attention_forward_with_lse, got {got}")
         dq, dk, dv = flash_attention_backward(grad_out, q, k, v, bias, out, lse, scale=scale, is_causal=is_causal,
-                                              **variants)
+                                              softcap=softcap, alibi_slopes=alibi_slopes)
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0)
-    if softcap or alibi_slopes is not None:
-        grads = _attention_reference_grads(grad_out, q, k, v, bias, scale, is_causal, softcap, alibi_slopes, bias_grad)
-    else:
-        grads = _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad)
+    grads = _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad, softcap,
+                                     alibi_slopes)
     return tuple(g.contiguous() for g in grads)
-
-
-def _attention_reference_grads(grad_out, q, k, v, bias, scale, is_causal, softcap, alibi_slopes, bias_grad):
-    """(dq, dk, dv, dbias) by autograd through the torch reference (dbias empty unless bias_grad)."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        bias_leaf = bias.detach().requires_grad_(True) if bias_grad else bias
-        out = _attention_reference(*leaves, bias_leaf, scale, is_causal, softcap, alibi_slopes)
-        grads = torch.autograd.grad(out, leaves + ([bias_leaf] if bias_grad else []), grad_out)
-    return grads[0], grads[1], grads[2], (grads[3] if bias_grad else q.new_empty(0))
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups, bias_grad, softcap=0.0,
-                             alibi_slopes=None):
+                             alibi_slopes=None, lse=None):
     # Contiguous, as the real outputs are (empty_like would copy the strides of HF's transposed
     # q/k/v views and of a broadcast bias, and Inductor asserts the real strides against these)
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
@@ -349,9 +403,16 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, scale, is_causal, num_kv_groups, backend, softcap=0.0, alibi_slopes=None):
-        out = torch.ops.graphopt.attention(q, k, v, bias, scale, is_causal, num_kv_groups, backend, softcap,
-                                           alibi_slopes)  # grad mode off here
-        ctx.save_for_backward(q, k, v, bias, out, alibi_slopes)
+        # Grad mode is off here. The Triton backward reads the forward's LSE, except where the bias
+        # takes a gradient (the SDPA route below, which recomputes the forward anyway).
+        lse = None
+        if _triton_kernel_runs(q, backend) and not _bias_takes_grad(bias, ctx.needs_input_grad[3]):
+            out, lse = torch.ops.graphopt.attention_forward_with_lse(q, k, v, bias, scale, is_causal, num_kv_groups,
+                                                                     softcap, alibi_slopes)
+        else:
+            out = torch.ops.graphopt.attention(q, k, v, bias, scale, is_causal, num_kv_groups, backend, softcap,
+                                               alibi_slopes)
+        ctx.save_for_backward(q, k, v, bias, out, alibi_slopes, lse)
         ctx.options = (scale, is_causal, num_kv_groups, backend, softcap)
         return out
 
@@ -360,18 +421,22 @@ class _AttentionFunction(torch.autograd.Function):
         return _attention_backward(ctx, grad_out)
 
 
+def _bias_takes_grad(bias, needs_grad: bool) -> bool:
+    return bool(bias is not None and bias.is_floating_point() and needs_grad)
+
+
 def _attention_backward(ctx, grad_out):
-    q, k, v, bias, out, alibi_slopes = ctx.saved_tensors
+    q, k, v, bias, out, alibi_slopes, lse = ctx.saved_tensors
     scale, is_causal, num_kv_groups, backend, softcap = ctx.options
-    bias_grad = bool(bias is not None and bias.is_floating_point() and ctx.needs_input_grad[3])
+    bias_grad = _bias_takes_grad(bias, ctx.needs_input_grad[3])
     variants_none = (None, None)  # no gradient for softcap, alibi_slopes
-    if backend == "triton" and q.is_cuda and not bias_grad:
+    if lse is not None:  # the Triton forward ran and kept its LSE
         dq, dk, dv, _ = torch.ops.graphopt.attention_backward(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups,
-                                                              False, softcap, alibi_slopes)
+                                                              False, softcap, alibi_slopes, lse)
         return dq, dk, dv, None, None, None, None, None, *variants_none
-    if softcap or alibi_slopes is not None:  # SDPA takes neither: autograd of the torch reference
-        dq, dk, dv, dbias = _attention_reference_grads(grad_out, q, k, v, bias, scale, is_causal, softcap, alibi_slopes,
-                                                       bias_grad)
+    if softcap or alibi_slopes is not None:  # SDPA takes neither: the explicit formulas
+        dq, dk, dv, dbias = _attention_backward_math(grad_out, q, k, v, bias, out, scale, is_causal, num_kv_groups,
+                                                     bias_grad, softcap, alibi_slopes)
         return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, *variants_none
     # SDPA backends (and a trainable bias): recompute the forward through SDPA's autograd and
     # differentiate it. Under torch.compile this traces into SDPA's own fused backward.
