@@ -110,7 +110,7 @@ def allowed_block_count(b: int, h: int, lq: int, lk: int, is_causal: bool, block
 def pool_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean-pooled blocks and their self-similarity: x (B, H, L, D) -> (B, H, n, D), (B, H, n) fp32."""
     B, H, L, D = x.shape
-    n = cdiv(L, block)
+    n = (L + block - 1) // block  # no negative floor division (cdiv's): ONNX exports it as truncation
     xf = F.pad(x.float(), (0, 0, 0, n * block - L)).view(B, H, n, block, D)  # padded tokens are 0
     counts = torch.clamp(L - torch.arange(n, device=x.device) * block, max=block).to(torch.float32)
     pooled = xf.sum(3) / counts[:, None]
