@@ -11,6 +11,9 @@ from graphopt.cost_model import Estimate
 from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N
 
 PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; top-cdf + compact lists
+# The sparse_attention pass emits the pooling into the graph, where it fuses with the kernel that
+# produces Q and K: the op's predictor is then the last two launches, reading only the pooled rows.
+SELECTION_LAUNCHES = 2
 
 # Coefficients of the GPU's data file (graphopt.cost.coefficients):
 #  - efficiency.triton_sparse: the matmul rate of a kept 128 x 64 tile;
@@ -41,26 +44,42 @@ def kept_tile_count(lq: int, lk: int, *, causal: bool, density: float) -> float:
     return density * allowed
 
 
-def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, dtype_bytes: int = 2) -> Estimate:
+def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, dtype_bytes: int = 2,
+                       statistics_in_graph: bool = False) -> Estimate:
     """Pool Q and K blocks (read each once, at predictor_pool_memory_efficiency of the memory
     ceiling), then the pooled scores, top-cdf selection and compact lists (their bytes at the
-    pointwise rate, three launches), plus predictor_s_per_score per pooled score."""
+    pointwise rate, three launches), plus predictor_s_per_score per pooled score.
+    statistics_in_graph: the block statistics come from the graph (`estimate_block_statistics`, in
+    the producer's kernel): no pooling launch and no read of Q and K here, two launches."""
     n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
-    pooled = dtype_bytes * (b * h * lq * d + b * hkv * lk * d)
+    pooled = 0 if statistics_in_graph else dtype_bytes * (b * h * lq * d + b * hkv * lk * d)
+    launches = SELECTION_LAUNCHES if statistics_in_graph else PREDICTOR_LAUNCHES
     moved = 4 * (b * h * n_q * (d + 1) + b * hkv * n_k * (d + 1))  # pooled blocks, read back by the LUT launch
     moved += 4 * b * h * n_q * (n_k + 1)  # compact lists and counts written
     flops = 2.0 * b * h * n_q * n_k * d
     est = cost_model.roofline(hw, "sparse attention predictor", flops=flops, bytes_moved=moved,
-                              launches=PREDICTOR_LAUNCHES, family="pointwise", unit="fp32")
+                              launches=launches, family="pointwise", unit="fp32")
     if not hw.is_gpu:
         return cost_model.roofline(hw, "sparse attention predictor", flops=flops, bytes_moved=moved + pooled,
-                                   launches=PREDICTOR_LAUNCHES, family="pointwise", unit="fp32")
+                                   launches=launches, family="pointwise", unit="fp32")
     pool_ms = pooled / (hw.memory_ceiling * _fitted(hw, "predictor_pool_memory_efficiency")) * 1e3
     est = Estimate(est.name, est.ms + pool_ms, flops, moved + pooled, est.launches,
                    "memory" if pool_ms > est.ms else est.bound)
     select_ms = b * h * n_q * n_k * _fitted(hw, "predictor_s_per_score") * 1e3
     return Estimate(est.name, est.ms + select_ms, flops, est.bytes, est.launches,
                     "latency" if select_ms > est.ms else est.bound)
+
+
+def estimate_block_statistics(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int) -> Estimate:
+    """The predictor's block statistics computed in the graph, fused into the kernel that produces
+    Q and K (their projection / RoPE epilogue): that kernel reads and writes Q and K anyway, so
+    what is priced is the statistics written (fp32 pooled blocks and self-similarities) and the
+    reductions (about 5 flops per element: sum, square, norm, scale, sum), no launch."""
+    n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
+    written = 4 * (b * h * n_q * (d + 1) + b * hkv * n_k * (d + 1))
+    flops = 5.0 * d * (b * h * lq + b * hkv * lk)
+    return cost_model.roofline(hw, "sparse attention block statistics (in the Q/K producer)", flops=flops,
+                               bytes_moved=written, launches=0, family="pointwise", unit="fp32")
 
 
 def estimate_sparse_kernel(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
@@ -78,11 +97,14 @@ def estimate_sparse_kernel(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: in
 
 def estimate_sparse_attention(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
                               dtype_bytes: int = 2, host_launches: float = 0.0) -> Estimate:
-    """Predictor + block-sparse flash kernel keeping (1 - sparsity) of the tiles dense attention
-    computes; with `host_launches` (units of `cost_model.host_paced`), at least the op's host path."""
+    """As the sparse_attention pass emits it: the block statistics in the Q/K producer, the op's
+    predictor on them and the block-sparse flash kernel keeping (1 - sparsity) of the tiles dense
+    attention computes; with `host_launches` (units of `cost_model.host_paced`), at least the op's
+    host path."""
     kernel = estimate_sparse_kernel(hw, b, h, hkv, lq, lk, d, causal=causal, sparsity=sparsity, dtype_bytes=dtype_bytes)
-    predictor = estimate_predictor(hw, b, h, hkv, lq, lk, d, dtype_bytes=dtype_bytes)
-    est = cost_model.chain(f"sparse attention ({sparsity:.0%} of blocks skipped)", predictor, kernel)
+    predictor = estimate_predictor(hw, b, h, hkv, lq, lk, d, dtype_bytes=dtype_bytes, statistics_in_graph=True)
+    statistics = estimate_block_statistics(hw, b, h, hkv, lq, lk, d)
+    est = cost_model.chain(f"sparse attention ({sparsity:.0%} of blocks skipped)", statistics, predictor, kernel)
     return cost_model.host_paced(hw, est, host_launches, "graphopt::sparse_attention host path")
 
 
@@ -149,5 +171,6 @@ def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, cau
     return losses[-1] + 1 if losses else high
 
 
-__all__ = ["BREAK_EVEN_SCAN_STEP", "BREAK_EVEN_SEARCH_LIMIT", "PREDICTOR_LAUNCHES", "break_even_length", "estimate_dense", "estimate_predictor",
+__all__ = ["BREAK_EVEN_SCAN_STEP", "BREAK_EVEN_SEARCH_LIMIT", "PREDICTOR_LAUNCHES", "SELECTION_LAUNCHES", "break_even_length",
+           "estimate_block_statistics", "estimate_dense", "estimate_predictor",
            "estimate_sparse_attention", "estimate_sparse_kernel", "kept_tile_count", "priced_host_launches"]

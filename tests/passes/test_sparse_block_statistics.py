@@ -173,3 +173,20 @@ def test_llama_under_inductor_with_statistics_in_the_graph(monkeypatch, tmp_path
     after = compiled_logits(model, ids, statistics_in_graph=True, monkeypatch=monkeypatch, plan=plan,
                             downstream="inductor")
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
+def test_cost_model_prices_no_qk_read_in_the_op_when_the_statistics_come_from_the_graph():
+    from graphopt.cost import sparse_attention as sparse_cost
+
+    hw = get_spec("h100")
+    b, h, hkv, length, d = 1, 32, 8, 8192, 128
+    own = sparse_cost.estimate_predictor(hw, b, h, hkv, length, length, d)
+    given = sparse_cost.estimate_predictor(hw, b, h, hkv, length, length, d, statistics_in_graph=True)
+    qk_bytes = 2 * (b * h * length * d + b * hkv * length * d)
+    assert own.bytes - given.bytes == qk_bytes and (own.launches, given.launches) == (3, 2)
+    statistics = sparse_cost.estimate_block_statistics(hw, b, h, hkv, length, length, d)
+    assert statistics.launches == 0 and statistics.bytes < qk_bytes / 30  # one fp32 row per block of 64-128 tokens
+    whole = sparse_cost.estimate_sparse_attention(hw, b, h, hkv, length, length, d, causal=True, sparsity=0.5)
+    kernel = sparse_cost.estimate_sparse_kernel(hw, b, h, hkv, length, length, d, causal=True, sparsity=0.5)
+    assert whole.ms == pytest.approx(kernel.ms + given.ms + statistics.ms)
+    assert given.ms + statistics.ms < own.ms
