@@ -12,14 +12,16 @@ skipping; a layer whose heads are all dense is declined. Without a plan (or for 
 does not name) the documented defaults apply: simthreshd1=0.6, cdfthreshd=0.98, PV skipping off;
 their error was not measured on this model, which the decision says.
 
-The rewrite emits the predictor's block statistics (pooled Q and K blocks and their
-self-similarity, `emit_block_statistics`) as aten ops right after q and k are produced: the
-downstream compiler fuses them with the kernel that produces q and k, and the op's predictor reads
-only those pooled rows.
+The predictor's block statistics (pooled Q and K blocks and their self-similarity) are either
+emitted as aten ops right after q and k are produced (`emit_block_statistics`), where the
+downstream compiler can fuse them with the kernels that produce q and k, the op's predictor then
+reading only those pooled rows; or computed by the op, which pools q and k itself. The cost model
+picks (`estimate_block_statistics`); `force` takes the graph. Under Inductor (its Triton schedule
+for a LLaMA block) the per-token norms fuse into the RoPE kernel that writes q and k, and the
+block sums are one reduction kernel that reads q or k once more.
 
 The cost model decides: dense time (the backend the attention pass chose, on the target GPU)
-against the predictor (2 launches on the pooled rows, and the pooling in the producer's kernel)
-plus the block-sparse kernel at the plan's measured sparsity
+against the predictor plus the block-sparse kernel at the plan's measured sparsity
 (without a plan: an assumed ASSUMED_SPARSITY_WITHOUT_PLAN, recorded as such). Both estimates are
 rooflines fitted to the H200 timings (bench/results/sparse_attention_h200.json; see
 the constants in graphopt/cost/sparse_attention.py). Where the kernel wins there (bf16, D=128, B=1, H=16, predictor
@@ -303,8 +305,16 @@ class SparseAttentionPass(GraphPass):
         host = priced_host_launches(ctx, backend, dense_is_op=site.match is None)
         before = estimate_dense(ctx.hardware, backend, b, h, hkv, lq, lk, d, causal=bool(is_causal), dtype_bytes=nbytes,
                                 host_launches=host[1])
-        after = estimate_sparse_attention(ctx.hardware, b, h, hkv, lq, lk, d, causal=bool(is_causal),
-                                          sparsity=sparsity, dtype_bytes=nbytes, host_launches=host[0])
+        # where the predictor's block statistics are computed: in the graph, or by the op pooling q and k
+        after, in_op = (estimate_sparse_attention(ctx.hardware, b, h, hkv, lq, lk, d, causal=bool(is_causal),
+                                                  sparsity=sparsity, dtype_bytes=nbytes, host_launches=host[0],
+                                                  statistics_in_graph=in_graph) for in_graph in (True, False))
+        in_graph = ctx.config.force or after.ms <= in_op.ms
+        pooling = (f"predictor's block statistics in the graph ({'forced' if ctx.config.force else 'estimated'} "
+                   f"{after.ms:.4f} ms against {in_op.ms:.4f} ms pooled in the op)")
+        if not in_graph:
+            after, pooling = in_op, (f"Q and K pooled in the op (estimated {in_op.ms:.4f} ms against {after.ms:.4f} ms "
+                                     "with the block statistics in the graph)")
         ok, why = self.accept(ctx, before, after)
         at = f"{sparsity:.0%} sparsity ({'assumed, no measurement' if assumed else 'measured by the tuner'})"
         # static lengths: the decision above is the one for every call. Forced with a symbolic
@@ -314,7 +324,8 @@ class SparseAttentionPass(GraphPass):
             # One graph serves every length: sparse from the cost model's break-even length on,
             # the dense backend below it (the op compares at run time).
             dense_below = break_even_length(ctx.hardware, backend, b, h, hkv, d, causal=bool(is_causal),
-                                            sparsity=sparsity, dtype_bytes=nbytes, host_launches=host)
+                                            sparsity=sparsity, dtype_bytes=nbytes, host_launches=host,
+                                            statistics_in_graph=in_graph)
             if dense_below is None:
                 raise _Decline(f"symbolic sequence length: the cost model predicts no win at any L up to "
                                f"{BREAK_EVEN_SEARCH_LIMIT} at {at}", before, after)
@@ -330,8 +341,9 @@ class SparseAttentionPass(GraphPass):
                   for x, name in ((sim, "sparse_sim1"), (cdf, "sparse_cdf"))]
         pv_tensor = torch.tensor(pv, dtype=torch.float32, device=dev) if pv is not None else torch.empty(0, device=dev)
         consts.append(ctx.add_constant(pv_tensor, "sparse_pv"))
-        statistics = emit_block_statistics(ctx.gm.graph, q, k)
-        pooling = "Q/K block statistics computed in the graph" if statistics else "Q and K pooled inside the op"
+        statistics = emit_block_statistics(ctx.gm.graph, q, k) if in_graph else ()
+        if in_graph and not statistics:
+            pooling = "Q and K pooled in the op (q or k carries no recorded value to trace the statistics on)"
         ctx.record(self.name, True, f"{why} at {at}; thresholds: {source}; {pooling}", node=node, before=before,
                    after=after, implementation="triton_sparse", layer=key, sparsity=sparsity, sparsity_assumed=assumed,
                    simthreshd1=sim, cdfthreshd=cdf, pvthreshd=pv, dense_backend=backend,
