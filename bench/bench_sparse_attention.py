@@ -29,9 +29,9 @@ issue's targets (met / not met) last. Writes JSON and a speed-vs-density PNG to 
 
 The predictor inside a compiled model (also alone with --in-model; default L 8192): a LLaMA-3-8B
 attention block (hidden 4096, 32 query heads, 8 KV heads of 128, HF's rotary embedding, bf16),
-causal and not. The sparse_attention pass emits the predictor's block statistics (pooled Q/K
-blocks, self-similarity) next to the projections and RoPE that produce q and k, so Inductor fuses
-them there; what is left in the op reads only the pooled rows. Rows: the Q/K/V producer
+causal and not. The sparse_attention pass (forced) emits the predictor's block statistics (pooled
+Q/K blocks, self-similarity) next to the projections and RoPE that produce q and k, for Inductor to
+fuse there; what is left in the op reads only the pooled rows. Rows: the Q/K/V producer
 (projections + RoPE) compiled by Inductor alone and with the statistics as extra outputs (their
 difference is the statistics' cost where they fuse; `extra_kernels` counts the kernels Inductor
 generated for them), the op's remaining predictor on those statistics (`select_block_lut`), the

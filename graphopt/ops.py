@@ -439,8 +439,8 @@ def _check_dense_backend(dense_backend: str) -> None:
 #   refused in grad mode (the sparse_attention pass is opt-in and meant for inference).
 #   pooled_q, sim_q, pooled_k, sim_k: the predictor's block statistics, block_statistics(q, k) of
 #   graphopt.kernels.sparse_attention (fp32 (B, H, nQ, D), (B, H, nQ), (B, Hkv, nK, D), (B, Hkv, nK)).
-#   The pass computes them in the graph, next to the kernel that produces q and k; the predictor then
-#   reads only them. All four or none: without them the op pools q and k itself.
+#   The pass computes them in the graph, next to the kernels that produce q and k, where the cost model
+#   picks that; the predictor then reads only them. All four or none: without them the op pools q and k.
 #   dense_below: with dense_below > 0 a call runs dense attention instead (graphopt::attention's body
 #   on dense_backend, one of ATTENTION_OP_BACKENDS) where min(Lq, Lk) < dense_below, or under
 #   is_causal where Lq != Lk (sparse_attention_runs_dense). The pass sets it to the cost model's

@@ -357,9 +357,10 @@ class SparseAttentionPass(GraphPass):
 
 def emit_block_statistics(graph: fx.Graph, q: fx.Node, k: fx.Node) -> tuple[fx.Node, ...]:
     """The predictor's block statistics of q and k (`block_statistics`: pooled blocks and their
-    self-similarity) as aten ops in the graph, right after q and k are produced, so that the
-    downstream compiler fuses them with the kernel that produces q and k (their projection and
-    RoPE epilogue) instead of the op reading all of Q and K again. Traced on the recorded values
+    self-similarity) as aten ops in the graph, right after q and k are produced, for the downstream
+    compiler to fuse with the kernels that produce q and k (their projection and RoPE). Under
+    Inductor the per-token norms fuse into the RoPE kernel; the block sums are a reduction kernel
+    that reads q or k once more. Traced on the recorded values
     (symbolic sizes stay symbolic). Returns the nodes (pooled_q, sim_q, pooled_k, sim_k), or ()
     where q or k has no recorded value (the op then pools them itself)."""
     from torch._dispatch.python import enable_python_dispatcher

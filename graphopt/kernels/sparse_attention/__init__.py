@@ -10,8 +10,8 @@ kv head h // (H // Hkv)). Thresholds are floats or per-head 1-D tensors of lengt
 Predictor (one row per query block of BLOCK_M tokens, one column per key block of BLOCK_N tokens;
 the predictor's block sizes are the kernel's):
   1. Mean-pool each block of Q and K (with step 2: `block_statistics`, plain torch; the only step
-     that reads all of Q and K, so the sparse_attention pass emits it into the graph, where it fuses
-     with the kernel that produces Q and K, and the op's predictor reads only its pooled rows).
+     that reads all of Q and K, so the sparse_attention pass can emit it into the graph, next to
+     the kernels that produce Q and K, and the op's predictor then reads only its pooled rows).
   2. Self-similarity of a block = mean cosine similarity over all pairs of its tokens (i = j pairs
      included: ||sum_i x_i/|x_i| ||^2 / n^2). A block at or below `simthreshd1` is "not similar":
      its pooled vector does not represent it, so it is always computed: a whole row for a query

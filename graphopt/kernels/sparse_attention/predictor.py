@@ -1,8 +1,8 @@
 """The predictor on the Triton path: the workspace geometry, the launch shapes, and the launches
 that turn q and k into compact kept-block lists (`predict_block_lut`, as
 `block_mask_to_lut(predict_block_mask(...))`), without host synchronization; or, where the block
-statistics were computed elsewhere (the sparse_attention pass emits them into the graph, where
-they fuse with the kernel that produces Q and K), only the stages that read them
+statistics were computed elsewhere (the sparse_attention pass can emit them into the graph, next
+to the kernels that produce Q and K), only the stages that read them
 (`select_block_lut`)."""
 
 from __future__ import annotations

@@ -130,8 +130,8 @@ def top_cdf_keep(probs: torch.Tensor, cdfthreshd: torch.Tensor) -> torch.Tensor:
 def block_statistics(q: torch.Tensor, k: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
     """The predictor's per-block statistics, the only part of it that reads all of Q and K:
     (pooled_q (B, H, nQ, D), sim_q (B, H, nQ), pooled_k (B, Hkv, nK, D), sim_k (B, Hkv, nK)), fp32
-    (`pool_blocks`). Plain torch ops: the sparse_attention pass emits them into the graph, where
-    they fuse with the kernel that produces Q and K, and passes them to graphopt::sparse_attention."""
+    (`pool_blocks`). Plain torch ops: the sparse_attention pass can emit them into the graph, next
+    to the kernels that produce Q and K, and pass them to graphopt::sparse_attention."""
     return (*pool_blocks(q, block_m), *pool_blocks(k, block_n))
 
 
