@@ -497,33 +497,52 @@ def _check_dense_backend(dense_backend: str) -> None:
 
 
 # graphopt::sparse_attention(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below,
-#                            dense_backend) -> out
+#                            dense_backend, pooled_q=None, sim_q=None, pooled_k=None, sim_k=None) -> out
 #   q (B, H, Lq, D); k, v (B, Hkv, Lk, D), H % Hkv == 0 (GQA reads kv head h // (H // Hkv));
 #   thresholds are float32 (H,) tensors (pvthreshd empty (0,) = PV skipping off). Output (B, H, Lq, D)
 #   in q's dtype. CUDA: the Triton predictor + block-sparse kernel; elsewhere: the torch reference
 #   (same block mask, same PV skipping). Inference only (_inference_op): inputs that require grad are
 #   refused in grad mode (the sparse_attention pass is opt-in and meant for inference).
+#   pooled_q, sim_q, pooled_k, sim_k: the predictor's block statistics, block_statistics(q, k) of
+#   graphopt.kernels.sparse_attention (fp32 (B, H, nQ, D), (B, H, nQ), (B, Hkv, nK, D), (B, Hkv, nK)).
+#   The pass computes them in the graph, next to the kernels that produce q and k, where the cost model
+#   picks that; the predictor then reads only them. All four or none: without them the op pools q and k.
 #   dense_below: with dense_below > 0 a call runs dense attention instead (graphopt::attention's body
 #   on dense_backend, one of ATTENTION_OP_BACKENDS) where min(Lq, Lk) < dense_below, or under
 #   is_causal where Lq != Lk (sparse_attention_runs_dense). The pass sets it to the cost model's
 #   break-even length where the sequence length is symbolic, and to 0 (always sparse) where it is not.
+def _given_statistics(pooled_q, sim_q, pooled_k, sim_k):
+    """The block statistics as a tuple, None when none is given; a partial set is an error."""
+    given = [t is not None for t in (pooled_q, sim_q, pooled_k, sim_k)]
+    if any(given) and not all(given):
+        missing = [name for name, ok in zip(("pooled_q", "sim_q", "pooled_k", "sim_k"), given) if not ok]
+        raise ValueError(f"graphopt::sparse_attention: block statistics need all of pooled_q, sim_q, pooled_k, sim_k "
+                         f"(or none, to pool q and k in the op); missing {', '.join(missing)}")
+    return (pooled_q, sim_q, pooled_k, sim_k) if all(given) else None
+
+
 @_inference_op("sparse_attention(Tensor q, Tensor k, Tensor v, float scale, bool is_causal, Tensor simthreshd1, "
-               "Tensor cdfthreshd, Tensor pvthreshd, int dense_below, str dense_backend) -> Tensor")
-def sparse_attention_op(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below, dense_backend):
+               "Tensor cdfthreshd, Tensor pvthreshd, int dense_below, str dense_backend, Tensor? pooled_q=None, "
+               "Tensor? sim_q=None, Tensor? pooled_k=None, Tensor? sim_k=None) -> Tensor")
+def sparse_attention_op(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below, dense_backend,
+                        pooled_q=None, sim_q=None, pooled_k=None, sim_k=None):
     _check_dense_backend(dense_backend)
+    statistics = _given_statistics(pooled_q, sim_q, pooled_k, sim_k)
     if sparse_attention_runs_dense(q.shape[-2], k.shape[-2], is_causal, dense_below):
         return attention(q, k, v, None, scale, is_causal, q.shape[1] // k.shape[1], dense_backend)
     from graphopt.kernels.sparse_attention import sparse_attention
 
     pv = None if pvthreshd.numel() == 0 else pvthreshd  # empty: PV skipping off (no device sync)
     out = sparse_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
-                           cdfthreshd=cdfthreshd, pvthreshd=pv)
+                           cdfthreshd=cdfthreshd, pvthreshd=pv, statistics=statistics)
     return out.contiguous()
 
 
 @_inference_fake("sparse_attention")
-def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below, dense_backend):
+def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below, dense_backend,
+      pooled_q=None, sim_q=None, pooled_k=None, sim_k=None):
     _check_dense_backend(dense_backend)
+    _given_statistics(pooled_q, sim_q, pooled_k, sim_k)
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 # ==== end sparse_attention =====================================================================
 

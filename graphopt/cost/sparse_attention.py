@@ -11,6 +11,11 @@ from graphopt.cost_model import Estimate
 from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N
 
 PREDICTOR_LAUNCHES = 3  # pool Q and K (with self-similarity); pooled scores; top-cdf + compact lists
+# The sparse_attention pass emits the pooling into the graph (block sums and self-similarity of Q
+# and of K: STATISTICS_LAUNCHES kernels under Inductor, the per-token norms fused into the kernel
+# that writes Q and K); the op's predictor is then its last two launches, on the pooled rows.
+SELECTION_LAUNCHES = 2
+STATISTICS_LAUNCHES = 4
 
 # Coefficients of the GPU's data file (graphopt.cost.coefficients):
 #  - efficiency.triton_sparse: the matmul rate of a kept 128 x 64 tile;
@@ -41,26 +46,54 @@ def kept_tile_count(lq: int, lk: int, *, causal: bool, density: float) -> float:
     return density * allowed
 
 
-def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, dtype_bytes: int = 2) -> Estimate:
+def estimate_predictor(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, dtype_bytes: int = 2,
+                       statistics_in_graph: bool = False) -> Estimate:
     """Pool Q and K blocks (read each once, at predictor_pool_memory_efficiency of the memory
     ceiling), then the pooled scores, top-cdf selection and compact lists (their bytes at the
-    pointwise rate, three launches), plus predictor_s_per_score per pooled score."""
+    pointwise rate, three launches), plus predictor_s_per_score per pooled score.
+    statistics_in_graph: the block statistics come from the graph (`estimate_block_statistics`):
+    no pooling launch and no read of Q and K here, two launches."""
     n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
-    pooled = dtype_bytes * (b * h * lq * d + b * hkv * lk * d)
+    pooled = 0 if statistics_in_graph else dtype_bytes * (b * h * lq * d + b * hkv * lk * d)
+    launches = SELECTION_LAUNCHES if statistics_in_graph else PREDICTOR_LAUNCHES
     moved = 4 * (b * h * n_q * (d + 1) + b * hkv * n_k * (d + 1))  # pooled blocks, read back by the LUT launch
     moved += 4 * b * h * n_q * (n_k + 1)  # compact lists and counts written
     flops = 2.0 * b * h * n_q * n_k * d
     est = cost_model.roofline(hw, "sparse attention predictor", flops=flops, bytes_moved=moved,
-                              launches=PREDICTOR_LAUNCHES, family="pointwise", unit="fp32")
+                              launches=launches, family="pointwise", unit="fp32")
     if not hw.is_gpu:
         return cost_model.roofline(hw, "sparse attention predictor", flops=flops, bytes_moved=moved + pooled,
-                                   launches=PREDICTOR_LAUNCHES, family="pointwise", unit="fp32")
+                                   launches=launches, family="pointwise", unit="fp32")
     pool_ms = pooled / (hw.memory_ceiling * _fitted(hw, "predictor_pool_memory_efficiency")) * 1e3
     est = Estimate(est.name, est.ms + pool_ms, flops, moved + pooled, est.launches,
                    "memory" if pool_ms > est.ms else est.bound)
     select_ms = b * h * n_q * n_k * _fitted(hw, "predictor_s_per_score") * 1e3
     return Estimate(est.name, est.ms + select_ms, flops, est.bytes, est.launches,
                     "latency" if select_ms > est.ms else est.bound)
+
+
+def estimate_block_statistics(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *,
+                              dtype_bytes: int = 2) -> Estimate:
+    """The predictor's block statistics as the graph computes them under Inductor (its Triton
+    schedule for a LLaMA block: the per-token norm fuses into the RoPE kernel that writes Q and K;
+    the block sums are one reduction kernel per tensor that reads Q or K once more, and the
+    self-similarity one small kernel each): Q and K read at the pooling launch's fitted efficiency
+    (predictor_pool_memory_efficiency: the same streaming read), the fp32 statistics written at the
+    pointwise rate, STATISTICS_LAUNCHES launches. Not yet fitted to a GPU run of the graph
+    (bench/bench_sparse_attention.py --in-model measures it)."""
+    n_q, n_k = _blocks(lq, BLOCK_M), _blocks(lk, BLOCK_N)
+    read = dtype_bytes * (b * h * lq * d + b * hkv * lk * d)
+    written = 8 * (b * h * n_q * (d + 1) + b * hkv * n_k * (d + 1))  # sums written, read back, scaled
+    flops = 5.0 * d * (b * h * lq + b * hkv * lk)  # square, norm, scale, two sums per element
+    name = "sparse attention block statistics (graph)"
+    if not hw.is_gpu:
+        return cost_model.roofline(hw, name, flops=flops, bytes_moved=read + written, launches=STATISTICS_LAUNCHES,
+                                   family="pointwise", unit="fp32")
+    est = cost_model.roofline(hw, name, flops=flops, bytes_moved=written, launches=STATISTICS_LAUNCHES,
+                              family="pointwise", unit="fp32")
+    read_ms = read / (hw.memory_ceiling * _fitted(hw, "predictor_pool_memory_efficiency")) * 1e3
+    return Estimate(name, est.ms + read_ms, flops, read + written, est.launches,
+                    "memory" if read_ms > est.ms else est.bound)
 
 
 def estimate_sparse_kernel(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
@@ -77,12 +110,17 @@ def estimate_sparse_kernel(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: in
 
 
 def estimate_sparse_attention(hw, b: int, h: int, hkv: int, lq: int, lk: int, d: int, *, causal: bool, sparsity: float,
-                              dtype_bytes: int = 2, host_launches: float = 0.0) -> Estimate:
-    """Predictor + block-sparse flash kernel keeping (1 - sparsity) of the tiles dense attention
-    computes; with `host_launches` (units of `cost_model.host_paced`), at least the op's host path."""
+                              dtype_bytes: int = 2, host_launches: float = 0.0,
+                              statistics_in_graph: bool = False) -> Estimate:
+    """The predictor and the block-sparse flash kernel keeping (1 - sparsity) of the tiles dense
+    attention computes; with `host_launches` (units of `cost_model.host_paced`), at least the op's
+    host path. statistics_in_graph: the predictor's block statistics computed in the graph
+    (`estimate_block_statistics`) and the op's predictor on them, else the op pools Q and K."""
     kernel = estimate_sparse_kernel(hw, b, h, hkv, lq, lk, d, causal=causal, sparsity=sparsity, dtype_bytes=dtype_bytes)
-    predictor = estimate_predictor(hw, b, h, hkv, lq, lk, d, dtype_bytes=dtype_bytes)
-    est = cost_model.chain(f"sparse attention ({sparsity:.0%} of blocks skipped)", predictor, kernel)
+    parts = [estimate_predictor(hw, b, h, hkv, lq, lk, d, dtype_bytes=dtype_bytes, statistics_in_graph=statistics_in_graph)]
+    if statistics_in_graph:
+        parts.insert(0, estimate_block_statistics(hw, b, h, hkv, lq, lk, d, dtype_bytes=dtype_bytes))
+    est = cost_model.chain(f"sparse attention ({sparsity:.0%} of blocks skipped)", *parts, kernel)
     return cost_model.host_paced(hw, est, host_launches, "graphopt::sparse_attention host path")
 
 
@@ -118,7 +156,7 @@ BREAK_EVEN_SCAN_STEP = 8
 
 def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, causal: bool, sparsity: float,
                       dtype_bytes: int = 2, limit: int = BREAK_EVEN_SEARCH_LIMIT,
-                      host_launches: tuple[float, float] = (0.0, 0.0)) -> int | None:
+                      host_launches: tuple[float, float] = (0.0, 0.0), statistics_in_graph: bool = False) -> int | None:
     """The self-attention length L (Lq = Lk = L) from which predictor + sparse kernel are estimated
     faster than dense `backend`, or None if not even at `limit`. The sparse estimate's fixed parts
     (predictor launches, a row cost per query block) fall behind dense attention's L^2 as L grows,
@@ -133,7 +171,8 @@ def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, cau
         dense = estimate_dense(hw, backend, b, h, hkv, length, length, d, causal=causal, dtype_bytes=dtype_bytes,
                                host_launches=host_launches[1])
         sparse = estimate_sparse_attention(hw, b, h, hkv, length, length, d, causal=causal, sparsity=sparsity,
-                                           dtype_bytes=dtype_bytes, host_launches=host_launches[0])
+                                           dtype_bytes=dtype_bytes, host_launches=host_launches[0],
+                                           statistics_in_graph=statistics_in_graph)
         return sparse.ms < dense.ms
 
     if not wins(limit):
@@ -149,5 +188,6 @@ def break_even_length(hw, backend: str, b: int, h: int, hkv: int, d: int, *, cau
     return losses[-1] + 1 if losses else high
 
 
-__all__ = ["BREAK_EVEN_SCAN_STEP", "BREAK_EVEN_SEARCH_LIMIT", "PREDICTOR_LAUNCHES", "break_even_length", "estimate_dense", "estimate_predictor",
+__all__ = ["BREAK_EVEN_SCAN_STEP", "BREAK_EVEN_SEARCH_LIMIT", "PREDICTOR_LAUNCHES", "SELECTION_LAUNCHES", "STATISTICS_LAUNCHES", "break_even_length",
+           "estimate_block_statistics", "estimate_dense", "estimate_predictor",
            "estimate_sparse_attention", "estimate_sparse_kernel", "kept_tile_count", "priced_host_launches"]

@@ -12,8 +12,16 @@ skipping; a layer whose heads are all dense is declined. Without a plan (or for 
 does not name) the documented defaults apply: simthreshd1=0.6, cdfthreshd=0.98, PV skipping off;
 their error was not measured on this model, which the decision says.
 
+The predictor's block statistics (pooled Q and K blocks and their self-similarity) are either
+emitted as aten ops right after q and k are produced (`emit_block_statistics`), where the
+downstream compiler can fuse them with the kernels that produce q and k, the op's predictor then
+reading only those pooled rows; or computed by the op, which pools q and k itself. The cost model
+picks (`estimate_block_statistics`); `force` takes the graph. Under Inductor (its Triton schedule
+for a LLaMA block) the per-token norms fuse into the RoPE kernel that writes q and k, and the
+block sums are one reduction kernel that reads q or k once more.
+
 The cost model decides: dense time (the backend the attention pass chose, on the target GPU)
-against the predictor (3 launches) plus the block-sparse kernel at the plan's measured sparsity
+against the predictor plus the block-sparse kernel at the plan's measured sparsity
 (without a plan: an assumed ASSUMED_SPARSITY_WITHOUT_PLAN, recorded as such). Both estimates are
 rooflines fitted to the H200 timings (bench/results/sparse_attention_h200.json; see
 the constants in graphopt/cost/sparse_attention.py). Where the kernel wins there (bf16, D=128, B=1, H=16, predictor
@@ -38,7 +46,7 @@ count does not match; a plan tuned under a larger L1 budget than the config's er
 non-GPU targets unless `force` (the CPU op runs the slow torch reference).
 
 ONNX: `graphopt::sparse_attention` exports as the standard `Attention` (opset 23) with the
-predicted block mask, computed in-graph from pooled Q/K with standard ops, expanded to a boolean
+predicted block mask, computed in-graph from the pooled Q/K blocks with standard ops, expanded to a boolean
 attn_mask (and the token-level causal mask). It is exact when PV skipping is off; PV skipping is
 not expressible in `Attention` and is dropped (the exported model is then the mask-only variant).
 """
@@ -61,11 +69,13 @@ from graphopt.cost.sparse_attention import (
     priced_host_launches,
 )
 from graphopt.cost_model import Estimate
-from graphopt.kernels.sparse_attention import BLOCK_M, BLOCK_N, DEFAULT_CDFTHRESHD, DEFAULT_SIMTHRESHD1
+from graphopt.kernels.sparse_attention import (BLOCK_M, BLOCK_N, DEFAULT_CDFTHRESHD, DEFAULT_SIMTHRESHD1,
+                                               block_statistics)
 from graphopt.onnx_registry import register_onnx_translation
 from graphopt.ops import DENSE_ATTENTION_TARGETS
 from graphopt.passes.base import GraphPass, PassContext, module_path
-from graphopt.passes.fx_utils import device, dtype, fix_symbolic_sizes, replace_with_call, size_hints, symbolic_size
+from graphopt.passes.fx_utils import (device, dtype, fake, fix_symbolic_sizes, replace_with_call, size_hints,
+                                     symbolic_size)
 from graphopt.passes.tensor_parallel import head_shard
 
 log = logging.getLogger("graphopt")
@@ -295,8 +305,16 @@ class SparseAttentionPass(GraphPass):
         host = priced_host_launches(ctx, backend, dense_is_op=site.match is None)
         before = estimate_dense(ctx.hardware, backend, b, h, hkv, lq, lk, d, causal=bool(is_causal), dtype_bytes=nbytes,
                                 host_launches=host[1])
-        after = estimate_sparse_attention(ctx.hardware, b, h, hkv, lq, lk, d, causal=bool(is_causal),
-                                          sparsity=sparsity, dtype_bytes=nbytes, host_launches=host[0])
+        # where the predictor's block statistics are computed: in the graph, or by the op pooling q and k
+        after, in_op = (estimate_sparse_attention(ctx.hardware, b, h, hkv, lq, lk, d, causal=bool(is_causal),
+                                                  sparsity=sparsity, dtype_bytes=nbytes, host_launches=host[0],
+                                                  statistics_in_graph=in_graph) for in_graph in (True, False))
+        in_graph = ctx.config.force or after.ms <= in_op.ms
+        pooling = (f"predictor's block statistics in the graph ({'forced' if ctx.config.force else 'estimated'} "
+                   f"{after.ms:.4f} ms against {in_op.ms:.4f} ms pooled in the op)")
+        if not in_graph:
+            after, pooling = in_op, (f"Q and K pooled in the op (estimated {in_op.ms:.4f} ms against {after.ms:.4f} ms "
+                                     "with the block statistics in the graph)")
         ok, why = self.accept(ctx, before, after)
         at = f"{sparsity:.0%} sparsity ({'assumed, no measurement' if assumed else 'measured by the tuner'})"
         # static lengths: the decision above is the one for every call. Forced with a symbolic
@@ -306,7 +324,8 @@ class SparseAttentionPass(GraphPass):
             # One graph serves every length: sparse from the cost model's break-even length on,
             # the dense backend below it (the op compares at run time).
             dense_below = break_even_length(ctx.hardware, backend, b, h, hkv, d, causal=bool(is_causal),
-                                            sparsity=sparsity, dtype_bytes=nbytes, host_launches=host)
+                                            sparsity=sparsity, dtype_bytes=nbytes, host_launches=host,
+                                            statistics_in_graph=in_graph)
             if dense_below is None:
                 raise _Decline(f"symbolic sequence length: the cost model predicts no win at any L up to "
                                f"{BREAK_EVEN_SEARCH_LIMIT} at {at}", before, after)
@@ -322,14 +341,51 @@ class SparseAttentionPass(GraphPass):
                   for x, name in ((sim, "sparse_sim1"), (cdf, "sparse_cdf"))]
         pv_tensor = torch.tensor(pv, dtype=torch.float32, device=dev) if pv is not None else torch.empty(0, device=dev)
         consts.append(ctx.add_constant(pv_tensor, "sparse_pv"))
-        ctx.record(self.name, True, f"{why} at {at}; thresholds: {source}", node=node, before=before, after=after,
-                   implementation="triton_sparse", layer=key, sparsity=sparsity, sparsity_assumed=assumed,
+        statistics = emit_block_statistics(ctx.gm.graph, q, k) if in_graph else ()
+        if in_graph and not statistics:
+            pooling = "Q and K pooled in the op (q or k carries no recorded value to trace the statistics on)"
+        ctx.record(self.name, True, f"{why} at {at}; thresholds: {source}; {pooling}", node=node, before=before,
+                   after=after, implementation="triton_sparse", layer=key, sparsity=sparsity, sparsity_assumed=assumed,
                    simthreshd1=sim, cdfthreshd=cdf, pvthreshd=pv, dense_backend=backend,
                    l1=None if layer is None else layer.get("l1"), heldout_l1=None if layer is None else layer.get("heldout_l1"),
-                   location_key=module_path(node), dense_below=dense_below, host_launches=host)
-        q, k, v = node.args[:3]
+                   location_key=module_path(node), dense_below=dense_below, host_launches=host,
+                   statistics_in_graph=bool(statistics))
+        v = node.args[2]
         return replace_with_call(ctx, node, torch.ops.graphopt.sparse_attention.default,
-                                 (q, k, v, float(scale), bool(is_causal), *consts, dense_below, backend))
+                                 (q, k, v, float(scale), bool(is_causal), *consts, dense_below, backend, *statistics))
+
+
+def emit_block_statistics(graph: fx.Graph, q: fx.Node, k: fx.Node) -> tuple[fx.Node, ...]:
+    """The predictor's block statistics of q and k (`block_statistics`: pooled blocks and their
+    self-similarity) as aten ops in the graph, right after q and k are produced, for the downstream
+    compiler to fuse with the kernels that produce q and k (their projection and RoPE). Under
+    Inductor the per-token norms fuse into the RoPE kernel; the block sums are a reduction kernel
+    that reads q or k once more. Traced on the recorded values
+    (symbolic sizes stay symbolic). Returns the nodes (pooled_q, sim_q, pooled_k, sim_k), or ()
+    where q or k has no recorded value (the op then pools them itself)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    values = fake(q), fake(k)
+    mode = getattr(values[0], "fake_mode", None)
+    if mode is None or not all(isinstance(value, torch.Tensor) for value in values):
+        return ()
+    with mode, enable_python_dispatcher():
+        # fresh values in one mode (a rewrite before this one may have recorded k in another)
+        inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in values]
+        traced = make_fx(lambda q, k: block_statistics(q, k), tracing_mode="real")(*inputs)
+    existing = set(graph.nodes)
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    after = max((q, k), key=position.__getitem__)
+    if after.op == "placeholder":  # graph inputs stay first
+        after = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(after.next):
+        outputs = graph.graph_copy(traced.graph, dict(zip(inputs, (q, k))))
+    for node in graph.nodes:
+        if node not in existing:  # later passes read the recorded value Dynamo's nodes carry
+            node.meta.setdefault("example_value", node.meta.get("val"))
+    return tuple(outputs)
 
 
 PASS = SparseAttentionPass()
@@ -367,14 +423,19 @@ def _onnx_sparse_attention():
         return pooled, sim, n
 
     def sparse_attention(q, k, v, scale: float, is_causal: bool, simthreshd1, cdfthreshd, pvthreshd,
-                         dense_below: int, dense_backend: str):
+                         dense_below: int, dense_backend: str, pooled_q=None, sim_q=None, pooled_k=None, sim_k=None):
         # PV skipping (pvthreshd) is dropped: Attention has no equivalent; exact when it is off.
         # dense_backend has no meaning in ONNX: below dense_below the mask keeps every block.
+        # The block statistics come from the graph (the pass emits them) or are pooled here.
         zero = op.Constant(value_ints=[0])
         one = op.Constant(value_ints=[1])
         neg_inf = op.Constant(value_float=-math.inf)
-        pooled_q, sim_q, n_q = pool(q, BLOCK_M)
-        pooled_k, sim_k, n_k = pool(k, BLOCK_N)
+        if pooled_q is None:
+            pooled_q, sim_q, n_q = pool(q, BLOCK_M)
+            pooled_k, sim_k, n_k = pool(k, BLOCK_N)
+        else:
+            n_q = op.Slice(op.Shape(pooled_q), op.Constant(value_ints=[2]), op.Constant(value_ints=[3]))
+            n_k = op.Slice(op.Shape(pooled_k), op.Constant(value_ints=[2]), op.Constant(value_ints=[3]))
         shape_q = op.Shape(q)
         heads = op.Slice(shape_q, one, op.Constant(value_ints=[2]))
         kv_heads = op.Slice(op.Shape(k), one, op.Constant(value_ints=[2]))

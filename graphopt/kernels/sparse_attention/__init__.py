@@ -9,7 +9,9 @@ kv head h // (H // Hkv)). Thresholds are floats or per-head 1-D tensors of lengt
 
 Predictor (one row per query block of BLOCK_M tokens, one column per key block of BLOCK_N tokens;
 the predictor's block sizes are the kernel's):
-  1. Mean-pool each block of Q and K.
+  1. Mean-pool each block of Q and K (with step 2: `block_statistics`, plain torch; the only step
+     that reads all of Q and K, so the sparse_attention pass can emit it into the graph, next to
+     the kernels that produce Q and K, and the op's predictor then reads only its pooled rows).
   2. Self-similarity of a block = mean cosine similarity over all pairs of its tokens (i = j pairs
      included: ||sum_i x_i/|x_i| ||^2 / n^2). A block at or below `simthreshd1` is "not similar":
      its pooled vector does not represent it, so it is always computed: a whole row for a query
@@ -26,7 +28,8 @@ the predictor's block sizes are the kernel's):
   The kernel reads the kept blocks of each row as a compact list: `lut[b, h, i, :counts[b, h, i]]`
   holds the kept key-block indices in ascending order.
   On the Triton path the predictor is three launches with no host synchronization (CUDA-graph
-  capturable): (1) pool Q and K blocks with their self-similarity into one fp32 workspace;
+  capturable; two where the block statistics are given, `select_block_lut`): (1) pool Q and K
+  blocks with their self-similarity into one fp32 workspace;
   (2) the pooled scores, a small GEMM per head; (3) per query block, in one warp: masked
   softmax, top-cdf and the compact list, in registers. Step 4 there needs no sort: a block is
   kept iff the mass of the strictly larger probabilities is < cdfthreshd, i.e. iff its
@@ -61,7 +64,7 @@ Caveats: inference only (no autograd). The Triton path needs D <= 256 and q, k, 
 return a Python float; the fraction counts blocks skipped among those dense attention would
 compute (under causality, the blocks at or below the diagonal).
 
-Modules: `reference` (plain torch: geometry, thresholds, the predictor, the block lists, the
+Modules: `reference` (plain torch: geometry, thresholds, the block statistics and the predictor, the block lists, the
 attention over kept blocks), `attention_kernel` (the Triton kernel and what its TMA paths need),
 `predictor_kernels` and `predictor` (the Triton predictor and its launches), `api`
 (`sparse_attention`, `block_sparse_attention`), `synthetic` (`local_sink_qkv`). Every public name
@@ -88,6 +91,7 @@ from graphopt.kernels.sparse_attention.predictor import (
     pool_qk_triton,
     predict_block_lut,
     predictor_stages,
+    select_block_lut,
 )
 from graphopt.kernels.sparse_attention.reference import (
     BLOCK_M,
@@ -99,13 +103,16 @@ from graphopt.kernels.sparse_attention.reference import (
     allowed_block_count,
     block_mask_to_lut,
     block_sparse_attention_reference,
+    block_statistics,
     causal_block_geometry,
+    checked_block_statistics,
     lut_to_block_mask,
     per_head,
     pool_blocks,
     predict_block_mask,
     pv_skipping_requested,
     reference_sparse_attention,
+    select_block_mask,
     top_cdf_keep,
 )
 from graphopt.kernels.sparse_attention.synthetic import local_sink_qkv
@@ -126,8 +133,10 @@ del _name
 __all__ = [
     "BLOCK_M", "BLOCK_N", "DEFAULT_SIMTHRESHD1", "DEFAULT_CDFTHRESHD", "IMPLEMENTATIONS", "LOG2E", "POOL_LOOP_STAGES",
     "POOL_SLICE_ELEMENTS", "POOL_WARPS", "PREDICTOR_ROWS", "PREDICTOR_VARIANTS", "V3_SHAPE", "allowed_block_count",
-    "block_mask_to_lut", "block_sparse_attention", "block_sparse_attention_reference", "causal_block_geometry", "cdiv",
+    "block_mask_to_lut", "block_sparse_attention", "block_sparse_attention_reference", "block_statistics",
+    "causal_block_geometry", "cdiv", "checked_block_statistics",
     "host_descriptors_supported", "local_sink_qkv", "lut_to_block_mask", "per_head", "pool_blocks", "pool_qk_triton",
     "predict_block_lut", "predict_block_mask", "predictor_stages", "pv_skipping_requested", "reference_sparse_attention",
-    "single_loop_supported", "sparse_attention", "tma_loads_supported", "top_cdf_keep",
+    "select_block_lut", "select_block_mask", "single_loop_supported", "sparse_attention", "tma_loads_supported",
+    "top_cdf_keep",
 ]

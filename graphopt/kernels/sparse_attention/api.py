@@ -19,7 +19,7 @@ from graphopt.kernels.sparse_attention.attention_kernel import (
     host_descriptors_supported,
     tma_loads_supported,
 )
-from graphopt.kernels.sparse_attention.predictor import _require_triton, predict_block_lut
+from graphopt.kernels.sparse_attention.predictor import _require_triton, predict_block_lut, select_block_lut
 from graphopt.kernels.sparse_attention.reference import (
     BLOCK_M,
     BLOCK_N,
@@ -149,12 +149,16 @@ def sparse_attention(
     pvthreshd=None,
     return_sparsity: bool = False,
     implementation: str = "auto",
+    statistics=None,
 ):
     """Predicted block-sparse attention on (B, H, L, D) tensors (see the module docstring).
 
     implementation: "auto" (Triton on CUDA, the torch reference elsewhere), "triton" (also on CPU
-    under TRITON_INTERPRET=1), or "reference". The Triton path is 3 launches (2 predictor + 1
+    under TRITON_INTERPRET=1), or "reference". The Triton path is 4 launches (3 predictor + 1
     attention) with no host synchronization unless `return_sparsity` is asked for.
+    statistics: the predictor's block statistics `block_statistics(q, k)`, computed by the caller
+    (the sparse_attention pass emits them into the graph next to the kernel that produces Q and K);
+    the predictor then reads only them, never Q or K, and skips its pooling launch. None: pooled here.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not valid; valid choices: {', '.join(IMPLEMENTATIONS)}")
@@ -164,8 +168,13 @@ def sparse_attention(
     use_triton = implementation == "triton" or (implementation == "auto" and q.is_cuda and triton is not None)
     if not use_triton:
         return reference_sparse_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
-                                          cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, return_sparsity=return_sparsity)
-    lut, counts = predict_block_lut(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd)
+                                          cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, return_sparsity=return_sparsity,
+                                          statistics=statistics)
+    thresholds = dict(is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd)
+    if statistics is None:
+        lut, counts = predict_block_lut(q, k, **thresholds)
+    else:
+        lut, counts = select_block_lut(statistics, q.shape[2], k.shape[2], **thresholds)
     out = block_sparse_attention(q, k, v, lut, counts, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd)
     if return_sparsity:
         B, H, Lq, _ = q.shape

@@ -18,8 +18,8 @@ if triton is not None:
                    COLS: tl.constexpr):
         """The (ROWS query blocks x COLS key blocks) tile of one head's block mask that a predictor
         program owns: its head h; query block indices `rows` and key block indices `cols` with
-        their bounds masks; and their int64 rows in the workspace's pooled_q / sim_q (`q_rows`,
-        B*H*nQ of them) and pooled_k / sim_k (`k_rows`, B*HKV*nK, the head's KV group)."""
+        their bounds masks; and their int64 rows in pooled_q / sim_q (`q_rows`, B*H*nQ of them) and
+        pooled_k / sim_k (`k_rows`, B*HKV*nK, the head's KV group)."""
         h = pid_bh % H
         kv_bh = (pid_bh // H) * (H // KV_GROUP) + h // KV_GROUP
         rows = pid_r * ROWS + tl.arange(0, ROWS)
@@ -136,7 +136,7 @@ if triton is not None:
         return tl.sum(tl.where(probs > t[:, None], probs, 0.0), 1)
 
     @triton.jit
-    def _pooled_scores(work_ptr, q_rows, row_ok, k_rows, col_ok, off_pooled_k, HEAD_DIM: tl.constexpr,
+    def _pooled_scores(pooled_q_ptr, pooled_k_ptr, q_rows, row_ok, k_rows, col_ok, HEAD_DIM: tl.constexpr,
                        D_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                        PRECISION: tl.constexpr):
         """Unscaled pooled scores (ROWS, COLS) = pooled_q[q_rows] (ROWS, D) @ pooled_k[k_rows]^T, in
@@ -145,9 +145,9 @@ if triton is not None:
         scores = tl.zeros([ROWS, COLS], dtype=tl.float32)
         for d0 in tl.static_range(0, BLOCK_D, D_CHUNK):
             offs_d = d0 + tl.arange(0, D_CHUNK)
-            pq = tl.load(work_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
+            pq = tl.load(pooled_q_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
                          mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            pkt = tl.load(work_ptr + off_pooled_k + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
+            pkt = tl.load(pooled_k_ptr + k_rows[None, :] * HEAD_DIM + offs_d[:, None],
                           mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
             scores = tl.dot(pq, pkt, scores, input_precision=PRECISION)
         return scores
@@ -155,8 +155,8 @@ if triton is not None:
     @triton.jit
     def _select_blocks(
         scores, rows, row_ok, cols, col_ok, q_rows, k_rows, h,
-        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
-        Lq, Lk, N_K_BLOCKS, off_sim_q, off_sim_k,
+        sim_q_ptr, sim_k_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
+        Lq, Lk, N_K_BLOCKS,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     ):
@@ -168,8 +168,8 @@ if triton is not None:
         cdf_thresh = cdf_thresh + tl.zeros([ROWS], dtype=tl.float32)  # (ROWS,): a tensor in every mode
         # Boolean algebra in int32 (0/1): the interpreter and the compiler agree on it. The (ROWS,
         # N_K_POW2) masks are cheap to rebuild, so they are rebuilt where needed, not kept live.
-        q_similar = (tl.load(work_ptr + off_sim_q + q_rows, mask=row_ok, other=0.0) > sim_thresh).to(tl.int32)
-        k_similar = (tl.load(work_ptr + off_sim_k + k_rows, mask=col_ok, other=0.0) > sim_thresh).to(tl.int32)
+        q_similar = (tl.load(sim_q_ptr + q_rows, mask=row_ok, other=0.0) > sim_thresh).to(tl.int32)
+        k_similar = (tl.load(sim_k_ptr + k_rows, mask=col_ok, other=0.0) > sim_thresh).to(tl.int32)
         allowed = _allowed_blocks(rows, cols, col_ok, Lq, BLOCK_M, BLOCK_N, ROWS, N_K_POW2, IS_CAUSAL)
         # at least one block per row: the allowed block with the highest pooled score (taken here:
         # the scores are dead after the softmax)
@@ -219,9 +219,9 @@ if triton is not None:
 
     @triton.jit
     def _predict_lut_kernel_v2(
-        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
+        pooled_q_ptr, sim_q_ptr, pooled_k_ptr, sim_k_ptr,
+        sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
         H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, scale,
-        off_sim_q, off_pooled_k, off_sim_k,
         HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
@@ -230,11 +230,11 @@ if triton is not None:
         compact ascending lists lut[row, :count] the attention kernel reads, in registers."""
         h, rows, row_ok, cols, col_ok, q_rows, k_rows = _mask_tile(
             tl.program_id(0), 0, tl.program_id(1), H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS, N_K_POW2)
-        scores = _pooled_scores(work_ptr, q_rows, row_ok, k_rows, col_ok, off_pooled_k,
+        scores = _pooled_scores(pooled_q_ptr, pooled_k_ptr, q_rows, row_ok, k_rows, col_ok,
                                 HEAD_DIM, D_CHUNK, BLOCK_D, ROWS, N_K_POW2, "ieee")
         _select_blocks(scores * scale, rows, row_ok, cols, col_ok, q_rows, k_rows, h,
-                       work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
-                       Lq, Lk, N_K_BLOCKS, off_sim_q, off_sim_k,
+                       sim_q_ptr, sim_k_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
+                       Lq, Lk, N_K_BLOCKS,
                        BLOCK_M, BLOCK_N, ROWS, N_K_POW2, IS_CAUSAL, PER_HEAD, PIVOTS, SEARCH_STEPS)
 
     # v3 (the default): v2's LUT launch split in two. v2 runs one program per 16 query blocks (the
@@ -244,24 +244,24 @@ if triton is not None:
     # sums are warp shuffles with no barrier, and there are 16 times more programs.
     @triton.jit
     def _pooled_scores_kernel(
-        work_ptr, H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, scale, off_pooled_k, off_scores,
+        pooled_q_ptr, pooled_k_ptr, scores_ptr, H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, scale,
         HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
         ROWS: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """Grid (cdiv(nQ, ROWS), cdiv(nK, COLS), B*H): scores[q_row, col] = scale * pooled_q . pooled_k,
-        into the workspace (B*H*nQ, nK). PRECISION "ieee": one fp32 FMA chain over D per score, as
+        into scores (B*H*nQ, nK). PRECISION "ieee": one fp32 FMA chain over D per score, as
         in v2; "tf32x3": three TF32 tensor-core products (about fp32 accuracy, other rounding)."""
         _, rows, row_ok, cols, col_ok, q_rows, k_rows = _mask_tile(
             tl.program_id(0), tl.program_id(1), tl.program_id(2), H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS, COLS)
-        scores = _pooled_scores(work_ptr, q_rows, row_ok, k_rows, col_ok, off_pooled_k,
+        scores = _pooled_scores(pooled_q_ptr, pooled_k_ptr, q_rows, row_ok, k_rows, col_ok,
                                 HEAD_DIM, D_CHUNK, BLOCK_D, ROWS, COLS, PRECISION)
-        tl.store(work_ptr + off_scores + q_rows[:, None] * N_K_BLOCKS + cols[None, :], scores * scale,
+        tl.store(scores_ptr + q_rows[:, None] * N_K_BLOCKS + cols[None, :], scores * scale,
                  mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _select_blocks_kernel(
-        work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
-        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS, off_sim_q, off_sim_k, off_scores,
+        scores_ptr, sim_q_ptr, sim_k_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
+        H, KV_GROUP, Lq, Lk, N_Q_BLOCKS, N_K_BLOCKS,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, N_K_POW2: tl.constexpr,
         IS_CAUSAL: tl.constexpr, PER_HEAD: tl.constexpr, PIVOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     ):
@@ -270,9 +270,9 @@ if triton is not None:
         columns across warps, and every row sum of the search then crosses shared memory.)"""
         h, rows, row_ok, cols, col_ok, q_rows, k_rows = _mask_tile(
             tl.program_id(0), 0, tl.program_id(1), H, KV_GROUP, N_Q_BLOCKS, N_K_BLOCKS, ROWS, N_K_POW2)
-        scores = tl.load(work_ptr + off_scores + q_rows[:, None] * N_K_BLOCKS + cols[None, :],
+        scores = tl.load(scores_ptr + q_rows[:, None] * N_K_BLOCKS + cols[None, :],
                          mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         _select_blocks(scores, rows, row_ok, cols, col_ok, q_rows, k_rows, h,
-                       work_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
-                       Lq, Lk, N_K_BLOCKS, off_sim_q, off_sim_k,
+                       sim_q_ptr, sim_k_ptr, sim_thresh_ptr, cdf_thresh_ptr, sim_thresh, cdf_thresh, lut_ptr, count_ptr,
+                       Lq, Lk, N_K_BLOCKS,
                        BLOCK_M, BLOCK_N, ROWS, N_K_POW2, IS_CAUSAL, PER_HEAD, PIVOTS, SEARCH_STEPS)

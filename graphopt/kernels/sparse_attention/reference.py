@@ -110,7 +110,7 @@ def allowed_block_count(b: int, h: int, lq: int, lk: int, is_causal: bool, block
 def pool_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean-pooled blocks and their self-similarity: x (B, H, L, D) -> (B, H, n, D), (B, H, n) fp32."""
     B, H, L, D = x.shape
-    n = cdiv(L, block)
+    n = (L + block - 1) // block  # no negative floor division (cdiv's): ONNX exports it as truncation
     xf = F.pad(x.float(), (0, 0, 0, n * block - L)).view(B, H, n, block, D)  # padded tokens are 0
     counts = torch.clamp(L - torch.arange(n, device=x.device) * block, max=block).to(torch.float32)
     pooled = xf.sum(3) / counts[:, None]
@@ -127,9 +127,43 @@ def top_cdf_keep(probs: torch.Tensor, cdfthreshd: torch.Tensor) -> torch.Tensor:
     return probs >= smallest_kept
 
 
-def predict_block_mask(
-    q: torch.Tensor,
-    k: torch.Tensor,
+def block_statistics(q: torch.Tensor, k: torch.Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
+    """The predictor's per-block statistics, the only part of it that reads all of Q and K:
+    (pooled_q (B, H, nQ, D), sim_q (B, H, nQ), pooled_k (B, Hkv, nK, D), sim_k (B, Hkv, nK)), fp32
+    (`pool_blocks`). Plain torch ops: the sparse_attention pass can emit them into the graph, next
+    to the kernels that produce Q and K, and pass them to graphopt::sparse_attention."""
+    return (*pool_blocks(q, block_m), *pool_blocks(k, block_n))
+
+
+def checked_block_statistics(statistics, lq: int, lk: int, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
+    """`statistics` as four contiguous fp32 tensors, after checking that they are `block_statistics`
+    of queries of length lq and keys of length lk at blocks of block_m / block_n tokens."""
+    if not isinstance(statistics, (tuple, list)) or len(statistics) != 4 \
+            or not all(isinstance(t, torch.Tensor) for t in statistics):
+        raise ValueError("block statistics must be four tensors (pooled_q, sim_q, pooled_k, sim_k), as "
+                         "block_statistics(q, k) returns them")
+    pooled_q, sim_q, pooled_k, sim_k = statistics
+    n_q, n_k = cdiv(lq, block_m), cdiv(lk, block_n)
+    ok = pooled_q.dim() == 4 and pooled_k.dim() == 4
+    if ok:
+        B, H, _, D = pooled_q.shape
+        Hkv = pooled_k.shape[1]
+        ok = (pooled_q.shape[2] == n_q and pooled_k.shape == (B, Hkv, n_k, D) and tuple(sim_q.shape) == (B, H, n_q)
+              and tuple(sim_k.shape) == (B, Hkv, n_k) and Hkv > 0 and H % Hkv == 0)
+    if not ok:
+        raise ValueError(f"block statistics of shapes {[tuple(t.shape) for t in statistics]} do not match Lq={lq}, "
+                         f"Lk={lk} at blocks {block_m}x{block_n}: expected pooled_q (B, H, {n_q}, D), sim_q (B, H, "
+                         f"{n_q}), pooled_k (B, Hkv, {n_k}, D), sim_k (B, Hkv, {n_k}) with H % Hkv == 0")
+    if not all(t.is_floating_point() for t in statistics) or len({t.device for t in statistics}) != 1:
+        raise ValueError("block statistics must be floating-point tensors on one device; got "
+                         f"{[(t.dtype, str(t.device)) for t in statistics]}")
+    return tuple(t.to(torch.float32).contiguous() for t in statistics)
+
+
+def select_block_mask(
+    statistics,
+    lq: int,
+    lk: int,
     *,
     is_causal: bool = False,
     scale: float | None = None,
@@ -138,22 +172,22 @@ def predict_block_mask(
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
 ) -> torch.Tensor:
-    """Kept QK blocks, bool (B, H, nQ, nK), nQ = ceil(Lq / block_m), nK = ceil(Lk / block_n)."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    group = H // k.shape[1]
+    """Kept QK blocks, bool (B, H, nQ, nK), from the block statistics of `block_statistics` for
+    queries of length lq and keys of length lk (reads only the pooled rows)."""
+    pooled_q, sim_q, pooled_k, sim_k = checked_block_statistics(statistics, lq, lk, block_m, block_n)
+    device = pooled_q.device
+    B, H, n_q, D = pooled_q.shape
+    group = H // pooled_k.shape[1]
+    n_k = pooled_k.shape[2]
     scale = D**-0.5 if scale is None else float(scale)
-    sim1 = per_head(simthreshd1, H, "simthreshd1", q.device).view(1, H, 1)
-    cdf = per_head(cdfthreshd, H, "cdfthreshd", q.device).view(1, H, 1, 1)
-    pooled_q, sim_q = pool_blocks(q, block_m)  # (B, H, nQ, D), (B, H, nQ)
-    pooled_k, sim_k = pool_blocks(k, block_n)  # (B, Hkv, nK, D), (B, Hkv, nK)
+    sim1 = per_head(simthreshd1, H, "simthreshd1", device).view(1, H, 1)
+    cdf = per_head(cdfthreshd, H, "cdfthreshd", device).view(1, H, 1, 1)
     if group > 1:
         pooled_k, sim_k = pooled_k.repeat_interleave(group, 1), sim_k.repeat_interleave(group, 1)
-    n_q, n_k = pooled_q.shape[2], pooled_k.shape[2]
     if is_causal:
-        allowed, diagonal = causal_block_geometry(n_q, n_k, Lq, Lk, block_m, block_n, q.device)
+        allowed, diagonal = causal_block_geometry(n_q, n_k, lq, lk, block_m, block_n, device)
     else:
-        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
         diagonal = torch.zeros_like(allowed)
     q_similar = (sim_q > sim1)[..., :, None]  # (B, H, nQ, 1)
     k_similar = (sim_k > sim1)[..., None, :]  # (B, H, 1, nK)
@@ -166,8 +200,28 @@ def predict_block_mask(
     # At least one block per row: the allowed block with the highest pooled score.
     best = scores.masked_fill(~allowed, -torch.inf).argmax(-1, keepdim=True)
     empty = ~keep.any(-1, keepdim=True)
-    keep |= empty & (torch.arange(n_k, device=q.device) == best)
+    keep |= empty & (torch.arange(n_k, device=device) == best)
     return keep
+
+
+def predict_block_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    simthreshd1=DEFAULT_SIMTHRESHD1,
+    cdfthreshd=DEFAULT_CDFTHRESHD,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """Kept QK blocks, bool (B, H, nQ, nK), nQ = ceil(Lq / block_m), nK = ceil(Lk / block_n)."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"the predictor needs q (B, H, Lq, D) and k (B, Hkv, Lk, D) with H % Hkv == 0; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return select_block_mask(block_statistics(q, k, block_m, block_n), q.shape[2], k.shape[2], is_causal=is_causal,
+                             scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, block_m=block_m,
+                             block_n=block_n)
 
 
 def block_mask_to_lut(block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,13 +314,17 @@ def reference_sparse_attention(
     return_sparsity: bool = False,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
+    statistics=None,
 ):
-    """Plain-torch sparse attention with the semantics of `sparse_attention` (runs anywhere)."""
+    """Plain-torch sparse attention with the semantics of `sparse_attention` (runs anywhere).
+    statistics: `block_statistics(q, k, block_m, block_n)` computed by the caller, or None."""
     _check_inputs(q, k, v, is_causal)
     if _no_blocks(q, k):
         return _empty_result(q, v, return_sparsity)
-    mask = predict_block_mask(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
-                              cdfthreshd=cdfthreshd, block_m=block_m, block_n=block_n)
+    if statistics is None:
+        statistics = block_statistics(q, k, block_m, block_n)
+    mask = select_block_mask(statistics, q.shape[2], k.shape[2], is_causal=is_causal, scale=scale,
+                             simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, block_m=block_m, block_n=block_n)
     out = block_sparse_attention_reference(q, k, v, mask, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd,
                                            block_m=block_m, block_n=block_n)
     if return_sparsity:
