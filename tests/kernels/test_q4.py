@@ -446,6 +446,29 @@ def test_every_candidate_tile_the_tuner_may_pick_computes_the_product(tokens, mo
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.gpu
+def test_the_tuner_leaves_out_a_tile_whose_product_is_wrong(monkeypatch, tmp_path, caplog):
+    """Only the untuned default computes the right product here (every other tile's output is
+    corrupted): the tuner must pick the default, whatever the others' speed."""
+    from graphopt.kernels.q4 import tune
+
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_MEMORY", {})
+    x, qweight, scales, _ = _problem(4, 256, 512, torch.bfloat16, seed=3)
+    default = q4.default_config(4, False)
+    real = tune.q4_linear_triton
+
+    def corrupted(*args, config=None, **kwargs):
+        y = real(*args, config=config, **kwargs)
+        return y if config == default else y * 1.5
+
+    monkeypatch.setattr(tune, "q4_linear_triton", corrupted)
+    with caplog.at_level("WARNING", logger=tune.__name__):
+        kernel = q4.tune_q4_linear(tuple(x.shape), qweight, scales, False, x.dtype, "separate", False)
+    assert q4.kernel_config(kernel) == default
+    assert "wrong product" in caplog.text
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="tiles are timed on a GPU")
 @pytest.mark.parametrize("mode,tokens", [("fused", 1), ("separate", 4), ("fused", 40)])
 def test_tune_q4_linear_times_once_and_the_op_runs_its_choice(mode, tokens, monkeypatch, tmp_path):

@@ -6,6 +6,7 @@ a user's forward."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -15,7 +16,7 @@ from graphopt.hardware import timing
 from graphopt.kernels import tuning
 from graphopt.kernels.launch import INTERPRET, next_power_of_2
 from graphopt.kernels.q4.configs import DECODE_MAX_TOKENS, TileConfig, candidate_configs, default_config, tma_configs
-from graphopt.kernels.q4.format import _check_k, _check_weight
+from graphopt.kernels.q4.format import _check_k, _check_weight, reference_q4_linear
 from graphopt.kernels.q4.launcher import _tma_runs, q4_linear_triton
 
 
@@ -24,6 +25,16 @@ def _autotune_enabled() -> bool:
     running (timing would launch into it), and GRAPHOPT_Q4_AUTOTUNE not 0."""
     return (torch.cuda.is_available() and not INTERPRET and os.environ.get("GRAPHOPT_Q4_AUTOTUNE", "1") != "0"
             and not torch.cuda.is_current_stream_capturing())
+
+
+_LOG = logging.getLogger(__name__)
+
+
+def _agrees(y: torch.Tensor, reference: torch.Tensor) -> bool:
+    """A tile's output equals the reference up to fp32 summation order and the output's rounding."""
+    eps = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}.get(y.dtype, 8e-3)
+    scale = reference.abs().max().item()
+    return bool(torch.isfinite(y).all()) and (y.double() - reference.double()).abs().max().item() <= eps * scale + 1e-6
 
 
 def _token_bucket(m: int) -> int:
@@ -85,9 +96,15 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
         return q4_linear_triton(x, qw, sc, b, mode, config=cfg)
 
     cold_weights = timing.cold_copies((qweight, scales)) if m <= DECODE_MAX_TOKENS else None
+    # Every candidate is checked before it is timed: the fastest tile must also be right on this
+    # GPU and shape (split-K reductions and inline-asm paths run only here, not in the interpreter).
+    reference = reference_q4_linear(x, qweight, scales, b)
     best, best_ms = default_config(m, mode == "fused"), math.inf
     for config in candidate_configs(m, mode == "fused") + (tma_configs(m) if tma else []):
         try:
+            if not _agrees(run(config), reference):
+                _LOG.warning("q4 tile %s gives a wrong product at %dx%dx%d (%s); left out of tuning", config.name, m, n, k, mode)
+                continue
             ms = _time_config(run, config, m, cold_weights)
         except Exception:  # out of shared memory / registers for this tile: skip it
             continue
