@@ -318,6 +318,13 @@ def bench_backward(args, device, dtype) -> list[dict]:
     rewrite emits it and compiled from a naive module under Inductor."""
     import graphopt  # noqa: F401  registers the graphopt::* ops
 
+    # The backward alone replays one recorded backward (retain_graph), which AOT autograd's donated
+    # buffers forbid in the compiled row; donation saves memory, not time.
+    with torch._functorch.config.patch(donated_buffer=False):
+        return _backward_rows(args, device, dtype)
+
+
+def _backward_rows(args, device, dtype) -> list[dict]:
     rows = []
     heads, head_dim = args.heads, args.head_dim
     for length in args.bwd_lengths:
