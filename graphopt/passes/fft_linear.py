@@ -134,7 +134,7 @@ def _state_value(ctx: PassContext, node) -> torch.Tensor | None:
 
 def _operand_tables(ctx: PassContext, shared: dict, impl: str, x, in_features: int, block_size: int, coeff_real,
                     coeff_imag, perms) -> dict[str, fx.Node]:
-    """get_attr nodes of the operand tables of `impl` that can be built now (see
+    """get_attr nodes of the operand tables of `impl` that can be built at compile time (see
     fft_chain.operand_tables); none for an exported graph (ONNX has its own form of the op). The
     DFT matrices, and source indices of equal permutations, are one constant per graph (`shared`)."""
     dev, dt = device(x), dtype(x)
