@@ -126,10 +126,7 @@ class Fp4LinearPass(GraphPass):
         second quantization, whatever fp4_format says); on a GPU the op gets the cost model's path
         and tile for its token count here, as the pass's own rewrites do. One Decision each, not
         applied (nothing is rewritten)."""
-        op = torch.ops.graphopt.fp4_linear.default
-        for node in list(ctx.gm.graph.nodes):
-            if node.op != "call_function" or node.target is not op:
-                continue
+        for node in ctx.gm.graph.find_nodes(op="call_function", target=torch.ops.graphopt.fp4_linear.default):
             codes = model_state_input(ctx, arg(node, 1, "codes"))
             if codes is None:
                 continue

@@ -69,6 +69,7 @@ from graphopt.passes.base import GraphPass, PassContext, log
 from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical, dtype, find_linears, model_state_input,
                                       replace_linear, replace_siblings_with_call, replace_with_call, shape,
                                       sibling_groups)
+from graphopt.passes.fx_utils import tokens as token_count
 
 
 def _dtype_bytes(dt: torch.dtype | None) -> int:
@@ -113,16 +114,13 @@ class Q4LinearPass(GraphPass):
         op gets the cost model's mode (q4_mode) and, on a GPU, its tile for the token count here,
         as the pass's own rewrites do (modes and tiles give the same numbers up to fp32 summation
         order). One Decision each, not applied (nothing is rewritten)."""
-        op = torch.ops.graphopt.q4_linear.default
-        for node in list(ctx.gm.graph.nodes):
-            if node.op != "call_function" or node.target is not op:
-                continue
+        for node in ctx.gm.graph.find_nodes(op="call_function", target=torch.ops.graphopt.q4_linear.default):
             qweight = model_state_input(ctx, arg(node, 1, "qweight"))
             if qweight is None:
                 continue
             x, scales, bias = arg(node, 0, "x"), ctx.example_value(arg(node, 2, "scales")), arg(node, 3, "bias")
             act_dtype, xs = dtype(x), shape(x)
-            static = math.prod(xs[:-1]) if xs else None
+            static = token_count(x)
             k, n = (xs[-1] if xs else 2 * qweight.shape[1]), qweight.shape[0]
             reason = "already quantized to q4_0 in the model (graphopt.quantize_): weights kept as they are"
             if arg(node, 5, "kernel", "") or act_dtype not in q4k.SUPPORTED_ACT_DTYPES:
