@@ -96,6 +96,16 @@ def _free_gpu_memory():
         torch.cuda.empty_cache()
 
 
+def _training_inputs(batch, heads, length, head_dim, causal, seed, device, dtype):
+    """q, k, v and an output gradient (B, H, L, D) from `seed`, after freeing cached GPU memory, and
+    the forward's FLOPs (halved when causal)."""
+    _free_gpu_memory()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v, grad_out = (torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, generator=gen)
+                         for _ in range(4))
+    return q, k, v, grad_out, 4.0 * batch * heads * length * length * head_dim / (2 if causal else 1)
+
+
 def _free_bytes() -> float:
     if torch.cuda.is_available():
         return float(torch.cuda.mem_get_info()[0])
@@ -330,11 +340,7 @@ def _backward_rows(args, device, dtype) -> list[dict]:
     for length in args.bwd_lengths:
         batch = max(1, args.tokens // length)
         for causal in (False, True):
-            _free_gpu_memory()
-            gen = torch.Generator(device=device).manual_seed(length + 1)
-            q, k, v, grad_out = (torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, generator=gen)
-                                 for _ in range(4))
-            fwd_flops = 4.0 * batch * heads * length * length * head_dim / (2 if causal else 1)
+            q, k, v, grad_out, fwd_flops = _training_inputs(batch, heads, length, head_dim, causal, length + 1, device, dtype)
             scale = head_dim ** -0.5
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             F.scaled_dot_product_attention(*leaves, is_causal=causal).backward(grad_out)
@@ -410,11 +416,7 @@ def bench_variants(args, device, dtype) -> list[dict]:
     for length in args.variant_lengths:
         batch = max(1, args.tokens // length)
         for causal in (False, True):
-            _free_gpu_memory()
-            gen = torch.Generator(device=device).manual_seed(length + 2)
-            q, k, v, grad_out = (torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, generator=gen)
-                                 for _ in range(4))
-            flops = 4.0 * batch * heads * length * length * head_dim / (2 if causal else 1)
+            q, k, v, grad_out, flops = _training_inputs(batch, heads, length, head_dim, causal, length + 2, device, dtype)
             small = [t[:1, :2, : args.variant_check_length].contiguous() for t in (q, k, v, grad_out)]
             shape_rows = []
             for name, extra in variants.items():
