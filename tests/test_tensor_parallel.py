@@ -197,8 +197,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    """What each rank recorded, by rank. One spawn per test session: under pytest-xdist the workers
-    share the session's directory, and the first to take the lock runs it for all."""
+    """What each rank recorded, by rank. One spawn per pytest run: under pytest-xdist the workers
+    share the run's base temporary directory, and the first to take the lock runs it for all."""
     import torch.multiprocessing as mp
     from filelock import FileLock
 
