@@ -76,11 +76,14 @@ def _q8_1_quantize(x, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _store_fp16_bytes(ptrs, v, mask):
-    """v as fp16, little-endian, into the byte pairs at ptrs (uint8 pointers)."""
-    bits = v.to(tl.float16).to(tl.uint16, bitcast=True)
-    tl.store(ptrs, (bits & 0xFF).to(tl.uint8), mask=mask)
-    tl.store(ptrs + 1, (bits >> 8).to(tl.uint8), mask=mask)
+def _store_q8_1_header(block_ptrs, d, s, mask):
+    """The 4-byte header of each block (fp16 d, then fp16 s, little-endian) as one 32-bit word,
+    through a word pointer into the uint8 output (blocks start at multiples of 36 bytes: aligned).
+    Storing the fp16 bytes one by one is miscompiled for sm_90 by Triton 3.6's toolchain: the low
+    byte of d became F2I.U8 of d's value (0 for small d)."""
+    d_bits = d.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    s_bits = s.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    tl.store(block_ptrs.to(tl.pointer_type(tl.uint32)), d_bits | (s_bits << 16), mask=mask)
 
 
 @triton.jit
@@ -89,8 +92,9 @@ def _quantize_q8_1_kernel(
     M, NB, stride_xm, stride_om,
     BLOCKS: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """Writes every byte through the one uint8 output (no dtype views of it: a traced graph copies
-    each tensor argument a kernel writes, and two overlapping views would overwrite each other)."""
+    """Writes every byte through the one uint8 output (no dtype views of it passed in: a traced
+    graph copies each tensor argument a kernel writes, and two overlapping views would overwrite
+    each other); the headers go through a word pointer cast inside the kernel."""
     pid_m = tl.program_id(0)
     blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)  # (BLOCKS,)
     j = tl.arange(0, 32)
@@ -100,8 +104,7 @@ def _quantize_q8_1_kernel(
     s = tl.sum(qi, axis=1).to(tl.float32) * d  # ggml: (float) sum * d with the float32 d
     block_ptrs = out_ptr + pid_m * stride_om + blocks * 36  # (BLOCKS,): fp16 d, fp16 s, 32 int8 q
     tl.store(block_ptrs[:, None] + 4 + j[None, :], qi.to(tl.int8).to(tl.uint8, bitcast=True), mask=mask)
-    _store_fp16_bytes(block_ptrs, d, blocks < NB)
-    _store_fp16_bytes(block_ptrs + 2, s, blocks < NB)
+    _store_q8_1_header(block_ptrs, d, s, blocks < NB)
 
 
 @triton.jit

@@ -40,6 +40,9 @@ CASES = {
     "alibi-causal-gqa-fp16": (1, 4, 1, 45, 45, 64, True, 0.0, True, None, torch.float16),
     "alibi-additive-bias": (2, 2, 2, 19, 37, 40, False, 0.0, True, "float", torch.float32),
     "softcap-alibi-causal": (1, 2, 2, 33, 33, 32, True, 8.0, True, None, torch.float32),
+    # a cap past the fixed shift's range and an additive bias: the soft-capped forward's running max
+    "softcap-wide-cap": (1, 2, 2, 37, 37, 64, False, 70.0, False, None, torch.float32),
+    "softcap-additive-bias": (1, 2, 2, 19, 37, 40, True, 6.0, False, "float", torch.float32),
 }
 
 
@@ -89,6 +92,39 @@ def test_backward_matches_float64_reference(name):
                                    msg=lambda m: f"d{what}: {m}")
 
 
+def test_each_soft_capped_forward_mode_is_exercised():
+    """The soft-capped forward shifts by a constant where the scores are bounded (no additive
+    bias, no ALiBi, cap * log2(e) within the shift's range, bf16 or fp32) and keeps a running max
+    otherwise; the cases above cover both."""
+    from graphopt.kernels.flash_attention.launchers import _forward_softcap_mode
+    from graphopt.kernels.flash_attention.reference import BIAS_ADDITIVE, BIAS_BOOL, BIAS_NONE, LOG2E
+
+    kinds = {None: BIAS_NONE, "mask": BIAS_BOOL, "float": BIAS_ADDITIVE}
+    modes = {name: _forward_softcap_mode(bool(c[7]), c[7] * LOG2E, kinds[c[9]], c[8], c[10]) for name, c in CASES.items()}
+    assert modes["softcap"] == modes["softcap-causal-gqa"] == 2
+    assert modes["softcap-wide-cap"] == modes["softcap-additive-bias"] == modes["softcap-alibi-causal"] == 1
+    assert modes["softcap-padding-mask-fp16"] == 1  # fp16 weights would flush below 2^-24
+    assert modes["alibi"] == 0
+
+
+@pytest.mark.parametrize("cap", [5.0, 63.0])
+def test_soft_capped_rows_near_the_negative_cap_keep_their_weights(cap):
+    """Every score of a row near -cap (query opposite to all keys): with the constant shift the
+    weights are the smallest the forward makes (2^-120 at the widest cap it serves) and must not
+    underflow; the row is then the mean of V, as in the reference."""
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(1, 1, 40, 32, generator=gen).abs() + 1.0
+    q = -k[:, :, :9].mean(dim=2, keepdim=True).repeat(1, 1, 9, 1) * torch.linspace(50, 400, 9).view(1, 1, 9, 1)
+    v = torch.randn(1, 1, 40, 32, generator=gen)
+    q, k, v = (t.to(DEVICE) for t in (q, k, v))
+    options = dict(scale=1.0, is_causal=False, softcap=cap)
+    out, lse = flash_attention_forward(q, k, v, **options)
+    ref, ref_lse = _reference64(q, k, v, None, options, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out.double(), ref, atol=OUT_TOL[torch.float32], rtol=OUT_TOL[torch.float32])
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3 * cap, rtol=1e-4)
+
+
 def test_the_variants_change_the_result():
     """The flags reach the kernel: soft-capped or ALiBi output differs from plain attention's."""
     q, k, v, bias, options = _case("softcap-alibi-causal")
@@ -133,7 +169,7 @@ from graphopt.kernels.flash_attention import kernels
 
 variant = sys.argv[1]
 fn = kernels._flash_attention_fwd_kernel.fn
-consts = dict(HEAD_DIM=128, D_PAD=128, BIAS_KIND=0, IS_CAUSAL=False, SOFTCAP=variant == "softcap",
+consts = dict(HEAD_DIM=128, D_PAD=128, BIAS_KIND=0, IS_CAUSAL=False, SOFTCAP=2 if variant == "softcap" else 0,
               ALIBI=variant == "alibi", BLOCK_M=128, BLOCK_N=64)
 types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
 types.update(lse_ptr="*fp32", alibi_ptr="*fp32", qk_scale="fp32", cap_log2="fp32")

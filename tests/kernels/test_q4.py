@@ -158,11 +158,12 @@ def test_reference_formula_equals_dequantize_then_matmul():
     _assert_close_fp32_sum(q4.reference_q4_q8_gemm(xq, qweight, scales, bias), ref, torch.float32)
 
 
+@pytest.mark.parametrize("k", [160, 512])  # a partial last group of blocks, and whole groups only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_triton_q8_1_quantization_is_byte_exact(dtype):
-    x = (torch.randn(3, 160) * 4).to(dtype).to(DEVICE)
+def test_triton_q8_1_quantization_is_byte_exact(dtype, k):
+    x = (torch.randn(3, k, generator=torch.Generator().manual_seed(k)) * 4).to(dtype)
     x[1, :32] = 0  # an all-zero block
-    assert torch.equal(q4.quantize_q8_1_triton(x), q4.quantize_q8_1(x))
+    assert torch.equal(q4.quantize_q8_1_triton(x.to(DEVICE)).cpu(), q4.quantize_q8_1(x))
 
 
 def test_triton_q8_1_rounding_ties_match_hand_built_ggml_blocks():

@@ -69,6 +69,18 @@ def _biased_scores(qk, bias_base, stride_bias_m, stride_bias_n, rows, cols, Lq, 
             scores = tl.where(tl.load(bias_ptrs) != 0, scores, float("-inf"))
     return scores
 
+FIXED_SHIFT_MAX_CAP_LOG2 = 92.0  # the largest cap * log2(e) the fixed shift serves (see below)
+
+
+@triton.jit
+def _fixed_score_shift(cap_log2):
+    """The constant subtracted from soft-capped scores (log2 domain, in [-cap_log2, cap_log2])
+    instead of a running max: exp2 of the shifted scores spans [2^(S - 2 cap_log2), 2^S] with S =
+    max(0, 2 cap_log2 - 120), so no weight underflows fp32/bf16 (>= 2^-120) and, for cap_log2 <=
+    FIXED_SHIFT_MAX_CAP_LOG2, none exceeds 2^64 (the sums of a row stay far from fp32's range)."""
+    return cap_log2 - tl.maximum(2.0 * cap_log2 - 120.0, 0.0)
+
+
 @triton.jit
 def _alibi_slope(alibi_ptr, off_h, ALIBI: tl.constexpr):
     """Head off_h's ALiBi slope times log2(e) (0 without ALiBi)."""
@@ -89,6 +101,15 @@ def _alibi(slope_log2, idx, ref):
 
 # ---------------------------------------------------------------------------------- forward
 @triton.jit
+def _mask_block(scores, offs_m, offs_n, Lk, IS_CAUSAL: tl.constexpr):
+    """-inf at keys past Lk and, under causality, above the diagonal (top-left: j <= i)."""
+    valid = offs_n[None, :] < Lk
+    if IS_CAUSAL:
+        valid = valid & (offs_n[None, :] <= offs_m[:, None])
+    return tl.where(valid, scores, float("-inf"))
+
+
+@triton.jit
 def _fwd_key_blocks(acc, l_i, m_i, q, k_base, v_base, bias_base,
                     stride_kn, stride_vn, stride_bias_m, stride_bias_n,
                     offs_m, offs_d, lo, hi, Lq, Lk, qk_scale, cap_log2, slope_log2, start_m,
@@ -105,33 +126,43 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_base, v_base, bias_base,
         k_t = _load_tile(k_base + offs_n[None, :] * stride_kn + offs_d[:, None],  # (D_PAD, BLOCK_N)
                          offs_d, HEAD_DIM, offs_n, Lk, PAD_D, MASKED)
         qk = tl.dot(q, k_t)  # (BLOCK_M, BLOCK_N) fp32
-        if BIAS_KIND == 0 and not MASKED and not SOFTCAP and not ALIBI:
-            # Hot path: max of the raw products (qk_scale > 0), then one FMA per element.
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-        else:
+        if SOFTCAP == 2:
+            # Soft-capped scores never exceed cap_log2, so the shift m_i stays fixed (see
+            # _fixed_score_shift): no running max, no rescaling of acc and l_i.
             scores = _biased_scores(qk, bias_base, stride_bias_m, stride_bias_n, offs_m[:, None],
-                                    offs_n[None, :], Lq, Lk, qk_scale, cap_log2,
-                                    _alibi(slope_log2, offs_n, start_m)[None, :], BIAS_KIND, SOFTCAP, ALIBI)
+                                    offs_n[None, :], Lq, Lk, qk_scale, cap_log2, 0.0, BIAS_KIND, SOFTCAP, ALIBI)
             if MASKED:
-                valid = offs_n[None, :] < Lk
-                if IS_CAUSAL:
-                    valid = valid & (offs_n[None, :] <= offs_m[:, None])  # top-left: j <= i
-                scores = tl.where(valid, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            if BIAS_KIND != 0:
-                # A row may have seen only -inf so far; subtract 0 instead of -inf to avoid NaN.
-                m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                scores = _mask_block(scores, offs_m, offs_n, Lk, IS_CAUSAL)
+            p = tl.exp2(scores - m_i[:, None])
+            l_i += tl.sum(p, 1)
+            v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
+                           offs_n, Lk, offs_d, HEAD_DIM, MASKED, PAD_D)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        else:
+            if BIAS_KIND == 0 and not MASKED and not SOFTCAP and not ALIBI:
+                # Hot path: max of the raw products (qk_scale > 0), then one FMA per element.
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                p = tl.exp2(qk * qk_scale - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
             else:
-                m_shift = m_new
-            p = tl.exp2(scores - m_shift[:, None])
-            alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],  # (BLOCK_N, D_PAD)
-                       offs_n, Lk, offs_d, HEAD_DIM, MASKED, PAD_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+                scores = _biased_scores(qk, bias_base, stride_bias_m, stride_bias_n, offs_m[:, None],
+                                        offs_n[None, :], Lq, Lk, qk_scale, cap_log2,
+                                        _alibi(slope_log2, offs_n, start_m)[None, :], BIAS_KIND, SOFTCAP, ALIBI)
+                if MASKED:
+                    scores = _mask_block(scores, offs_m, offs_n, Lk, IS_CAUSAL)
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                if BIAS_KIND != 0:
+                    # A row may have seen only -inf so far; subtract 0 instead of -inf to avoid NaN.
+                    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_shift = m_new
+                p = tl.exp2(scores - m_shift[:, None])
+                alpha = tl.exp2(m_i - m_shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],  # (BLOCK_N, D_PAD)
+                           offs_n, Lk, offs_d, HEAD_DIM, MASKED, PAD_D)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
     return acc, l_i, m_i
 
 @triton.autotune(configs=_fwd_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune})
@@ -167,7 +198,10 @@ def _flash_attention_fwd_kernel(
     q = _load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],  # (BLOCK_M, D_PAD)
                    offs_m, Lq, offs_d, HEAD_DIM, True, PAD_D)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
+    if SOFTCAP == 2:
+        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + _fixed_score_shift(cap_log2)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     if IS_CAUSAL:

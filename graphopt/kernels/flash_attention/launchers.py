@@ -14,6 +14,7 @@ from graphopt.kernels.tile_order import causal_head_group
 
 if HAS_TRITON:
     from graphopt.kernels.flash_attention.kernels import (
+        FIXED_SHIFT_MAX_CAP_LOG2,
         _flash_attention_bwd_dkdv_kernel,
         _flash_attention_bwd_dq_kernel,
         _flash_attention_bwd_preprocess_kernel,
@@ -49,6 +50,18 @@ def _score_args(scale, softcap, alibi_slopes, like):
     return qk_scale, softcap * LOG2E, slopes, bool(softcap), alibi_slopes is not None
 
 
+def _forward_softcap_mode(softcapped: bool, cap_log2: float, bias_kind: int, alibi: bool, dtype: torch.dtype) -> int:
+    """The forward kernel's SOFTCAP: 0 none; 2 soft-capped scores bounded above by the cap (no
+    additive bias, no ALiBi, a cap the fixed shift serves, and weights in a dtype with fp32's
+    exponent range: fp16 would flush the small ones), softmax shifted by a constant; 1 otherwise
+    (a running max)."""
+    if not softcapped:
+        return 0
+    bounded = (bias_kind != BIAS_ADDITIVE and not alibi and cap_log2 <= FIXED_SHIFT_MAX_CAP_LOG2
+               and dtype in (torch.bfloat16, torch.float32))
+    return 2 if bounded else 1
+
+
 def flash_attention_forward(q, k, v, bias=None, *, scale, is_causal, softcap=0.0, alibi_slopes=None):
     """Triton forward. q (B, H, Lq, D), k/v (B, Hkv, Lk, D) -> (out (B, H, Lq, D), lse (B, H, Lq) fp32).
 
@@ -79,7 +92,7 @@ def flash_attention_forward(q, k, v, bias=None, *, scale, is_causal, softcap=0.0
         heads, len_q, len_k, heads // kv_heads, qk_scale, cap_log2, _seq_bucket(max(len_q, len_k)),
         causal_head_group(batch * heads, heads // kv_heads, len_k, head_dim, k.element_size()) if is_causal else 1,
         HEAD_DIM=head_dim, D_PAD=_head_dim_pad(head_dim), BIAS_KIND=bias_kind, IS_CAUSAL=bool(is_causal),
-        SOFTCAP=softcapped, ALIBI=alibi,
+        SOFTCAP=_forward_softcap_mode(softcapped, cap_log2, bias_kind, alibi, q.dtype), ALIBI=alibi,
     )
     return out, lse
 
