@@ -23,7 +23,9 @@ Supported
 - rows whose keys are all masked produce 0 (and lse = -inf), like SDPA's "safe softmax".
 - `scale` must be > 0 (the forward takes the running max of the unscaled products).
 - `softcap` > 0: the scores s = q.k * scale become softcap * tanh(s / softcap) before ALiBi, bias
-  and masks (Gemma 2's attn_logit_softcapping); the backward multiplies by 1 - tanh^2.
+  and masks (Gemma 2's attn_logit_softcapping); the backward multiplies by 1 - tanh^2. Such scores
+  are at most softcap, so without an additive bias or ALiBi the forward subtracts a constant instead
+  of a running max (no rescaling per key block; bf16/fp32 inputs, softcap up to about 63).
 - `alibi_slopes` (H,): adds slopes[h] * (j - i) for query i, key j (ALiBi, computed in the kernel,
   nothing read); per row it differs from BLOOM's slope * j and MPT's slope * (j - Lk + 1) by a
   constant, which softmax ignores. No gradient for the slopes.
