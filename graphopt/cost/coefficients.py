@@ -8,6 +8,9 @@ what it was fitted to. The estimates ask `value(hw, name)`; the file is chosen b
 H100 PCIe, the generic CPU, an unknown GPU) reads FALLBACK_GPU's file and is *unvalidated*:
 `describe(hw)` says so, and explain prints it.
 
+An entry measured on another GPU than its file's holds that GPU's value unchanged (in h200.json
+its `not_refit` says why no run of this GPU refits it); `describe` counts them.
+
 `with_values` gives a spec whose estimates read other values (a refit, or another GPU's file):
 the fitting and validation scripts in bench/ use it; a compile never does.
 """
@@ -121,9 +124,12 @@ def describe(hw) -> str:
     gpu = data_gpu(hw)
     path = f"graphopt/cost/data/{gpu}.json"
     if validated(hw):
-        runs = " and ".join(sorted({e["measured_on"].upper() for e in load(gpu).entries.values()}))
-        return (f"cost model for {hw.name}: coefficients fitted to {runs} runs ({path}; agreement on held-out "
-                f"shapes: {VALIDATION_FILE})")
+        entries = load(gpu).entries.values()
+        runs = " and ".join(sorted({e["measured_on"].upper() for e in entries}))
+        carried = sum(e["measured_on"] != gpu for e in entries)
+        other = f", {carried} of {len(entries)} from another GPU's runs" if carried else ""
+        return (f"cost model for {hw.name}: coefficients fitted to {runs} runs{other} ({path}; agreement on "
+                f"held-out shapes: {VALIDATION_FILE})")
     if not hw.is_gpu:
         return f"cost model for {hw.name}: unvalidated: the rates of a rough 2-core machine, fitted to no measurement"
     return (f"cost model for {hw.name}: unvalidated (graphopt was never measured on it): its estimates use "

@@ -43,6 +43,21 @@ def test_every_coefficient_names_the_run_it_came_from(gpu):
         assert len(entry["fit"]) > 20, name
 
 
+def test_every_h200_coefficient_is_fitted_there_or_says_why_not():
+    """An h200.json entry is measured on the H200, from a committed H200 result file, or it is the
+    H100 value carried over with the reason no H200 run could refit it (not_refit)."""
+    carried = 0
+    for name, entry in coefficients.load("h200").entries.items():
+        if entry["measured_on"] == "h200":
+            assert "not_refit" not in entry, name
+            assert entry["source"] and (ROOT / entry["source"]).is_file() and "h200" in Path(entry["source"]).name, name
+        else:
+            carried += 1
+            assert entry["measured_on"] == "h100", name
+            assert len(entry.get("not_refit", "")) > 40, (name, "an H100 value in h200.json needs its not_refit reason")
+    assert 0 < carried < len(coefficients.load("h200").entries)
+
+
 class _Recording(dict):
     """The values mapping of a Coefficients, noting each name read."""
 
