@@ -95,6 +95,24 @@ def store(key: str, value: str) -> None:
             pass  # a read-only home: the choice stays in memory
 
 
+# How far a tile's output may lie from the exact product, as a fraction of the product's largest
+# magnitude: fp32 sums in any order, then the rounding to the output dtype (half a unit in the last
+# place of the largest value is 2^-9 of it in bf16, 2^-12 in fp16).
+_PRODUCT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def computes_product(y: torch.Tensor, reference: torch.Tensor, extra_rtol: float = 0.0) -> bool:
+    """Whether a tile's output `y` is the product `reference` (computed in float64 or float32):
+    finite, and within fp32 summation order and the rounding to y's dtype of it everywhere, plus
+    `extra_rtol` for a rounding the kernel itself states (of its activations, say); tolerances are
+    fractions of the reference's largest magnitude. The tuners check every candidate tile with it
+    before timing it, so the fastest tile is also a right one."""
+    rtol = _PRODUCT_RTOL.get(y.dtype, _PRODUCT_RTOL[torch.bfloat16]) + extra_rtol
+    scale = reference.abs().max().item() if reference.numel() else 0.0
+    error = (y.double() - reference.double()).abs().max().item() if y.numel() else 0.0
+    return bool(torch.isfinite(y).all()) and error <= rtol * scale + 1e-6
+
+
 def encode(config) -> str:
     """A tile config (a frozen dataclass) as the string an op takes."""
     return json.dumps(dataclasses.asdict(config), separators=(",", ":"), sort_keys=True)

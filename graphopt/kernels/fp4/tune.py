@@ -59,6 +59,16 @@ def tune_config(path: str, args: tuple, *, allow_tma: bool = True) -> KernelConf
 
         def time_config(cfg):
             return do_bench(lambda: _launch(path, cfg, *args), warmup=5, rep=20, return_mode="median")
+    best = _fastest_right(path, args, candidates, time_config)
+    if best is None:
+        raise RuntimeError(f"no FP4 {path} kernel configuration compiled for M={x2.shape[0]} N={out_features} "
+                           f"K={in_features}")
+    _TUNED[key] = best
+    tuning.store(disk_key, tuning.encode(best))
+    return best
+
+
+def _fastest_right(path: str, args: tuple, candidates: list[KernelConfig], time_config) -> KernelConfig | None:
     best, best_ms, first_out = None, math.inf, None
     for cfg in candidates:
         try:
@@ -72,11 +82,6 @@ def tune_config(path: str, args: tuple, *, allow_tma: bool = True) -> KernelConf
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
-    if best is None:
-        raise RuntimeError(f"no FP4 {path} kernel configuration compiled for M={x2.shape[0]} N={out_features} "
-                           f"K={in_features}")
-    _TUNED[key] = best
-    tuning.store(disk_key, tuning.encode(best))
     return best
 
 
