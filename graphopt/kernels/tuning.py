@@ -96,8 +96,8 @@ def store(key: str, value: str) -> None:
 
 
 # How far a tile's output may lie from the exact product, as a fraction of the product's largest
-# magnitude: fp32 sums in any order, then the rounding to the output dtype (half a unit in the last
-# place of the largest value is 2^-9 of it in bf16, 2^-12 in fp16).
+# magnitude: fp32 sums in any order, then the rounding to the output dtype (at most 2^-8 of a value
+# in bf16, 2^-11 in fp16), with room for a second rounding.
 _PRODUCT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
 
