@@ -16,7 +16,9 @@ def _args(x, kw, b, n, k, fmt):
     return (x2, kw.codes, kw.scales.view(torch.uint8), kw.global_scale, b, n, k, fmt, x.dtype)
 
 
-@pytest.mark.parametrize("fmt,dtype", [("nvfp4", torch.bfloat16), ("mxfp4", torch.float32)])
+# fp16 and fp32 outputs: Triton's interpreter casts fp32 to bf16 by truncation (up to 2^-7 off where
+# a GPU rounds to nearest), which leaves a bf16 output there no margin under the tuner's tolerance.
+@pytest.mark.parametrize("fmt,dtype", [("nvfp4", torch.float16), ("mxfp4", torch.float32)])
 def test_a_wrong_first_tile_is_left_out_and_the_right_ones_are_timed(monkeypatch, caplog, fmt, dtype):
     """The first candidate computes a wrong product and would time fastest: the tuner leaves it
     out with a warning and picks the fastest right tile. The integer-dot tile, which rounds its
@@ -50,7 +52,7 @@ def test_a_wrong_first_tile_is_left_out_and_the_right_ones_are_timed(monkeypatch
 
 def test_a_tile_with_non_finite_output_is_left_out(monkeypatch):
     n, k = 24, 128
-    x, kw, b, _ = _case("nvfp4", 1, n, k, torch.bfloat16, False, seed=13)
+    x, kw, b, _ = _case("nvfp4", 1, n, k, torch.float16, False, seed=13)
     args = _args(x, kw, b, n, k, "nvfp4")
     nan_tile, right = KernelConfig(16, 1, 64, num_stages=1), KernelConfig(16, 1, 128, num_stages=1)
     real_launch = tune._launch
