@@ -7,13 +7,14 @@ import torch
 from graphopt.kernels import fp4, tuning
 from graphopt.kernels.fp4 import FORMATS, KernelConfig
 from graphopt.kernels.fp4 import tune
+from graphopt.kernels.fp4.launcher import _activation_rows
 from tests.kernels.test_fp4 import _case
 
 
 def _args(x, kw, b, n, k, fmt):
-    """tune_config's argument tuple: the launcher's activation rows (fp32 through bf16) and out dtype."""
-    x2 = x.to(torch.bfloat16) if x.dtype == torch.float32 else x
-    return (x2, kw.codes, kw.scales.view(torch.uint8), kw.global_scale, b, n, k, fmt, x.dtype)
+    """tune_config's argument tuple, as the launcher builds it."""
+    x2, out_dtype = _activation_rows(x, k)
+    return (x2, kw.codes, kw.scales.view(torch.uint8), kw.global_scale, b, n, k, fmt, out_dtype)
 
 
 # fp16 and fp32 outputs: Triton's interpreter casts fp32 to bf16 by truncation (up to 2^-7 off where
