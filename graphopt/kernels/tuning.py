@@ -1,9 +1,9 @@
 """Tile choices made once and kept on disk: a JSON file keyed by GPU, versions, kernel family and
 shape, so a new process compiles without timing tiles again.
 
-The passes tune at compile time (the kernel modules' `tune_*` functions time candidates on the GPU)
-and hand the chosen tile to the op as a string argument (`encode` / `decode`): nothing is tuned
-inside a user's forward. The file is `$GRAPHOPT_CACHE_DIR/tuning.json`, by default
+The passes tune at compile time (the kernel modules' `tune_*` functions time candidates on the GPU,
+each checked first against the reference product with `computes_product`) and hand the chosen tile
+to the op as a string argument (`encode` / `decode`): nothing is tuned inside a user's forward. The file is `$GRAPHOPT_CACHE_DIR/tuning.json`, by default
 `~/.cache/graphopt/tuning.json`; GRAPHOPT_CACHE_DIR=off keeps choices in memory only.
 """
 
@@ -93,6 +93,24 @@ def store(key: str, value: str) -> None:
             os.replace(tmp.name, path)
         except OSError:
             pass  # a read-only home: the choice stays in memory
+
+
+# How far a tile's output may lie from the exact product, as a fraction of the product's largest
+# magnitude: fp32 sums in any order, then the rounding to the output dtype (at most 2^-8 of a value
+# in bf16, 2^-11 in fp16), with room for a second rounding.
+_PRODUCT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def computes_product(y: torch.Tensor, reference: torch.Tensor, extra_rtol: float = 0.0) -> bool:
+    """Whether a tile's output `y` is the product `reference` (computed in float64 or float32):
+    finite, and within fp32 summation order and the rounding to y's dtype of it everywhere, plus
+    `extra_rtol` for a rounding the kernel itself states (of its activations, say); tolerances are
+    fractions of the reference's largest magnitude. The tuners check every candidate tile with it
+    before timing it, so the fastest tile is also a right one."""
+    rtol = _PRODUCT_RTOL.get(y.dtype, _PRODUCT_RTOL[torch.bfloat16]) + extra_rtol
+    scale = reference.abs().max().item() if reference.numel() else 0.0
+    error = (y.double() - reference.double()).abs().max().item() if y.numel() else 0.0
+    return bool(torch.isfinite(y).all()) and error <= rtol * scale + 1e-6
 
 
 def encode(config) -> str:

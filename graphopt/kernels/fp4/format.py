@@ -357,10 +357,12 @@ def dequantize_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, global_s
 
 def reference_fp4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                          bias: torch.Tensor | None, out_features: int, in_features: int, format: str) -> torch.Tensor:
-    """Plain torch: dequantize the kernel-layout weight to fp32, F.linear in fp32, cast to x.dtype."""
+    """Plain torch: dequantize the kernel-layout weight, F.linear in fp32 (float64 for float64 x: the
+    tuner's exact product), cast to x.dtype."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     w = dequantize_kernel_layout(codes, scales, global_scale, out_features, in_features, format)
-    b = None if bias is None else bias.to(torch.float32)
-    return F.linear(x.to(torch.float32), w.to(x.device), b).to(x.dtype)
+    b = None if bias is None else bias.to(compute)
+    return F.linear(x.to(compute), w.to(x.device, compute), b).to(x.dtype)
 
 
 

@@ -6,6 +6,7 @@ a user's forward."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -13,8 +14,15 @@ import torch
 from graphopt.hardware import timing
 from graphopt.kernels import tuning
 from graphopt.kernels.fp4.configs import PATHS, KernelConfig, _candidates, _token_bucket
+from graphopt.kernels.fp4.format import reference_fp4_linear
 from graphopt.kernels.fp4.launcher import _TUNED, _activation_rows, _launch, _tuned_key, default_config, kernel_string
 from graphopt.kernels.launch import INTERPRET
+
+_LOG = logging.getLogger(__name__)
+# Error an integer-dot tile may add to the product, as a fraction of its largest magnitude: each
+# activation is off by up to 2^-16 of its K tile's largest (about 3e-5 of the product on random
+# activations), beyond what an fp32 output allows.
+INT16_ACTIVATION_RTOL = 2**-12
 
 
 def _cold_decode_timer(args: tuple):
@@ -40,8 +48,8 @@ def tune_config(path: str, args: tuple, *, allow_tma: bool = True) -> KernelConf
     """The fastest valid candidate for this shape, timed on the GPU (kept in memory and in the tuning
     file, graphopt.kernels.tuning). For compile time and benchmarks, never for a call inside a
     user's forward: inside a CUDA-graph capture, or without a GPU, it times nothing and returns
-    `default_config`. allow_tma: also time fp4_tma's Gluon decode. A candidate whose output disagrees
-    with the first one that ran is dropped (a guard against a miscompiled tile being 'fastest')."""
+    `default_config`. allow_tma: also time fp4_tma's Gluon decode. Only candidates that compute
+    the product are timed (_fastest_right)."""
     x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
     if path == "dequant" or INTERPRET or not x2.is_cuda or torch.cuda.is_current_stream_capturing():
         return default_config(path, args)
@@ -59,24 +67,36 @@ def tune_config(path: str, args: tuple, *, allow_tma: bool = True) -> KernelConf
 
         def time_config(cfg):
             return do_bench(lambda: _launch(path, cfg, *args), warmup=5, rep=20, return_mode="median")
-    best, best_ms, first_out = None, math.inf, None
+    best = _fastest_right(path, args, candidates, time_config)
+    if best is None:
+        raise RuntimeError(f"no FP4 {path} kernel configuration compiled and computed the product for "
+                           f"M={x2.shape[0]} N={out_features} K={in_features}")
+    _TUNED[key] = best
+    tuning.store(disk_key, tuning.encode(best))
+    return best
+
+
+def _fastest_right(path: str, args: tuple, candidates: list[KernelConfig], time_config) -> KernelConfig | None:
+    """The fastest candidate by `time_config` among those that compute the product: each tile's
+    output is checked against the float64 reference (reference_fp4_linear) before it is timed, and
+    a wrong one is left out with a warning (split-K reductions and inline-asm decodes run only on
+    the GPU, so a miscompiled tile can be the fastest). None when no tile runs and agrees."""
+    x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
+    reference = reference_fp4_linear(x2.double(), codes, scales, global_scale, bias, out_features, in_features, format)
+    best, best_ms = None, math.inf
     for cfg in candidates:
         try:
-            out = _launch(path, cfg, *args).float()
-            if first_out is None:
-                first_out = out
-            elif not torch.allclose(out, first_out, rtol=2e-2, atol=2e-2 * float(first_out.abs().max()) + 1e-6):
+            # integer-dot tiles round each K tile's activations to int16 steps of its largest one
+            if not tuning.computes_product(_launch(path, cfg, *args), reference,
+                                           INT16_ACTIVATION_RTOL if cfg.int_dots else 0.0):
+                _LOG.warning("fp4 %s tile %s gives a wrong product at %dx%dx%d (%s); left out of tuning", path, cfg,
+                             x2.shape[0], out_features, in_features, format)
                 continue
             ms = time_config(cfg)
         except Exception:  # e.g. out of shared memory for this tile on this GPU
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
-    if best is None:
-        raise RuntimeError(f"no FP4 {path} kernel configuration compiled for M={x2.shape[0]} N={out_features} "
-                           f"K={in_features}")
-    _TUNED[key] = best
-    tuning.store(disk_key, tuning.encode(best))
     return best
 
 

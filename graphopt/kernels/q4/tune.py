@@ -30,13 +30,6 @@ def _autotune_enabled() -> bool:
 _LOG = logging.getLogger(__name__)
 
 
-def _agrees(y: torch.Tensor, reference: torch.Tensor) -> bool:
-    """A tile's output equals the reference up to fp32 summation order and the output's rounding."""
-    eps = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}.get(y.dtype, 8e-3)
-    scale = reference.abs().max().item()
-    return bool(torch.isfinite(y).all()) and (y.double() - reference.double()).abs().max().item() <= eps * scale + 1e-6
-
-
 def _token_bucket(m: int) -> int:
     return next_power_of_2(max(m, 1)) if m <= 4096 else 4096 * math.ceil(m / 4096)
 
@@ -102,7 +95,7 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     best, best_ms = default_config(m, mode == "fused"), math.inf
     for config in candidate_configs(m, mode == "fused") + (tma_configs(m) if tma else []):
         try:
-            if not _agrees(run(config), reference):
+            if not tuning.computes_product(run(config), reference):
                 _LOG.warning("q4 tile %s gives a wrong product at %dx%dx%d (%s); left out of tuning", config.name, m, n, k, mode)
                 continue
             ms = _time_config(run, config, m, cold_weights)
