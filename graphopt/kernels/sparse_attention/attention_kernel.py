@@ -97,7 +97,7 @@ def _fma_dot_config(configs, head_dim: int) -> list:
     index prefetch, deeper pipelines) in a kernel bound by its FMAs, and they build worse: at head
     dim 48, descriptor loads and block pairs in 8 warps spill 5-10 KB per thread against 1.2 KB
     for pointer loads, and 4 warps spill 7-13 KB; from BLOCK_D 128, 4 stages need more shared
-    memory than an H100 or H200 has."""
+    memory than an H100 or H200 has. Pointer loads also need no alignment."""
     warps = 4 if head_dim <= 32 else 8
     kept = [c for c in configs if c.num_warps == warps and c.num_stages == 2
             and c.kwargs == {"PREFETCH_INDEX": 1, "USE_TMA": 0, "PAIR_BLOCKS": 0}]
