@@ -2,6 +2,7 @@
 registers, stack (spills), shared memory and the instructions of the hot loop.
 
     python bench/offline_sm90.py sparse [--causal] [--partial-keys] [--host-descriptors] [--stages 2] [--warps 4] [--sequence] [--prologue]
+    python bench/offline_sm90.py sparse-configs HEAD_DIM {bf16,fp16,fp32} [--causal] [--all]
     python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
     python bench/offline_sm90.py q4gemv ROWS BLOCK_N PAIRS WARPS {fused,separate}
     python bench/offline_sm90.py fp4gemv {fma,mma,int} BLOCK_M BLOCK_N BLOCK_K WARPS [--mxfp4] [--permute-x]
@@ -10,7 +11,9 @@ registers, stack (spills), shared memory and the instructions of the hot loop.
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
 TMA) and prints the SASS instructions per thread of its unmasked tile loop; --sequence prints the order of its TMA loads, barrier waits and MMAs in the TTGIR (how many
 load latencies run one after another); --prologue the global and TMA loads and barrier waits
-before the first MMA, in SASS order (the memory round trips a program makes before its first tile). `q4gemm` builds the Q4_0 x Q8_1 tensor-core GEMM with the
+before the first MMA, in SASS order (the memory round trips a program makes before its first tile). `sparse-configs` builds every autotune config the block-sparse attention kernel keeps for a
+head dim and dtype on an aligned sm_90 launch (--all: the whole space, unpruned; Lk not a multiple
+of the key block) and prints each one's ptxas time, registers, spills and SASS size. `q4gemm` builds the Q4_0 x Q8_1 tensor-core GEMM with the
 activations fused (bf16 in) or pre-quantized (Q8_1 blocks in), and prints the innermost loop's
 SASS instructions per thread and the warp-instructions per output element and K value
 (loop instructions x warps / (BLOCK_M x BLOCK_N x 64 x PAIRS)), and per weight value
@@ -156,6 +159,61 @@ def sparse(args) -> None:
                 print(" " * (len(line) - len(line.lstrip())) + m.group(1))
 
 
+def sparse_config_builds(head_dim: int, dtype: str, causal: bool = False, pruned: bool = True):
+    """Build the block-sparse attention kernel for sm_90 once per autotune config (those the
+    pruning keeps for an aligned Hopper launch, or all of them) and yield (config, ptxas seconds,
+    resources, SASS instructions). The offline-build tests use it too."""
+    import time
+
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from graphopt.kernels.sparse_attention import attention_kernel as ak
+
+    configs = ak._attention_configs()
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    if pruned:
+        configs = ak._kept_configs(configs, head_dim, precision, tma_kv=True,
+                                   single_loop=ak._single_loop_body_supported(head_dim, False))
+    types = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", o_ptr=f"*{dtype}", lut_ptr="*i32",
+                 count_ptr="*i32", pv_thresh_ptr="*fp32", pv_thresh="fp32", qk_scale="fp32")
+    fn = ak._sparse_attention_kernel
+    div16 = [n for n in fn.arg_names if n.endswith("_ptr") or (n.startswith("stride_") and not n.endswith("b"))]
+    ptxas_seconds = []
+    make_cubin = CUDABackend.make_cubin
+
+    def timed_make_cubin(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return make_cubin(self, *args, **kwargs)
+        finally:
+            ptxas_seconds.append(time.perf_counter() - start)
+
+    CUDABackend.make_cubin = timed_make_cubin
+    try:
+        for config in configs:
+            meta = dict(PREFETCH_INDEX=1, USE_TMA=0, PAIR_BLOCKS=0, SINGLE_LOOP=0, MERGED_SUFFIX=0) | config.kwargs
+            consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=128, BLOCK_N=64, IS_CAUSAL=causal, PV_SKIP=False,
+                          PV_PER_HEAD=False, DOT_PRECISION=precision, PARTIAL_KEYS=True, HOST_DESCRIPTORS=False,
+                          TMA_ELIGIBLE=2 if meta["SINGLE_LOOP"] else 1, q_hdesc=None, k_hdesc=None, v_hdesc=None,
+                          o_hdesc=None, **meta)
+            ptxas_seconds.clear()
+            kernel = compile_sm90(fn, types, consts, div16, config.num_warps, config.num_stages)
+            sass, resources = sass_and_resources(kernel)
+            instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+.*;", sass, flags=re.M))
+            yield config, sum(ptxas_seconds), resources, instructions
+    finally:
+        CUDABackend.make_cubin = make_cubin
+
+
+def sparse_configs(args) -> None:
+    for config, seconds, resources, instructions in sparse_config_builds(args.head_dim, args.dtype, args.causal,
+                                                                         pruned=not args.all):
+        print(f"triton {triton.__version__} D={args.head_dim} {args.dtype} causal={args.causal} "
+              f"warps={config.num_warps} stages={config.num_stages} {config.kwargs}: ptxas {seconds:.1f} s, "
+              f"{resources}, {instructions} SASS instructions", flush=True)
+
+
 def q4gemm(args) -> None:
     from graphopt.kernels import q4
 
@@ -253,6 +311,11 @@ def main() -> int:
     p.add_argument("--sequence", action="store_true")
     p.add_argument("--prologue", action="store_true", help="the loads and waits before the first MMA")
     p.add_argument("--merged-suffix", action="store_true", help="masked tiles in the main loop (MERGED_SUFFIX)")
+    p = sub.add_parser("sparse-configs")
+    p.add_argument("head_dim", type=int)
+    p.add_argument("dtype", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--all", action="store_true", help="every config of the search space, unpruned")
     p = sub.add_parser("q4gemm")
     for name in ("block_m", "block_n", "pairs", "warps", "stages"):
         p.add_argument(name, type=int)
@@ -273,7 +336,7 @@ def main() -> int:
     for name in ("slice_elements", "warps", "loop_stages"):
         p.add_argument(name, type=int)
     args = parser.parse_args()
-    {"sparse": sparse, "q4gemm": q4gemm, "q4gemv": q4gemv, "fp4gemv": fp4gemv, "pool": pool}[args.kernel](args)
+    {"sparse": sparse, "sparse-configs": sparse_configs, "q4gemm": q4gemm, "q4gemv": q4gemv, "fp4gemv": fp4gemv, "pool": pool}[args.kernel](args)
     return 0
 
 

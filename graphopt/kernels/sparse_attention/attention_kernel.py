@@ -50,23 +50,34 @@ def _attention_configs():
 
 
 def _prune_attention_configs(configs, named_args, **kwargs):
-    """A 128 x 128 fp32 accumulator in 4 warps is 128 registers per thread before anything else:
-    head dims >= 128 use 8 warps (or the lean single loop in 4), head dims <= 32 use 4 (too little
-    work for 8), 64 tries both. The single loop needs tensor descriptors for all four tensors and no
-    PV skipping; from head dim 128 it runs at 2 stages only."""
+    """The autotuner's pruning: the launch's tensors decide what loads they allow, then
+    _kept_configs."""
     def arg(name, default=None):
         return kwargs.get(name, named_args.get(name, default))
 
     head_dim = arg("HEAD_DIM", 128)
+    q, k, v, o = (named_args[n] for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr"))
+    return _kept_configs(configs, head_dim, arg("DOT_PRECISION"), tma_kv=tma_loads_supported(k, v),
+                         single_loop=single_loop_supported(q, k, v, o, head_dim, bool(arg("PV_SKIP", False))))
+
+
+def _kept_configs(configs, head_dim: int, dot_precision: str | None, *, tma_kv: bool, single_loop: bool) -> list:
+    """A 128 x 128 fp32 accumulator in 4 warps is 128 registers per thread before anything else:
+    head dims >= 128 use 8 warps (or the lean single loop in 4), head dims <= 32 use 4 (too little
+    work for 8), 64 tries both. tma_kv: K and V allow tensor descriptors; single_loop: the single
+    loop's conditions hold (descriptors for all four tensors, no PV skipping). From head dim 128
+    the single loop runs at 2 stages only. fp32 inputs (dot_precision "ieee") build one config
+    (_fma_dot_config)."""
+    if dot_precision == "ieee":
+        return _fma_dot_config(configs, head_dim)
     if head_dim >= 128:
         # the 3-stage single loop: on the H100 (D=128, 8k and 16k, 32 heads, 25-100% density)
         # slower than the 2-stage one in 11 of 12 rows (a tie in the 12th), yet the tuner, timing
         # at the first call's density, picked it in 2 of 5 runs
         configs = [c for c in configs if not (c.kwargs.get("SINGLE_LOOP") and c.num_stages > 2)]
-    if not tma_loads_supported(named_args["k_ptr"], named_args["v_ptr"]):
+    if not tma_kv:
         configs = [c for c in configs if not c.kwargs.get("USE_TMA")]
-    if not single_loop_supported(named_args["q_ptr"], named_args["k_ptr"], named_args["v_ptr"], named_args["o_ptr"],
-                                 head_dim, bool(arg("PV_SKIP", False))):
+    if not single_loop:
         configs = [c for c in configs if not c.kwargs.get("SINGLE_LOOP")]
     if head_dim >= 128:
         kept = [c for c in configs if c.num_warps == 8 or c.kwargs.get("SINGLE_LOOP")]
@@ -75,6 +86,22 @@ def _prune_attention_configs(configs, named_args, **kwargs):
     else:
         kept = list(configs)
     return kept or configs
+
+
+def _fma_dot_config(configs, head_dim: int) -> list:
+    """The one config for fp32 inputs: pointer loads, 2 stages, 4 warps up to head dim 32 and 8
+    above. IEEE fp32 dots have no tensor-core form, so each tile's two dots unroll into FMA code
+    of 13k-57k SASS instructions (sm_90, triton 3.6 and 3.9), several times the bf16 builds' and
+    as many times slower through ptxas; tuning the whole space at head dims 48-96 held the first
+    call for as many builds. The dropped variants only change how tiles are loaded (descriptors,
+    index prefetch, deeper pipelines) in a kernel bound by its FMAs, and they build worse: at head
+    dim 48, descriptor loads and block pairs in 8 warps spill 5-10 KB per thread against 1.2 KB
+    for pointer loads, and 4 warps spill 7-13 KB; from BLOCK_D 128, 4 stages need more shared
+    memory than an H100 or H200 has. Pointer loads also need no alignment."""
+    warps = 4 if head_dim <= 32 else 8
+    kept = [c for c in configs if c.num_warps == warps and c.num_stages == 2
+            and c.kwargs == {"PREFETCH_INDEX": 1, "USE_TMA": 0, "PAIR_BLOCKS": 0}]
+    return kept or configs[:1]
 
 
 def tma_loads_supported(*tensors: torch.Tensor) -> bool:
