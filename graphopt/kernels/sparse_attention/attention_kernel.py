@@ -91,13 +91,11 @@ def _kept_configs(configs, head_dim: int, dot_precision: str | None, *, tma_kv: 
 def _fma_dot_config(configs, head_dim: int) -> list:
     """The one config for fp32 inputs: pointer loads, 2 stages, 4 warps up to head dim 32 and 8
     above. IEEE fp32 dots have no tensor-core form, so each tile's two dots unroll into FMA code
-    of 13k-57k SASS instructions (sm_90, triton 3.6 and 3.9), several times the bf16 builds' and
-    as many times slower through ptxas; tuning the whole space at head dims 48-96 held the first
-    call for as many builds. The dropped variants only change how tiles are loaded (descriptors,
-    index prefetch, deeper pipelines) in a kernel bound by its FMAs, and they build worse: at head
-    dim 48, descriptor loads and block pairs in 8 warps spill 5-10 KB per thread against 1.2 KB
-    for pointer loads, and 4 warps spill 7-13 KB; from BLOCK_D 128, 4 stages need more shared
-    memory than an H100 or H200 has. Pointer loads also need no alignment."""
+    many times the size of the bf16 builds', and ptxas takes as many times longer: tuning the whole
+    space at head dims 48-96 held the first call for minutes. The dropped variants only change how
+    tiles are loaded (descriptors, index prefetch, deeper pipelines) in a kernel bound by its FMAs,
+    and they spill more; pointer loads also need no alignment (`bench/offline_sm90.py
+    sparse-configs` reports each config's build time, registers and spills)."""
     warps = 4 if head_dim <= 32 else 8
     kept = [c for c in configs if c.num_warps == warps and c.num_stages == 2
             and c.kwargs == {"PREFETCH_INDEX": 1, "USE_TMA": 0, "PAIR_BLOCKS": 0}]
