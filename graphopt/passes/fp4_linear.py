@@ -335,6 +335,9 @@ def _tuned_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> str:
         return fp4k.tune_fp4_linear(info["tokens"], kw.codes, kw.scales, kw.global_scale, bias, kw.out_features,
                                     kw.in_features, kw.format, info["act_dtype"], allow_tma=ctx.config.cuda_graphs,
                                     path=path)
+    except fp4k.NoCorrectTile as exc:  # the path's tiles are wrong on this GPU: dequantize + cuBLAS instead
+        log.warning("graphopt fp4_linear: %s; the op dequantizes the weight and runs cuBLAS", exc)
+        return fp4k.kernel_string([(0, None, "dequant", None)])
     except Exception as exc:  # noqa: BLE001
         log.warning("graphopt fp4_linear: tuning failed (%s: %s); the op runs its untuned default tile",
                     type(exc).__name__, exc)

@@ -375,3 +375,24 @@ def test_onnx_runnable_form_with_a_dynamic_token_count(tmp_path):
         with torch.no_grad():
             expected = rewritten(y).numpy()
         np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_path_with_no_correct_tile_falls_back_to_dequantize_and_cublas(monkeypatch):
+    """When the tuner finds no tile of the cost model's path that computes the product on this GPU,
+    the op must not run that path's untuned default (wrong too): it dequantizes and runs cuBLAS."""
+    from types import SimpleNamespace
+
+    from graphopt.passes import fp4_linear as pass_module
+
+    def no_tile(*args, **kwargs):
+        raise fp4.NoCorrectTile("no FP4 gemv kernel configuration computed the product")
+
+    monkeypatch.setattr(pass_module.fp4k, "tune_fp4_linear", no_tile)
+    monkeypatch.setattr(pass_module.fp4_cost, "device_path", lambda *args: "gemv")
+    ctx = SimpleNamespace(hardware=SimpleNamespace(is_gpu=True), for_export=False, config=SimpleNamespace(cuda_graphs=True))
+    kw = SimpleNamespace(codes=SimpleNamespace(is_cuda=True, device=torch.device("cpu")), scales=None, global_scale=None,
+                         out_features=64, in_features=64, format="nvfp4")
+    info = {"static_tokens": True, "tokens": 1, "act_dtype": torch.bfloat16}
+    kernel = pass_module._tuned_kernel(ctx, info, kw, has_bias=False)
+    assert fp4.kernel_choice(kernel, 1) == ("dequant", None)
+    assert fp4.kernel_choice(kernel, 4096) == ("dequant", None)

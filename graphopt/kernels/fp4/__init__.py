@@ -31,7 +31,7 @@ from graphopt.kernels.fp4.format import (BLOCK_SIZES, E2M1_MAX, E2M1_VALUES, E4M
 from graphopt.kernels.fp4.gptq import GPTQ_CHUNK, GPTQ_DAMP, _linear_groups, calibrate_fp4, quantize_fp4_gptq
 from graphopt.kernels.fp4.launcher import (_launch, default_config, dequantize_triton, fp4_linear, fp4_linear_triton,
                                            kernel_choice, kernel_string, permuted_activations, triton)
-from graphopt.kernels.fp4.tune import _cold_decode_timer, tune_config, tune_fp4_linear
+from graphopt.kernels.fp4.tune import NoCorrectTile, _cold_decode_timer, tune_config, tune_fp4_linear
 
 __all__ = [
     "FORMATS", "BLOCK_SIZES", "E2M1_MAX", "E4M3_MAX", "E2M1_VALUES", "KERNEL_K_MULTIPLE", "Fp4Tensor",
@@ -41,7 +41,7 @@ __all__ = [
     "KernelConfig", "PATHS", "FMA_BLOCK_M", "INT_BLOCK_M", "MMA_BLOCK_M", "MIN_DECODE_BLOCK_N", "DECODE_CONFIGS",
     "PREFILL_CONFIGS", "INTERPRET_DECODE_CONFIG", "INTERPRET_PREFILL_CONFIG", "DEQUANT_CONFIG", "DEQUANT_TILES",
     "default_path", "default_config", "dequantize_triton", "permuted_activations", "kernel_choice", "kernel_string",
-    "fp4_linear_triton", "fp4_linear", "tune_config", "tune_fp4_linear",
+    "fp4_linear_triton", "fp4_linear", "tune_config", "tune_fp4_linear", "NoCorrectTile",
 ]
 
 # Helpers the kernel tests and benchmarks reach through this package (the cost model imports _padded_k).

@@ -25,6 +25,11 @@ _LOG = logging.getLogger(__name__)
 INT16_ACTIVATION_RTOL = 2**-12
 
 
+class NoCorrectTile(RuntimeError):
+    """No candidate tile of a path built and computed the product for a shape (its default included):
+    the caller must not run that path there."""
+
+
 def _cold_decode_timer(args: tuple):
     """A decode tile's time as a model step sees it: calls over distinct copies of the weight,
     back to back in one CUDA graph, so each reads from HBM (graphopt.hardware.timing.cold_graph_ms, the
@@ -69,7 +74,7 @@ def tune_config(path: str, args: tuple, *, allow_tma: bool = True) -> KernelConf
             return do_bench(lambda: _launch(path, cfg, *args), warmup=5, rep=20, return_mode="median")
     best = _fastest_right(path, args, candidates, time_config)
     if best is None:
-        raise RuntimeError(f"no FP4 {path} kernel configuration compiled and computed the product for "
+        raise NoCorrectTile(f"no FP4 {path} kernel configuration compiled and computed the product for "
                            f"M={x2.shape[0]} N={out_features} K={in_features}")
     _TUNED[key] = best
     tuning.store(disk_key, tuning.encode(best))
