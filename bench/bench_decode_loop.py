@@ -48,7 +48,8 @@ COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ms_step", "com
 
 def measure(model, prompt: torch.Tensor, opts, variant: str, mode: str) -> tuple[dict, torch.Tensor]:
     """One variant's row and its greedy tokens."""
-    loop = DecodeLoop(model, prompt, opts.new_tokens, compile_kwargs(variant, mode, opts.force))
+    loop = DecodeLoop(model, prompt, opts.new_tokens, compile_kwargs(variant, mode, opts.force),
+                      skip_guard_eval=getattr(opts, "skip_guard_eval", False))
     _, first_s = timed(lambda: loop.run(opts.device), opts.device)
     walls, decode = [], []
     for _ in range(opts.repeats):

@@ -26,6 +26,10 @@ through graphopt.quantize_(format="nvfp4"), which releases the bf16 linears, the
 compile; it runs last in each loop and the model is built again for the next loop). Each rank
 quantizes its own shards, with the whole weight's NVFP4 global scale (one all-reduce).
 
+--skip-guard-eval runs the decode steps after the first decode under
+torch.compiler.set_stance(skip_guard_eval_unsafe=True): Dynamo then skips its per-call guard checks,
+which in Python check every DTensor parameter's spec (a loop that cannot recompile may do this).
+
 Per row: tok_s (rank 0's; every rank runs the same steps in lock step), ms_step; peak_gb: each
 rank's torch.cuda.max_memory_allocated over the variant; weight_gb: each rank's weight bytes as
 the compiled step reads them, i.e. its parameter shards (the replicated norms counted on every
@@ -80,6 +84,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=128, help="generated tokens")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (the median is reported)")
     parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="HF attention implementation")
+    parser.add_argument("--skip-guard-eval", action="store_true",
+                        help="decode loop: steps after the first decode run under torch.compiler.set_stance("
+                             "skip_guard_eval_unsafe=True), without Dynamo's per-call guard checks")
     parser.add_argument("--force", action="store_true", help="graphopt-fp4 with force=True (on CPU, the way to run the rewrite)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/tensor_parallel_<gpu>_tp<N>.json)")
     parser.add_argument("--summarize", nargs="*", default=None, metavar="JSON",
@@ -184,6 +191,8 @@ def run_variant(model, prompt, opts, loop: str, variant: str, world: int) -> tup
     if world > 1:
         dist.barrier()
     row: dict = {"loop": loop, "variant": variant, "tp": world, "mode": opts.mode}
+    if opts.skip_guard_eval and loop == "decode":
+        row["skip_guard_eval"] = True
     tokens = None
     try:
         with recording_decisions() as decisions, torch.no_grad():
@@ -217,7 +226,7 @@ def result_path(opts, world: int) -> Path:
 
 
 def _key(row: dict, *fields: str) -> tuple:
-    return tuple(str(row.get(k)) for k in ("shape", "layers", "loop", "mode", "batch", *fields))
+    return tuple(str(row.get(k)) for k in ("shape", "layers", "loop", "mode", "batch", "skip_guard_eval", *fields))
 
 
 def write_rows(opts, world: int, rows: list[dict]) -> list[dict]:

@@ -306,7 +306,8 @@ class DecodeLoop:
     (torch.compile'd with `compile_kwargs`, or eager when None) in a Python loop. The cache and
     the position tensors are made once, so a CUDA-graph tree records once and then replays."""
 
-    def __init__(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, compile_kwargs: dict | None):
+    def __init__(self, model: nn.Module, prompt: torch.Tensor, new_tokens: int, compile_kwargs: dict | None,
+                 skip_guard_eval: bool = False):
         from transformers import StaticCache
 
         self.model, self.prompt = model, prompt
@@ -319,6 +320,9 @@ class DecodeLoop:
                           for i in range(new_tokens - 1)]
         self.step = torch.compile(self._forward, **compile_kwargs) if compile_kwargs else self._forward
         self.graphs = bool(compile_kwargs) and compile_kwargs.get("mode") in CUDA_GRAPH_MODES
+        # Dynamo's guards run in Python at every step (a DTensor parameter's spec check among them);
+        # skip_guard_eval: after the first decode, steps run under set_stance(skip_guard_eval_unsafe=True)
+        self.skip_guard_eval, self.warm = skip_guard_eval, False
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1,
@@ -336,6 +340,13 @@ class DecodeLoop:
 
     def decode(self, token: torch.Tensor, device: str) -> tuple[torch.Tensor, float]:
         """The decode steps from the first token: all the tokens and the steps' seconds."""
+        warm, self.warm = self.warm, True
+        if self.skip_guard_eval and warm:  # compiled and recorded: no guard can fail in this loop
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._decode(token, device)
+        return self._decode(token, device)
+
+    def _decode(self, token: torch.Tensor, device: str) -> tuple[torch.Tensor, float]:
         tokens = [token]
         synchronize(device)
         start = time.perf_counter()

@@ -46,6 +46,7 @@ from graphopt.hardware import HardwareSpec, get_spec
 from graphopt.logging_setup import configure_logging
 from graphopt.passes import run_passes
 from graphopt.passes.base import Decision, PassContext
+from graphopt.passes.tensor_parallel import is_dtensor, localize_dtensor_inputs, rank_and_world
 
 log = logging.getLogger("graphopt")
 
@@ -151,7 +152,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
     for sink in _DECISION_SINKS:
         sink.extend(ctx.decisions)
     try:
-        compiled = _downstream(gm, example_inputs, config, mode)
+        compiled = _downstream_local_shards(gm, example_inputs, config, mode)
     except Exception as exc:  # noqa: BLE001 - a rewrite never turns a program that runs into one that fails
         # Dynamo's restarts (e.g. Inductor asking to re-trace with scalars as tensors) are not failures
         if not any(d.applied for d in ctx.decisions) or isinstance(exc, torch._dynamo.exc.RestartAnalysis):
@@ -175,7 +176,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
         new_ctx = run_passes(fresh, args, config, hardware)
         for sink in _DECISION_SINKS:  # the new decisions (a plan may no longer fit the new weights)
             sink.extend(new_ctx.decisions)
-        return _downstream(fresh, args, config, mode), new_ctx
+        return _downstream_local_shards(fresh, args, config, mode), new_ctx
 
     return _FrozenWeightGuard(compiled, ctx, recompile)
 
@@ -218,6 +219,52 @@ class _FrozenWeightGuard:
                 compiled, ctx = self.recompile(list(call_args))
                 self.compiled, self.frozen = compiled, ctx.frozen
         return self.compiled(*args)
+
+
+def _downstream_local_shards(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig, mode: str | None):
+    """The downstream compile, with DTensor inputs handed over as their local shards where that
+    applies (graphopt.passes.tensor_parallel.localize_dtensor_inputs), recorded as a Decision. If
+    the compile of the localized graph fails, the graph is compiled as it came."""
+    if config.downstream != "inductor" or not any(is_dtensor(x) for x in example_inputs):
+        return _downstream(gm, example_inputs, config, mode)
+    original = copy.deepcopy(gm)
+    positions, local_inputs = localize_dtensor_inputs(gm, example_inputs)
+    if not positions:
+        return _downstream(gm, example_inputs, config, mode)
+    try:
+        compiled = _downstream(gm, local_inputs, config, mode)
+    except torch._dynamo.exc.RestartAnalysis:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the unchanged inputs still compile
+        log.warning("graphopt: compiling with DTensor inputs as local shards failed (%s: %s); compiling the graph "
+                    "with its DTensor inputs", type(exc).__name__, str(exc)[:500])
+        return _downstream(original, example_inputs, config, mode)
+    placed = rank_and_world()
+    decision = Decision("tensor_parallel", True,
+                        f"{len(positions)} DTensor inputs (parameter shards) passed to the compiled graph as their local "
+                        "tensors and wrapped back inside it: no DTensor unwrapping in Python at each call",
+                        location="graph inputs", rank=placed[0] if placed else None,
+                        details={"local_inputs": len(positions)})
+    for sink in _DECISION_SINKS:
+        sink.append(decision)
+    return _LocalShardInputs(compiled, positions)
+
+
+class _LocalShardInputs:
+    """Calls a graph compiled by localize_dtensor_inputs: each DTensor argument at `positions` is
+    replaced by its local tensor (an attribute read; `to_local()` would run an autograd function).
+    Arguments are passed on the way they came, one list or one by one (see _FrozenWeightGuard)."""
+
+    def __init__(self, compiled: Callable, positions: list[int]):
+        self.compiled, self.positions = compiled, positions
+        self._boxed_call = bool(getattr(compiled, "_boxed_call", False))
+
+    def __call__(self, *args: Any):
+        boxed = len(args) == 1 and isinstance(args[0], list)
+        values = args[0] if boxed else list(args)
+        for position in self.positions:
+            values[position] = values[position]._local_tensor
+        return self.compiled(values) if boxed else self.compiled(*values)
 
 
 def _downstream(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig, mode: str | None):

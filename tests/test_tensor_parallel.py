@@ -31,6 +31,7 @@ EAGER = dict(downstream="eager")  # the passes and the rewritten graph are the s
 CASES: dict[str, dict] = {
     "attention": dict(**FORCED, **EAGER),  # the default passes
     "fp4_linear": dict(passes={"fp4_linear": True}, **FORCED),  # NVFP4; Inductor traces the rewritten DTensor graph
+    "attention-inductor": dict(**FORCED),  # DTensor parameters handed to Inductor's graph as local shards
     "fp4_linear-mxfp4": dict(passes={"fp4_linear": True}, fp4_format="mxfp4", **FORCED, **EAGER),
     "q4_linear": dict(passes={"q4_linear": True}, **FORCED, **EAGER),
     # with a plan tuned on the whole model (write_plan): 4 heads per layer, a dense FFT chain for gate_proj
@@ -38,7 +39,7 @@ CASES: dict[str, dict] = {
 }
 PLANNED = "sparse_attention+fft_linear"
 SIM = [0.1, 0.2, 0.3, 0.4]  # the plan's per-head simthreshd1: rank r gets heads 2r, 2r+1
-LOSSLESS = ("attention",)
+LOSSLESS = ("attention", "attention-inductor")
 
 
 def tiny_llama(dtype=torch.float32):
@@ -227,6 +228,17 @@ def test_tensor_parallel_logits_equal_single_process(runs, case):
         torch.testing.assert_close(runs[rank][case]["logits"], reference["single"])
     if case in LOSSLESS:
         torch.testing.assert_close(runs[0][case]["logits"].double(), reference["float64"], rtol=1e-5, atol=1e-5)
+
+
+def test_dtensor_parameters_reach_inductor_as_local_shards(runs):
+    """Compiled by Inductor under no_grad, the graph takes each DTensor parameter as its local shard
+    (one Decision per rank); its logits equal the single-process model's (the test above). The
+    eager downstream keeps the DTensor inputs."""
+    for rank in range(WORLD):
+        local = [d for d in runs[rank]["attention-inductor"]["decisions"] if d["pass_name"] == "tensor_parallel"]
+        assert len(local) == 1 and local[0]["applied"] and local[0]["rank"] == rank
+        assert local[0]["reason"].startswith(f"{7 * LAYERS} DTensor inputs")
+        assert not any(d["pass_name"] == "tensor_parallel" for d in runs[rank]["attention"]["decisions"])
 
 
 def test_attention_rewrites_each_ranks_local_heads(runs):

@@ -233,17 +233,57 @@ def wrap_local(graph: fx.Graph, shard: LinearShard, local: fx.Node, like: fx.Nod
     return wrapped
 
 
-def _from_local_on(mesh: Any, placements: tuple):
-    """A function of one tensor: DTensor.from_local on `mesh` with `placements`. The mesh and the
-    placements live in the closure, not in the graph's arguments, which FX can only hold as
-    values it knows how to print (as Dynamo does for the same call)."""
+def _from_local_on(mesh: Any, placements: tuple, shape: tuple | None = None, stride: tuple | None = None):
+    """A function of one tensor: DTensor.from_local on `mesh` with `placements` (and the global
+    `shape` and `stride`, where shards may be uneven). They live in the closure, not in the graph's
+    arguments, which FX can only hold as values it knows how to print (as Dynamo does for the
+    same call)."""
     DTensor = _dtensor_api()[0]
 
     def from_local(local: torch.Tensor):
-        return DTensor.from_local(local, mesh, placements, run_check=False)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     from_local.__name__ = "prim from_local"
     return from_local
+
+
+def localize_dtensor_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[list[int], list]:
+    """Make the graph take the local shard of each DTensor input (the parallelized parameters)
+    and wrap it back with `from_local` inside the graph. Returns the input positions changed and
+    the example inputs to compile with.
+
+    Why: a compiled graph whose inputs are DTensors unwraps every one of them in Python at every
+    call (AOTAutograd's subclass runtime wrapper), which at batch-1 decode costs more host time
+    than the GPU spends on the step. Handing over `_local_tensor` (the caller does it, see
+    graphopt.compiler) is an attribute read. Done only with grad mode off, where no gradient has
+    to reach the DTensor parameter; Dynamo guards on grad mode, so a call with grad on compiles
+    again without this. Inputs with symbolic shapes are left as they are."""
+    if _dtensor_api() is None or torch.is_grad_enabled():
+        return [], example_inputs
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(example_inputs):
+        return [], example_inputs
+    positions, examples = [], list(example_inputs)
+    for position, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        fake = _fake(node)
+        if not (is_dtensor(example) and is_dtensor(fake) and node.users):
+            continue
+        if not all(isinstance(d, int) for d in (*fake.shape, *fake.stride())):
+            continue
+        with gm.graph.inserting_after(node):
+            wrapped = gm.graph.call_function(
+                _from_local_on(fake.device_mesh, tuple(fake.placements), tuple(fake.shape), tuple(fake.stride())),
+                (node,))
+        node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
+        for key in ("example_value", "val"):
+            if key in node.meta:
+                wrapped.meta[key] = node.meta[key]
+                node.meta[key] = node.meta[key]._local_tensor
+        examples[position] = example._local_tensor
+        positions.append(position)
+    if positions:
+        gm.recompile()
+    return positions, examples
 
 
 def local_example(value: Any, features: int) -> Any:
@@ -277,4 +317,4 @@ def all_ranks_agree(shard: LinearShard, ok: bool) -> bool:
 
 
 __all__ = ["LinearShard", "linear_shard", "local_shard_parameter", "head_shard", "is_dtensor", "rank_and_world", "local_bias_node", "wrap_local",
-           "local_example", "all_ranks_amax", "all_ranks_agree"]
+           "local_example", "localize_dtensor_inputs", "all_ranks_amax", "all_ranks_agree"]
