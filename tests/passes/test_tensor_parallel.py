@@ -85,3 +85,35 @@ def test_column_and_row_parallel_linears_are_rewritten_in_either_graph_form(mesh
     assert [("column-parallel" in d.reason, "row-parallel" in d.reason) for d in applied[:2]] == [(True, False), (False, True)]
     # one rank holds the whole weight: its blocks are the single-process model's blocks
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dtensor_parameters_reach_inductor_as_local_shards_only_without_grad(mesh):
+    """Under no_grad the compiled graph takes the DTensor parameters as local shards (one
+    tensor_parallel Decision) and computes what the split model computes eagerly. With grad on the
+    inputs stay DTensors, so the parameters' gradients still arrive, equal to eager's."""
+    import graphopt
+    from graphopt.compiler import recording_decisions
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        expected = model(x)
+    torch._dynamo.reset()
+    with recording_decisions() as decisions, torch.no_grad():
+        out = torch.compile(model, backend=graphopt.backend(target="h100"))(x)
+    local = [d for d in decisions if d.pass_name == "tensor_parallel"]
+    assert len(local) == 1 and local[0].applied and local[0].details["local_inputs"] == 2
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+    torch._dynamo.reset()
+    model(x).sum().backward()
+    eager_grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+    model.zero_grad()
+    with recording_decisions() as decisions:
+        torch.compile(model, backend=graphopt.backend(target="h100"))(x).sum().backward()
+    assert not [d for d in decisions if d.pass_name == "tensor_parallel"]
+    for p, eager in zip(model.parameters(), eager_grads):
+        torch.testing.assert_close(p.grad.full_tensor(), eager, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
