@@ -101,6 +101,11 @@ def store(key: str, value: str) -> None:
 _PRODUCT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
 
+class NoCorrectTile(RuntimeError):
+    """No candidate tile of a kernel path built and computed the product for a shape (its default
+    included): the caller must not run that path there."""
+
+
 def computes_product(y: torch.Tensor, reference: torch.Tensor, extra_rtol: float = 0.0) -> bool:
     """Whether a tile's output `y` is the product `reference` (computed in float64 or float32):
     finite, and within fp32 summation order and the rounding to y's dtype of it everywhere, plus

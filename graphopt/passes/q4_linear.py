@@ -63,6 +63,7 @@ from graphopt import cost_model
 from graphopt.cost.q4 import estimate_q4_fused, estimate_q4_separate, predict_linear
 from graphopt.cost_model import roofline
 from graphopt.kernels import q4 as q4k
+from graphopt.kernels.tuning import NoCorrectTile
 import graphopt.ops  # noqa: F401  (registers the graphopt::* ops this module names)
 from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, log
@@ -132,6 +133,15 @@ class Q4LinearPass(GraphPass):
             mode = _op_mode(mode)
             layer = dict(tokens=static, mode=mode, in_features=k, act_dtype=act_dtype)
             kernel = _tuned_kernel(ctx, layer, qweight, scales, bias is not None)
+            if kernel is None:  # the weights exist only as Q4_0: the other kernel mode, if one of its tiles is right
+                mode = layer["mode"] = "separate" if mode == "fused" else "fused"
+                kernel = _tuned_kernel(ctx, layer, qweight, scales, bias is not None)
+            if kernel is None:
+                ctx.record(self.name, False, f"{reason}; no Q4 tile of either kernel mode, the defaults included, computed "
+                           f"the product at {static}x{n}x{k} on this GPU, and a layer held only as Q4_0 cannot stay "
+                           "dense: the op runs its untuned default tile, as the model does eagerly", node=node,
+                           quantized_in_place=True)
+                continue
             for index, name, value in ((4, "mode", mode), (5, "kernel", kernel)):
                 if len(node.args) > index:
                     node.update_arg(index, value)
@@ -175,6 +185,10 @@ class Q4LinearPass(GraphPass):
                 continue
             layer = dict(tokens=tokens if xs else None, mode="fused", in_features=k, act_dtype=dtype(x))
             kernel = _tuned_kernel(ctx, layer, ctx.example_value(qweight), ctx.example_value(scales), bias is not None)
+            if kernel is None:
+                ctx.record(self.name, False, f"quantize->GEMM fusion: {_no_tile_reason(layer, n)} as two kernels",
+                           node=node, before=before, after=after)
+                continue
             ctx.record(self.name, True, f"quantize_q8_1 -> q4_q8_gemm fused: {why}", node=node, before=before,
                        after=after, implementation="q4_linear fused", fusion="quantize_q8_1+q4_q8_gemm",
                        tile=_tile_name(kernel))
@@ -301,6 +315,11 @@ class Q4LinearPass(GraphPass):
             ctx.record(self.name, False, f"weight SQNR {sqnr:.1f} dB is below the budget of {budget:.1f} dB",
                        node=node, before=before, after=after, sqnr_db=sqnr, **details)
             return
+        kernel = _tuned_kernel(ctx, info, qweight, scales, m.bias_node is not None)
+        if kernel is None:
+            ctx.record(self.name, False, _no_tile_reason(info, m.out_features), node=node, before=before, after=after,
+                       sqnr_db=sqnr, **details)
+            return
         m.weight(ctx)  # freeze
         note = info["note"]
         if first_use is None:
@@ -311,7 +330,6 @@ class Q4LinearPass(GraphPass):
         else:
             constants, saved = first_use["constants"], 0
             note += f"; shares the Q4_0 weight of {first_use['location']} (tied)"
-        kernel = _tuned_kernel(ctx, info, qweight, scales, m.bias_node is not None)
         ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{note}{m.shard_note}", node=node,
                    before=before, after=after, implementation=f"q4_linear {info['mode']}", sqnr_db=sqnr,
                    memory_saved_bytes=saved, tile=_tile_name(kernel), **details, **m.shard_details)
@@ -336,11 +354,13 @@ class Q4LinearPass(GraphPass):
         why, total = self._decide(ctx, group[0], out_features=out_total)
         if why is not None:  # the group costed as one layer (cannot be slower than its members, but be safe)
             return None
-        for m in group:
-            m.weight(ctx)  # freeze
         qweight = torch.cat([qw for qw, _ in quantized])  # (N, K/2) rows
         scales = torch.cat([sc for _, sc in quantized], dim=-1)  # (K/32, N)
         kernel = _tuned_kernel(ctx, total, qweight, scales, False)
+        if kernel is None:  # no tile for the group's shape: each member on its own (_one) tunes its own
+            return None
+        for m in group:
+            m.weight(ctx)  # freeze
         names = ", ".join(m.location or m.node.name for m in group)
         for m, (why, info), w, (qw, sc), sqnr in zip(group, members, weights, quantized, sqnrs):
             saved = w.numel() * w.element_size() - qw.numel() - sc.numel() * sc.element_size()
@@ -365,23 +385,36 @@ def _op_mode(mode: str) -> str:
 
 
 def _tuned_kernel(ctx: PassContext, info: dict, qweight: torch.Tensor | None, scales: torch.Tensor | None,
-                  bias: bool) -> str:
+                  bias: bool) -> str | None:
     """The op's kernel string for a decided layer (`info` from _decide): its tile timed now on the
     GPU (q4k.tune_q4_linear), where the target is a GPU, the packed weights live on it, the mode is
     a kernel mode, the token count is static and the graph goes to a compiler; else "" (the untuned
-    default). q4_tma's decode is a candidate only under CUDA graphs: its opaque op pays a Python
-    launch path on every call."""
-    tokens, mode = info["tokens"], info["mode"]
-    if (tokens is None or mode not in ("fused", "separate") or not ctx.hardware.is_gpu or ctx.for_export
-            or not isinstance(qweight, torch.Tensor) or not qweight.is_cuda):
+    default). None when no tile of the mode, the default included, computes the product on this
+    GPU (tuning.NoCorrectTile): the layer must not run that mode here. q4_tma's decode is a
+    candidate only under CUDA graphs: its opaque op pays a Python launch path on every call."""
+    if not _tunable(ctx, info, qweight):
         return ""
     try:
-        return q4k.tune_q4_linear((tokens, info["in_features"]), qweight, scales, bias, info["act_dtype"], mode,
-                                  allow_tma=ctx.config.cuda_graphs)
+        return q4k.tune_q4_linear((info["tokens"], info["in_features"]), qweight, scales, bias, info["act_dtype"],
+                                  info["mode"], allow_tma=ctx.config.cuda_graphs)
+    except NoCorrectTile as exc:
+        log.warning("graphopt q4_linear: %s", exc)
+        return None
     except Exception as exc:  # noqa: BLE001 - a failed timing costs speed, never the rewrite
         log.warning("graphopt q4_linear: tuning failed (%s: %s); the op runs its untuned default tile",
                     type(exc).__name__, exc)
         return ""
+
+
+def _tunable(ctx: PassContext, info: dict, qweight: torch.Tensor | None) -> bool:
+    """Whether the layer's tile is timed now (see _tuned_kernel)."""
+    return (info["tokens"] is not None and info["mode"] in ("fused", "separate") and ctx.hardware.is_gpu
+            and not ctx.for_export and isinstance(qweight, torch.Tensor) and qweight.is_cuda)
+
+
+def _no_tile_reason(info: dict, out_features: int) -> str:
+    return (f"no Q4 {info['mode']} tile, the default included, computed the product at {info['tokens']}x{out_features}"
+            f"x{info['in_features']} on this GPU (checked against the float64 product at compile time); kept dense")
 
 
 def _tile_name(kernel: str) -> str:

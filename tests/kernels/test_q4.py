@@ -470,6 +470,22 @@ def test_the_tuner_leaves_out_a_tile_whose_product_is_wrong(monkeypatch, tmp_pat
     assert "wrong product" in caplog.text
 
 
+@pytest.mark.gpu
+def test_the_tuner_raises_and_stores_nothing_when_no_tile_is_right(monkeypatch, tmp_path):
+    """Every tile's product corrupted, the default's too: the tuner raises NoCorrectTile and keeps
+    no choice, in memory or on disk (the q4_linear pass then leaves the layer dense)."""
+    from graphopt.kernels.q4 import tune
+
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_MEMORY", {})
+    x, qweight, scales, _ = _problem(4, 256, 512, torch.bfloat16, seed=5)
+    real = tune.q4_linear_triton
+    monkeypatch.setattr(tune, "q4_linear_triton", lambda *args, **kwargs: real(*args, **kwargs) * 1.5)
+    with pytest.raises(tuning.NoCorrectTile, match="no Q4 separate tile"):
+        q4.tune_q4_linear(tuple(x.shape), qweight, scales, False, x.dtype, "separate", False)
+    assert not tuning._MEMORY and not any(tmp_path.iterdir())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="tiles are timed on a GPU")
 @pytest.mark.parametrize("mode,tokens", [("fused", 1), ("separate", 4), ("fused", 40)])
 def test_tune_q4_linear_times_once_and_the_op_runs_its_choice(mode, tokens, monkeypatch, tmp_path):

@@ -427,3 +427,49 @@ def test_compiled_with_inductor_on_the_cpu_matches_the_q4_reference():
         out = compiled(x)
     assert sum(d.applied for d in sink if d.pass_name == "q4_linear") == 2
     torch.testing.assert_close(out, _q4_mlp_reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_whose_mode_has_no_correct_tile_stay_dense(monkeypatch):
+    """When no tile of a layer's mode, the default included, computes the product on the GPU
+    (the tuner raises NoCorrectTile), the layer is not rewritten: it keeps its dense linear, with
+    the reason, and the model computes what it computes uncompiled. Siblings fall back to their
+    members, which decline the same way."""
+    from graphopt.kernels.tuning import NoCorrectTile
+    from graphopt.passes import q4_linear as pass_module
+
+    def no_tile(x_shape, qweight, scales, bias, dtype, mode, allow_tma):
+        raise NoCorrectTile(f"no Q4 {mode} tile computed the product for {x_shape}")
+
+    monkeypatch.setattr(pass_module, "_tunable", lambda ctx, info, qweight: True)  # as on a GPU
+    monkeypatch.setattr(pass_module.q4k, "tune_q4_linear", no_tile)
+    torch.manual_seed(4)
+    model, x = Gated().eval(), torch.randn(2, 5, 64)
+    rewritten, decisions = capture_rewritten(model, (x,), force=True, target="h100", passes={"q4_linear": True})
+    assert "graphopt.q4_linear.default" not in _targets(rewritten)
+    assert [d.location for d in decisions if not d.applied and "no Q4" in d.reason] == ["q", "k", "v", "out"]
+    assert not any(d.applied for d in decisions)
+    with torch.no_grad():
+        torch.testing.assert_close(rewritten(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_tuned_tile_is_used_and_a_failed_timing_keeps_the_untuned_default(monkeypatch):
+    """The other outcomes of compile-time tuning: a tile string goes into the op; any other
+    failure than NoCorrectTile keeps the rewrite with the untuned default ("")."""
+    from graphopt.kernels import tuning
+    from graphopt.passes import q4_linear as pass_module
+
+    monkeypatch.setattr(pass_module, "_tunable", lambda ctx, info, qweight: True)
+    kernels = {}
+    for outcome in ("tile", "error"):
+        def tune(x_shape, qweight, scales, bias, dtype, mode, allow_tma, outcome=outcome):
+            if outcome == "error":
+                raise RuntimeError("out of resources")
+            return tuning.encode(q4.default_config(x_shape[0], mode == "fused"))
+
+        monkeypatch.setattr(pass_module.q4k, "tune_q4_linear", tune)
+        rewritten, decisions = capture_rewritten(MLP().eval(), (torch.randn(2, 64),), force=True, target="h100",
+                                                 passes={"q4_linear": True})
+        assert sum(d.applied for d in decisions) == 2
+        kernels[outcome] = [n.args[5] for n in rewritten.gm.graph.nodes
+                            if n.op == "call_function" and str(n.target) == "graphopt.q4_linear.default"]
+    assert all(kernels["tile"]) and kernels["error"] == ["", ""]

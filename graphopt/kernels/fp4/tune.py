@@ -17,17 +17,13 @@ from graphopt.kernels.fp4.configs import PATHS, KernelConfig, _candidates, _toke
 from graphopt.kernels.fp4.format import reference_fp4_linear
 from graphopt.kernels.fp4.launcher import _TUNED, _activation_rows, _launch, _tuned_key, default_config, kernel_string
 from graphopt.kernels.launch import INTERPRET
+from graphopt.kernels.tuning import NoCorrectTile
 
 _LOG = logging.getLogger(__name__)
 # Error an integer-dot tile may add to the product, as a fraction of its largest magnitude: each
 # activation is off by up to 2^-16 of its K tile's largest (about 3e-5 of the product on random
 # activations), beyond what an fp32 output allows.
 INT16_ACTIVATION_RTOL = 2**-12
-
-
-class NoCorrectTile(RuntimeError):
-    """No candidate tile of a path built and computed the product for a shape (its default included):
-    the caller must not run that path there."""
 
 
 def _cold_decode_timer(args: tuple):

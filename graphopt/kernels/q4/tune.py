@@ -15,7 +15,7 @@ import torch
 from graphopt.hardware import timing
 from graphopt.kernels import tuning
 from graphopt.kernels.launch import INTERPRET, next_power_of_2
-from graphopt.kernels.q4.configs import DECODE_MAX_TOKENS, TileConfig, candidate_configs, default_config, tma_configs
+from graphopt.kernels.q4.configs import DECODE_MAX_TOKENS, TileConfig, candidate_configs, tma_configs
 from graphopt.kernels.q4.format import _check_k, _check_weight, reference_q4_linear
 from graphopt.kernels.q4.launcher import _tma_runs, q4_linear_triton
 
@@ -61,7 +61,8 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     """The kernel string of graphopt::q4_linear in `mode` on activations of `x_shape` (..., K) in
     `dtype`: the fastest tile of `mode`, timed on the weights' GPU over random activations; "" (the
     untuned default) without a CUDA device, under the interpreter, during a
-    CUDA-graph capture, or with tuning off. "fused" times candidate_configs(m, fused=True);
+    CUDA-graph capture, or with tuning off. Raises tuning.NoCorrectTile, and stores nothing, when no
+    candidate (the default among them) computes the product. "fused" times candidate_configs(m, fused=True);
     "separate" the Q8_1-bytes configs (quantize launch included) and, with `allow_tma` where
     q4_tma's decode runs, its tiles. `bias`: whether the layer adds one. Each choice is kept per
     (GPU and versions, mode, token bucket, N, K, dtype), in memory and on disk (tuning.lookup)."""
@@ -92,7 +93,7 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     # Every candidate is checked before it is timed: the fastest tile must also be right on this
     # GPU and shape (split-K reductions and inline-asm paths run only here, not in the interpreter).
     reference = reference_q4_linear(x, qweight, scales, b)
-    best, best_ms = default_config(m, mode == "fused"), math.inf
+    best, best_ms = None, math.inf
     for config in candidate_configs(m, mode == "fused") + (tma_configs(m) if tma else []):
         try:
             if not tuning.computes_product(run(config), reference):
@@ -103,6 +104,9 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
             continue
         if ms < best_ms:
             best, best_ms = config, ms
+    if best is None:  # the default tile is a candidate too: nothing of this mode may run here
+        raise tuning.NoCorrectTile(f"no Q4 {mode} tile compiled and computed the product for M={m} N={n} K={k} "
+                                   f"({str(dtype).removeprefix('torch.')})")
     kernel = tuning.encode(best)
     tuning.store(key, kernel)
     return kernel
