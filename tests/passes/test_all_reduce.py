@@ -291,3 +291,103 @@ def test_slots_alternate_per_group_and_come_in_pairs():
         ("a", True, 0), ("a", True, 1), ("b", True, 0), ("a", True, -1), ("a", True, 0), ("a", True, 1),
         ("b", True, 1), ("a", False, -1)]
     assert "come in pairs" in sites[7].reason and "this graph has 5" in sites[7].reason
+
+
+# ---- two GPUs: the one-shot kernel under CUDA graphs --------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpu_worker(rank: int, port: int, out: str) -> None:
+    import graphopt
+    from graphopt.compiler import recording_decisions
+    from graphopt.ops import all_reduce as ops
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cuda", (2,))
+        group = mesh.get_group(0).group_name
+        results: dict = {}
+        # the op itself, against NCCL: eagerly, then four calls recorded in one CUDA graph and replayed
+        sizes = (4096, 65536, 3 * 2**20)  # bf16 elements; the last is larger than the buffers
+        ops.prepare_buffers(group, torch.bfloat16, 65536, torch.device("cuda", rank))
+        direct = []
+        for numel in sizes:
+            x = torch.randn(numel, device="cuda", dtype=torch.bfloat16, generator=_cuda_gen(rank * 10 + numel % 7))
+            expected = x.clone()
+            dist.all_reduce(expected)
+            direct.append((numel, [ops.buffer_for(x, group, s) is not None for s in (0, 1)],
+                           [(torch.ops.graphopt.all_reduce(x, group, s) - expected).abs().max().item() for s in (0, 1)]))
+        static = [torch.zeros(8192, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            [torch.ops.graphopt.all_reduce(t, group, i % 2) for i, t in enumerate(static)]  # warm-up
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed = [torch.ops.graphopt.all_reduce(t, group, i % 2) for i, t in enumerate(static)]
+        replay_errors = []
+        for seed in (1, 2):
+            for i, t in enumerate(static):
+                t.copy_(torch.randn(8192, device="cuda", dtype=torch.bfloat16, generator=_cuda_gen(100 * seed + 10 * i + rank)))
+            expected = [t.clone() for t in static]
+            for e in expected:
+                dist.all_reduce(e)
+            graph.replay()
+            torch.cuda.synchronize()
+            replay_errors.append(max((g - e).abs().max().item() for g, e in zip(graphed, expected)))
+        results["direct"], results["replay_errors"] = direct, replay_errors
+        # a split MLP under mode="reduce-overhead", the pass off and on
+        torch.manual_seed(0)  # every rank builds the same weights and keeps its shards
+        model = _split(TwoBlocks(width=1024, hidden=2816).cuda().to(torch.bfloat16), mesh).eval()
+        for name, passes in (("off", {}), ("on", {"all_reduce": True})):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=graphopt.backend(passes=passes), mode="reduce-overhead")
+            outputs = []
+            with torch.no_grad(), recording_decisions() as decisions:
+                for seed in (1, 2, 3):
+                    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16, generator=_cuda_gen(seed))
+                    torch.compiler.cudagraph_mark_step_begin()
+                    outputs.append(compiled(x).clone())  # a replay overwrites the last output
+            results[name] = dict(outputs=[o.cpu() for o in outputs],
+                                 decisions=[(d.applied, d.implementation, d.reason) for d in decisions
+                                            if d.pass_name == "all_reduce"])
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _cuda_gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_the_one_shot_all_reduce_under_cuda_graphs_equals_nccl(tmp_path, monkeypatch):
+    """Two GPUs, NCCL: graphopt::all_reduce through the one-shot kernel equals NCCL's sum eagerly
+    and replayed from a CUDA graph that alternates the two buffers (larger than the buffers: the
+    functional all-reduce); a split MLP compiled with mode="reduce-overhead" and the pass on gives
+    the outputs of the pass off, its two all-reduces run by the one-shot kernel."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    mp.spawn(_gpu_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for numel, buffered, errors in results["direct"]:
+            assert buffered == [numel <= 65536] * 2, numel
+            assert max(errors) < 0.05, (numel, errors)  # bf16 sums of N(0, 1) pairs: NCCL's to the last bit or so
+        assert max(results["replay_errors"]) < 0.05, results["replay_errors"]
+        assert [(applied, implementation) for applied, implementation, _ in results["on"]["decisions"]] == [
+            (True, "one_shot (slot 0)"), (True, "one_shot (slot 1)")], results["on"]["decisions"]
+        for on, off in zip(results["on"]["outputs"], results["off"]["outputs"]):
+            torch.testing.assert_close(on, off)
+        assert not torch.allclose(results["on"]["outputs"][0], results["on"]["outputs"][1])
