@@ -12,7 +12,6 @@ blocks are the single-process model's blocks.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from graphopt.passes.base import GraphPass
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.slow,  # one two-process spawn for the module
               pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")]
@@ -214,12 +214,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     """What each rank recorded, by rank. One spawn per pytest run: under pytest-xdist the workers
@@ -233,7 +227,7 @@ def runs(tmp_path_factory) -> list[dict]:
     with FileLock(str(shared / "tensor_parallel.lock")):
         if not (out_dir / "done").exists():
             out_dir.mkdir(exist_ok=True)
-            mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+            mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
             (out_dir / "done").touch()
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 

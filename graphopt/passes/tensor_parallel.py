@@ -14,7 +14,8 @@ op(x, packed local shard), wrapped back with `from_local` and the placement the 
 had: Shard(last) for a column-parallel weight (Shard(0) with a replicated input), Partial() for a
 row-parallel one (Shard(1) with an input sharded on its last dim; its bias is added on mesh index 0
 only, so the partial sums add up to one bias). The `redistribute` after it stays, so the
-collectives DTensor inserted (the all-reduce of the partial sums) run unchanged.
+collectives DTensor inserted (the all-reduce of the partial sums) run unchanged, unless the
+all_reduce pass (graphopt.passes.all_reduce) replaces that all-reduce.
 transformers' own tensor parallelism (`tp_plan`) keeps DTensor parameters but multiplies plain local
 tensors by `weight.to_local()`, its hooks doing the collectives; such a linear is rewritten in place
 on the same shard, with nothing to wrap. Every other DTensor linear is left alone, with the reason

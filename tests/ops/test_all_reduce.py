@@ -7,7 +7,6 @@ allocation replaced by torch.empty; the one-shot kernel itself needs two GPUs
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt  # noqa: F401  (registers the ops)
 from graphopt.ops import all_reduce as ops
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 WORLD = 2
@@ -47,16 +47,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_functional_all_reduce_sums_every_ranks_tensor(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     inputs = [_inputs(r) for r in range(WORLD)]
     for i, (shape, dtype) in enumerate(CASES):

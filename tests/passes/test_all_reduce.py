@@ -10,12 +10,13 @@ runs the one-shot kernel on two GPUs under CUDA graphs."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -24,13 +25,8 @@ OP = "graphopt.all_reduce.default"
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    store = tmp_path_factory.mktemp("store") / "file"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 class TwoBlocks(nn.Module):
@@ -296,12 +292,6 @@ def test_slots_alternate_per_group_and_come_in_pairs():
 # ---- two GPUs: the one-shot kernel under CUDA graphs --------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gpu_worker(rank: int, port: int, out: str) -> None:
     import graphopt
     from graphopt.compiler import recording_decisions
@@ -379,7 +369,7 @@ def test_the_one_shot_all_reduce_under_cuda_graphs_equals_nccl(tmp_path, monkeyp
     import torch.multiprocessing as mp
 
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    mp.spawn(_gpu_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_gpu_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for numel, buffered, errors in results["direct"]:
