@@ -33,20 +33,19 @@ result, and the op returns it complete. Other forms are declined with the reason
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-import graphopt.ops  # noqa: F401  (registers graphopt::all_reduce)
 from graphopt.cost.all_reduce import estimate_all_reduce
 from graphopt.cost_model import Estimate
-from graphopt.ops import all_reduce as ops
+from graphopt.ops import all_reduce as ops  # registers graphopt::all_reduce
 from graphopt.passes.base import GraphPass, PassContext
 from graphopt.passes.fx_utils import erase_unused, fake, shape
-from graphopt.passes.tensor_parallel import (_dtensor_api, _is_from_local, _node_arg, from_local_node, is_redistribute,
-                                             redistribute_arguments, same_on_all_ranks)
+from graphopt.passes.tensor_parallel import (from_local_node, is_redistribute, redistribute_arguments, same_on_all_ranks,
+                                             wrapped_local)
 
 # Largest all-reduce the symmetric buffers take. Decode's are KBs (hidden size x batch x 2 bytes);
 # past a few MB NCCL's bandwidth catches up anyway, and two buffers of this size per group are
@@ -73,7 +72,6 @@ class Site:
     slot: int = -1  # the buffer of a planned one-shot call; -1: the functional all-reduce
     rewrite: bool = False
     reason: str = ""
-    details: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int | None:
@@ -83,10 +81,10 @@ class Site:
 def find_sites(ctx: PassContext) -> list[Site]:
     """Every redistribute of a DTensor with a Partial placement, in graph order, with the problem
     that keeps it as it is (None: an all-reduce the op can run)."""
-    api = _dtensor_api()
-    if api is None:
+    if not torch.distributed.is_available():
         return []
-    DTensor, Shard, Replicate, Partial = api
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
     sites = []
     for node in ctx.gm.graph.nodes:
         if not is_redistribute(node) or not node.args:
@@ -108,8 +106,9 @@ def find_sites(ctx: PassContext) -> list[Site]:
         elif mesh.ndim != 1:
             site.problem = f"a {mesh.ndim}-D device mesh: only 1-D (tensor-parallel) meshes are rewritten"
         elif type(placements[0]) is not Partial:
-            site.problem = (f"placement {placements[0]} is a masked partial (a row-parallel embedding's): its reduction "
-                            "applies the lookup's mask, which a plain sum does not")
+            site.problem = (f"placement {placements[0]} ({type(placements[0]).__name__}) is not a plain Partial: a "
+                            "masked partial (a row-parallel embedding's) applies the lookup's mask in its reduction, "
+                            "which a plain sum does not")
         elif placements[0].reduce_op != "sum":
             site.problem = f"a Partial({placements[0].reduce_op!r}) reduction: only sums are rewritten"
         elif not isinstance(out, DTensor) or tuple(out.placements) != (Replicate(),):
@@ -133,9 +132,8 @@ def find_sites(ctx: PassContext) -> list[Site]:
 def _local_of(site: Site) -> Any:
     """The local partial tensor: the tensor a from_local wrapped (a rewritten linear's output), or
     the DTensor's recorded local value."""
-    if _is_from_local(site.source):
-        return _node_arg(site.source, 0, "local_tensor")
-    return fake(site.source)._local_tensor
+    local = wrapped_local(site.source)
+    return local if local is not None else fake(site.source)._local_tensor
 
 
 def one_shot_problem(site: Site, hw) -> str | None:
@@ -258,12 +256,14 @@ class AllReducePass(GraphPass):
             ops.prepare_buffers(group_name, dtype, numel, buffer_device)
 
     def _rewrite(self, ctx: PassContext, site: Site) -> None:
+        """to_local (or the tensor a rewritten linear wrapped) -> graphopt::all_reduce -> from_local
+        as Replicate() on the same mesh, in place of the redistribute."""
+        from torch.distributed.tensor import Replicate
+
         graph = ctx.gm.graph
-        Replicate = _dtensor_api()[2]
+        local = wrapped_local(site.source)
         with graph.inserting_before(site.node):
-            if _is_from_local(site.source):
-                local = _node_arg(site.source, 0, "local_tensor")
-            else:
+            if local is None:
                 local = graph.call_method("to_local", (site.source,))
                 local.meta["example_value"] = fake(site.source)._local_tensor
             reduced = graph.call_function(_OP, (local, site.group_name, site.slot))

@@ -103,6 +103,11 @@ def _is_to_local(node: Any) -> bool:
         (node.op == "call_method" and node.target == "to_local") or _is_prim(node, "to_local"))
 
 
+def wrapped_local(node: Any) -> fx.Node | None:
+    """The local tensor a DTensor.from_local node wraps (either graph form), else None."""
+    return _node_arg(node, 0, "local_tensor") if _is_from_local(node) else None
+
+
 def is_redistribute(node: Any) -> bool:
     """`t.redistribute(...)` in a Dynamo graph: a method call (torch 2.13), or a call of the closure
     older Dynamo records, named "prim_redistribute", with the arguments inside it."""
@@ -364,5 +369,5 @@ def same_on_all_ranks(group: Any, device: torch.device, value: int) -> bool:
 
 
 __all__ = ["LinearShard", "linear_shard", "local_shard_parameter", "head_shard", "is_dtensor", "rank_and_world", "local_bias_node", "wrap_local",
-           "from_local_node", "is_redistribute", "redistribute_arguments", "local_example", "localize_dtensor_inputs",
+           "from_local_node", "is_redistribute", "redistribute_arguments", "wrapped_local", "local_example", "localize_dtensor_inputs",
            "all_ranks_amax", "all_ranks_agree", "same_on_all_ranks"]
