@@ -5,6 +5,9 @@ model, not split):
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tensor_parallel.py --loops decode
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tensor_parallel.py --loops generate
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tensor_parallel.py --loops collectives
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tensor_parallel.py --loops decode \
+        --variants inductor,graphopt,graphopt-allreduce,graphopt-fp4,graphopt-fp4-allreduce
     torchrun --nproc-per-node 2 bench/bench_tensor_parallel.py --shapes tiny --device cpu --force \\
         --prompt 16 --new-tokens 8 --repeats 1                                      # CPU smoke (gloo)
 
@@ -20,11 +23,18 @@ Loops (--loops), batch 1 by default, CUDA graphs on (mode="reduce-overhead"):
   StaticCache filled by the plain model, then the compiled one-token step in a Python loop;
 - generate: HF generate with a static cache and CompileConfig (bench_generate.py's measurement,
   without its HF-overhead column).
-Variants (--variants): inductor (bf16), graphopt (its default passes, bf16), graphopt-fp4
-(fp4_linear on every linear the cost model takes; --force for all), quantized-fp4 (the split model
-through graphopt.quantize_(format="nvfp4"), which releases the bf16 linears, then graphopt-fp4's
-compile; it runs last in each loop and the model is built again for the next loop). Each rank
-quantizes its own shards, with the whole weight's NVFP4 global scale (one all-reduce).
+- collectives: the all-reduce alone, bf16, at the sizes of COLLECTIVE_BYTES (a decode step's are
+  hidden size x batch x 2 bytes): microseconds per all-reduce through NCCL (dist.all_reduce) and
+  through graphopt::all_reduce's one-shot kernel over symmetric memory (two buffers, alternating),
+  each called back to back eagerly and replayed from a CUDA graph of COLLECTIVE_CALLS calls; the
+  one-shot results checked against NCCL's sum. Needs 2 or more GPUs.
+Variants (--variants; default: all but the two all-reduce ones): inductor (bf16), graphopt (its
+default passes, bf16), graphopt-fp4 (fp4_linear on every linear the cost model takes; --force for
+all), quantized-fp4 (the split model through graphopt.quantize_(format="nvfp4"), which releases
+the bf16 linears, then graphopt-fp4's compile; it runs last in each loop and the model is built
+again for the next loop), graphopt-allreduce and graphopt-fp4-allreduce (graphopt and graphopt-fp4
+with the all_reduce pass on: the all-reduce after each row-parallel linear as graphopt::all_reduce).
+Each rank quantizes its own shards, with the whole weight's NVFP4 global scale (one all-reduce).
 
 --skip-guard-eval runs the decode steps after the first decode under
 torch.compiler.set_stance(skip_guard_eval_unsafe=True): Dynamo then skips its per-call guard checks,
@@ -49,6 +59,7 @@ import contextlib
 import datetime
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -65,8 +76,13 @@ from bench import bench_decode_loop, bench_generate  # noqa: E402
 from bench.common import environment, print_table  # noqa: E402
 from bench.llama_models import SHAPES, build_model, fresh_start, gpu_slug, random_prompt  # noqa: E402
 
-LOOPS = ("decode", "generate")
-VARIANTS = ("inductor", "graphopt", "graphopt-fp4", "quantized-fp4")
+LOOPS = ("decode", "generate", "collectives")
+VARIANTS = ("inductor", "graphopt", "graphopt-fp4", "quantized-fp4", "graphopt-allreduce", "graphopt-fp4-allreduce")
+DEFAULT_VARIANTS = VARIANTS[:4]
+COLLECTIVE_BYTES = (8192, 65536, 262144, 2097152)
+COLLECTIVE_CALLS = 64  # all-reduces recorded in one CUDA graph
+COLLECTIVE_COLUMNS = ["bytes", "nccl_eager_us", "nccl_graph_us", "one_shot_eager_us", "one_shot_graph_us",
+                      "graph_speedup", "one_shot_max_err", "matches_nccl"]
 COLUMNS = ["loop", "variant", "tp", "tok_s", "vs_inductor", "ms_step", "compile_s", "weight_gb", "peak_gb", "identical",
            "ranks_agree", "error"]
 
@@ -75,8 +91,9 @@ def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default 8b; tiny on CPU)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's, 32 for 8b)")
-    parser.add_argument("--loops", default=",".join(LOOPS), help=f"comma list of {', '.join(LOOPS)}")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--loops", default="decode,generate", help=f"comma list of {', '.join(LOOPS)} (default decode,generate)")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma list of {', '.join(VARIANTS)} (default {', '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--mode", default=None, help="torch.compile mode (default reduce-overhead on CUDA, default on CPU)")
     parser.add_argument("--device", default="auto", help="auto (cuda when there is one), cuda or cpu")
     parser.add_argument("--batch", type=int, default=1)
@@ -226,7 +243,7 @@ def result_path(opts, world: int) -> Path:
 
 
 def _key(row: dict, *fields: str) -> tuple:
-    return tuple(str(row.get(k)) for k in ("shape", "layers", "loop", "mode", "batch", "skip_guard_eval", *fields))
+    return tuple(str(row.get(k)) for k in ("shape", "layers", "loop", "mode", "batch", "skip_guard_eval", "bytes", *fields))
 
 
 def write_rows(opts, world: int, rows: list[dict]) -> list[dict]:
@@ -271,6 +288,81 @@ def summarize(paths: list[Path]) -> list[dict]:
     return table
 
 
+def _us_per_call(call, calls: int, repeats: int = 5) -> float:
+    """Median over `repeats` of the microseconds per call of `calls` back-to-back calls of
+    call(index), timed with CUDA events after a warm-up and a barrier (every rank starts together)."""
+    for i in range(20):
+        call(i)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            call(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _graph_us_per_call(call, repeats: int = 30) -> float:
+    """Microseconds per call of COLLECTIVE_CALLS calls of call(index) recorded in one CUDA graph
+    (warmed up on a side stream first), the graph replayed `repeats` times per timing."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(4):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(COLLECTIVE_CALLS):
+            call(i)
+    return _us_per_call(lambda i: graph.replay(), repeats) / COLLECTIVE_CALLS
+
+
+def collectives(opts, rank: int, world: int) -> list[dict]:
+    """The collectives loop's rows (see the module docstring); none where it cannot run."""
+    from graphopt.ops import all_reduce as ops
+
+    if not opts.device.startswith("cuda") or world < 2:
+        if rank == 0:
+            print("collectives: needs 2 or more CUDA GPUs (torchrun --nproc-per-node N on a GPU host); skipped", flush=True)
+        return []
+    group = dist.group.WORLD.group_name
+    device = torch.device("cuda", torch.cuda.current_device())
+    bf16 = torch.bfloat16
+    ops.prepare_buffers(group, bf16, max(COLLECTIVE_BYTES) // bf16.itemsize, device)
+    rows = []
+    for nbytes in COLLECTIVE_BYTES:
+        numel = nbytes // bf16.itemsize
+        x = torch.randn(numel, device=device, dtype=bf16, generator=torch.Generator(device=device).manual_seed(rank))
+        expected = x.clone()
+        dist.all_reduce(expected)
+        error = max(float((torch.ops.graphopt.all_reduce(x, group, slot) - expected).abs().max()) for slot in ops.SLOTS)
+        zeros = torch.zeros_like(x)  # NCCL sums in place: zeros stay finite call after call
+
+        def nccl(i):
+            dist.all_reduce(zeros)
+
+        def one_shot(i):
+            torch.ops.graphopt.all_reduce(x, group, ops.SLOTS[i % len(ops.SLOTS)])
+
+        row = dict(loop="collectives", variant="all-reduce", tp=world, bytes=nbytes, mode="-",
+                   nccl_eager_us=_us_per_call(nccl, 300), nccl_graph_us=_graph_us_per_call(nccl),
+                   one_shot_eager_us=_us_per_call(one_shot, 300), one_shot_graph_us=_graph_us_per_call(one_shot),
+                   one_shot_max_err=error, matches_nccl=error <= 1e-2 * float(expected.abs().max()))
+        row["graph_speedup"] = row["nccl_graph_us"] / row["one_shot_graph_us"]
+        rows.append(row)
+    if rank == 0:
+        write_rows(opts, world, rows)
+        print_table(f"all-reduce over {world} GPUs, bf16 sum, us per all-reduce", rows, COLLECTIVE_COLUMNS)
+        print(f"wrote {result_path(opts, world)}", flush=True)
+    return rows
+
+
 def main() -> None:
     parsed = arguments().parse_args()
     if parsed.summarize is not None:
@@ -282,9 +374,12 @@ def main() -> None:
     rank, world = start_processes(opts.device)
     rows: list[dict] = []
     try:
-        for shape in opts.shapes:
+        if "collectives" in opts.loops:
+            rows += collectives(opts, rank, world)
+        model_loops = [loop for loop in opts.loops if loop != "collectives"]
+        for shape in opts.shapes if model_loops else ():
             model = None
-            for loop in opts.loops:
+            for loop in model_loops:
                 if model is None or "quantized-fp4" in opts.variants:  # the last loop left it quantized
                     model = None
                     fresh_start(opts.device)

@@ -107,7 +107,10 @@ def compile_kwargs(variant: str, mode: str, force: bool) -> dict[str, Any] | Non
 
     lossy = {"force": True} if force else {}
     options = {"graphopt": {}, "graphopt-fp4": dict(passes={"fp4_linear": True}, **lossy),
-               "graphopt-q4": dict(passes={"q4_linear": True}, **lossy)}[variant]
+               "graphopt-q4": dict(passes={"q4_linear": True}, **lossy),
+               # tensor-parallel models (bench_tensor_parallel.py): DTensor's all-reduces as graphopt::all_reduce
+               "graphopt-allreduce": dict(passes={"all_reduce": True}, **lossy),
+               "graphopt-fp4-allreduce": dict(passes={"fp4_linear": True, "all_reduce": True}, **lossy)}[variant]
     return dict(backend=graphopt.backend(**options), mode=mode)
 
 

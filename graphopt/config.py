@@ -24,14 +24,16 @@ from typing import Any, Mapping
 from graphopt.hardware import SPECS
 
 # Registry order is also the order passes run in (see graphopt/passes/__init__.py).
-PASS_NAMES: tuple[str, ...] = ("attention", "sparse_attention", "fp4_linear", "q4_linear", "fft_linear")
+PASS_NAMES: tuple[str, ...] = ("attention", "sparse_attention", "fp4_linear", "q4_linear", "fft_linear", "all_reduce")
 # Lossless passes are on by default; lossy ones change numerics within a budget and are opt-in.
+# all_reduce is lossless but off until its gain is measured in a decode loop on GPUs.
 DEFAULT_PASSES: dict[str, bool] = {
     "attention": True,
     "sparse_attention": False,
     "fp4_linear": False,
     "q4_linear": False,
     "fft_linear": False,
+    "all_reduce": False,
 }
 TARGETS: tuple[str, ...] = ("auto", *SPECS)  # every hardware table entry (a spec added there is a target)
 DOWNSTREAMS: tuple[str, ...] = ("inductor", "eager", "tensorrt")

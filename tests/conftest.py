@@ -3,6 +3,7 @@ Triton reads when a kernel is decorated, so it is set here before any graphopt k
 
 import contextlib
 import os
+import socket
 
 import torch
 
@@ -62,3 +63,24 @@ def tf32_allowed():
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def free_port() -> int:
+    """A TCP port free on this host, for the rendezvous of spawned process groups."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_rank_mesh(tmp_path_factory):
+    """A 1-D device mesh of one gloo rank: this process joins a default process group of one for
+    the test module (the placements, and so graphopt's per-rank rewrites, are those of any
+    tensor-parallel size)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = tmp_path_factory.mktemp("store") / "file"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()

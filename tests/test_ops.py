@@ -1,4 +1,4 @@
-"""graphopt/ops.py: the inference-only ops (torch.library.Library definitions without an autograd
+"""graphopt.ops: the inference-only ops (torch.library.Library definitions without an autograd
 layer) refuse inputs that require grad in grad mode, in the kernel and in the fake, and run
 otherwise; the passes that emit them decline graphs that will be differentiated. graphopt::attention
 records an autograd node exactly when a gradient is needed."""

@@ -66,7 +66,7 @@ def test_each_pass_module_imports_on_its_own():
     """A pass module imported first (as a tool or a test may do) registers the ops it names."""
     result = _run("""
         import importlib, subprocess, sys
-        for name in ("attention", "sparse_attention", "fp4_linear", "q4_linear", "fft_linear"):
+        for name in ("attention", "sparse_attention", "fp4_linear", "q4_linear", "fft_linear", "all_reduce"):
             code = f"import graphopt.passes.{name}"
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
             assert done.returncode == 0, (name, done.stderr[-500:])

@@ -12,12 +12,14 @@ blocks are the single-process model's blocks.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from graphopt.passes.base import GraphPass
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.slow,  # one two-process spawn for the module
               pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")]
@@ -36,7 +38,11 @@ CASES: dict[str, dict] = {
     "q4_linear": dict(passes={"q4_linear": True}, **FORCED, **EAGER),
     # with a plan tuned on the whole model (write_plan): 4 heads per layer, a dense FFT chain for gate_proj
     "sparse_attention+fft_linear": dict(passes={"sparse_attention": True, "fft_linear": True}, **FORCED, **EAGER),
+    # the all-reduces after o_proj and down_proj as graphopt::all_reduce (on CPU its functional all-reduce)
+    "all_reduce": dict(passes={"all_reduce": True}, **FORCED),
+    "fp4_linear+all_reduce": dict(passes={"fp4_linear": True, "all_reduce": True}, **FORCED, **EAGER),
 }
+ALL_REDUCE_CASES = ("all_reduce", "fp4_linear+all_reduce")
 PLANNED = "sparse_attention+fft_linear"
 SIM = [0.1, 0.2, 0.3, 0.4]  # the plan's per-head simthreshd1: rank r gets heads 2r, 2r+1
 LOSSLESS = ("attention", "attention-inductor")
@@ -109,9 +115,22 @@ def write_plan(directory: Path) -> Path:
         "fft_linear": dict(file="fft.safetensors", layers={"model.layers.0.mlp.gate_proj": layer})})
 
 
+class _AllReduceNodes(GraphPass):
+    """Runs after the registry's passes: notes, per compiled graph, what each graphopt::all_reduce
+    node reads and its slot."""
+
+    name = "test_all_reduce_nodes"
+    seen: list = []
+
+    def run(self, ctx) -> None:
+        _AllReduceNodes.seen.append([(str(n.args[0].target), n.args[2]) for n in ctx.gm.graph.nodes
+                                     if n.op == "call_function" and str(n.target) == "graphopt.all_reduce.default"])
+
+
 def _decisions(report) -> list[dict]:
     return [dict(pass_name=d.pass_name, applied=d.applied, location=d.location, reason=d.reason, rank=d.rank,
-                 shard=d.details.get("shard"), simthreshd1=d.details.get("simthreshd1")) for d in report.decisions]
+                 shard=d.details.get("shard"), simthreshd1=d.details.get("simthreshd1"),
+                 implementation=d.implementation, slot=d.details.get("slot")) for d in report.decisions]
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -120,6 +139,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         import graphopt
+        from graphopt.passes import register_extra_pass, unregister_extra_pass
         from graphopt.quant import quantized_layers
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard
@@ -131,18 +151,22 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         plan_dir = Path(out_dir) / f"plan{rank}"
         plan_dir.mkdir(exist_ok=True)
         plan = str(write_plan(plan_dir))
+        register_extra_pass(_AllReduceNodes())
         for name, options in CASES.items():
             options = {**options, "plan": plan} if name == PLANNED else options
+            _AllReduceNodes.seen = []
             report = graphopt.explain(parallelize_llama(tiny_llama(), mesh), ids, **options)
             gathered = report.all_ranks()
             entry = dict(logits=report.output.logits, decisions=_decisions(report), table=str(report),
-                         gathered=[(r.rank, r.world_size, r.counts) for r in gathered])
+                         gathered=[(r.rank, r.world_size, r.counts) for r in gathered],
+                         all_reduce_nodes=list(_AllReduceNodes.seen))
             if list(CASES).index(name) % WORLD == rank:  # the single-process runs, shared out between the ranks
                 entry["single"] = graphopt.explain(tiny_llama(), ids, **options).output.logits
                 if name in LOSSLESS:
                     with torch.no_grad():
                         entry["float64"] = tiny_llama(torch.float64)(ids).logits
             results[name] = entry
+        unregister_extra_pass(_AllReduceNodes.name)
         # transformers' own split: each rank's shard multiplied as weight.to_local()
         hf_model = transformers_parallelize(tiny_llama(), mesh)
         if hf_model is not None:
@@ -190,12 +214,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     """What each rank recorded, by rank. One spawn per pytest run: under pytest-xdist the workers
@@ -209,7 +227,7 @@ def runs(tmp_path_factory) -> list[dict]:
     with FileLock(str(shared / "tensor_parallel.lock")):
         if not (out_dir / "done").exists():
             out_dir.mkdir(exist_ok=True)
-            mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+            mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
             (out_dir / "done").touch()
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
@@ -361,3 +379,24 @@ def test_transformers_tensor_parallelism(runs):
         # quantize_ cannot keep the forward transformers' split replaces, and says so
         assert "layer 'model.layers.0.self_attn.q_proj'" in entry["quantize_error"]
         assert "transformers' own tensor parallelism" in entry["quantize_error"]
+
+
+@pytest.mark.parametrize("case", ALL_REDUCE_CASES)
+def test_all_reduce_rewrites_the_all_reduce_of_each_row_parallel_linear(runs, case):
+    """Each rank rewrites the all-reduces after o_proj and down_proj (on CPU the op runs the
+    functional all-reduce), alternating buffer slots, and records them; the rewritten graph holds
+    the ops (after fp4_linear, each reads the FP4 op's local result directly). The logits equal
+    the single-process model's (test_tensor_parallel_logits_equal_single_process)."""
+    locations = [f"model.layers.{i}.{m}" for i in range(LAYERS) for m in ("self_attn.o_proj", "mlp.down_proj")]
+    for rank in range(WORLD):
+        entry = runs[rank][case]
+        decisions = [d for d in entry["decisions"] if d["pass_name"] == "all_reduce"]
+        assert [(d["location"], d["applied"], d["slot"], d["rank"]) for d in decisions] == [
+            (location, True, i % 2, rank) for i, location in enumerate(locations)]
+        assert all(d["implementation"] == f"functional (slot {d['slot']})" for d in decisions)
+        assert all("tensors are on cpu" in d["reason"] for d in decisions)
+        nodes = [node for graph in entry["all_reduce_nodes"] for node in graph]
+        assert [slot for _, slot in nodes] == [i % 2 for i in range(len(locations))]
+        if case.startswith("fp4_linear"):
+            assert {source for source, _ in nodes} == {"graphopt.fp4_linear.default"}
+        assert [counts.get("all_reduce") for _, _, counts in entry["gathered"]] == [len(locations)] * WORLD

@@ -37,13 +37,15 @@ log = logging.getLogger("graphopt")
 # name -> "module:attribute" of a GraphPass instance. Order = PASS_NAMES = run order:
 # attention first; sparse_attention then re-lowers `graphopt::attention` nodes where the cost
 # model and the plan say sparsity pays (with the attention pass off, it runs its matcher itself);
-# then the weight passes.
+# then the weight passes; all_reduce last, after the weight passes have wrapped their local results
+# back into the DTensors it reads.
 REGISTRY: dict[str, str] = {
     "attention": "graphopt.passes.attention:PASS",
     "sparse_attention": "graphopt.passes.sparse_attention:PASS",
     "fp4_linear": "graphopt.passes.fp4_linear:PASS",
     "q4_linear": "graphopt.passes.q4_linear:PASS",
     "fft_linear": "graphopt.passes.fft_linear:PASS",
+    "all_reduce": "graphopt.passes.all_reduce:PASS",
 }
 assert tuple(REGISTRY) == PASS_NAMES
 

@@ -14,7 +14,8 @@ op(x, packed local shard), wrapped back with `from_local` and the placement the 
 had: Shard(last) for a column-parallel weight (Shard(0) with a replicated input), Partial() for a
 row-parallel one (Shard(1) with an input sharded on its last dim; its bias is added on mesh index 0
 only, so the partial sums add up to one bias). The `redistribute` after it stays, so the
-collectives DTensor inserted (the all-reduce of the partial sums) run unchanged.
+collectives DTensor inserted (the all-reduce of the partial sums) run unchanged, unless the
+all_reduce pass (graphopt.passes.all_reduce) replaces that all-reduce.
 transformers' own tensor parallelism (`tp_plan`) keeps DTensor parameters but multiplies plain local
 tensors by `weight.to_local()`, its hooks doing the collectives; such a linear is rewritten in place
 on the same shard, with nothing to wrap. Every other DTensor linear is left alone, with the reason
@@ -23,6 +24,7 @@ on the same shard, with nothing to wrap. Every other DTensor linear is left alon
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,21 +80,57 @@ class LinearShard:
                 f"(mesh index {self.coordinate} of {self.mesh_size})")
 
 
+def _is_prim(node: Any, name: str) -> bool:
+    """A call of the closure older Dynamo (torch before 2.13) records for DTensor's `name`, its
+    arguments inside it: named "prim <name>" or "prim_<name>" (both spellings occur)."""
+    return (isinstance(node, fx.Node) and node.op == "call_function"
+            and getattr(node.target, "__name__", "") in (f"prim {name}", f"prim_{name}"))
+
+
 def _is_from_local(node: Any) -> bool:
     """DTensor.from_local in a Dynamo graph: the function itself, or (torch before 2.13) the
     closure Dynamo wraps it in, named "prim from_local", with the mesh and placements inside it
     (the node's recorded DTensor value carries them in both forms)."""
     api = _dtensor_api()
-    return (api is not None and isinstance(node, fx.Node) and node.op == "call_function"
-            and (node.target is api[0].from_local or getattr(node.target, "__name__", "") == "prim from_local"))
+    return api is not None and isinstance(node, fx.Node) and (
+        (node.op == "call_function" and node.target is api[0].from_local) or _is_prim(node, "from_local"))
 
 
 def _is_to_local(node: Any) -> bool:
     """`t.to_local()` in a Dynamo graph: a method call, or (torch before 2.13) a call of Dynamo's
     closure named "prim to_local"."""
     return isinstance(node, fx.Node) and (
-        (node.op == "call_method" and node.target == "to_local")
-        or (node.op == "call_function" and getattr(node.target, "__name__", "") == "prim to_local"))
+        (node.op == "call_method" and node.target == "to_local") or _is_prim(node, "to_local"))
+
+
+def wrapped_local(node: Any) -> fx.Node | None:
+    """The local tensor a DTensor.from_local node wraps (either graph form), else None."""
+    return _node_arg(node, 0, "local_tensor") if _is_from_local(node) else None
+
+
+def is_redistribute(node: Any) -> bool:
+    """`t.redistribute(...)` in a Dynamo graph: a method call (torch 2.13), or a call of the closure
+    older Dynamo records, named "prim_redistribute", with the arguments inside it."""
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_method" and node.target == "redistribute") or _is_prim(node, "redistribute"))
+
+
+def redistribute_arguments(node: fx.Node) -> tuple[tuple, dict] | None:
+    """The arguments of a redistribute after the DTensor itself, (args, kwargs): the node's own, or
+    those the closure form captured (its `args_as_value` and `kwargs_as_value`). None where they
+    cannot be read."""
+    if node.op == "call_method":
+        return tuple(node.args[1:]), dict(node.kwargs)
+    if len(node.args) != 1 or node.kwargs:
+        return None
+    try:
+        captured = inspect.getclosurevars(node.target).nonlocals
+    except TypeError:
+        return None
+    args, kwargs = captured.get("args_as_value", ()), captured.get("kwargs_as_value", {})
+    if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):
+        return None
+    return tuple(args), dict(kwargs)
 
 
 def _node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -224,8 +262,14 @@ def wrap_local(graph: fx.Graph, shard: LinearShard, local: fx.Node, like: fx.Nod
     """DTensor.from_local(local, mesh, shard.out_placements) inserted after `local`: the value the
     DTensor linear had, for the redistribute that follows it. `like`: the replaced node, whose
     recorded value and module stack the wrapper takes."""
+    return from_local_node(graph, local, shard.mesh, shard.out_placements, like)
+
+
+def from_local_node(graph: fx.Graph, local: fx.Node, mesh: Any, placements: tuple, like: fx.Node | None) -> fx.Node:
+    """DTensor.from_local(local, mesh, placements) inserted after `local`, taking the recorded value
+    and module stack of `like` (the node whose DTensor value it stands for)."""
     with graph.inserting_after(local):
-        wrapped = graph.call_function(_from_local_on(shard.mesh, shard.out_placements), (local,))
+        wrapped = graph.call_function(_from_local_on(mesh, placements), (local,))
     if like is not None:
         for key in ("example_value", "val", "nn_module_stack", "stack_trace", "source_fn_stack"):
             if key in like.meta:
@@ -316,5 +360,14 @@ def all_ranks_agree(shard: LinearShard, ok: bool) -> bool:
     return bool(flag.item() > 0)
 
 
+def same_on_all_ranks(group: Any, device: torch.device, value: int) -> bool:
+    """Whether every rank of `group` holds the same integer `value` (two all-reduces on `device`,
+    the group's device): for a compile-time plan whose collectives must match rank for rank."""
+    bounds = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX, group=group)
+    return int(bounds[0]) == -int(bounds[1])
+
+
 __all__ = ["LinearShard", "linear_shard", "local_shard_parameter", "head_shard", "is_dtensor", "rank_and_world", "local_bias_node", "wrap_local",
-           "local_example", "localize_dtensor_inputs", "all_ranks_amax", "all_ranks_agree"]
+           "from_local_node", "is_redistribute", "redistribute_arguments", "wrapped_local", "local_example", "localize_dtensor_inputs",
+           "all_ranks_amax", "all_ranks_agree", "same_on_all_ranks"]

@@ -12,7 +12,7 @@ import torch
 import graphopt
 from graphopt import cost_model as cm
 from graphopt.cost import coefficients
-from graphopt.cost import fft_chain, fp4, q4
+from graphopt.cost import all_reduce, fft_chain, fp4, q4
 from graphopt.cost import sparse_attention as sparse_cost
 from graphopt.hardware import SPECS
 
@@ -88,6 +88,8 @@ def _estimate_everything(hw) -> None:
         cm.naive_attention(hw, 1, 32, lq, lk, 128)
         cm.decode_attention(hw, 1, 32, 1, lk, 128, kv_heads=8)
         sparse_cost.estimate_sparse_attention(hw, 1, 32, 32, lk, lk, 128, causal=True, sparsity=0.5)
+    for impl in all_reduce.IMPLEMENTATIONS:
+        all_reduce.estimate_all_reduce(hw, 8192, 2, impl)
     cm.attention_op_host_launches(hw, "triton"), cm.attention_op_host_launches(hw, "cudnn")
     cm.sparse_attention_op_host_launches(hw)
     for family in cm.kernel_families(hw):

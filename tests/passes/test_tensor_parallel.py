@@ -15,13 +15,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built wit
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    store = tmp_path_factory.mktemp("store") / "file"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 class MLP(nn.Module):

@@ -754,3 +754,12 @@ def _fft_chain_linear_backward(ctx, grad):
 
 fft_chain_linear.register_autograd(_fft_chain_linear_backward, setup_context=_fft_chain_linear_setup)
 # ==== end fft_chain ============================================================================
+
+# ==== all_reduce (graphopt/ops/all_reduce.py, passes/all_reduce.py) ============================
+# graphopt::all_reduce(x, group_name, slot): the sum of x over the group's ranks, through a
+# symmetric-memory one-shot kernel where the pass prepared its buffer, else the functional
+# all-reduce. Defined in its own module; inference only, like the others.
+from graphopt.ops.all_reduce import all_reduce as all_reduce_op  # noqa: E402
+
+_refuse_gradients(all_reduce_op, "all_reduce")
+# ==== end all_reduce ===========================================================================
