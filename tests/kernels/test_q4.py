@@ -470,19 +470,28 @@ def test_the_tuner_leaves_out_a_tile_whose_product_is_wrong(monkeypatch, tmp_pat
     assert "wrong product" in caplog.text
 
 
-@pytest.mark.gpu
-def test_the_tuner_raises_and_stores_nothing_when_no_tile_is_right(monkeypatch, tmp_path):
-    """Every tile's product corrupted, the default's too: the tuner raises NoCorrectTile and keeps
-    no choice, in memory or on disk (the q4_linear pass then leaves the layer dense)."""
+@pytest.mark.parametrize("mode,tokens", [("separate", 4), ("fused", 40)])
+def test_the_tuner_raises_and_stores_nothing_when_no_tile_is_right(mode, tokens, monkeypatch, tmp_path):
+    """Every tile's product corrupted, the default's too: each candidate runs (compiled on a GPU,
+    in the interpreter on the CPU) and fails the float64 check, the tuner raises NoCorrectTile and
+    keeps no choice, in memory or on disk (the q4_linear pass then leaves the layer dense)."""
     from graphopt.kernels.q4 import tune
 
     monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_MEMORY", {})
-    x, qweight, scales, _ = _problem(4, 256, 512, torch.bfloat16, seed=5)
-    real = tune.q4_linear_triton
-    monkeypatch.setattr(tune, "q4_linear_triton", lambda *args, **kwargs: real(*args, **kwargs) * 1.5)
-    with pytest.raises(tuning.NoCorrectTile, match="no Q4 separate tile"):
-        q4.tune_q4_linear(tuple(x.shape), qweight, scales, False, x.dtype, "separate", False)
+    monkeypatch.setattr(tune, "_tuning_device", lambda qweight: "test GPU")  # tiles are checked off the GPU too
+    x, qweight, scales, _ = _problem(tokens, 64, 256, torch.bfloat16, seed=5)
+    real, ran = tune.q4_linear_triton, []
+
+    def corrupted(*args, config=None, **kwargs):
+        y = real(*args, config=config, **kwargs)
+        ran.append(config)  # ran to the end: the check, not an error, refused it
+        return y * 1.5
+
+    monkeypatch.setattr(tune, "q4_linear_triton", corrupted)
+    with pytest.raises(tuning.NoCorrectTile, match=f"no Q4 {mode} tile .* M={tokens} N=64 K=256"):
+        q4.tune_q4_linear(tuple(x.shape), qweight, scales, False, x.dtype, mode, False)
+    assert ran == q4.candidate_configs(tokens, mode == "fused") and q4.default_config(tokens, mode == "fused") in ran
     assert not tuning._MEMORY and not any(tmp_path.iterdir())
 
 

@@ -27,6 +27,15 @@ def _autotune_enabled() -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
+def _tuning_device(qweight: torch.Tensor) -> str | None:
+    """The tuning file's key for the GPU that holds `qweight` (tuning.device_key), where its tiles
+    may be timed now; None where they may not (see _autotune_enabled)."""
+    if not qweight.is_cuda or not _autotune_enabled():
+        return None
+    index = qweight.device.index
+    return tuning.device_key(index if index is not None else torch.cuda.current_device())
+
+
 _LOG = logging.getLogger(__name__)
 
 
@@ -68,7 +77,8 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     (GPU and versions, mode, token bucket, N, K, dtype), in memory and on disk (tuning.lookup)."""
     if mode not in ("fused", "separate"):
         raise ValueError(f"q4_linear mode {mode!r} is not valid; valid choices: fused, separate")
-    if not qweight.is_cuda or not _autotune_enabled():
+    gpu = _tuning_device(qweight)
+    if gpu is None:
         return ""
     m, k, n = math.prod(x_shape[:-1]), x_shape[-1], qweight.shape[0]
     _check_k(k, "tune_q4_linear")
@@ -78,8 +88,7 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     device = qweight.device
     x = torch.randn(m, k, device=device).to(dtype)
     tma = allow_tma and mode == "separate" and m <= DECODE_MAX_TOKENS and _tma_runs(x, n, qweight)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = "|".join((tuning.device_key(index), "q4_linear", mode + ("+tma" if tma else ""), f"m{_token_bucket(m)}",
+    key = "|".join((gpu, "q4_linear", mode + ("+tma" if tma else ""), f"m{_token_bucket(m)}",
                     f"n{n}", f"k{k}", str(dtype).removeprefix("torch.")))
     cached = tuning.lookup(key)
     if cached is not None:
