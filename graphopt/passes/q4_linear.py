@@ -20,14 +20,19 @@ Three rewrites, run in this order over the graph:
 The tile: where the target GPU is the one the weights live on and the token count is static, the
 pass times the chosen mode's tiles now (kernels/q4.tune_q4_linear, cached on disk) and hands the
 fastest to the op as its `kernel` string; elsewhere "" (the untuned default). Nothing is tuned in a
-user's forward. q4_tma's Gluon decode is a candidate of the separate mode only under CUDA graphs
-(cuda_graphs=True, mode="reduce-overhead"): it runs as an opaque op whose Python launch path costs
-more host time per call than the layer's GPU work, while Inductor launches the Triton kernels from
-its generated code.
+user's forward. The tuner checks every tile, the default among them, against the float64 product;
+where none of the mode computes it on this GPU, the layer is not rewritten (a sibling group stays
+dense as a whole), with the reason, and a layer held only as Q4_0 (graphopt.quantize_) runs
+q4.dequantized_q4_linear, a dense GEMM on its dequantized weight, instead of a tile known wrong.
+q4_tma's Gluon decode is a candidate of the separate mode only under CUDA graphs (cuda_graphs=True,
+mode="reduce-overhead"): it runs as an opaque op whose Python launch path costs more host time per
+call than the layer's GPU work, while Inductor launches the Triton kernels from its generated code.
 
 Tensor-parallel linears (DTensor weights; graphopt.passes.tensor_parallel): each rank quantizes its
 shard (Q4_0 blocks run along the input features, inside a shard whose width is a multiple of 32)
-and the op runs on the local tensors, the collectives after it unchanged.
+and the op runs on the local tensors, the collectives after it unchanged. Whether a layer is
+rewritten (its shard's SQNR, a tile that computes the product) is agreed by all ranks, so every
+rank rewrites the same layers.
 
 Activation range: Q8_1 stores each 32-value block's step d = amax / 127 in fp16, byte-for-byte as
 ggml does. A block whose largest magnitude is below about 8e-3 gets a subnormal step (fewer
@@ -71,6 +76,7 @@ from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical,
                                       replace_linear, replace_siblings_with_call, replace_with_call, shape,
                                       sibling_groups)
 from graphopt.passes.fx_utils import tokens as token_count
+from graphopt.passes.tensor_parallel import all_ranks_agree
 
 
 def _dtype_bytes(dt: torch.dtype | None) -> int:
@@ -114,7 +120,9 @@ class Q4LinearPass(GraphPass):
         that graphopt.quantize_ or graphopt.load_quantized made): the weights stay as they are; the
         op gets the cost model's mode (q4_mode) and, on a GPU, its tile for the token count here,
         as the pass's own rewrites do (modes and tiles give the same numbers up to fp32 summation
-        order). One Decision each, not applied (nothing is rewritten)."""
+        order). One Decision each, not applied. Where no tile of either mode computes the product
+        on this GPU, the call becomes q4.dequantized_q4_linear (a dense GEMM on the dequantized
+        weight): there is no dense weight to keep."""
         for node in ctx.gm.graph.find_nodes(op="call_function", target=torch.ops.graphopt.q4_linear.default):
             qweight = model_state_input(ctx, arg(node, 1, "qweight"))
             if qweight is None:
@@ -136,11 +144,13 @@ class Q4LinearPass(GraphPass):
             if kernel is None:  # the weights exist only as Q4_0: the other kernel mode, if one of its tiles is right
                 mode = layer["mode"] = "separate" if mode == "fused" else "fused"
                 kernel = _tuned_kernel(ctx, layer, qweight, scales, bias is not None)
-            if kernel is None:
+            if kernel is None:  # no dense weight to go back to: the Q4 product through a dense GEMM
                 ctx.record(self.name, False, f"{reason}; no Q4 tile of either kernel mode, the defaults included, computed "
-                           f"the product at {static}x{n}x{k} on this GPU, and a layer held only as Q4_0 cannot stay "
-                           "dense: the op runs its untuned default tile, as the model does eagerly", node=node,
-                           quantized_in_place=True)
+                           f"the product at {static}x{n}x{k} on this GPU: the layer dequantizes its weight and runs a "
+                           "dense fp32 GEMM (kernels/q4 dequantized_q4_linear) instead", node=node, before=before,
+                           quantized_in_place=True, implementation="q4 dequantize + dense GEMM")
+                replace_with_call(ctx, node, q4k.dequantized_q4_linear, (x, arg(node, 1, "qweight"),
+                                                                         arg(node, 2, "scales"), bias))
                 continue
             for index, name, value in ((4, "mode", mode), (5, "kernel", kernel)):
                 if len(node.args) > index:
@@ -253,12 +263,13 @@ class Q4LinearPass(GraphPass):
         matches = find_linears(ctx)
         replaced: dict = {}  # erased linear node -> the node now computing it (later matches read it)
         tied: dict = {}  # (weight node, transposed) -> the Q4_0 constants its first linear made
+        declined: set = set()  # members of a sibling group declined as a whole (each has its Decision)
         if ctx.config.fuse_sibling_linears:
             for group in sibling_groups(matches):
-                for m, out in zip(group, self._siblings(ctx, group, budget, replaced) or ()):
+                for m, out in zip(group, self._siblings(ctx, group, budget, replaced, declined) or ()):
                     replaced[m.node] = out
         for m in matches:
-            if m.node not in replaced:
+            if m.node not in replaced and m.node not in declined:
                 new = self._one(ctx, m, budget, replaced, tied)
                 if new is not None:
                     replaced[m.node] = new
@@ -311,14 +322,18 @@ class Q4LinearPass(GraphPass):
             sqnr = q4k.weight_sqnr_db(w, qweight, scales)
         else:
             sqnr, (qweight, scales) = first_use["sqnr"], first_use["weights"]
-        if not sqnr >= budget:  # NaN (a block scale past fp16's range) fails too
-            ctx.record(self.name, False, f"weight SQNR {sqnr:.1f} dB is below the budget of {budget:.1f} dB",
-                       node=node, before=before, after=after, sqnr_db=sqnr, **details)
+        sqnr_ok = sqnr >= budget  # NaN (a block scale past fp16's range) fails too
+        if not _agree(m, sqnr_ok):
+            why = (f"weight SQNR {sqnr:.1f} dB is below the budget of {budget:.1f} dB" if not sqnr_ok else
+                   f"the weight SQNR of another tensor-parallel rank's shard is below the budget of {budget:.1f} dB; "
+                   "every rank keeps this layer dense")
+            ctx.record(self.name, False, why, node=node, before=before, after=after, sqnr_db=sqnr, **details,
+                       **m.shard_details)
             return
         kernel = _tuned_kernel(ctx, info, qweight, scales, m.bias_node is not None)
-        if kernel is None:
-            ctx.record(self.name, False, _no_tile_reason(info, m.out_features), node=node, before=before, after=after,
-                       sqnr_db=sqnr, **details)
+        if not _agree(m, kernel is not None):
+            ctx.record(self.name, False, _no_tile_reason(info, m.out_features, local=kernel is None), node=node,
+                       before=before, after=after, sqnr_db=sqnr, **details, **m.shard_details)
             return
         m.weight(ctx)  # freeze
         note = info["note"]
@@ -337,31 +352,40 @@ class Q4LinearPass(GraphPass):
                               (replaced.get(m.input, m.input), *constants,
                                replaced.get(m.bias_node, m.bias_node), _op_mode(info["mode"]), kernel))
 
-    def _siblings(self, ctx: PassContext, group: list[LinearMatch], budget: float, replaced: dict) -> list | None:
+    def _siblings(self, ctx: PassContext, group: list[LinearMatch], budget: float, replaced: dict,
+                  declined: set) -> list | None:
         """One Q4 GEMM for a sibling group: the weights concatenated along the output features
         (Q4_0 blocks are per row, so this quantizes each weight exactly as on its own), one launch
         and one weight stream. Returns the members' new value nodes. Every member must pass on its
-        own; otherwise nothing is changed or recorded (None) and the members go through _one."""
+        own; otherwise nothing is changed or recorded (None) and the members go through _one.
+        Where no tile computes the group's product on the GPU, the whole group stays dense: each
+        member is recorded with the reason and added to `declined`. Under tensor parallelism each
+        verdict is every rank's (_agree), so all ranks rewrite the same layers."""
         members = [self._decide(ctx, m) for m in group]
         if any(why is not None for why, _ in members):
+            return None
+        out_total = sum(m.out_features for m in group)
+        why, total = self._decide(ctx, group[0], out_features=out_total)
+        if why is not None:  # the group costed as one layer (cannot be slower than its members, but be safe)
             return None
         weights = [m.value(ctx) for m in group]
         quantized = [q4k.quantize_weight(w) for w in weights]
         sqnrs = [q4k.weight_sqnr_db(w, qw, sc) for w, (qw, sc) in zip(weights, quantized)]
-        if not all(sqnr >= budget for sqnr in sqnrs):  # NaN fails too
-            return None
-        out_total = sum(w.shape[0] for w in weights)
-        why, total = self._decide(ctx, group[0], out_features=out_total)
-        if why is not None:  # the group costed as one layer (cannot be slower than its members, but be safe)
+        if not _agree(group[0], all(sqnr >= budget for sqnr in sqnrs)):  # NaN fails too
             return None
         qweight = torch.cat([qw for qw, _ in quantized])  # (N, K/2) rows
         scales = torch.cat([sc for _, sc in quantized], dim=-1)  # (K/32, N)
         kernel = _tuned_kernel(ctx, total, qweight, scales, False)
-        if kernel is None:  # no tile for the group's shape: each member on its own (_one) tunes its own
+        names = ", ".join(m.location or m.node.name for m in group)
+        if not _agree(group[0], kernel is not None):
+            reason = _no_tile_reason(total, out_total, local=kernel is None, group=names)
+            for m, (_, info), sqnr in zip(group, members, sqnrs):
+                ctx.record(self.name, False, reason, node=m.node, before=info["before"], after=info["after"],
+                           sqnr_db=sqnr, **info["details"], **m.shard_details)
+                declined.add(m.node)
             return None
         for m in group:
             m.weight(ctx)  # freeze
-        names = ", ".join(m.location or m.node.name for m in group)
         for m, (why, info), w, (qw, sc), sqnr in zip(group, members, weights, quantized, sqnrs):
             saved = w.numel() * w.element_size() - qw.numel() - sc.numel() * sc.element_size()
             ctx.record(self.name, True, f"{info['reason']}; Q4_0 weight SQNR {sqnr:.1f} dB{info['note']}; run as one "
@@ -412,9 +436,20 @@ def _tunable(ctx: PassContext, info: dict, qweight: torch.Tensor | None) -> bool
             and not ctx.for_export and isinstance(qweight, torch.Tensor) and qweight.is_cuda)
 
 
-def _no_tile_reason(info: dict, out_features: int) -> str:
+def _agree(m: LinearMatch, ok: bool) -> bool:
+    """`ok`, or for a tensor-parallel linear whether it holds on every rank (one all-reduce): every
+    rank must rewrite the same layers, and reach the same later agreements. Every rank reaches
+    this for the same layers in the same order (_decide's checks see the same shapes on each)."""
+    return ok if m.shard is None else all_ranks_agree(m.shard, ok)
+
+
+def _no_tile_reason(info: dict, out_features: int, local: bool = True, group: str = "") -> str:
+    """Why a layer (or a sibling `group`, named) stays dense: no tile of its mode, the default
+    included, computed the product, on this GPU or (`local` False) on another tensor-parallel rank's."""
+    where = "on this GPU" if local else "on another tensor-parallel rank's GPU, so every rank keeps it dense"
+    what = f", the sibling group ({group}) as one GEMM," if group else ""
     return (f"no Q4 {info['mode']} tile, the default included, computed the product at {info['tokens']}x{out_features}"
-            f"x{info['in_features']} on this GPU (checked against the float64 product at compile time); kept dense")
+            f"x{info['in_features']}{what} {where} (checked against the float64 product at compile time); kept dense")
 
 
 def _tile_name(kernel: str) -> str:

@@ -150,6 +150,27 @@ def _assert_close_fp32_sum(y, ref64, out_dtype):
     assert err <= eps * scale + 1e-6, f"max error {err:.3e} vs output scale {scale:.3e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,n", [((5,), 40), ((2, 3), 37), ((1,), 4096)])
+def test_dequantized_q4_linear_computes_the_q4_product(shape, n, dtype):
+    """The dense-GEMM form of the product (for layers held only as Q4_0 without a correct tile):
+    the float64 product of the Q8_1 and Q4_0 values, at odd N, K with a padding block (96), a
+    LLaMA-width N, and leading dims; also compiled by Inductor, which must keep the fp16 rounding
+    of the activation steps."""
+    k = 96 if n != 4096 else 2048
+    g = torch.Generator().manual_seed(n + len(shape))
+    x = torch.randn(*shape, k, generator=g).to(dtype).to(DEVICE)
+    qweight, scales = (t.to(DEVICE) for t in q4.quantize_weight(torch.randn(n, k, generator=g)))
+    bias = torch.randn(n, generator=g).to(dtype).to(DEVICE)
+    ref = _dequant_matmul64(x, qweight, scales, bias)
+    y = q4.dequantized_q4_linear(x, qweight, scales, bias)
+    assert y.shape == (*shape, n) and y.dtype == dtype
+    _assert_close_fp32_sum(y, ref, dtype)
+    if n != 4096:  # one compile is enough
+        compiled = torch.compile(q4.dequantized_q4_linear, fullgraph=True)(x, qweight, scales, bias)
+        _assert_close_fp32_sum(compiled, ref, dtype)
+
+
 def test_reference_formula_equals_dequantize_then_matmul():
     x, qweight, scales, bias = _problem(5, 40, 96, torch.float32, device="cpu")
     ref = _dequant_matmul64(x, qweight, scales, bias)

@@ -429,27 +429,172 @@ def test_compiled_with_inductor_on_the_cpu_matches_the_q4_reference():
     torch.testing.assert_close(out, _q4_mlp_reference(model, x), rtol=1e-5, atol=1e-5)
 
 
-def test_layers_whose_mode_has_no_correct_tile_stay_dense(monkeypatch):
-    """When no tile of a layer's mode, the default included, computes the product on the GPU
-    (the tuner raises NoCorrectTile), the layer is not rewritten: it keeps its dense linear, with
-    the reason, and the model computes what it computes uncompiled. Siblings fall back to their
-    members, which decline the same way."""
+def _tuner_without_tiles_for(monkeypatch, refused) -> list:
+    """The pass as on a GPU (its tiles tuned at compile time) whose tuner finds no tile computing
+    the product (NoCorrectTile) where `refused(n)` holds for a layer of n output features, and the
+    untuned default ("") elsewhere. Returns the (tokens, N, K, mode) of each tuning call."""
     from graphopt.kernels.tuning import NoCorrectTile
     from graphopt.passes import q4_linear as pass_module
 
-    def no_tile(x_shape, qweight, scales, bias, dtype, mode, allow_tma):
-        raise NoCorrectTile(f"no Q4 {mode} tile computed the product for {x_shape}")
+    calls = []
 
-    monkeypatch.setattr(pass_module, "_tunable", lambda ctx, info, qweight: True)  # as on a GPU
-    monkeypatch.setattr(pass_module.q4k, "tune_q4_linear", no_tile)
+    def tune(x_shape, qweight, scales, bias, dtype, mode, allow_tma):
+        calls.append((x_shape[0], qweight.shape[0], x_shape[1], mode))
+        if refused(qweight.shape[0]):
+            raise NoCorrectTile(f"no Q4 {mode} tile computed the product for {x_shape}")
+        return ""
+
+    monkeypatch.setattr(pass_module, "_tunable", lambda ctx, info, qweight: True)
+    monkeypatch.setattr(pass_module.q4k, "tune_q4_linear", tune)
+    return calls
+
+
+def test_layers_whose_mode_has_no_correct_tile_stay_dense(monkeypatch):
+    """When no tile of a layer's mode, the default included, computes the product on the GPU
+    (the tuner raises NoCorrectTile), the layer is not rewritten: it keeps its dense linear, with
+    the reason naming its shape, and the model computes what it computes uncompiled. q/k/v,
+    tuned as one GEMM, stay dense as a group: their members are not tuned one by one."""
+    calls = _tuner_without_tiles_for(monkeypatch, lambda n: True)
     torch.manual_seed(4)
     model, x = Gated().eval(), torch.randn(2, 5, 64)
     rewritten, decisions = capture_rewritten(model, (x,), force=True, target="h100", passes={"q4_linear": True})
     assert "graphopt.q4_linear.default" not in _targets(rewritten)
-    assert [d.location for d in decisions if not d.applied and "no Q4" in d.reason] == ["q", "k", "v", "out"]
+    assert [call[:3] for call in calls] == [(10, 128, 64), (10, 40, 64)]  # q/k/v as one, then out
     assert not any(d.applied for d in decisions)
+    reasons = {d.location: d.reason for d in decisions}
+    for name in ("q", "k", "v"):
+        assert "product at 10x128x64, the sibling group (q, k, v) as one GEMM, on this GPU" in reasons[name]
+    assert "no Q4" in reasons["out"] and "product at 10x40x64 on this GPU" in reasons["out"]
     with torch.no_grad():
         torch.testing.assert_close(rewritten(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_group_without_a_correct_tile_stays_dense_and_the_rest_is_rewritten(monkeypatch):
+    """Only the q/k/v group's shape has no correct tile: the group keeps its three dense linears,
+    `out` is rewritten, and it reads their dense outputs."""
+    _tuner_without_tiles_for(monkeypatch, lambda n: n == 128)
+    torch.manual_seed(5)
+    model, x = Gated().eval(), torch.randn(2, 5, 64)
+    rewritten, decisions = capture_rewritten(model, (x,), force=True, target="h100", passes={"q4_linear": True})
+    assert [(d.location, d.applied) for d in decisions] == [("q", False), ("k", False), ("v", False), ("out", True)]
+    assert _targets(rewritten).count("graphopt.q4_linear.default") == 1
+    with torch.no_grad():
+        h = model.q(x) * torch.cat([model.k(x), model.v(x)], dim=-1)
+        expected = q4.reference_q4_linear(h, *q4.quantize_weight(model.out.weight))
+        torch.testing.assert_close(rewritten(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_transformers_model_without_correct_tiles_computes_what_it_computes_uncompiled(monkeypatch):
+    """A LlamaForCausalLM whose every Q4 shape has no correct tile: no linear is rewritten (q/k/v
+    and gate/up declined as groups), and the compiled model's logits are the eager model's."""
+    from graphopt.models import build
+
+    _tuner_without_tiles_for(monkeypatch, lambda n: True)
+    model, inputs = build("tiny-llama", seq_len=8, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        eager = model(*inputs).logits
+    report = graphopt.explain(model, *inputs, force=True, **ON)
+    assert report.counts["q4_linear"] == 0
+    no_tile = [d for d in report.declined("q4_linear") if "no Q4" in d.reason]
+    grouped = [d.location for d in no_tile if "sibling group" in d.reason]
+    assert "model.layers.0.self_attn.k_proj" in grouped and "model.layers.0.mlp.up_proj" in grouped
+    assert "model.layers.0.self_attn.o_proj" in [d.location for d in no_tile]
+    torch.testing.assert_close(report.output.logits, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fusion_without_a_correct_tile_keeps_the_two_ops(monkeypatch):
+    """quantize_q8_1 -> q4_q8_gemm whose fused op has no correct tile: the two ops stay, with the
+    reason, and compute what they compute uncompiled."""
+    _tuner_without_tiles_for(monkeypatch, lambda n: True)
+    torch.manual_seed(6)
+    model, x = Prequantized().eval(), torch.randn(3, 96)
+    rewritten, decisions = capture_rewritten(model, (x,), passes={"q4_linear": True}, q4_mode="fused")
+    assert any("quantize_q8_1" in t for t in _targets(rewritten)) and "graphopt.q4_linear.default" not in _targets(rewritten)
+    assert [d.applied for d in decisions] == [False]
+    assert "no Q4 fused tile" in decisions[0].reason and "3x40x96 on this GPU" in decisions[0].reason
+    with torch.no_grad():
+        torch.testing.assert_close(rewritten(x), model(x), rtol=0, atol=0)
+
+
+def test_a_layer_held_only_as_q4_0_without_a_correct_tile_runs_a_dense_gemm(monkeypatch):
+    """graphopt.quantize_ layers have no dense weight to keep: where neither mode has a correct
+    tile, the call becomes q4.dequantized_q4_linear (through Inductor here), never the untuned
+    default tile, and the output is the Q4 product the eager layers compute on the CPU."""
+    from graphopt import compiler
+
+    calls = _tuner_without_tiles_for(monkeypatch, lambda n: True)
+    torch.manual_seed(7)
+    model, x = graphopt.quantize_(MLP().eval(), format="q4_0"), torch.randn(2, 3, 64)
+    with torch.no_grad():
+        eager = model(x)
+    rewritten, decisions = capture_rewritten(model, (x,), passes={"q4_linear": True}, target="h100")
+    assert [call[1:] for call in calls] == [(96, 64, "fused"), (96, 64, "separate"), (40, 96, "fused"), (40, 96, "separate")]
+    assert "graphopt.q4_linear.default" not in _targets(rewritten)
+    assert _targets(rewritten).count(str(q4.dequantized_q4_linear)) == 2
+    assert all(not d.applied and "no Q4 tile of either kernel mode" in d.reason for d in decisions)
+    options = dict(passes={"q4_linear": True}, target="h100")
+    with compiler.recording_decisions() as sink, torch.no_grad():
+        compiled = torch.compile(model, backend=graphopt.backend(**options), fullgraph=True)(x)
+    assert sum("dense fp32 GEMM" in d.reason for d in sink) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(rewritten(x), eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+class SplitGated(torch.nn.Module):
+    """Two column-parallel siblings (gate/up) and a row-parallel down projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 96, bias=False)
+        self.down = torch.nn.Linear(96, 64, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("stage", ["sqnr", "tile"])
+def test_tensor_parallel_ranks_agree_to_keep_a_layer_dense(one_rank_mesh, monkeypatch, stage):
+    """Another rank whose shard misses the SQNR budget, or whose tuner finds no correct tile,
+    makes this rank keep the same layers dense (every rank rewrites the same layers): each
+    layer's verdicts go through one all-reduce each (here of one real gloo rank, the other
+    rank's verdict simulated), and the split model computes what it computes eagerly."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from graphopt import compiler
+    from graphopt.passes import q4_linear as pass_module
+
+    calls = _tuner_without_tiles_for(monkeypatch, lambda n: False)  # this rank finds tiles everywhere
+    real_agree, verdicts = pass_module.all_ranks_agree, []
+
+    def other_rank_refuses(shard, ok):  # an agreement right after a tuning call is about the tile
+        now = "tile" if len(calls) > sum(v == "tile" for v, _ in verdicts) else "sqnr"
+        verdicts.append((now, ok))
+        return real_agree(shard, ok) and now != stage
+
+    monkeypatch.setattr(pass_module, "all_ranks_agree", other_rank_refuses)
+    torch.manual_seed(8)
+    model = parallelize_module(SplitGated().eval(), one_rank_mesh,
+                               {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        expected = model(x)
+    options = dict(passes={"q4_linear": True}, force=True, target="h100", downstream="eager")
+    with compiler.recording_decisions() as sink, torch.no_grad():
+        out = torch.compile(model, backend=graphopt.backend(**options), fullgraph=True)(x)
+    decisions = [d for d in sink if d.pass_name == "q4_linear"]
+    assert [d.location for d in decisions] == ["gate", "up", "down"] and not any(d.applied for d in decisions)
+    assert all(ok for _, ok in verdicts)  # this rank alone would have rewritten every layer
+    if stage == "sqnr":  # the group's SQNR verdict, then each layer's own
+        assert [v for v, _ in verdicts] == ["sqnr"] * 4 and not calls
+        assert all("SQNR of another tensor-parallel rank's shard" in d.reason for d in decisions)
+    else:  # gate/up tuned and declined as one group, then down
+        assert [v for v, _ in verdicts] == ["sqnr", "tile", "sqnr", "tile"]
+        assert [call[1] for call in calls] == [192, 64]
+        assert all("on another tensor-parallel rank's GPU" in d.reason for d in decisions)
+        assert "sibling group" in decisions[0].reason and "sibling group" in decisions[1].reason
+    assert all("column-parallel" in d.details["shard"] for d in decisions[:2])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_tuned_tile_is_used_and_a_failed_timing_keeps_the_untuned_default(monkeypatch):

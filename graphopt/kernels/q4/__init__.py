@@ -21,8 +21,8 @@ from graphopt.kernels.q4.configs import (DECODE_MAX_TOKENS, GEMV_MAX_ROWS, GEMV_
                                          REDUCE_MODES, TILE_KERNELS, TileConfig, candidate_configs, default_config,
                                          describe_configs, swap_configs, tma_configs)
 from graphopt.kernels.q4.format import (Q4_0_BLOCK_BYTES, Q8_1_BLOCK_BYTES, QK, SUPPORTED_ACT_DTYPES, _q8_1_parts,
-                                        dequantize_packed, dequantize_q4_0, dequantize_q8_1, pack_q4_0, quantize_q4_0,
-                                        quantize_q8_1, quantize_weight, reference_q4_linear,
+                                        dequantize_packed, dequantize_q4_0, dequantize_q8_1, dequantized_q4_linear,
+                                        pack_q4_0, quantize_q4_0, quantize_q8_1, quantize_weight, reference_q4_linear,
                                         reference_q4_linear_static, reference_q4_q8_gemm, static_quantize,
                                         static_result_dtype, unpack_q4_0, weight_sqnr_db)
 from graphopt.kernels.q4.kernels import (ACT_FUSED, ACT_PREQUANTIZED, ACT_STATIC, _load_act_block, _q4_gemm_kernel,
@@ -34,7 +34,7 @@ from graphopt.kernels.q8_1 import quantize_for_tma
 
 __all__ = [
     "quantize_q4_0", "dequantize_q4_0", "quantize_q8_1", "dequantize_q8_1", "pack_q4_0", "unpack_q4_0",
-    "dequantize_packed", "quantize_weight", "weight_sqnr_db", "reference_q4_linear", "reference_q4_q8_gemm",
+    "dequantize_packed", "dequantized_q4_linear", "quantize_weight", "weight_sqnr_db", "reference_q4_linear", "reference_q4_q8_gemm",
     "reference_q4_linear_static", "quantize_q8_1_triton", "q4_linear_triton", "q4_q8_gemm_triton",
     "q4_linear_static_triton", "TileConfig", "candidate_configs", "default_config", "kernel_config", "tune_q4_linear",
     "QK", "Q4_0_BLOCK_BYTES", "Q8_1_BLOCK_BYTES", "SUPPORTED_ACT_DTYPES", "static_quantize", "static_result_dtype",

@@ -255,6 +255,21 @@ def reference_q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     return _finish(_integer_q4_gemm(q, d8, s8, qweight, scales), bias, tuple(x.shape[:-1]), x.dtype)
 
 
+def dequantized_q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """reference_q4_linear's product through one dense fp32 GEMM (a matmul library's): x's Q8_1
+    values q * d times the dequantized weight, both exact in fp32, so equal to it up to fp32
+    summation order. For a layer held only as Q4_0 where no Q4 tile computes the product."""
+    k = x.shape[-1]
+    _check_weight(qweight, scales, k)
+    # Through the block_q8_1 bytes: a compiler that fuses d.to(fp16).to(fp32) may skip the fp16
+    # rounding of d, but not the rounding of a value stored as fp16 bits.
+    values = dequantize_q8_1(quantize_q8_1(x))  # (..., K) fp32
+    y = torch.nn.functional.linear(values, dequantize_packed(qweight, scales, k),
+                                   None if bias is None else bias.to(torch.float32))
+    return y.to(x.dtype)
+
+
 def static_result_dtype(x: torch.Tensor, act_scale: torch.Tensor) -> torch.dtype:
     """The dtype eager torch gives x / s, and so the fake-quant idiom's: a 0-dim scale does not
     promote a dimensioned x (float32 x over a float64 scalar tensor stays float32)."""
