@@ -201,6 +201,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             results["biased_mlp"] = dict(output=report.output.clone(), decisions=_decisions(report),
                                          single=graphopt.explain(BiasedMLP().eval(), x, **options).output,
                                          float64=BiasedMLP().double()(x.double()), eager=mlp(x).clone())
+        # q4_linear where only rank 1's tuner finds no tile computing the product: every rank keeps both layers dense
+        results["q4_no_tile_on_rank_1"] = _q4_without_tiles_on_rank_1(rank, mlp, x)
         # sequence parallel: the input arrives split over tokens and is all-gathered before the linear
         sp = parallelize_module(BiasedMLP().eval(), mesh, {"up": ColwiseParallel(input_layouts=Shard(1)),
                                                            "down": RowwiseParallel()})
@@ -212,6 +214,28 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _q4_without_tiles_on_rank_1(rank: int, model, x) -> dict:
+    """graphopt.explain of the split `model` with q4_linear forced, its tiles tuned as on a GPU,
+    where rank 1's tuner finds no tile computing the product and rank 0's keeps the untuned default."""
+    import graphopt
+    from graphopt.kernels.tuning import NoCorrectTile
+    from graphopt.passes import q4_linear as q4_pass
+
+    def tune(x_shape, qweight, scales, bias, dtype, mode, allow_tma):
+        if rank == 1:
+            raise NoCorrectTile(f"no Q4 {mode} tile computed the product for {x_shape}")
+        return ""
+
+    saved = q4_pass._tunable, q4_pass.q4k.tune_q4_linear
+    q4_pass._tunable, q4_pass.q4k.tune_q4_linear = (lambda ctx, info, qweight: True), tune
+    try:
+        report = graphopt.explain(model, x, passes={"q4_linear": True}, **FORCED, **EAGER)
+    finally:
+        q4_pass._tunable, q4_pass.q4k.tune_q4_linear = saved
+    with torch.no_grad():
+        return dict(output=report.output.clone(), decisions=_decisions(report), eager=model(x).clone())
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +353,19 @@ def test_biases_of_column_and_row_parallel_linears(runs):
         torch.testing.assert_close(entry["output"], entry["single"])
         assert _sqnr_db(entry["float64"], entry["output"]) > 15.0  # two NVFP4 layers
         assert not torch.equal(entry["output"], entry["eager"])  # the rewrite ran
+
+
+def test_q4_layers_stay_dense_on_every_rank_when_one_rank_has_no_correct_tile(runs):
+    """Rank 1 finds no Q4 tile computing the product, rank 0 does: the ranks agree, both keep both
+    split linears dense (each saying where the tile was missing), and the output is the split
+    model's eager output on every rank."""
+    for rank in range(WORLD):
+        entry = runs[rank]["q4_no_tile_on_rank_1"]
+        decisions = [d for d in entry["decisions"] if d["pass_name"] == "q4_linear"]
+        assert [(d["location"], d["applied"]) for d in decisions] == [("up", False), ("down", False)]
+        where = "on this GPU" if rank == 1 else "on another tensor-parallel rank's GPU, so every rank keeps it dense"
+        assert all("no Q4" in d["reason"] and where in d["reason"] for d in decisions), decisions
+        torch.testing.assert_close(entry["output"], entry["eager"], rtol=1e-5, atol=1e-5)
 
 
 def test_sequence_parallel_input_declined_with_the_reason(runs):
