@@ -44,7 +44,7 @@ import graphopt.ops  # noqa: F401  (the rewrites emit graphopt::* ops; `import g
 from graphopt.config import GraphOptConfig
 from graphopt.hardware import HardwareSpec, get_spec
 from graphopt.logging_setup import configure_logging
-from graphopt.passes import run_passes
+from graphopt.passes import graph_copy, run_passes
 from graphopt.passes.base import Decision, PassContext
 from graphopt.passes.tensor_parallel import is_dtensor, localize_dtensor_inputs, rank_and_world
 
@@ -227,7 +227,7 @@ def _downstream_local_shards(gm: fx.GraphModule, example_inputs: list, config: G
     the compile of the localized graph fails, the graph is compiled as it came."""
     if config.downstream != "inductor" or not any(is_dtensor(x) for x in example_inputs):
         return _downstream(gm, example_inputs, config, mode)
-    original = copy.deepcopy(gm)
+    snapshot = graph_copy(gm.graph)  # the graph only: the module's constants are shared, not copied
     positions, local_inputs = localize_dtensor_inputs(gm, example_inputs)
     if not positions:
         return _downstream(gm, example_inputs, config, mode)
@@ -238,7 +238,9 @@ def _downstream_local_shards(gm: fx.GraphModule, example_inputs: list, config: G
     except Exception as exc:  # noqa: BLE001 - the unchanged inputs still compile
         log.warning("graphopt: compiling with DTensor inputs as local shards failed (%s: %s); compiling the graph "
                     "with its DTensor inputs", type(exc).__name__, str(exc)[:500])
-        return _downstream(original, example_inputs, config, mode)
+        gm.graph = snapshot
+        gm.recompile()
+        return _downstream(gm, example_inputs, config, mode)
     placed = rank_and_world()
     decision = Decision("tensor_parallel", True,
                         f"{len(positions)} DTensor inputs (parameter shards) passed to the compiled graph as their local "

@@ -3,8 +3,9 @@ shape, so a new process compiles without timing tiles again.
 
 The passes tune at compile time (the kernel modules' `tune_*` functions time candidates on the GPU,
 each checked first against the reference product with `computes_product`) and hand the chosen tile
-to the op as a string argument (`encode` / `decode`): nothing is tuned inside a user's forward. The file is `$GRAPHOPT_CACHE_DIR/tuning.json`, by default
-`~/.cache/graphopt/tuning.json`; GRAPHOPT_CACHE_DIR=off keeps choices in memory only.
+to the op as a string argument (`encode` / `decode`): nothing is tuned inside a user's forward.
+The file is `$GRAPHOPT_CACHE_DIR/tuning.json`, by default `~/.cache/graphopt/tuning.json`;
+GRAPHOPT_CACHE_DIR=off keeps choices in memory only.
 """
 
 from __future__ import annotations

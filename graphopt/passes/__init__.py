@@ -83,7 +83,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig,
         if graph_pass is None:
             ctx.decisions.append(Decision(name, False, "pass module failed to import (see log)", rank=ctx.rank))
             continue
-        snapshot = _graph_copy(gm.graph)
+        snapshot = graph_copy(gm.graph)
         frozen_before = dict(ctx.frozen)
         n_decisions = len(ctx.decisions)
         try:
@@ -101,9 +101,11 @@ def run_passes(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig,
     return ctx
 
 
-def _graph_copy(graph: fx.Graph) -> fx.Graph:
+def graph_copy(graph: fx.Graph) -> fx.Graph:
     """A deep copy of `graph` whose nodes keep the attributes Dynamo set on the originals (e.g. a
-    placeholder's `_dynamo_source`, which AOTAutograd reads): deepcopy copies only fx's own."""
+    placeholder's `_dynamo_source`, which AOTAutograd reads): deepcopy copies only fx's own. Node
+    metadata is copied shallowly and the module's tensors are not copied: a snapshot to restore
+    with `gm.graph = snapshot; gm.recompile()`."""
     copied = copy.deepcopy(graph)
     for original, node in zip(graph.nodes, copied.nodes):
         for key, value in vars(original).items():
@@ -121,5 +123,5 @@ def unregister_extra_pass(name: str) -> None:
     _EXTRA.pop(name, None)
 
 
-__all__ = ["REGISTRY", "Decision", "GraphPass", "PassContext", "run_passes", "load_pass",
+__all__ = ["REGISTRY", "Decision", "GraphPass", "PassContext", "run_passes", "load_pass", "graph_copy",
            "register_extra_pass", "unregister_extra_pass"]

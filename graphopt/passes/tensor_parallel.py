@@ -265,11 +265,12 @@ def wrap_local(graph: fx.Graph, shard: LinearShard, local: fx.Node, like: fx.Nod
     return from_local_node(graph, local, shard.mesh, shard.out_placements, like)
 
 
-def from_local_node(graph: fx.Graph, local: fx.Node, mesh: Any, placements: tuple, like: fx.Node | None) -> fx.Node:
-    """DTensor.from_local(local, mesh, placements) inserted after `local`, taking the recorded value
-    and module stack of `like` (the node whose DTensor value it stands for)."""
+def from_local_node(graph: fx.Graph, local: fx.Node, mesh: Any, placements: tuple, like: fx.Node | None,
+                    shape: tuple | None = None, stride: tuple | None = None) -> fx.Node:
+    """DTensor.from_local(local, mesh, placements[, shape, stride]) inserted after `local`, taking
+    the recorded value and module stack of `like` (the node whose DTensor value it stands for)."""
     with graph.inserting_after(local):
-        wrapped = graph.call_function(_from_local_on(mesh, placements), (local,))
+        wrapped = graph.call_function(_from_local_on(mesh, placements, shape, stride), (local,))
     if like is not None:
         for key in ("example_value", "val", "nn_module_stack", "stack_trace", "source_fn_stack"):
             if key in like.meta:
@@ -314,14 +315,11 @@ def localize_dtensor_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[l
             continue
         if not all(isinstance(d, int) for d in (*fake.shape, *fake.stride())):
             continue
-        with gm.graph.inserting_after(node):
-            wrapped = gm.graph.call_function(
-                _from_local_on(fake.device_mesh, tuple(fake.placements), tuple(fake.shape), tuple(fake.stride())),
-                (node,))
+        wrapped = from_local_node(gm.graph, node, fake.device_mesh, tuple(fake.placements), node,
+                                  tuple(fake.shape), tuple(fake.stride()))
         node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
-        for key in ("example_value", "val"):
+        for key in ("example_value", "val"):  # the placeholder now holds the local shard
             if key in node.meta:
-                wrapped.meta[key] = node.meta[key]
                 node.meta[key] = node.meta[key]._local_tensor
         examples[position] = example._local_tensor
         positions.append(position)

@@ -112,3 +112,35 @@ def test_dtensor_parameters_reach_inductor_as_local_shards_only_without_grad(mes
     for p, eager in zip(model.parameters(), eager_grads):
         torch.testing.assert_close(p.grad.full_tensor(), eager, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_a_failed_compile_of_the_local_shard_graph_compiles_the_graph_as_it_came(mesh, monkeypatch, caplog):
+    """If the downstream compile of the graph with local-shard inputs fails, the graph with its
+    DTensor inputs is restored and compiled instead: the same outputs, no tensor_parallel
+    Decision, and a warning that says so."""
+    import graphopt
+    from graphopt import compiler
+    from graphopt.compiler import recording_decisions
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    real, calls = compiler._downstream, []
+
+    def failing_once(gm, example_inputs, config, mode):
+        calls.append([type(x).__name__ for x in example_inputs])
+        if len(calls) == 1:
+            raise RuntimeError("downstream refuses the local-shard graph")
+        return real(gm, example_inputs, config, mode)
+
+    monkeypatch.setattr(compiler, "_downstream", failing_once)
+    torch.manual_seed(1)
+    model = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(3, 256)
+    torch._dynamo.reset()
+    with recording_decisions() as decisions, torch.no_grad(), caplog.at_level("WARNING", logger="graphopt"):
+        out = torch.compile(model, backend=graphopt.backend(target="h100"))(x)
+        expected = model(x)
+    torch._dynamo.reset()
+    assert calls[0].count("DTensor") == 0 and calls[1].count("DTensor") == 2  # local shards, then the DTensors
+    assert not [d for d in decisions if d.pass_name == "tensor_parallel"]
+    assert "compiling the graph with its DTensor inputs" in caplog.text
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
