@@ -147,6 +147,10 @@ def parallelize_llama(model: nn.Module, world: int, device: str) -> nn.Module:
     """The model split over `world` ranks (unchanged for one)."""
     if world == 1:
         return model
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    if heads % world or kv_heads % world:
+        raise SystemExit(f"{heads} query and {kv_heads} key/value heads do not split over {world} ranks; "
+                         f"run this shape on a number of processes that divides {kv_heads}")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
