@@ -131,14 +131,11 @@ def main() -> int:
     import graphopt
 
     shallow, deep = (int(n) for n in opts.layers.split(","))
-    # Inductor launches its own Triton kernels through its static CUDA launcher; user-defined ones
-    # (triton_op bodies) go through Triton's Python launcher unless this option is set.
-    static = {"static_launch_user_defined_triton_kernels": True}
     rows = []
     for name, (factory, inputs, options) in workloads(opts.width, opts.cache).items():
+        # graphopt compiles with static_launch_user_defined_triton_kernels (Inductor's own launcher
+        # for its triton_ops' kernels, where this torch has it)
         variants = [("inductor", "inductor", {}), ("graphopt", graphopt.backend(**options), {})]
-        if hasattr(torch._inductor.config, next(iter(static))):
-            variants.append(("graphopt static launch", graphopt.backend(**options), static))
         for label, backend, patches in variants:
             (t0, n0), (t1, n1) = (per_call(factory(n), inputs, backend, patches) for n in (shallow, deep))
             times = [t0, t1]

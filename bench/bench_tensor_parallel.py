@@ -33,7 +33,9 @@ default passes, bf16), graphopt-fp4 (fp4_linear on every linear the cost model t
 all), quantized-fp4 (the split model through graphopt.quantize_(format="nvfp4"), which releases
 the bf16 linears, then graphopt-fp4's compile; it runs last in each loop and the model is built
 again for the next loop), graphopt-allreduce and graphopt-fp4-allreduce (graphopt and graphopt-fp4
-with the all_reduce pass on: the all-reduce after each row-parallel linear as graphopt::all_reduce).
+with the all_reduce pass on: the all-reduce after each row-parallel linear as graphopt::all_reduce;
+they run after the others: once a process has set up symmetric memory, its later NCCL-only
+variants ran slower, bench/RESULTS.md section 10).
 Each rank quantizes its own shards, with the whole weight's NVFP4 global scale (one all-reduce).
 
 --skip-guard-eval runs the decode steps after the first decode under
@@ -117,7 +119,8 @@ def resolve(opts: argparse.Namespace) -> argparse.Namespace:
     opts.dtype = torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
     opts.shapes = (opts.shapes or ("8b" if opts.device.startswith("cuda") else "tiny")).split(",")
     opts.loops, opts.variants = opts.loops.split(","), opts.variants.split(",")
-    opts.variants.sort(key=lambda v: v == "quantized-fp4")  # last: it quantizes the model in place
+    # quantized-fp4 last (it quantizes the model in place), the all-reduce variants before it
+    opts.variants.sort(key=lambda v: (v == "quantized-fp4", v.endswith("-allreduce")))
     opts.mode = opts.mode or ("reduce-overhead" if opts.device.startswith("cuda") else "default")
     for name, values, valid in (("shape", opts.shapes, SHAPES), ("loop", opts.loops, LOOPS),
                                 ("variant", opts.variants, VARIANTS)):

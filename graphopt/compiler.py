@@ -282,6 +282,13 @@ def _downstream(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig
             patches = dict(list_mode_options(mode))
         if config.cuda_graphs:
             patches["triton.cudagraphs"] = True
+        # Inductor launches its own Triton kernels through its static CUDA launcher, and the kernels
+        # of triton_ops (graphopt's) through Triton's Python launcher unless this is set; a kernel
+        # the static launcher cannot take falls back (bench/bench_op_host.py measures both).
+        from torch._inductor import config as inductor_config
+
+        if hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
+            patches["static_launch_user_defined_triton_kernels"] = True
         return compile_fx(gm, example_inputs, config_patches=patches or None)
     if config.downstream == "tensorrt":
         require_tensorrt()

@@ -38,7 +38,8 @@ def test_every_coefficient_names_the_run_it_came_from(gpu):
         else:
             assert (ROOT / entry["source"]).is_file(), (name, entry["source"])
             assert entry["source"].startswith("bench/results/") and entry["measured_on"] in Path(entry["source"]).name
-        script = re.match(r"python (\S+\.py)", entry["command"])
+        # python or torchrun (with its options), after any environment settings
+        script = re.match(r"(?:[A-Z_]+=\S+ )*(?:python|torchrun(?: --[\w-]+ \S+)*) (\S+\.py)", entry["command"])
         assert script and (ROOT / script.group(1)).is_file(), (name, entry["command"])
         assert len(entry["fit"]) > 20, name
 
