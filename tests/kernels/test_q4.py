@@ -534,3 +534,18 @@ def test_tune_q4_linear_times_once_and_the_op_runs_its_choice(mode, tokens, monk
     assert q4.tune_q4_linear(tuple(x.shape), qweight, scales, True, x.dtype, mode, False) == kernel
     y = torch.ops.graphopt.q4_linear(x, qweight, scales, bias, mode, kernel)
     _assert_close_fp32_sum(y, _dequant_matmul64(x, qweight, scales, bias), torch.bfloat16)
+
+
+def test_fp16_rounding_of_the_q8_1_scale_survives_compilation():
+    """The Q8_1 scale d is used at its fp16 value. The integer-arithmetic rounding equals
+    .to(float16) on normal, subnormal, tie and overflowing values, eager and through Inductor
+    (which may skip a .to(float16) between float32 and float64)."""
+    from graphopt.kernels.q4.format import _fp16_rounded
+
+    torch.manual_seed(0)
+    d = torch.cat([torch.rand(4096) * 0.05, torch.rand(512) * 1e-4, torch.rand(256) * 7e4,
+                   torch.tensor([0.0, 2.0**-14, 2.0**-25, 3 * 2.0**-25, 1 + 2.0**-11, 1 + 3 * 2.0**-11, 65504.0, 65520.0])])
+    expected = d.to(torch.float16).to(torch.float32)
+    torch.testing.assert_close(_fp16_rounded(d), expected, rtol=0, atol=0)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(_fp16_rounded)(d), expected, rtol=0, atol=0)

@@ -57,6 +57,18 @@ def _round_half_away(v: torch.Tensor) -> torch.Tensor:
     return t + (frac >= 0.5).to(v.dtype) - (frac <= -0.5).to(v.dtype)
 
 
+def _fp16_rounded(d: torch.Tensor) -> torch.Tensor:
+    """d (float32, >= 0) rounded to the nearest float16 value, as d.to(float16) does, in float32.
+    With integer arithmetic on the bits: Inductor on torch 2.11 compiles d.to(fp16).to(fp64) as
+    d.to(fp64), skipping the rounding (and lowers a uint8 -> fp16 view of fused bytes wrongly)."""
+    bits = d.contiguous().view(torch.int32)
+    # normal halves: keep 10 of float32's 23 mantissa bits, round to nearest even
+    normal = ((bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
+    subnormal = torch.round(d * 2.0**24) * 2.0**-24  # below 2^-14 a half's step is 2^-24
+    rounded = torch.where(d < 2.0**-14, subnormal, normal)
+    return torch.where(rounded > 65504.0, torch.full_like(rounded, float("inf")), rounded)
+
+
 def _round_half_even(v: torch.Tensor) -> torch.Tensor:
     return torch.round(v)
 
@@ -249,8 +261,8 @@ def reference_q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     """x [..., K] quantized to Q8_1, times the Q4_0 weight: what every q4_linear mode computes."""
     k = x.shape[-1]
     _check_weight(qweight, scales, k)
-    q, _, d16, _ = _q8_1_fields(x.reshape(-1, k))
-    d8 = d16.to(torch.float64)
+    q, d, _, _ = _q8_1_fields(x.reshape(-1, k))
+    d8 = _fp16_rounded(d).to(torch.float64)
     s8 = d8 * q.to(torch.float64).sum(-1)
     return _finish(_integer_q4_gemm(q, d8, s8, qweight, scales), bias, tuple(x.shape[:-1]), x.dtype)
 
@@ -262,9 +274,8 @@ def dequantized_q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     summation order. For a layer held only as Q4_0 where no Q4 tile computes the product."""
     k = x.shape[-1]
     _check_weight(qweight, scales, k)
-    # Through the block_q8_1 bytes: a compiler that fuses d.to(fp16).to(fp32) may skip the fp16
-    # rounding of d, but not the rounding of a value stored as fp16 bits.
-    values = dequantize_q8_1(quantize_q8_1(x))  # (..., K) fp32
+    q, d, _, _ = _q8_1_fields(x.reshape(-1, k))
+    values = (q * _fp16_rounded(d)[..., None]).reshape(x.shape).to(torch.float32)  # (..., K), exact
     y = torch.nn.functional.linear(values, dequantize_packed(qweight, scales, k),
                                    None if bias is None else bias.to(torch.float32))
     return y.to(x.dtype)
