@@ -13,6 +13,7 @@ from graphopt.passes.base import GraphPass
 from graphopt.passes.fx_utils import find_linears, replace_with_call
 
 
+@pytest.mark.slow
 def test_entry_point_works_in_a_fresh_interpreter_without_importing_graphopt():
     code = ("import torch, sys; m = torch.nn.Linear(4, 4); "
             "print(torch.compile(m, backend='graphopt')(torch.randn(2, 4)).shape); "

@@ -163,6 +163,7 @@ def test_fit_regression_cost_model_picks_per_token_count_on_h200():
     assert ctas_per_sm(h200, huge, 2) == 0 and math.isinf(estimate_q4_fused(h200, 4096, 4096, 4096, config=huge).ms)
 
 
+@pytest.mark.slow
 def test_auto_declines_dense_at_many_tokens_on_h100():
     model, x = MLP(k=2048, hidden=2048, n=2048).eval(), torch.randn(4096, 2048)
     options = {k: v for k, v in ON.items() if k != "downstream"}
