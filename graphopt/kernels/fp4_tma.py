@@ -286,7 +286,7 @@ def launch_decode(x_perm: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     split-K buffers and split; cfg an fp4.KernelConfig with tma=True (num_stages = ring slots).
     Callers check `supports` and `tiles_k` first."""
     m, n, k_padded = x_perm.shape[0], out.shape[1], codes.shape[1] * 2
-    codes, scales = tma_aligned(codes, scales)
+    codes, scales = tma_aligned(codes, scales.view(torch.uint8))
     w = cfg.block_k // 8
     w_layout, x_tile_layout, x_box_layout = shared_layouts(cfg.block_n, cfg.block_m, w)
     # x_perm (M, k_padded) seen as (operand chunk, token, element): each K step's four operands

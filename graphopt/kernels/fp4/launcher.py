@@ -52,7 +52,7 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, global_scale: t
     n_blocks = codes.shape[1] * 2 // bs
     grid = (cdiv(out_features, block_n), cdiv(n_blocks, blocks_per_prog))
     launch(
-        _fp4_dequantize_kernel, grid, codes, scales.view(torch.uint8), global_scale, w, out_features, in_features, n_blocks,
+        _fp4_dequantize_kernel, grid, codes, scales, global_scale, w, out_features, in_features, n_blocks,
         codes.stride(0), scales.stride(0), w.stride(0),
         IS_NVFP4=format == "nvfp4", BLOCK_SIZE=bs, BLOCK_N=block_n, BLOCKS_PER_PROG=blocks_per_prog,
         INTERLEAVE=bool(interleave), num_warps=warps,
@@ -88,7 +88,7 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
             fp4_tma.launch_decode(x_arg, codes, scales, global_scale, bias, out, ws, counters, split_k, cfg)
             return out
         grid = (cdiv(n, cfg.block_n), split_k, cdiv(m, cfg.block_m))
-        args = (x_arg, codes.view(torch.int32), scales, global_scale, bias_arg, out, ws, counters, m, n, in_features,
+        args = (x_arg, codes, scales, global_scale, bias_arg, out, ws, counters, m, n, in_features,
                 k_padded, x_arg.stride(0), k_padded // 8, scales.stride(0), out.stride(0))
         common = dict(IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, BLOCK_SIZE=bs, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, WORDS_PER_ITER=cfg.block_k // 8, SPLIT_K=split_k,
@@ -234,7 +234,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         return x.new_empty((*x.shape[:-1], out_features))
     if path is None:
         path = default_path(_token_bucket(m))
-    args = (x2, codes, scales.view(torch.uint8), global_scale, bias, out_features, in_features, format, out_dtype)
+    args = (x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype)
     cfg = config or default_config(path, args)
     if cfg.tma and not _runs_here(cfg, x2, out_dtype):
         raise ValueError(f"fp4_linear: a tma config needs an sm_90+ GPU (not the interpreter) and bfloat16 activations "

@@ -119,7 +119,7 @@ def tune_fp4_linear(tokens: int, codes: torch.Tensor, scales: torch.Tensor, glob
         raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: {', '.join(PATHS)}")
     x = torch.randn(tokens, in_features, device=codes.device, dtype=act_dtype)
     x2, out_dtype = _activation_rows(x, in_features)
-    args = (x2, codes, scales.view(torch.uint8), global_scale, bias, out_features, in_features, format, out_dtype)
+    args = (x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype)
     cfg = tune_config(path, args, allow_tma=allow_tma)
     lo, hi = _bucket_range(tokens)
     return kernel_string([(lo, hi, path, cfg)])

@@ -302,8 +302,8 @@ def _q8_1_words(x_row, blocks, mask, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _q4_gemv_kernel(
-    x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight (N, Kp/2) uint8, or its int32 words (N, Kp/8)
-    #                        when USE_DP4A; scales (Kp/32, N) fp16
+    x_ptr, w_ptr, ws_ptr,  # x (M, K) bf16/fp16/fp32; qweight (N, Kp/2) uint8 (read as int32 words
+    #                        when USE_DP4A, stride_wn then in words); scales (Kp/32, N) fp16
     bias_ptr, out_ptr,  # bias (N,); out (M, N) (REDUCE_NONE / _LAST), or the fp32 buffers of REDUCE (_write_output)
     acc_ptr, counter_ptr,  # REDUCE_LAST: the zeroed fp32 (M, N) sums and per-tile arrival counters
     M, N, K, pairs_per_split,
@@ -346,7 +346,11 @@ def _q4_gemv_kernel(
     p_begin = pid_k * pairs_per_split
     p_end = tl.minimum(p_begin + pairs_per_split, num_pairs)
     # (BN, CHUNK, WORDS): element w of pair c of weight row n, relative to the chunk's first pair
-    w_tile = w_ptr + offs_n[:, None, None] * stride_wn + offs_c[None, :, None] * WORDS + offs_w[None, None, :]
+    if USE_DP4A:  # qweight arrives as uint8; its int32 view is taken here, not by an aten call per layer
+        w_words = w_ptr.to(tl.pointer_type(tl.int32))
+    else:
+        w_words = w_ptr
+    w_tile = w_words + offs_n[:, None, None] * stride_wn + offs_c[None, :, None] * WORDS + offs_w[None, None, :]
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for p0 in range(p_begin, p_end, CHUNK):
         pairs = p0 + offs_c  # (CHUNK,)

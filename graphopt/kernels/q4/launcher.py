@@ -109,11 +109,10 @@ def _launch(act_mode: int, a: torch.Tensor, ad: torch.Tensor, stride_am: int, st
     bias_arg = bias if has_bias else dest
     if config.kernel in ("gemv", "dp4a"):
         dp4a = config.kernel == "dp4a"
-        w = qweight.view(torch.int32) if dp4a else qweight
         launch(
             _q4_gemv_kernel, (tiles_n, split, tiles_m),
-            a, w, scales, bias_arg, dest, acc_buf, counters, m, n, k, pairs_per_split,
-            stride_am, w.stride(0), scales.stride(0), stride_os, stride_om,
+            a, qweight, scales, bias_arg, dest, acc_buf, counters, m, n, k, pairs_per_split,
+            stride_am, qweight.stride(0) // 4 if dp4a else qweight.stride(0), scales.stride(0), stride_os, stride_om,
             HAS_BIAS=has_bias, REDUCE=reduce, EXACT=_exact_mul(), USE_DP4A=dp4a, USE_ASM=dp4a and not INTERPRET,
             PREQUANTIZED=act_mode == ACT_PREQUANTIZED, ROWS=rows, BLOCK_N=config.block_n, CHUNK=config.pairs, num_warps=config.num_warps,
             num_stages=config.num_stages)
