@@ -214,20 +214,22 @@ def _fp4_rows(files: list[str], decode_tokens: int) -> list[Row]:
 def fp4_sweeps() -> list[Sweep]:
     h100 = _fp4_rows(["fp4_linear_1_64tok_h100.json", "fp4_linear_1_2tok_h100.json", "fp4_linear_1_256tok_h100.json",
                       "fp4_linear_13b_mlp_h100.json"], decode_tokens=64)
-    # the H200 run's rows up to 64 tokens timed other decode kernels than graphopt's
-    h200 = [r for r in _fp4_rows(["fp4_linear_h200.json"], decode_tokens=64) if r.size > 64]
+    # 1-64 tokens from the decode sweep; fp4_linear_h200.json's rows up to 64 tokens timed other
+    # decode kernels than graphopt's, so only its larger token counts are read
+    h200 = _fp4_rows(["fp4_linear_1_64tok_h200.json"], decode_tokens=64) \
+        + [r for r in _fp4_rows(["fp4_linear_h200.json"], decode_tokens=64) if r.size > 64]
+    decode = ["fp4.int_gemv_decode_ops_per_weight", "fp4.int_gemv_ops_per_extra_row", "fp4.tma_decode_ops_per_weight",
+              "fp4.tma_decode_latency_s", "fp4.tma_decode_latency_s_per_extra_row", "fp4.dequant_copy_fraction",
+              "efficiency.fp4_gemv[1]"]
+    split = (LINEAR_FIT_LAYERS, {1, 2, 4, 64, 4096}), (LINEAR_HELD_LAYERS, {16, 32, 256})
     return [
         Sweep("fp4_linear", "h100", ["fp4_linear_1_64tok_h100.json", "fp4_linear_1_2tok_h100.json",
                                      "fp4_linear_1_256tok_h100.json", "fp4_linear_13b_mlp_h100.json"],
               "python bench/bench_fp4.py --tokens 1,4,16,32,64 --no-e2e (and --tokens 1,2; 1,...,256; 4096)",
-              H100_RUN, h100, _fp4_predict,
-              ["fp4.int_gemv_decode_ops_per_weight", "fp4.int_gemv_ops_per_extra_row", "fp4.tma_decode_ops_per_weight",
-               "fp4.tma_decode_latency_s", "fp4.tma_decode_latency_s_per_extra_row", "fp4.dequant_copy_fraction",
-               "efficiency.fp4_gemv[1]"],
-              (LINEAR_FIT_LAYERS, {1, 2, 4, 64, 4096}), (LINEAR_HELD_LAYERS, {16, 32, 256})),
-        Sweep("fp4_linear", "h200", ["fp4_linear_h200.json"], "python bench/bench_fp4.py --tokens 1,4,16,64,256,4096",
-              H200_RUN, h200, _fp4_predict, ["fp4.mma_decode_ops_per_weight", "fp4.dequant_copy_fraction"],
-              (LINEAR_FIT_LAYERS, {4096}), (LINEAR_HELD_LAYERS, {256})),
+              H100_RUN, h100, _fp4_predict, decode, *split),
+        Sweep("fp4_linear", "h200", ["fp4_linear_1_64tok_h200.json", "fp4_linear_h200.json"],
+              "python bench/bench_fp4.py --tokens 1,2,4,16,32,64 --no-e2e (and --tokens 1,4,16,64,256,4096)",
+              H200_RUN, h200, _fp4_predict, decode + ["fp4.mma_decode_ops_per_weight"], *split),
     ]
 
 
@@ -238,15 +240,18 @@ def _q4_predict(hw, row: Row) -> dict[str, float]:
     return {CUBLAS: before.ms, "fused": fused.ms, "separate": separate.ms}
 
 
-def q4_sweeps() -> list[Sweep]:
+def _q4_decode_rows(name: str) -> list[Row]:
+    """bench_q4_decode.py's rows: cuBLAS, and the best kernel of each mode (what the tuner would pick)."""
     by_key: dict = {}
-    for r in _read("q4_decode_kernels_h100.json")["rows"]:
+    for r in _read(name)["rows"]:
         by_key.setdefault((r["shape"], r["tokens"]), {})[r["kernel"]] = r["ms"]
-    h100 = [Row(shape, t, {CUBLAS: ms["cuBLAS bf16"],
+    return [Row(shape, t, {CUBLAS: ms["cuBLAS bf16"],
                            "fused": min(v for kind, v in ms.items() if kind in ("dp4a", "gemm", "gemv", "swap")),
                            "separate": min(v for kind, v in ms.items() if kind.endswith(" separate"))})
             for (shape, t), ms in by_key.items()]
 
+
+def q4_sweeps() -> list[Sweep]:
     def prefill(name: str) -> list[Row]:
         rows: dict = {}
         for r in _read(name)["rows"]:
@@ -256,17 +261,19 @@ def q4_sweeps() -> list[Sweep]:
         return [Row(shape, t, ms) for (shape, t), ms in rows.items()]
 
     gemm = ["q4.fused_requant_ops_per_value", "q4.gemm_unpack_ops_per_weight", "efficiency.q4_gemm[0]"]
+    decode = ["q4.tma_ops_per_weight", "q4.tma_ops_per_weight_and_token_row", "q4.dp4a_ops_per_value_and_row",
+              "efficiency.q4_gemv[1]"]
     return [
         Sweep("q4_linear", "h100", ["q4_decode_kernels_h100.json", "q4_linear_prefill_h100.json"],
               "python bench/bench_q4_decode.py; python bench/bench_q4.py --shapes 5120x13824,13824x5120 --tokens 64,256,4096",
-              H100_RUN, h100 + prefill("q4_linear_prefill_h100.json"), _q4_predict,
-              ["q4.tma_ops_per_weight", "q4.tma_ops_per_weight_and_token_row", "q4.dp4a_ops_per_value_and_row",
-               "efficiency.q4_gemv[1]", *gemm],
-              ({"5120->13824"}, {1, 16, 256}), ({"13824->5120"}, {4, 64, 4096})),
-        # the H200 run's rows up to 16 tokens timed other decode kernels than graphopt's
-        Sweep("q4_linear", "h200", ["q4_linear_h200.json"], "python bench/bench_q4.py --tokens 1,4,16,64,256,4096",
-              H200_RUN, prefill("q4_linear_h200.json"), _q4_predict, gemm,
-              (LINEAR_FIT_LAYERS, {64, 4096}), (LINEAR_HELD_LAYERS, {256})),
+              H100_RUN, _q4_decode_rows("q4_decode_kernels_h100.json") + prefill("q4_linear_prefill_h100.json"),
+              _q4_predict, decode + gemm, ({"5120->13824"}, {1, 16, 256}), ({"13824->5120"}, {4, 64, 4096})),
+        # 1-16 tokens from the decode sweep; q4_linear_h200.json's rows up to 16 tokens timed other
+        # decode kernels than graphopt's, so only its prefill rows are read
+        Sweep("q4_linear", "h200", ["q4_decode_kernels_h200.json", "q4_linear_h200.json"],
+              "python bench/bench_q4_decode.py; python bench/bench_q4.py --tokens 1,4,16,64,256,4096",
+              H200_RUN, _q4_decode_rows("q4_decode_kernels_h200.json") + prefill("q4_linear_h200.json"), _q4_predict,
+              decode + gemm, (LINEAR_FIT_LAYERS, {1, 16, 64, 4096}), (LINEAR_HELD_LAYERS, {4, 256})),
     ]
 
 
@@ -342,18 +349,27 @@ def _decode_predict(hw, row: Row) -> dict[str, float]:
     return out
 
 
-def decode_sweeps() -> list[Sweep]:
+def _decode_rows(name: str) -> list[Row]:
     rows: dict = {}
-    for r in _read("decode_attention_h100.json")["rows"]:
+    for r in _read(name)["rows"]:
         if "us" not in r or not (r["variant"].startswith("decode") or r["variant"] == "triton"):
             continue
-        name = "triton" if r["variant"] == "triton" else f"s{r['splits']}"
-        rows.setdefault((r["batch"], r["lk"]), Row(f"batch={r['batch']}", r["lk"], {})).measured[name] = r["us"] / 1e3
-    return [Sweep("decode_attention", "h100", ["decode_attention_h100.json"],
+        label = "triton" if r["variant"] == "triton" else f"s{r['splits']}"
+        rows.setdefault((r["batch"], r["lk"]), Row(f"batch={r['batch']}", r["lk"], {})).measured[label] = r["us"] / 1e3
+    return list(rows.values())
+
+
+# The H200 decode-attention run ran uncalibrated: its predicted_us are the datasheet rates'.
+DECODE_RUNS = {"h100": H100_RUN, "h200": _spec("h200")}
+
+
+def decode_sweeps() -> list[Sweep]:
+    return [Sweep("decode_attention", gpu, [f"decode_attention_{gpu}.json"],
                   "python bench/bench_decode_attention.py --fit --lengths 640,2048,8192,32768 --splits 1,4,16,64",
-                  H100_RUN, list(rows.values()), _decode_predict,
+                  hw, _decode_rows(f"decode_attention_{gpu}.json"), _decode_predict,
                   ["decode_attention.step_s", "decode_attention.fixed_s", "attention.triton_flash_step_s"],
-                  ({"batch=1"}, {640, 8192}), ({"batch=8"}, {2048, 32768}))]
+                  ({"batch=1"}, {640, 8192}), ({"batch=8"}, {2048, 32768}))
+            for gpu, hw in DECODE_RUNS.items()]
 
 
 # --- block-sparse attention (bench_sparse_attention.py) -----------------------------------------

@@ -21,7 +21,7 @@ def report():
 def test_every_fitted_family_is_reported_on_both_gpus(report):
     sweeps = {(r["family"], r["gpu"]) for r in report["sweeps"]}
     assert {f for f, _ in sweeps} == FAMILIES
-    for family in FAMILIES - {"decode_attention"}:  # the split-key decode kernel was timed on the H100 only
+    for family in FAMILIES:
         assert {(family, "h100"), (family, "h200")} <= sweeps
         for r in report["sweeps"]:
             if r["family"] == family:
