@@ -277,7 +277,8 @@ def test_attention_inside_another_higher_order_op_is_declined_with_the_reason():
                 return q + 0.0
             return torch.cond(flag, attend, plain, (q, k, v))
 
-    q, k, v = torch.randn(3, 2, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g) for _ in range(3))  # torch.cond (2.11) refuses operands that alias
     report = graphopt.explain(Branchy(), q, k, v, torch.tensor(True), downstream="eager")
     (d,) = report.declined("attention")
     assert "higher-order op cond" in d.reason and report.counts["attention"] == 0

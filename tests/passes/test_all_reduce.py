@@ -4,8 +4,9 @@ becomes graphopt::all_reduce on the local partial tensor, wrapped back as a repl
 One gloo process (a mesh of one rank: the graph, the placements and the rewrite are those of any
 tensor-parallel size; tests/test_tensor_parallel.py runs two ranks). Both graph forms Dynamo
 records are read: the `redistribute` method call (torch 2.13) and the closure named
-"prim_redistribute" older torch records, made here from the newer form. The GPU test at the end
-runs the one-shot kernel on two GPUs under CUDA graphs."""
+"prim_redistribute" earlier torch records, each made from whichever form the installed torch
+records (tests/passes/dtensor_graph_forms.py). The GPU test at the end runs the one-shot kernel on
+two GPUs under CUDA graphs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.conftest import free_port
+from tests.passes.dtensor_graph_forms import calls_form_runs, in_graph_form
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -60,32 +62,10 @@ def _float64(model, x):
         return reference(x.double())
 
 
-def _as_older_graph(gm: torch.fx.GraphModule) -> int:
-    """Rewrite every `t.redistribute(...)` and `t.to_local()` method call into the form older
-    Dynamo records: a call of a one-argument closure named "prim_redistribute" / "prim_to_local"
-    that holds the other arguments (as `args_as_value` and `kwargs_as_value`)."""
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "call_method" and node.target in ("redistribute", "to_local"):
-            node.target = _prim(node.target, list(node.args[1:]), dict(node.kwargs))
-            node.op, node.args, node.kwargs = "call_function", (node.args[0],), {}
-            count += node.target.__name__ == "prim_redistribute"
-    gm.recompile()
-    return count
-
-
-def _prim(method: str, args_as_value: list, kwargs_as_value: dict):
-    def fn_with_prim_types(x):
-        return getattr(x, method)(*args_as_value, **kwargs_as_value)
-
-    fn_with_prim_types.__name__ = f"prim_{method}"
-    return fn_with_prim_types
-
-
-def _compile(model, x, older: bool = False, **options):
-    """The model compiled by graphopt (eager downstream unless given) under no_grad: its output, the
-    decisions of the all_reduce pass, the rewritten graph's all-reduce nodes and the number of
-    redistributes the older form held."""
+def _compile(model, x, graph_form: str | None = None, **options):
+    """The model compiled by graphopt (eager downstream unless given) under no_grad, its graph first
+    put in `graph_form` where one is given: its output, the decisions of the all_reduce pass, the
+    rewritten graph's all-reduce nodes and the boundary calls the graph held in that form."""
     import graphopt
     from graphopt.compiler import recording_decisions
 
@@ -93,7 +73,7 @@ def _compile(model, x, older: bool = False, **options):
     seen = {}
 
     def backend(gm, example_inputs):
-        seen["older"] = _as_older_graph(gm) if older else 0
+        seen["form"] = in_graph_form(gm, graph_form) if graph_form else {}
         compiled = inner(gm, example_inputs)
         seen["ops"] = [n.args for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == OP]
         return compiled
@@ -103,14 +83,16 @@ def _compile(model, x, older: bool = False, **options):
     return out, [d for d in decisions if d.pass_name == "all_reduce"], seen
 
 
-@pytest.mark.parametrize("graph_form", ["redistribute", "prim_redistribute"])
+@pytest.mark.parametrize("graph_form", ["calls", "prim"], ids=["redistribute", "prim_redistribute"])
 def test_row_parallel_all_reduces_are_rewritten_in_either_graph_form(mesh, graph_form):
+    if graph_form == "calls" and not calls_form_runs():
+        pytest.skip("this torch's FX cannot write DTensor.from_local and placements as code; its Dynamo records the prim form only")
     torch.manual_seed(0)
     model = _split(TwoBlocks(), mesh).eval()
     x = torch.randn(3, 5, 48)
-    out, decisions, seen = _compile(model, x, older=graph_form != "redistribute", force=True, **H100)
-    if graph_form != "redistribute":
-        assert seen["older"] == 4  # every hook's redistribute, the column-parallel ones too
+    out, decisions, seen = _compile(model, x, graph_form=graph_form, force=True, **H100)
+    # every hook's boundary calls, the column-parallel ones too, all in the form under test
+    assert seen["form"] == {"from_local": 4, "redistribute": 4, "to_local": 4}
     assert [(d.applied, d.location, d.details["slot"]) for d in decisions] == [(True, "downs.0", 0), (True, "downs.1", 1)]
     assert all(d.implementation.startswith("functional") and "tensors are on cpu" in d.reason for d in decisions)
     assert all(d.details["bytes"] == 3 * 5 * 48 * 4 and d.details["ranks"] == 1 for d in decisions)

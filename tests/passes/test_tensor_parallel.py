@@ -1,8 +1,9 @@
 """The tensor-parallel helpers of the linear passes read both forms in which Dynamo records
 DTensor's boundary calls: `DTensor.from_local` itself (torch 2.13) and the closure named
 "prim from_local" that holds the mesh and placements (earlier torch, e.g. the GPU machines'
-2.11). The older form is made here from the newer one, in one gloo process (a mesh of one rank:
-the placements, and so the per-rank rewrite, are those of any tensor-parallel size)."""
+2.11). Each form is made from whichever one the installed torch records
+(tests/passes/dtensor_graph_forms.py), in one gloo process (a mesh of one rank: the placements,
+and so the per-rank rewrite, are those of any tensor-parallel size)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from tests.passes.dtensor_graph_forms import calls_form_runs, in_graph_form
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -29,30 +32,10 @@ class MLP(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def _as_prim_closures(gm: torch.fx.GraphModule) -> int:
-    """Rewrite every DTensor.from_local(t, mesh, placements) of a Dynamo graph into the form older
-    torch records: a call of a one-argument closure named "prim from_local"."""
-    from torch.distributed.tensor import DTensor
-
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is DTensor.from_local:
-            value = node.meta["example_value"]
-            mesh, placements = value.device_mesh, tuple(value.placements)
-
-            def prim(t, mesh=mesh, placements=placements):
-                return DTensor.from_local(t, mesh, placements, run_check=False)
-
-            prim.__name__ = "prim from_local"
-            node.target, node.args, node.kwargs = prim, (node.args[0],), {}
-            count += 1
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return count
-
-
-@pytest.mark.parametrize("graph_form", ["from_local", "prim from_local"])
+@pytest.mark.parametrize("graph_form", ["calls", "prim"], ids=["from_local", "prim from_local"])
 def test_column_and_row_parallel_linears_are_rewritten_in_either_graph_form(mesh, graph_form):
+    if graph_form == "calls" and not calls_form_runs():
+        pytest.skip("this torch's FX cannot write DTensor.from_local and placements as code; its Dynamo records the prim form only")
     import graphopt
     from graphopt.compiler import recording_decisions
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -64,10 +47,10 @@ def test_column_and_row_parallel_linears_are_rewritten_in_either_graph_form(mesh
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     options = dict(passes={"fp4_linear": True}, force=True, target="h100", downstream="eager")
     inner = graphopt.backend(**options)
-    rewritten_forms = []
+    forms = []
 
     def backend(gm, example_inputs):
-        rewritten_forms.append(_as_prim_closures(gm) if graph_form == "prim from_local" else 0)
+        forms.append(in_graph_form(gm, graph_form))
         return inner(gm, example_inputs)
 
     x = torch.randn(3, 256)
@@ -75,8 +58,7 @@ def test_column_and_row_parallel_linears_are_rewritten_in_either_graph_form(mesh
         out = torch.compile(model, backend=backend, fullgraph=True)(x)
         expected = torch.compile(reference, backend=graphopt.backend(**options), fullgraph=True)(x)
     applied = [d for d in decisions if d.pass_name == "fp4_linear" and d.applied]
-    if graph_form == "prim from_local":
-        assert rewritten_forms[0] == 2  # both input hooks were in the older form
+    assert forms[0]["from_local"] == 2  # both input hooks, in the form under test
     assert [("column-parallel" in d.reason, "row-parallel" in d.reason) for d in applied[:2]] == [(True, False), (False, True)]
     # one rank holds the whole weight: its blocks are the single-process model's blocks
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._dispatch.python import enable_python_dispatcher
 
 from graphopt.passes.attention.masks import _scalar
 from graphopt.passes.base import PassContext
@@ -128,7 +129,9 @@ class _Emitter:
             if key in self.anchor.meta:
                 node.meta[key] = self.anchor.meta[key]
         values = fx.node.map_arg((args, kwargs), fake)
-        with self.mode:
+        # Python decompositions keep symbolic sizes symbolic (as in Dynamo's own fake propagation);
+        # without them torch 2.11's C++ kernels read concrete sizes and specialize the graph.
+        with self.mode, enable_python_dispatcher():
             value = getattr(values[0][0], target)(*values[0][1:], **values[1]) if kind == "method" else target(*values[0], **values[1])
         node.meta["example_value"] = value
         self.emitted.append(node)
