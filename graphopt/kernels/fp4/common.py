@@ -43,6 +43,18 @@ if triton is not None:
         return tl.load(global_scale_ptr) * _decode_power(IS_NVFP4)
 
     @triton.jit
+    def _scale_bytes(scales_ptr):
+        """The block scales as the bytes the kernels decode (the weight holds e4m3 for NVFP4). The
+        pointer is reinterpreted here rather than the tensor viewed by the launcher: a view is an
+        aten call per layer in Inductor's generated code."""
+        return scales_ptr.to(tl.pointer_type(tl.uint8))
+
+    @triton.jit
+    def _code_words(codes_ptr):
+        """The packed uint8 codes read as int32 words of eight codes (reinterpreted as _scale_bytes)."""
+        return codes_ptr.to(tl.pointer_type(tl.int32))
+
+    @triton.jit
     def _mma(w, x, acc, UPCAST_DOT: tl.constexpr):
         """acc (BN, BM) += w (BN, BK) @ x (BM, BK)^T. UPCAST_DOT: compute from fp32 copies of the
         bf16/fp16 operands (same products, exact in fp32) - only for TRITON_INTERPRET=1, whose

@@ -31,7 +31,8 @@ except ImportError:  # pragma: no cover - the CPU reference works without Triton
     triton = None
 
 if triton is not None:
-    from graphopt.kernels.fp4.common import _block_scales, _decode_multiplier, _decode_power, _mma
+    from graphopt.kernels.fp4.common import (_block_scales, _code_words, _decode_multiplier, _decode_power, _mma,
+                                             _scale_bytes)
     from graphopt.kernels.split_k import finish_split_tile
 
     # --- e2m1 decode on 32-bit words -------------------------------------------------------
@@ -200,10 +201,8 @@ if triton is not None:
         pid_m = tl.program_id(2)
         offs_n, n_mask, rows, word_offs, scale_offs, k_lo, it_start, it_end = _word_tile(
             N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
-        # the packed codes and the block-scale bytes arrive as the weight holds them (uint8, e4m3):
-        # viewing them here, not in the launcher, keeps two aten view calls per layer off the host
-        word_ptrs = words_ptr.to(tl.pointer_type(tl.int32)) + word_offs
-        scale_ptrs = scales_ptr.to(tl.pointer_type(tl.uint8)) + scale_offs
+        word_ptrs = _code_words(words_ptr) + word_offs
+        scale_ptrs = _scale_bytes(scales_ptr) + scale_offs
 
         token0 = pid_m * BLOCK_M
         x_row0 = x_ptr + tl.minimum(token0, M - 1) * stride_xm
@@ -387,10 +386,8 @@ if triton is not None:
         pid_m = tl.program_id(2)
         offs_n, n_mask, rows, word_offs, _, k_lo, it_start, it_end = _word_tile(
             N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
-        # the packed codes and the block-scale bytes arrive as the weight holds them (uint8, e4m3):
-        # viewing them here, not in the launcher, keeps two aten view calls per layer off the host
-        word_ptrs = words_ptr.to(tl.pointer_type(tl.int32)) + word_offs
-        scale_ptrs = scales_ptr.to(tl.pointer_type(tl.uint8)) + rows[:, None] * stride_sn + tl.arange(0, NB)[None, :]  # (BN, NB)
+        word_ptrs = _code_words(words_ptr) + word_offs
+        scale_ptrs = _scale_bytes(scales_ptr) + rows[:, None] * stride_sn + tl.arange(0, NB)[None, :]  # (BN, NB)
         token0 = pid_m * BLOCK_M
         # rows >= M (not stored) read row token0 again; token0 < M. A clamp with tl.minimum costs the
         # one-token kernel 24 registers at 16 x 256 (offline sm_90: 96 -> 120)
@@ -544,10 +541,8 @@ if triton is not None:
         pid_m = tl.program_id(2)
         offs_n, n_mask, rows, word_offs, scale_offs, k_lo, it_start, it_end = _word_tile(
             N, K_PADDED, stride_wn, stride_sn, BLOCK_SIZE, BLOCK_N, WORDS_PER_ITER, SPLIT_K)
-        # the packed codes and the block-scale bytes arrive as the weight holds them (uint8, e4m3):
-        # viewing them here, not in the launcher, keeps two aten view calls per layer off the host
-        word_ptrs = words_ptr.to(tl.pointer_type(tl.int32)) + word_offs
-        scale_ptrs = scales_ptr.to(tl.pointer_type(tl.uint8)) + scale_offs
+        word_ptrs = _code_words(words_ptr) + word_offs
+        scale_ptrs = _scale_bytes(scales_ptr) + scale_offs
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
         dtype: tl.constexpr = x_ptr.dtype.element_ty

@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - the CPU reference works without Triton
 
 if triton is not None:
     from graphopt.kernels.fp4.common import (_block_scales, _decode_multiplier, _decode_power,
-                                             _e2m1_times_2_pow_minus_14, _mma)
+                                             _e2m1_times_2_pow_minus_14, _mma, _scale_bytes)
 
     @triton.jit
     def _fp4_dequantize_kernel(
@@ -41,7 +41,7 @@ if triton is not None:
         tile_ok = (offs_n[:, None] < N) & (offs_g[None, :] < N_BLOCKS)  # (BN, G)
         codes = tl.load(codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :],
                         mask=tile_ok[:, :, None], other=0)  # (BN, G, HALF) uint8
-        scale_bytes = tl.load(scales_ptr.to(tl.pointer_type(tl.uint8)) + offs_n[:, None] * stride_sn + offs_g[None, :], mask=tile_ok, other=0)
+        scale_bytes = tl.load(_scale_bytes(scales_ptr) + offs_n[:, None] * stride_sn + offs_g[None, :], mask=tile_ok, other=0)
         scale = (_block_scales(scale_bytes, IS_NVFP4) * _decode_multiplier(global_scale_ptr, IS_NVFP4))[:, :, None]
         w_lo = (_e2m1_times_2_pow_minus_14(codes & 15) * scale).to(out_ptr.dtype.element_ty)
         w_hi = (_e2m1_times_2_pow_minus_14(codes >> 4) * scale).to(out_ptr.dtype.element_ty)
@@ -92,7 +92,7 @@ if triton is not None:
         power = _decode_power(IS_NVFP4)
 
         code_ptrs = codes_ptr + offs_n[:, None, None] * stride_cn + offs_g[None, :, None] * HALF + offs_j[None, None, :]  # (BN, G, HALF)
-        scale_ptrs = scales_ptr.to(tl.pointer_type(tl.uint8)) + offs_n[:, None] * stride_sn + offs_g[None, :]  # (BN, G)
+        scale_ptrs = _scale_bytes(scales_ptr) + offs_n[:, None] * stride_sn + offs_g[None, :]  # (BN, G)
         k_in_iter = offs_g[:, None] * BLOCK_SIZE + offs_j[None, :]  # (G, HALF)
         x_base = x_ptr + offs_m[:, None, None] * stride_xm  # (BM, 1, 1)
 
