@@ -27,8 +27,8 @@ def in_graph_form(gm: fx.GraphModule, form: str) -> dict[str, int]:
         raise ValueError(f"unknown graph form {form!r}; valid choices: {', '.join(FORMS)}")
     if form == "prim":
         for node in list(gm.graph.nodes):
-            if _call_kind(node) is not None:
-                _to_prim(node, _call_kind(node))
+            if (kind := _call_kind(node)) is not None:
+                _to_prim(node, kind)
         gm.graph.eliminate_dead_code()
         gm.recompile()
     counts = dict.fromkeys(_PRIM_NAMES.values(), 0)
