@@ -366,6 +366,8 @@ def test_launcher_rejects_bad_arguments():
         fp4.fp4_linear_triton(x[:, :32], *args)
     with pytest.raises(ValueError, match="kernel layout"):
         fp4.fp4_linear_triton(x, kw.codes[:, :16].contiguous(), *args[1:])
+    with pytest.raises(ValueError, match="scales must be one byte each"):  # read as bytes in the kernel
+        fp4.fp4_linear_triton(x, kw.codes, kw.scales.float(), *args[2:])
     with pytest.raises(ValueError, match="BLOCK_K must divide"):
         fp4.fp4_linear_triton(x, *args, path="gemv", config=KernelConfig(16, 16, 128))
     for block_m in (16, 32, 64):  # tensor-core decode: 16 words per row

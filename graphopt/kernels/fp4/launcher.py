@@ -219,6 +219,9 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                          f"(to_kernel_layout), got {codes.dtype} {tuple(codes.shape)}")
     if tuple(scales.shape) != (out_features, k_padded // bs):
         raise ValueError(f"fp4_linear: {format} scales must be ({out_features}, {k_padded // bs}), got {tuple(scales.shape)}")
+    if scales.element_size() != 1:  # the kernels read the scale bytes as they are
+        raise ValueError(f"fp4_linear: {format} scales must be one byte each (uint8 e8m0 for mxfp4, float8_e4m3fn "
+                         f"for nvfp4), got {scales.dtype}")
     if bias is not None and tuple(bias.shape) != (out_features,):
         raise ValueError(f"fp4_linear: bias must be ({out_features},), got {tuple(bias.shape)}")
     for name, t in (("codes", codes), ("scales", scales), ("global_scale", global_scale)) + ((("bias", bias),) if bias is not None else ()):
