@@ -10,7 +10,8 @@ CUDA-graph replays (bench.common.cuda_graph_ms, median):
 - sdpa-efficient, sdpa-cudnn: F.scaled_dot_product_attention with that backend on K/V repeated to
   32 heads and the mask, as transformers' SDPA attention calls it (the repeat included).
 GB/s counts K and V read once (2 * B * 8 * Lk * 128 * 2 bytes). predicted_us is
-graphopt.cost_model's estimate of the decode and triton rows.
+graphopt.cost_model's estimate of each row (SDPA's decode coefficients are refit by
+bench/validate_cost_model.py's sdpa_decode sweep).
 
 --fit: fits decode_attention.fixed_s / step_s and attention.triton_flash_step_s (coefficients of
 graphopt/cost/data/<gpu>.json) by least squares on the batch-1 rows at Lk 640 and 8192 and reports
@@ -83,8 +84,9 @@ def measure(batch: int, lk: int, hw, splits_sweep) -> list[dict]:
         elif name == "triton":
             predicted = cost_model.fused_attention(hw, batch, HEADS, 1, lk, HEAD_DIM, family="triton_flash", has_mask=True,
                                                    kv_heads=KV_HEADS).ms
-        else:
-            predicted = None
+        else:  # SDPA on K/V repeated to every query head, the repeat included
+            predicted = cost_model.sdpa(hw, batch, HEADS, 1, lk, HEAD_DIM, backend=name[len("sdpa-"):], has_mask=True,
+                                        kv_heads=HEADS, repeated_from=KV_HEADS).ms
         rows.append({**row, "us": ms * 1e3, "GB/s": gbps(2 * batch * KV_HEADS * lk * HEAD_DIM * 2, ms), "max_rel_err": err,
                      "predicted_us": predicted * 1e3 if predicted else None})
     best = min(r["us"] for r in rows if "us" in r)

@@ -40,9 +40,11 @@ if REPO not in sys.path:  # run as a script, bench/ is sys.path[0]; `bench.*` an
 
 import torch  # noqa: E402
 
-from bench.llama_models import DecodeLoop, arguments, compile_kwargs, peak_gb, resolve, sweep, timed  # noqa: E402
+from bench.llama_models import (DecodeLoop, arguments, compile_kwargs, peak_gb, resolve, rewrite_summary,  # noqa: E402
+                                sweep, timed)
+from graphopt.compiler import recording_decisions  # noqa: E402
 
-COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ms_step", "compile_s", "peak_gb", "agree",
+COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ms_step", "compile_s", "peak_gb", "agree", "rewrites",
            "identical", "error"]
 
 
@@ -50,7 +52,8 @@ def measure(model, prompt: torch.Tensor, opts, variant: str, mode: str) -> tuple
     """One variant's row and its greedy tokens."""
     loop = DecodeLoop(model, prompt, opts.new_tokens, compile_kwargs(variant, mode, opts.force),
                       skip_guard_eval=getattr(opts, "skip_guard_eval", False))
-    _, first_s = timed(lambda: loop.run(opts.device), opts.device)
+    with recording_decisions() as decisions:  # the first run compiles
+        _, first_s = timed(lambda: loop.run(opts.device), opts.device)
     walls, decode = [], []
     for _ in range(opts.repeats):
         (tokens, decode_s), wall_s = timed(lambda: loop.run(opts.device), opts.device)
@@ -59,7 +62,7 @@ def measure(model, prompt: torch.Tensor, opts, variant: str, mode: str) -> tuple
     seconds, steps = statistics.median(decode), opts.new_tokens - 1
     return {"tok_s": prompt.shape[0] * steps / seconds, "ms_step": seconds / steps * 1e3,
             "compile_s": None if variant == "eager" else first_s - statistics.median(walls),
-            "peak_gb": peak_gb(opts.device), "decode_s": decode}, tokens
+            "peak_gb": peak_gb(opts.device), "rewrites": rewrite_summary(decisions), "decode_s": decode}, tokens
 
 
 def main() -> None:

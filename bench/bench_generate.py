@@ -45,9 +45,11 @@ if REPO not in sys.path:  # run as a script, bench/ is sys.path[0]; `bench.*` an
 
 import torch  # noqa: E402
 
-from bench.llama_models import DecodeLoop, arguments, compile_kwargs, peak_gb, resolve, sweep, timed  # noqa: E402
+from bench.llama_models import (DecodeLoop, arguments, compile_kwargs, peak_gb, resolve, rewrite_summary,  # noqa: E402
+                                sweep, timed)
+from graphopt.compiler import recording_decisions  # noqa: E402
 
-COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ttft_ms", "compile_s", "peak_gb", "agree", "identical",
+COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ttft_ms", "compile_s", "peak_gb", "agree", "rewrites", "identical",
            "loop_tok_s", "hf_ms_token", "error"]
 
 
@@ -74,7 +76,8 @@ def measure(model, prompt: torch.Tensor, opts, variant: str, mode: str) -> tuple
     """One variant's row and its generated tokens."""
     n, device = opts.new_tokens, opts.device
     generate = generate_fn(model, prompt, opts, variant, mode)
-    _, first_s = timed(lambda: generate(n), device)
+    with recording_decisions() as decisions:  # the first run compiles
+        _, first_s = timed(lambda: generate(n), device)
     timed(lambda: generate(1), device)
     t_n, t_1 = [], []
     for _ in range(opts.repeats):
@@ -84,7 +87,7 @@ def measure(model, prompt: torch.Tensor, opts, variant: str, mode: str) -> tuple
     decode_s = statistics.median(t_n) - statistics.median(t_1)
     row = {"tok_s": prompt.shape[0] * (n - 1) / decode_s if decode_s > 0 else None, "ttft_ms": statistics.median(t_1) * 1e3,
            "compile_s": None if variant == "eager" else first_s - statistics.median(t_n),
-           "peak_gb": peak_gb(device), "t_n_s": t_n, "t_1_s": t_1}
+           "peak_gb": peak_gb(device), "rewrites": rewrite_summary(decisions), "t_n_s": t_n, "t_1_s": t_1}
     if variant == "inductor" and getattr(opts, "hf_overhead", True):
         row.update(hf_overhead(model, prompt, opts, mode, decode_s))
     return row, tokens

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import inspect
@@ -230,6 +231,13 @@ def sweep(opts: argparse.Namespace, measure: Callable, title: str, columns: list
         fresh_start(opts.device)
     write_result(name, opts, rows)
     return rows
+
+
+def rewrite_summary(decisions) -> str:
+    """The rewrites graphopt applied, as 'pass[implementation] xN' (e.g. attention[triton_decode] x32), or '-'."""
+    counts = collections.Counter(f"{d.pass_name}[{d.implementation}]" if d.implementation else d.pass_name
+                                 for d in decisions if d.applied)
+    return ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())) or "-"
 
 
 def synchronize(device: str) -> None:

@@ -372,6 +372,34 @@ def decode_sweeps() -> list[Sweep]:
             for gpu, hw in DECODE_RUNS.items()]
 
 
+def _sdpa_decode_predict(hw, row: Row) -> dict[str, float]:
+    b, lk = int(row.layer.split("=")[1]), row.size
+    return {name: cm.sdpa(hw, b, 32, 1, lk, 128, backend=name, has_mask=True, kv_heads=32, repeated_from=8).ms
+            for name in row.measured}
+
+
+def _sdpa_decode_rows(name: str) -> list[Row]:
+    rows: dict = {}
+    for r in _read(name)["rows"]:
+        if "us" in r and r["variant"].startswith("sdpa-"):
+            row = rows.setdefault((r["batch"], r["lk"]), Row(f"batch={r['batch']}", r["lk"], {}))
+            row.measured[r["variant"][5:]] = r["us"] / 1e3
+    return list(rows.values())
+
+
+def sdpa_decode_sweeps() -> list[Sweep]:
+    """SDPA's cuDNN and efficient backends on a decode call (K/V repeated, as transformers writes GQA).
+    Batch 1 binds the step and batch 8 the streaming rate, so both batches are in the fit set: the
+    rows at the other cache lengths are partly held out."""
+    names = [f"attention.sdpa_decode_{kind}.{backend}" for backend in cm.SDPA_DECODE_BACKENDS
+             for kind in ("step_s", "memory_efficiency")]
+    return [Sweep("sdpa_decode", gpu, [f"decode_attention_{gpu}.json"],
+                  "python bench/bench_decode_attention.py --fit --lengths 640,2048,8192,32768 --splits 1,4,16,64",
+                  hw, _sdpa_decode_rows(f"decode_attention_{gpu}.json"), _sdpa_decode_predict, names,
+                  ({"batch=1", "batch=8"}, {640, 8192}), (set(), set()))
+            for gpu, hw in DECODE_RUNS.items()]
+
+
 # --- block-sparse attention (bench_sparse_attention.py) -----------------------------------------
 def _sparse_predict(hw, row: Row) -> dict[str, float]:
     a, length = row.args, row.size
@@ -475,7 +503,7 @@ def refit(sweep: Sweep, rows: list[Row]) -> dict:
 
 
 def validate() -> dict:
-    sweeps = fft_sweeps() + fp4_sweeps() + q4_sweeps() + dense_sweeps() + decode_sweeps() + sparse_sweeps()
+    sweeps = fft_sweeps() + fp4_sweeps() + q4_sweeps() + dense_sweeps() + decode_sweeps() + sdpa_decode_sweeps() + sparse_sweeps()
     results, refits = [], {}
     for sweep in sweeps:
         sets = {s: [r for r in sweep.rows if sweep.split(r) == s] for s in ("fit", "held_out", "partly_held_out")}

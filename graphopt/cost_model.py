@@ -249,6 +249,14 @@ CAUSAL_DIAGONAL_TILE = 128  # key-block width of the fused kernels' diagonal til
 # one 64-key step of one such program: its loads and its two dots in sequence.
 TRITON_ATTENTION_QUERY_BLOCK = 64
 DECODE_ATTENTION_BLOCK_N = 64  # keys per step of the Triton attention kernels
+DECODE_QUERY_ROWS = 16  # up to this many query rows a call is a decode call: its keys are walked, not tiled
+
+# SDPA's cuDNN and memory-efficient backends on a decode call run one program per (batch, head) that
+# walks every key; they do not split the keys. "attention.sdpa_decode_step_s.<backend>" is one 64-key
+# step of such a program (a wave of programs over the SMs at a time), and
+# "attention.sdpa_decode_memory_efficiency.<backend>" the share of the copy bandwidth they stream K and
+# V at once there are programs enough to be bandwidth-bound (batch 8 and up).
+SDPA_DECODE_BACKENDS: tuple[str, ...] = ("cudnn", "efficient")
 
 
 def fused_attention(
@@ -289,7 +297,13 @@ def fused_attention(
         streamed_s = moved / (programs * fitted["attention.triton_bytes_per_s_per_program"])
         # a decode call (a few query rows) has few programs, each walking all its keys in sequence,
         # load after load: that walk is its time (measured with one query token only)
-        walk_s = -(-lk // DECODE_ATTENTION_BLOCK_N) * fitted["attention.triton_flash_step_s"] if lq <= 16 else 0.0
+        walk_s = -(-lk // DECODE_ATTENTION_BLOCK_N) * fitted["attention.triton_flash_step_s"] if lq <= DECODE_QUERY_ROWS else 0.0
+        if max(streamed_s, walk_s) > body_s:
+            body_s, bound = max(streamed_s, walk_s), "memory" if streamed_s >= walk_s else "latency"
+    elif family.startswith("sdpa_") and family[5:] in SDPA_DECODE_BACKENDS and lq <= DECODE_QUERY_ROWS:
+        waves = -(-b * h // max(1, hw.sm_count))
+        walk_s = -(-lk // DECODE_ATTENTION_BLOCK_N) * waves * fitted[f"attention.sdpa_decode_step_s.{family[5:]}"]
+        streamed_s = moved / (hw.memory_ceiling * fitted[f"attention.sdpa_decode_memory_efficiency.{family[5:]}"])
         if max(streamed_s, walk_s) > body_s:
             body_s, bound = max(streamed_s, walk_s), "memory" if streamed_s >= walk_s else "latency"
     floor_s = fitted.values.get(f"attention.floor_s.{family}", 0.0)
@@ -359,8 +373,15 @@ def sdpa(
     dtype_bytes: int = 2,
     has_mask: bool = False,
     kv_heads: int | None = None,
+    repeated_from: int | None = None,
 ) -> Estimate:
-    """PyTorch scaled_dot_product_attention with one of its backends."""
+    """PyTorch scaled_dot_product_attention with one of its backends. `repeated_from`: the call gets
+    K and V repeated to `kv_heads` heads from that many (GQA written as repeat_kv, or a backend
+    without native GQA), and pays the copy."""
+    if repeated_from is not None and kv_heads is not None and repeated_from < kv_heads:
+        call = sdpa(hw, b, h, lq, lk, d, backend=backend, causal=causal, dtype_bytes=dtype_bytes, has_mask=has_mask,
+                    kv_heads=kv_heads)
+        return chain(call.name, kv_repeat(hw, b, repeated_from, kv_heads, lk, d, dtype_bytes=dtype_bytes), call)
     if backend not in SDPA_BACKENDS:
         raise ValueError(f"unknown SDPA backend {backend!r}; valid choices: {', '.join(SDPA_BACKENDS)}")
     if backend == "math" or not hw.is_gpu:
@@ -373,6 +394,15 @@ def sdpa(
                                has_mask=has_mask, kv_heads=kv_heads, name="SDPA (CPU)")
     return fused_attention(hw, b, h, lq, lk, d, family=f"sdpa_{backend}", causal=causal, dtype_bytes=dtype_bytes,
                            has_mask=has_mask, kv_heads=kv_heads, name=f"SDPA {backend}")
+
+
+def kv_repeat(hw: HardwareSpec, b: int, kv_heads: int, heads: int, lk: int, d: int, *, dtype_bytes: int = 2) -> Estimate:
+    """K and V copied from `kv_heads` to `heads` heads (repeat_kv, repeat_interleave): one copy each."""
+    moved = dtype_bytes * 2 * b * lk * d * (kv_heads + heads)
+    if not hw.is_gpu:
+        return roofline(hw, "K/V repeat", bytes_moved=moved, launches=2, family="pointwise")
+    copy_s, launch_s = moved / hw.memory_ceiling, 2 * hw.launch_overhead  # memory_ceiling is the copy rate
+    return Estimate("K/V repeat", (copy_s + launch_s) * 1e3, 0.0, moved, 2, "memory" if copy_s >= launch_s else "launch")
 
 
 # ---------------------------------------------------------------------------------------------

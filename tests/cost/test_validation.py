@@ -10,7 +10,8 @@ import pytest
 from bench import validate_cost_model as vcm
 from graphopt.cost import coefficients
 
-FAMILIES = {"fft_chain", "fp4_linear", "q4_linear", "gemm_and_attention", "decode_attention", "sparse_attention"}
+FAMILIES = {"fft_chain", "fp4_linear", "q4_linear", "gemm_and_attention", "decode_attention", "sdpa_decode",
+            "sparse_attention"}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,20 @@ def test_held_out_rows_share_neither_a_layer_size_nor_a_token_count_with_the_fit
                      for f in (0.5, 2)]
             assert any(sweep.predict(hw, r) != sweep.predict(sweep.hw, r) for hw in moved for r in sweep.rows), \
                 (sweep.family, name)
+
+
+def test_sdpa_decode_sweep_checks_its_fit_at_cache_lengths_it_was_not_fitted_on():
+    """Both batches are needed to fit SDPA's decode coefficients (batch 1 binds the step, batch 8 the
+    streaming rate), so its other rows are partly held out: other cache lengths, the same batches."""
+    for sweep in vcm.sdpa_decode_sweeps():
+        fit = [r for r in sweep.rows if sweep.split(r) == "fit"]
+        other = [r for r in sweep.rows if sweep.split(r) == "partly_held_out"]
+        assert len(fit) == 4 and len(other) == 4, sweep.gpu
+        assert not {r.size for r in fit} & {r.size for r in other}
+        table = coefficients.for_hardware(sweep.hw).values
+        for name in sweep.refit:
+            moved = coefficients.with_values(sweep.hw, vcm._apply(table, name, vcm._get(table, name) * 2), "probe")
+            assert any(sweep.predict(moved, r) != sweep.predict(sweep.hw, r) for r in sweep.rows), name
 
 
 def test_refit_lowers_the_fit_error_and_changes_only_the_sweeps_coefficients():

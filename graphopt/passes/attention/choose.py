@@ -148,7 +148,7 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
         kv = hkv if default in ("flash", "math", "sdpa_cpu") else h
         backend = {} if default == "sdpa_cpu" else {"backend": default}
         now = cost_model.sdpa(hw, b, h, lq, lk, d, **backend, causal=match.call_is_causal, dtype_bytes=nbytes,
-                              has_mask=match.call_has_mask, kv_heads=kv)
+                              has_mask=match.call_has_mask, kv_heads=kv, repeated_from=hkv)
         before = Estimate(f"SDPA as dispatched ({default})", now.ms, now.flops, now.bytes, now.launches, now.bound)
     else:
         before = cost_model.naive_attention(
@@ -186,7 +186,7 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
             continue
         kv = hkv if backend in ("flash", "math") else h  # others get K/V repeated for GQA
         candidates[backend] = cost_model.sdpa(hw, b, h, lq, lk, d, backend=backend, causal=match.is_causal,
-                                              dtype_bytes=nbytes, has_mask=has_mask, kv_heads=kv)
+                                              dtype_bytes=nbytes, has_mask=has_mask, kv_heads=kv, repeated_from=hkv)
     note = None
     measured = cost_model.lookup_measured("attention", _device_name(hw), attention_key(b, h, hkv, lq, lk, d, dt, match.is_causal, _bias_kind(match)))
     if measured and any(name in measured for name in candidates):
