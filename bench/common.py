@@ -159,6 +159,8 @@ def print_table(title: str, rows: list[dict], columns: list[str] | None = None) 
 
 
 def _fmt(value: Any) -> str:
+    from rich.markup import escape
+
     if isinstance(value, float):
         return f"{value:.4g}"
-    return "" if value is None else str(value)
+    return "" if value is None else escape(str(value))  # a cell's brackets are text, not rich markup
