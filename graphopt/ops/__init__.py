@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from graphopt.ops import ttir_cache as _ttir_cache  # noqa: E402
+from graphopt.ops import ttir_cache as _ttir_cache
 
 _LIB = torch.library.Library("graphopt", "FRAGMENT")
 _ttir_cache.install()  # Inductor makes a kernel call's TTIR at each call site: equal calls share one

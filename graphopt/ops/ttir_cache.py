@@ -3,8 +3,9 @@
 When Inductor meets a user-defined Triton kernel (a `triton_op` body's `wrap_triton` call, as every
 graphopt::fp4_linear and Q4 op makes), it asks which tensors the call writes, and answers by
 generating the kernel's TTIR with Triton's frontend (torch's `triton_kernel_wrap.generate_ttir`),
-at every call site and more than once per site. A model with hundreds of quantized linears spends
-most of its compile there (bench/RESULTS.md, section 10). The TTIR depends only on the kernel, its
+at every call site and more than once per site. For a model with hundreds of quantized linears
+that is a large share of its compile: Triton's code generator led a profile of one (the compile
+times are in bench/RESULTS.md, section 10). The TTIR depends only on the kernel, its
 constexpr and scalar arguments and its tensors' dtypes: generate_ttir itself stands in a
 two-element tensor of the dtype for every fake tensor and 2 for every symbolic size. So calls that
 agree on those share one TTIR. `install` wraps torch's generate_ttir with that cache, for every
