@@ -300,7 +300,8 @@ def test_tile_config_rejects_invalid_choices():
 @pytest.mark.parametrize("config", [GEMM_CONFIGS[0], SPLIT_GEMM_CONFIGS[0], SWAP_CONFIGS[1]] + GEMV_CONFIGS[3:6]
                          + GEMV_CONFIGS[7:],
                          ids=lambda c: c.name)
-@pytest.mark.parametrize("m,k", [(6, 96), (16, 160)])  # odd block counts: the last pair has no second block
+# odd block counts: the last pair has no second block; 16 tokens (the slowest in the interpreter) in the slow run
+@pytest.mark.parametrize("m,k", [(6, 96), pytest.param(16, 160, marks=pytest.mark.slow)])
 def test_separate_integer_gemm_equals_dequantize_then_matmul(config, m, k):
     """Q8_1 blocks in: the tensor-core GEMM, and the dp4a decode kernel reading the blocks as words."""
     x, qweight, scales, bias = _problem(m, 40, k, torch.float32, seed=3)
