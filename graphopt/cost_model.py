@@ -292,20 +292,20 @@ def fused_attention(
     fitted = coefficients.for_hardware(hw)
     launch_s = est.launches * hw.launch_overhead
     body_s, bound = est.ms * 1e-3 - launch_s, est.bound
+    streamed_s = walk_s = 0.0
+    steps = -(-lk // DECODE_ATTENTION_BLOCK_N)
     if family == "triton_flash":
         programs = b * h * -(-lq // TRITON_ATTENTION_QUERY_BLOCK)
         streamed_s = moved / (programs * fitted["attention.triton_bytes_per_s_per_program"])
         # a decode call (a few query rows) has few programs, each walking all its keys in sequence,
         # load after load: that walk is its time (measured with one query token only)
-        walk_s = -(-lk // DECODE_ATTENTION_BLOCK_N) * fitted["attention.triton_flash_step_s"] if lq <= DECODE_QUERY_ROWS else 0.0
-        if max(streamed_s, walk_s) > body_s:
-            body_s, bound = max(streamed_s, walk_s), "memory" if streamed_s >= walk_s else "latency"
+        walk_s = steps * fitted["attention.triton_flash_step_s"] if lq <= DECODE_QUERY_ROWS else 0.0
     elif family.startswith("sdpa_") and family[5:] in SDPA_DECODE_BACKENDS and lq <= DECODE_QUERY_ROWS:
         waves = -(-b * h // max(1, hw.sm_count))
-        walk_s = -(-lk // DECODE_ATTENTION_BLOCK_N) * waves * fitted[f"attention.sdpa_decode_step_s.{family[5:]}"]
+        walk_s = steps * waves * fitted[f"attention.sdpa_decode_step_s.{family[5:]}"]
         streamed_s = moved / (hw.memory_ceiling * fitted[f"attention.sdpa_decode_memory_efficiency.{family[5:]}"])
-        if max(streamed_s, walk_s) > body_s:
-            body_s, bound = max(streamed_s, walk_s), "memory" if streamed_s >= walk_s else "latency"
+    if max(streamed_s, walk_s) > body_s:
+        body_s, bound = max(streamed_s, walk_s), "memory" if streamed_s >= walk_s else "latency"
     floor_s = fitted.values.get(f"attention.floor_s.{family}", 0.0)
     if floor_s > body_s:
         body_s = floor_s
