@@ -61,6 +61,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.common import cuda_graph_ms, median_ms, print_table, tflops, write_json  # noqa: E402
+from graphopt.compiler import recording_decisions  # noqa: E402
 
 CHECK_TOL = 2e-2  # bf16: max |out - ref| / max |ref|
 E2E_TOL = 3e-2  # bf16 through two layers: ||logits - eager|| / ||eager||
@@ -133,29 +134,15 @@ def _failed(row: dict, exc: BaseException, args) -> None:
         traceback.print_exc()
 
 
-class _Decisions:
-    """Collects graphopt's Decisions while compiling (the sink graphopt.explain uses)."""
-
-    def __enter__(self):
-        from graphopt import compiler as backend
-
-        self.items = []
-        backend._DECISION_SINKS.append(self.items)
-        return self
-
-    def __exit__(self, *exc):
-        from graphopt import compiler as backend
-
-        backend._DECISION_SINKS.remove(self.items)
-
-    def summary(self) -> str:
-        applied = [d for d in self.items if d.pass_name == "attention" and d.applied]
-        declined = [d for d in self.items if d.pass_name == "attention" and not d.applied]
-        impls = sorted({d.implementation or "?" for d in applied})
-        text = f"{len(applied)} attention rewrite(s)" + (f" -> {', '.join(impls)}" if impls else "")
-        if declined:
-            text += f"; declined: {declined[0].reason[:60]}"
-        return text
+def _attention_summary(decisions) -> str:
+    """The attention pass's rewrites among graphopt's Decisions, and the first decline's reason."""
+    applied = [d for d in decisions if d.pass_name == "attention" and d.applied]
+    declined = [d for d in decisions if d.pass_name == "attention" and not d.applied]
+    impls = sorted({d.implementation or "?" for d in applied})
+    text = f"{len(applied)} attention rewrite(s)" + (f" -> {', '.join(impls)}" if impls else "")
+    if declined:
+        text += f"; declined: {declined[0].reason[:60]}"
+    return text
 
 
 def _compile(module, backend: str):
@@ -217,10 +204,10 @@ def bench_kernels(args, device, dtype) -> list[dict]:
                 try:
                     t0 = time.perf_counter()
                     if name == "naive + graphopt":
-                        with _Decisions() as decisions:
+                        with recording_decisions() as decisions:
                             fn = build()
                             out = fn(q, k, v)
-                        row["note"] = decisions.summary()
+                        row["note"] = _attention_summary(decisions)
                     else:
                         fn = build()
                         out = fn(q, k, v)
@@ -370,10 +357,10 @@ def _backward_rows(args, device, dtype) -> list[dict]:
                 shape_rows.append(row)
                 try:
                     attn = make()
-                    with _Decisions() as decisions:
+                    with recording_decisions() as decisions:
                         grads = fwd_bwd(attn)
                     if name.startswith("naive"):
-                        row["note"] = decisions.summary()
+                        row["note"] = _attention_summary(decisions)
                     err = max(_rel_err(g, r) for g, r in zip(grads, ref_grads))
                     grads = None
                     row["check"] = f"{'PASS' if err <= CHECK_TOL else 'FAIL'} {err:.1e}"
@@ -512,10 +499,10 @@ def bench_e2e(args, device, dtype) -> list[dict]:
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     if name.endswith("+ graphopt"):
-                        with _Decisions() as decisions:
+                        with recording_decisions() as decisions:
                             model = build()
                             logits = model(input_ids=ids, use_cache=False).logits
-                        row["note"] = decisions.summary()
+                        row["note"] = _attention_summary(decisions)
                     else:
                         model = build()
                         logits = model(input_ids=ids, use_cache=False).logits

@@ -126,20 +126,14 @@ def with_weights(model, weights: dict):
 def compiled_embeddings(model, encodings, options: dict):
     """Embeddings of torch.compile(model, backend="graphopt", fp4_linear forced) for each encoding,
     and the pass's applied decisions for the first (each new batch shape compiles again)."""
-    from graphopt import compiler as backend
+    from graphopt.compiler import recording_decisions
 
-    decisions = []
-    backend._DECISION_SINKS.append(decisions)
-    try:
-        torch._dynamo.reset()
+    with recording_decisions(reset=True) as decisions:
         compiled = torch.compile(copy.deepcopy(model), backend="graphopt",
                                  options={"passes": {"fp4_linear": True}, "force": True, "fp4_format": "nvfp4", **options})
         embeddings = [embed(compiled, encodings[0])]
         first = list(decisions)
         embeddings += [embed(compiled, enc) for enc in encodings[1:]]
-    finally:
-        backend._DECISION_SINKS.remove(decisions)
-        torch._dynamo.reset()
     return embeddings, [d for d in first if d.pass_name == "fp4_linear" and d.applied]
 
 
