@@ -82,17 +82,19 @@ def main() -> None:
     def row(variant: str, model: nn.Module, backend) -> torch.Tensor:
         seconds, out = compile_seconds(model, backend, x)
         rows.append({"variant": variant, "compile_s": seconds, "ms_per_layer": seconds / opts.layers * 1e3})
-        print(f"{variant}: {seconds:.2f} s", flush=True)
+        print(f"{variant}: {seconds:.2f} s for {opts.layers} layers ({rows[-1]['ms_per_layer']:.0f} ms per layer)", flush=True)
         return out
 
     row("bf16, Inductor", stack(0), "inductor")
     nvfp4 = graphopt.quantize_(stack(1), format="nvfp4")
     compiled = row("quantize_ nvfp4, Inductor", nvfp4, "inductor")
     with torch.no_grad():
-        rows[-1]["equals_eager"] = bool(torch.equal(compiled, nvfp4(x)))
+        eager = nvfp4(x)
+    rows[-1]["equals_eager"] = bool(torch.equal(compiled, eager))
+    print(f"compiled == eager: {rows[-1]['equals_eager']} {(compiled.float() - eager.float()).abs().max().item()}")
     row("quantize_ nvfp4, graphopt", nvfp4, graphopt.backend())
     row("quantize_ q4_0, Inductor", graphopt.quantize_(stack(2), format="q4_0"), "inductor")
-    row("bf16, graphopt fp4_linear pass", stack(3), graphopt.backend(passes={"fp4_linear": True}, force=True))
+    row("bf16 with the fp4_linear pass, graphopt", stack(3), graphopt.backend(passes={"fp4_linear": True}, force=True))
     print_table(f"compile time, {opts.layers} quantized 4096x4096 linears, one token"
                 + (", no TTIR cache" if opts.no_ttir_cache else ""), rows)
     if opts.out:
