@@ -219,7 +219,7 @@ def q4gemm(args) -> None:
 
     fused = args.mode == "fused"
     types = dict(a_ptr="*bf16" if fused else "*i8", ad_ptr="*fp16", w_ptr="*u8", ws_ptr="*fp16", bias_ptr="*bf16",
-                 out_ptr="*bf16", acc_ptr="*fp32", counter_ptr="*i32")
+                 out_ptr="*bf16", acc_ptr="*fp32", counter_ptr="*fp32")
     consts = dict(ACT_MODE=q4.ACT_FUSED if fused else q4.ACT_PREQUANTIZED, QUOT_DTYPE=tl.float32, QMIN=-128, QMAX=127,
                   HAS_BIAS=False, REDUCE=0, EXACT=False, BLOCK_M=args.block_m, BLOCK_N=args.block_n, PAIRS=args.pairs,
                   SWAP_AB=args.swap, USE_ASM=True)
@@ -250,7 +250,7 @@ def q4gemv(args) -> None:
 
     fused = args.mode == "fused"
     types = dict(x_ptr="*bf16" if fused else "*i32", w_ptr="*i32", ws_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16",
-                 acc_ptr="*fp32", counter_ptr="*i32")
+                 acc_ptr="*fp32", counter_ptr="*fp32")
     consts = dict(HAS_BIAS=False, REDUCE=3, EXACT=False, USE_DP4A=True, USE_ASM=True, PREQUANTIZED=not fused,
                   ROWS=args.rows, BLOCK_N=args.block_n, CHUNK=args.pairs)
     div16 = ["N", "K", "x_ptr", "w_ptr", "ws_ptr", "out_ptr", "stride_xm", "stride_wn", "stride_wsb", "stride_om"]
@@ -267,7 +267,7 @@ def fp4gemv(args) -> None:
     fn = {"fma": fp4._fp4_gemv_words_kernel, "mma": fp4._fp4_gemv_words_mma_kernel, "int": fp4._fp4_gemv_int_kernel}[
         args.variant]
     types = dict(x_ptr="*bf16", words_ptr="*i32", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
-                 out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
+                 out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*fp32")
     nvfp4 = not args.mxfp4
     consts = dict(IS_NVFP4=nvfp4, HAS_BIAS=False, BLOCK_SIZE=16 if nvfp4 else 32, BLOCK_M=args.block_m,
                   BLOCK_N=args.block_n, WORDS_PER_ITER=args.block_k // 8, SPLIT_K=2, USE_ASM=True,

@@ -7,6 +7,8 @@ separate sum kernel. `finish_split_tile` does this for one tile (fp4's tensor-co
 decodes, q4's "last" reduction); fp4's FMA decode keeps up to four 1-D token rows and runs the same
 steps row by row (`_finish_row` / `_drain_row`) on the same buffers. The buffers are allocated
 zeroed for each call (`split_buffers`), so nothing outlives a call and a CUDA graph owns its own.
+Sums and counters are one fp32 allocation (one zero-fill launch per call, not two: without CUDA
+graphs each launch is host time); the kernels read the counters' zero bits as int32.
 """
 
 from __future__ import annotations
@@ -21,13 +23,19 @@ except ImportError:  # pragma: no cover - the CPU references work without Triton
 
 
 def split_buffers(device: torch.device, m: int, n: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed buffers for one split-K call: fp32 (m, n) sums and `counters` int32 arrival counters
-    (the most output tiles any tiling of (m, n) has)."""
-    return (torch.zeros((m, n), dtype=torch.float32, device=device),
-            torch.zeros((counters,), dtype=torch.int32, device=device))
+    """Zeroed buffers for one split-K call: fp32 (m, n) sums and `counters` arrival counters (the
+    most output tiles any tiling of (m, n) has), views of one fp32 allocation; kernels take the
+    counters' pointer as int32 (`arrival_counters`)."""
+    buffer = torch.zeros((m * n + counters,), dtype=torch.float32, device=device)
+    return buffer[:m * n].view(m, n), buffer[m * n:]
 
 
 if triton is not None:
+
+    @triton.jit
+    def arrival_counters(counter_ptr):
+        """split_buffers' counters (zeroed fp32 words) as the int32 counters they are used as."""
+        return counter_ptr.to(tl.pointer_type(tl.int32))
 
     @triton.jit
     def finish_split_tile(acc, sums_ptrs, out_ptrs, mask, bias_ptrs, bias_mask, counter_ptr, SPLIT_K,
@@ -37,7 +45,7 @@ if triton is not None:
         when HAS_BIAS, by the last split); counter_ptr: this tile's arrival counter."""
         tl.atomic_add(sums_ptrs, acc, mask=mask, sem="relaxed")
         tl.debug_barrier()  # every thread's adds precede the counter's release
-        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+        arrived = tl.atomic_add(arrival_counters(counter_ptr), 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:  # the last split of this tile: copy out
             total = tl.atomic_add(sums_ptrs, tl.zeros_like(acc), mask=mask, sem="relaxed")
             if HAS_BIAS:

@@ -30,7 +30,7 @@ def _sm90_build(cfg: KernelConfig):
     types = dict(x_desc=f"tensordesc<bf16[4,{cfg.block_m},{2 * w}],{x_box_layout!r}>",
                  w_desc=f"tensordesc<i32[{cfg.block_n},{w}],{w_layout!r}>",
                  s_desc=f"tensordesc<u8[{cfg.block_n},{w // 2}],{s_layout!r}>",
-                 global_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
+                 global_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*fp32")
     consts = dict(HAS_BIAS=True, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, W=w, SPLIT_K=cfg.split_k,
                   STAGES=cfg.num_stages, WORD_LAYOUT=fp4_tma.word_layout(cfg.block_n, w, cfg.num_warps),
                   X_TILE_LAYOUT=x_tile_layout, PAIR_LAYOUT=fp4_tma.word_pair_layout(cfg.block_n, w, cfg.num_warps),

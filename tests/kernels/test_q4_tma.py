@@ -97,7 +97,7 @@ def _sm90_build(block_n=64, block_m=16, split_k=2, stages=2):
     types = dict(w_desc=f"tensordesc<i8[4,{block_n},32],{w_box!r}>", q_desc=f"tensordesc<i8[8,{block_m},32],{q_box!r}>",
                  d4_desc=f"tensordesc<fp16[8,{block_n}],{d4_layout!r}>",
                  ds_desc=f"tensordesc<fp32[16,{block_m}],{ds_layout!r}>",
-                 bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*i32")
+                 bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", counter_ptr="*fp32")
     consts = dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=split_k, STAGES=stages,
                   W_TILE_LAYOUT=w_tile, Q_TILE_LAYOUT=q_tile, D4_LAYOUT=q4_tma.d4_layout(block_n, 4), num_warps=4)
     return compile_sm90(q4_tma._q4_decode_tma_kernel, types, consts, ["out_ptr", "ws_ptr", "N", "K_PADDED"], 4,

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - the CPU reference works without Triton
 if triton is not None:
     from graphopt.kernels.fp4.common import (_block_scales, _code_words, _decode_multiplier, _decode_power, _mma,
                                              _scale_bytes)
-    from graphopt.kernels.split_k import finish_split_tile
+    from graphopt.kernels.split_k import arrival_counters, finish_split_tile
 
     # --- e2m1 decode on 32-bit words -------------------------------------------------------
     # A kernel-layout word (4 bytes of one scale block, little endian) holds 8 codes. Shifting it
@@ -253,7 +253,7 @@ if triton is not None:
                         stride_om, ws_ptr, HAS_BIAS, SPLIT_K)
         if SPLIT_K > 1:
             tl.debug_barrier()  # every thread's workspace atomics precede the counter's release
-            counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+            counter = arrival_counters(counter_ptr) + pid_m * tl.num_programs(0) + pid_n
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:  # the last split of this tile: copy out
                 _drain_row(token0, offs_n, n_mask, M, N, bias, out_ptr, stride_om, ws_ptr, HAS_BIAS)
@@ -404,7 +404,9 @@ if triton is not None:
         words = tl.load(word_ptrs + it_start * WORDS_PER_ITER)
         scale_bytes = tl.load(scale_ptrs + it_start * NB)
         for it in range(it_start, it_end):
-            nxt = tl.minimum(it + 1, it_end - 1)  # prefetch; the last iteration re-reads its own tile
+            # prefetch; the last iteration re-reads its own tile. (Staging the loop through shared
+            # memory instead, Triton's pipeliner with num_stages 2-3, was slower on every tile timed.)
+            nxt = tl.minimum(it + 1, it_end - 1)
             next_words = tl.load(word_ptrs + nxt * WORDS_PER_ITER)
             next_scale_bytes = tl.load(scale_ptrs + nxt * NB)
 
