@@ -1,0 +1,65 @@
+"""fp4/decode_rows.py: the rows-per-thread Gluon one-token decode. On a GPU its outputs are checked
+against the float64 reference; everywhere (CI has no GPU) it is built offline for sm_90, which
+checks that it compiles on this Triton, uses dp2a, loads 16 bytes per row and thread, and does not
+spill."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from bench.offline_sm90 import compile_sm90, sass_and_resources
+from graphopt.kernels import fp4
+from graphopt.kernels.fp4 import decode_rows
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+needs_gluon = pytest.mark.skipif(decode_rows.gluon is None, reason="this Triton has no Gluon")
+
+
+@needs_gluon
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("rows,warps", [(8, 4), (4, 2)])
+def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, pristine_triton_language):
+    types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
+                 out_ptr="*bf16")
+    kernel = compile_sm90(decode_rows._fp4_gemv_rows_kernel, types,
+                          dict(IS_NVFP4=fmt == "nvfp4", HAS_BIAS=True, ROWS=rows, WARPS=warps),
+                          ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sn",
+                           "N"], warps, gluon=True)
+    sass, usage = sass_and_resources(kernel)
+    assert re.search(r"STACK:0\b", usage), usage
+    assert "IDP.2A" in sass
+    assert len(re.findall(r"LDG\.E\.128", sass)) >= rows  # a row's 4 words per thread in one load
+
+
+def test_bad_arguments_name_the_choices():
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(16, 64), "nvfp4"))
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="expected 'nvfp4' or 'mxfp4'"):
+        decode_rows.fp4_gemv_rows(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "int4")
+    with pytest.raises(ValueError, match=r"expected \(1, 64\)"):
+        decode_rows.fp4_gemv_rows(torch.randn(2, 64), kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4")
+    with pytest.raises(ValueError, match="rows in"):
+        decode_rows.fp4_gemv_rows(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=3)
+
+
+@pytest.mark.skipif(not GPU or decode_rows.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k", [(200, 512), (37, 1344), (4096, 4096), (61, 14336)])
+@pytest.mark.parametrize("rows,warps", [(8, 4), (4, 2), (16, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, dtype):
+    gen = torch.Generator().manual_seed(n * k + rows)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(w, fmt))
+    codes, scales, gscale = kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda()
+    x = (torch.randn(1, k, generator=gen) * torch.linspace(0.1, 4.0, k)).to("cuda", dtype)  # varied magnitudes
+    bias = torch.randn(n, generator=gen).to("cuda", dtype)
+    got = decode_rows.fp4_gemv_rows(x, codes, scales, gscale, bias, n, k, fmt, rows=rows, num_warps=warps)
+    ref = fp4.reference_fp4_linear(x.double(), codes, scales, gscale, bias.double(), n, k, fmt).double()
+    assert got.dtype == dtype and got.shape == (1, n)
+    # activations rounded to int16 per 32 K positions (2^-16 of their max) and the output rounding
+    err = (got.double() - ref).abs().max() / ref.abs().max()
+    assert err < (8e-3 if dtype == torch.bfloat16 else 2e-3), err.item()
