@@ -31,7 +31,8 @@ except ImportError:  # pragma: no cover - the CPU reference works without Triton
     triton = None
 
 if triton is not None:
-    from graphopt.kernels.fp4.common import (_block_scales, _code_words, _decode_multiplier, _decode_power, _mma,
+    from graphopt.kernels.fp4.common import (E2M1_INT8_LANES_PTX, E2M1_NEG_HI, E2M1_NEG_LO, E2M1_POS_HI, E2M1_POS_LO,
+                                             _block_scales, _code_words, _decode_multiplier, _decode_power, _mma,
                                              _scale_bytes)
     from graphopt.kernels.split_k import arrival_counters, finish_split_tile
 
@@ -288,25 +289,11 @@ if triton is not None:
         nibble's sign, bit 7 of a byte of word << 4 an even one's); LOP3 picks per lane."""
         if USE_ASM:
             return tl.inline_asm_elementwise(
-                """{
-                .reg .b32 sel_lo, sel_hi, w_hi, w4, pos_lo, pos_hi, neg_lo, neg_hi, m_lo, m_hi;
-                and.b32 sel_lo, $2, 0x7777;
-                shr.u32 w_hi, $2, 16;
-                and.b32 sel_hi, w_hi, 0x7777;
-                prmt.b32 pos_lo, $3, $4, sel_lo;
-                prmt.b32 pos_hi, $3, $4, sel_hi;
-                prmt.b32 neg_lo, $5, $6, sel_lo;
-                prmt.b32 neg_hi, $5, $6, sel_hi;
-                shl.b32 w4, $2, 4;
-                prmt.b32 m_lo, $2, w4, 0x9D8C;
-                prmt.b32 m_hi, $2, w4, 0xBFAE;
-                lop3.b32 $0, pos_lo, neg_lo, m_lo, 0xD8;
-                lop3.b32 $1, pos_hi, neg_hi, m_hi, 0xD8;
-                }""",
-                "=r,=r,r,r,r,r,r", [words, tl.full(words.shape, 0x03020100, tl.int32),
-                                    tl.full(words.shape, 0x0C080604, tl.int32),
-                                    tl.full(words.shape, -33620224, tl.int32),  # 0xFDFEFF00
-                                    tl.full(words.shape, -185009412, tl.int32)],  # 0xF4F8FAFC
+                E2M1_INT8_LANES_PTX,
+                "=r,=r,r,r,r,r,r", [words, tl.full(words.shape, E2M1_POS_LO, tl.int32),
+                                    tl.full(words.shape, E2M1_POS_HI, tl.int32),
+                                    tl.full(words.shape, E2M1_NEG_LO, tl.int32),
+                                    tl.full(words.shape, E2M1_NEG_HI, tl.int32)],
                 dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
         else:
             lo = tl.zeros_like(words)

@@ -1,0 +1,82 @@
+"""fp4/decode_persistent.py: the persistent one-token Gluon decode. On a GPU its outputs are checked
+against the float64 reference (odd sizes, both formats, bf16 and fp16, one and many groups per
+program); everywhere (CI has no GPU) it is built offline for sm_90, which checks that it compiles on
+this Triton, uses dp2a and 16-byte loads, and does not spill at the tiles the launcher allows."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from bench.offline_sm90 import compile_sm90, sass_and_resources
+from graphopt.kernels import fp4
+from graphopt.kernels.fp4 import decode_persistent as dp
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+needs_gluon = pytest.mark.skipif(dp.gluon is None, reason="this Triton has no Gluon")
+
+
+@needs_gluon
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("rows,chunks,warps", [(8, 1, 4), (4, 2, 8)])
+def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, chunks, warps, pristine_triton_language):
+    types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
+                 out_ptr="*bf16")
+    kernel = compile_sm90(dp._fp4_gemv_persistent_kernel, types,
+                          dict(IS_NVFP4=fmt == "nvfp4", HAS_BIAS=True, ROWS=rows, CHUNKS=chunks, WARPS=warps),
+                          ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sn",
+                           "N"], warps, gluon=True)
+    sass, usage = sass_and_resources(kernel)
+    assert re.search(r"STACK:0\b", usage), usage
+    assert "IDP.2A" in sass
+    # a group's words: one 16-byte load per row and chunk, issued for the next group before the decode
+    assert len(re.findall(r"LDG\.E\.128", sass)) >= 2 * rows * chunks
+
+
+def test_chunks_cover_the_row_in_powers_of_two():
+    assert dp.chunks_for(4096, 4) == 1 and dp.chunks_for(4096, 8) == 1
+    assert dp.chunks_for(14336, 8) == 2 and dp.chunks_for(14336, 4) == 4
+    assert dp.chunks_for(64, 4) == 1
+
+
+def test_bad_arguments_name_the_choices():
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(16, 64), "nvfp4"))
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="expected 'nvfp4' or 'mxfp4'"):
+        dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "int4")
+    with pytest.raises(ValueError, match=r"expected \(1, 64\)"):
+        dp.fp4_gemv_persistent(torch.randn(2, 64), kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4")
+    with pytest.raises(ValueError, match="power-of-two rows"):
+        dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=3)
+    big = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(8, 14336), "nvfp4"))
+    with pytest.raises(ValueError, match="words per thread"):
+        dp.fp4_gemv_persistent(torch.randn(1, 14336), big.codes, big.scales, big.global_scale, None, 8, 14336, "nvfp4",
+                               rows=8, num_warps=4)
+
+
+@pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k,rows,warps", [(200, 512, 8, 4), (37, 1344, 4, 4), (5, 4096, 8, 4), (4096, 4096, 8, 4),
+                                            (61, 14336, 4, 8), (1000, 8192, 4, 8)])
+@pytest.mark.parametrize("programs_per_sm", [1, 4])  # at 1, a program walks many groups on the larger N
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, programs_per_sm, dtype):
+    gen = torch.Generator().manual_seed(n * k + rows)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(w, fmt))
+    codes, scales, gscale = kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda()
+    x = (torch.randn(1, k, generator=gen) * torch.linspace(0.1, 4.0, k)).to("cuda", dtype)  # varied magnitudes
+    bias = torch.randn(n, generator=gen).to("cuda", dtype)
+    assert dp.supports(x)
+    got = dp.fp4_gemv_persistent(x, codes, scales, gscale, bias, n, k, fmt, rows=rows, num_warps=warps,
+                                 programs_per_sm=programs_per_sm)
+    ref = fp4.reference_fp4_linear(x.double(), codes, scales, gscale, bias.double(), n, k, fmt).double()
+    assert got.dtype == dtype and got.shape == (1, n)
+    # activations rounded to int16 per 32 K positions (2^-16 of their max), then the output's rounding
+    err = (got.double() - ref).abs().max() / ref.abs().max()
+    assert err < (8e-3 if dtype == torch.bfloat16 else 2e-3), err.item()
+    again = dp.fp4_gemv_persistent(x, codes, scales, gscale, bias, n, k, fmt, rows=rows, num_warps=warps,
+                                   programs_per_sm=programs_per_sm)
+    assert torch.equal(again, got)  # no state between calls
