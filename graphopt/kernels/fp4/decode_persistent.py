@@ -140,6 +140,12 @@ if gluon is not None:
         return gl.reduce(gl.reduce(part, 2, _add), 1, _add)
 
     @gluon.jit
+    def _group_tile(ptrs, rows, cols_live, row0, stride, N, live):
+        """The tile at ptrs (a group's first row at row 0) for the group whose first row is row0: rows
+        past N, columns past the row's end, and every element when `live` is false, read as 0."""
+        return gl.load(ptrs + row0 * stride, mask=cols_live & (rows + row0 < N) & live, other=0)
+
+    @gluon.jit
     def _fp4_gemv_persistent_kernel(
         x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr,
         N, K, K_WORDS, stride_wn, stride_sn,
@@ -179,25 +185,22 @@ if gluon is not None:
         b_b = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
         col_b = c_b[None, :, None] * NB + b_b[None, None, :]
         scale_offs = r_b[:, None, None] * stride_sn + col_b
-        words_base = words_ptr.to(gl.pointer_type(gl.int32))
-        scales_base = scales_ptr.to(gl.pointer_type(gl.uint8))
+        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + word_offs
+        scale_ptrs = scales_ptr.to(gl.pointer_type(gl.uint8)) + scale_offs
+        word_rows, word_cols_live = r_w[:, None, None], col_w < K_WORDS
+        scale_rows, scale_cols_live = r_b[:, None, None], col_b < K_WORDS // WPB
         multiplier = gl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)  # doubled codes; e4m3's 2^-8
         opaque_zero = N >> 31  # N >= 1
         groups = gl.cdiv(N, ROWS)
         step_g = gl.num_programs(0)
-        row0 = gl.program_id(0) * ROWS  # the grid has at most `groups` programs; rows past N load as 0
-        words = gl.load(words_base + row0 * stride_wn + word_offs,
-                        mask=(col_w < K_WORDS) & (r_w[:, None, None] + row0 < N), other=0)
-        scale_bytes = gl.load(scales_base + row0 * stride_sn + scale_offs,
-                              mask=(col_b < K_WORDS // WPB) & (r_b[:, None, None] + row0 < N), other=0)
+        row0 = gl.program_id(0) * ROWS  # the grid has at most `groups` programs
+        words = _group_tile(word_ptrs, word_rows, word_cols_live, row0, stride_wn, N, True)
+        scale_bytes = _group_tile(scale_ptrs, scale_rows, scale_cols_live, row0, stride_sn, N, True)
         for g in range(gl.program_id(0), groups, step_g):
             nxt = g + step_g
             nxt0 = gl.minimum(nxt, groups - 1) * ROWS
-            more = nxt < groups
-            next_words = gl.load(words_base + nxt0 * stride_wn + word_offs,
-                                 mask=(col_w < K_WORDS) & (r_w[:, None, None] + nxt0 < N) & more, other=0)
-            next_scale_bytes = gl.load(scales_base + nxt0 * stride_sn + scale_offs,
-                                       mask=(col_b < K_WORDS // WPB) & (r_b[:, None, None] + nxt0 < N) & more, other=0)
+            next_words = _group_tile(word_ptrs, word_rows, word_cols_live, nxt0, stride_wn, N, nxt < groups)
+            next_scale_bytes = _group_tile(scale_ptrs, scale_rows, scale_cols_live, nxt0, stride_sn, N, nxt < groups)
             total = _group_sums(words, scale_bytes, a0, a1, a2, a3, step_b, opaque_zero, IS_NVFP4, BL) * multiplier
             offs_n = g * ROWS + r_b
             if HAS_BIAS:
