@@ -50,6 +50,8 @@ def test_bad_arguments_name_the_choices():
         dp.fp4_gemv_persistent(torch.randn(2, 64), kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4")
     with pytest.raises(ValueError, match="power-of-two rows"):
         dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=3)
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        dp.fp4_gemv_persistent(x.double(), kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4")  # CPU, fp64
     big = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(8, 14336), "nvfp4"))
     with pytest.raises(ValueError, match="words per thread"):
         dp.fp4_gemv_persistent(torch.randn(1, 14336), big.codes, big.scales, big.global_scale, None, 8, 14336, "nvfp4",

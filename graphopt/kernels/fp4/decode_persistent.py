@@ -235,6 +235,9 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
         raise ValueError(f"rows {rows} x {chunks} chunks of K {in_features} at num_warps {num_warps} hold "
                          f"{rows * chunks * 4} words per thread, at most {MAX_WORDS_PER_THREAD}: fewer rows or more "
                          f"warps")
+    if not supports(x):
+        raise ValueError(f"x on {x.device} as {x.dtype}: this Gluon kernel needs a CUDA GPU of compute capability 8.0 "
+                         "or newer and bf16 or fp16 activations")
     x = x.contiguous()
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
