@@ -5,10 +5,9 @@ LLaMA-3-8B's decode linears (K x N: 4096 x 6144 fused QKV, 4096 x 4096 O, 4096 x
 gate/up, 14336 x 4096 down), bf16 activations, one token, each timed as CUDA-graph replays over
 rotated weight copies (L2-cold, >= 120 MB per graph). Every kernel is first checked against
 dequantize-then-matmul in fp32 (relative error of the max; a kernel past 2e-2 is reported FAIL and
-not timed). Persistent variants: rows per group, warps, programs per multiprocessor, every
-combination the launcher accepts for the shape.
+not timed). Persistent variants: rows per warp, warps, programs per multiprocessor, chunks loaded ahead.
 
-    python bench/bench_fp4_persistent.py           # one H100/H200, about two minutes
+    python bench/bench_fp4_persistent.py           # one H100/H200, about three minutes
 """
 
 from __future__ import annotations
@@ -33,13 +32,8 @@ TRITON_TILES = [KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots
                 KernelConfig(16, 1, 512, 1, num_warps=4, num_stages=1, int_dots=True),
                 KernelConfig(16, 1, 256, 8, num_warps=1, num_stages=1, int_dots=True),
                 KernelConfig(32, 1, 256, 8, num_warps=1, num_stages=1, int_dots=True)]
-PERSISTENT_TILES = [(rows, warps, per_sm) for rows in (2, 4, 8) for warps in dp.WARPS_CHOICES
-                    for per_sm in (1, 2, 4, 8)]
-
-
-def persistent_tiles(k: int) -> list[tuple[int, int, int]]:
-    """The (rows, warps, programs per SM) the launcher accepts for K (the words a thread holds)."""
-    return [t for t in PERSISTENT_TILES if t[0] * dp.chunks_for(k, t[1]) * 4 <= dp.MAX_WORDS_PER_THREAD]
+PERSISTENT_TILES = [(rows, 4, per_sm, depth) for rows in (1, 2, 4) for per_sm in (2, 4, 8) for depth in dp.DEPTH_CHOICES
+                    if rows * (depth + 1) <= dp.MAX_ROWS_IN_FLIGHT] + [(2, 8, 2, 1), (1, 8, 4, 2), (2, 2, 8, 2)]
 
 
 def main() -> None:
@@ -64,10 +58,11 @@ def main() -> None:
                         (lambda c_=c: lambda kc: fp4.fp4_linear_triton(x, kc.codes, kc.scales, kc.global_scale, None, n,
                                                                        k, fmt, path="gemv", config=c_))()
                         for c in TRITON_TILES}
-            variants.update({f"persistent r{r} w{wp} p{per_sm}": (lambda r_=r, wp_=wp, p_=per_sm: lambda kc:
-                             dp.fp4_gemv_persistent(x, kc.codes, kc.scales, kc.global_scale, None, n, k, fmt, rows=r_,
-                                                    num_warps=wp_, programs_per_sm=p_))()
-                             for r, wp, per_sm in persistent_tiles(kw.codes.shape[1] * 2)})
+            variants.update({f"persistent r{r} w{wp} p{per_sm} d{depth}": (
+                lambda r_=r, wp_=wp, p_=per_sm, d_=depth: lambda kc: dp.fp4_gemv_persistent(
+                    x, kc.codes, kc.scales, kc.global_scale, None, n, k, fmt, rows=r_, num_warps=wp_, programs_per_sm=p_,
+                    depth=d_))()
+                for r, wp, per_sm, depth in PERSISTENT_TILES})
             for name, run in variants.items():
                 try:
                     y = run(kw)

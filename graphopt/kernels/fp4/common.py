@@ -13,21 +13,25 @@ if triton is not None:
 
     # Codes -> int8 lanes by table lookup (fp4.decode._e2m1_int8_lanes, which documents it), shared by
     # the Triton and Gluon decode kernels: $2 the code words, $3-$6 the four table words below.
-    E2M1_INT8_LANES_PTX = tl.constexpr("""{
-    .reg .b32 sel_lo, sel_hi, w_hi, w4, pos_lo, pos_hi, neg_lo, neg_hi, m_lo, m_hi;
-    and.b32 sel_lo, $2, 0x7777;
-    shr.u32 w_hi, $2, 16;
-    and.b32 sel_hi, w_hi, 0x7777;
-    prmt.b32 pos_lo, $3, $4, sel_lo;
-    prmt.b32 pos_hi, $3, $4, sel_hi;
-    prmt.b32 neg_lo, $5, $6, sel_lo;
-    prmt.b32 neg_hi, $5, $6, sel_hi;
-    shl.b32 w4, $2, 4;
-    prmt.b32 m_lo, $2, w4, 0x9D8C;
-    prmt.b32 m_hi, $2, w4, 0xBFAE;
-    lop3.b32 $0, pos_lo, neg_lo, m_lo, 0xD8;
-    lop3.b32 $1, pos_hi, neg_hi, m_hi, 0xD8;
-    }""")
+    # One line: Inductor copies a user kernel's globals into its generated module as source, where a
+    # string with newlines does not parse.
+    E2M1_INT8_LANES_PTX = tl.constexpr(" ".join((
+        "{",
+        ".reg .b32 sel_lo, sel_hi, w_hi, w4, pos_lo, pos_hi, neg_lo, neg_hi, m_lo, m_hi;",
+        "and.b32 sel_lo, $2, 0x7777;",
+        "shr.u32 w_hi, $2, 16;",
+        "and.b32 sel_hi, w_hi, 0x7777;",
+        "prmt.b32 pos_lo, $3, $4, sel_lo;",
+        "prmt.b32 pos_hi, $3, $4, sel_hi;",
+        "prmt.b32 neg_lo, $5, $6, sel_lo;",
+        "prmt.b32 neg_hi, $5, $6, sel_hi;",
+        "shl.b32 w4, $2, 4;",
+        "prmt.b32 m_lo, $2, w4, 0x9D8C;",
+        "prmt.b32 m_hi, $2, w4, 0xBFAE;",
+        "lop3.b32 $0, pos_lo, neg_lo, m_lo, 0xD8;",
+        "lop3.b32 $1, pos_hi, neg_hi, m_hi, 0xD8;",
+        "}",
+    )))
     E2M1_POS_LO = tl.constexpr(0x03020100)  # twice the e2m1 magnitudes 0, 1, 2, 3
     E2M1_POS_HI = tl.constexpr(0x0C080604)  # 4, 6, 8, 12
     E2M1_NEG_LO = tl.constexpr(-33620224)  # 0xFDFEFF00: their negatives

@@ -60,6 +60,8 @@ MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-
 #  - fp4_tma's Gluon kernel (TMA-fed words, activations and scales; sm_90+, NVFP4, bf16
 #    activations): 64 rows x 256 elements, 4 warps, 2 ring slots, at 16, 32 and 64 tokens per
 #    program with the splits it won (fp4_linear_1_64tok_h100.json, fp4_linear_13b_mlp_h100.json).
+#  - One token, integer dots at 16 x 1024: the fastest integer-dot tile on three of LLaMA-3-8B's four
+#    decode shapes in bench_fp4_persistent's run (results/fp4_persistent_h200.json).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
           for bn, bm, bk, sk, w in ((16, 4, 256, 1, 4), (16, 4, 256, 4, 4), (8, 1, 1024, 1, 4), (8, 1, 1024, 4, 4),
@@ -78,6 +80,7 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
                                       (16, 2, 256, 8, 1)))
     + tuple(KernelConfig(64, bm, 256, sk, num_warps=4, num_stages=2, tma=True)
             for bm, sk in ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 1), (64, 4), (64, 8)))
+    + (KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots=True),)
 )
 # Prefill: the fused dequant-GEMM tiles chosen in those runs.
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (

@@ -1,20 +1,21 @@
-"""FP4 one-token decode, persistent over row groups, with the activations held in registers (Gluon, sm_80+).
+"""FP4 one-token decode, persistent, each warp owning whole rows (Gluon, sm_80+).
 
 The integer-dot Triton kernel (decode.py, `_fp4_gemv_int_kernel`) leaves its register layout to
-Triton, which spreads a tile's rows over threads: each program then re-reads and re-rounds the
-activations of its K range, with a cross-thread max per tile. Here the layout is explicit:
+Triton: a tile's rows are spread over warps (a barrier and a shared-memory reduction per tile), and
+every program re-reads and re-rounds the activations of its K range. Here the layout is explicit:
 
-- every thread holds 4 consecutive code words (32 consecutive K positions) of each of a group's ROWS
-  rows in each of CHUNKS chunks of 128 * num_warps words, one 16-byte load per row and chunk;
-- a program rounds the whole activation row once, each thread its own 32 K positions per chunk to
-  int16 with its own step (max / 32767, llama.cpp's Q8_1 blocks of 32 at 16 bits), and keeps them
-  in registers for every group it owns (groups p, p + P, ... of a grid of P programs);
-- the next group's words and scale bytes are loaded before the current group is decoded;
+- a program rounds the activation row once, into shared memory: each 32 consecutive K positions
+  to int16 with their own step (max / 32767, llama.cpp's Q8_1 blocks of 32 at 16 bits), stored as
+  the int16 pairs that meet each code word;
+- each warp owns ROWS rows of a group of ROWS x num_warps, and walks K in chunks of 128 code words
+  (4 per lane: one 16-byte load per row), so a row's sum is reduced inside its warp;
+- the chunk loop is unrolled (shared memory is read at constant offsets) and the words and scale
+  bytes DEPTH chunks ahead are loaded before a chunk is decoded, across the end of a group into the
+  program's next one (programs p, p + P, ... of a persistent grid of P);
 - codes become int8 lanes (PRMT table lookups, the tables held in registers) and meet the int16
   pairs in four dp2a per word; the int32 sum of each scale block is exact and scaled once.
 
-The weight is format.py's kernel layout (NVFP4 or MXFP4) unchanged. It is not among the tuner's
-candidates; bench/bench_fp4_persistent.py times it against them. Gluon runs only on a GPU: on the
+The weight is format.py's kernel layout (NVFP4 or MXFP4) unchanged. Gluon runs only on a GPU: on the
 CPU the tests build it offline for sm_90 (tests/kernels/test_fp4_persistent.py).
 """
 
@@ -33,8 +34,11 @@ else:
     from graphopt.kernels.fp4.common import (E2M1_INT8_LANES_PTX, E2M1_NEG_HI, E2M1_NEG_LO, E2M1_POS_HI,
                                              E2M1_POS_LO)
 
-WARPS_CHOICES = (4, 8)
-MAX_WORDS_PER_THREAD = 32  # ROWS x CHUNKS x 4 words in registers, twice (the prefetch): past this, spills
+ROWS_CHOICES = (1, 2, 4, 8)
+WARPS_CHOICES = (1, 2, 4, 8)
+DEPTH_CHOICES = (1, 2)
+CHUNK_WORDS = 128  # code words per chunk: 4 per lane
+MAX_ROWS_IN_FLIGHT = 8  # rows x (depth + 1) chunks of words in registers: past this, ptxas spills at K = 14336
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -46,9 +50,6 @@ def supports(x: torch.Tensor) -> bool:
 
 if gluon is not None:
 
-    # Reductions through combine functions of this module: gl.sum / gl.max use triton.language's own
-    # @jit combines, which TRITON_INTERPRET=1 (the CPU tests) turns into interpreter functions that
-    # the offline sm_90 build cannot compile.
     @gluon.jit
     def _add(a, b):
         return a + b
@@ -86,10 +87,10 @@ if gluon is not None:
 
     @gluon.jit
     def _activation_pairs(x_ptr, K, IS_NVFP4: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
-        """The whole activation row as each thread's 32 consecutive K positions per chunk, rounded to
-        int16 with the thread's step (max |x| / 32767): a0..a3, each (CHUNKS, CW) int32 pairs per code
-        word (the lane order of _int8_lanes: pair i = elements (4q + i, 4q + i + BS/2) of word q of a
-        scale block), and the steps (CHUNKS, THREADS)."""
+        """CHUNKS x 32 x WARPS units of 32 consecutive K positions, one per thread and chunk, rounded to
+        int16 with the unit's step (max |x| / 32767): a0..a3, each (CHUNKS, 4 x THREADS) int32 pairs per
+        code word (the lane order of _int8_lanes: pair i = elements (4q + i, 4q + i + BS/2) of word q
+        of a scale block), and the steps (CHUNKS, THREADS)."""
         THREADS: gl.constexpr = 32 * WARPS
         XL: gl.constexpr = gl.BlockedLayout([CHUNKS, 1, 32], [1, 32, 1], [1, WARPS, 1], [2, 1, 0])
         c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
@@ -112,137 +113,153 @@ if gluon is not None:
         a2, a3 = gl.split(p23)
         return a0, a1, a2, a3, step
 
+    # A CTA-wide barrier: gl.thread_barrier up to Triton 3.6, gl.barrier after.
+    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
     @gluon.jit
-    def _group_sums(words, scale_bytes, a0, a1, a2, a3, step_b, opaque_zero, IS_NVFP4: gl.constexpr,
+    def _chunk_tile(ptrs, rows, cols, row0, col0, stride, N, COLS, live):
+        """The (rows, cols) tile at ptrs + row0 * stride + col0: rows past N, columns past COLS, and
+        every element when `live` is false, read as 0."""
+        mask = (rows[:, None] + row0 < N) & (cols[None, :] + col0 < COLS) & live
+        return gl.load(ptrs + row0 * stride + col0, mask=mask, other=0)
+
+    @gluon.jit
+    def _chunk_sums(words, scale_bytes, a0, a1, a2, a3, step, opaque_zero, IS_NVFP4: gl.constexpr,
                     BL: gl.constexpr):
-        """One group's (ROWS,) fp32 sums: words (ROWS, CHUNKS, CW), scale_bytes (ROWS, CHUNKS, NB) in
-        BL, the activation pairs (CHUNKS, CW) and per-block steps (CHUNKS, NB)."""
-        ROWS: gl.constexpr = words.shape[0]
-        CHUNKS: gl.constexpr = words.shape[1]
+        """(GROUP, NB) fp32 block sums of one chunk: words (GROUP, CW) and scale bytes (GROUP, NB) in their
+        layouts, the chunk's activation pairs (1, CW) and steps (1, NB) in the same ones."""
+        GROUP: gl.constexpr = words.shape[0]
         WPB: gl.constexpr = 2 if IS_NVFP4 else 4
-        NB: gl.constexpr = words.shape[2] // WPB
+        NB: gl.constexpr = words.shape[1] // WPB
         lo, hi = _int8_lanes(words, opaque_zero)
-        a0, _ = gl.broadcast(a0[None, :, :], lo)
-        a1, _ = gl.broadcast(a1[None, :, :], lo)
-        a2, _ = gl.broadcast(a2[None, :, :], lo)
-        a3, _ = gl.broadcast(a3[None, :, :], lo)
-        dots = _dp2a(a0, lo, gl.zeros(words.shape, gl.int32, words.type.layout), False)
+        a0, _ = gl.broadcast(a0, lo)
+        a1, _ = gl.broadcast(a1, lo)
+        a2, _ = gl.broadcast(a2, lo)
+        a3, _ = gl.broadcast(a3, lo)
+        dots = _dp2a(a0, lo, gl.full(words.shape, 0, gl.int32, words.type.layout), False)
         dots = _dp2a(a1, lo, dots, True)
         dots = _dp2a(a2, hi, dots, False)
         dots = _dp2a(a3, hi, dots, True)
-        block_dots = gl.convert_layout(gl.reduce(gl.reshape(dots, [ROWS, CHUNKS, NB, WPB]), 3, _add), BL)  # exact
+        block_dots = gl.convert_layout(gl.reduce(gl.reshape(dots, [GROUP, NB, WPB]), 2, _add), BL)  # exact
         if IS_NVFP4:  # e4m3 -> value * 2^-8 by bit placement
             b16 = scale_bytes.to(gl.uint16)
             block_scale = (((b16 & 0x7F) << 7) | ((b16 & 0x80) << 8)).to(gl.float16, bitcast=True).to(gl.float32)
         else:  # e8m0 -> 2^(byte - 127)
             block_scale = (scale_bytes.to(gl.uint32) << 23).to(gl.float32, bitcast=True)
-        part = block_dots.to(gl.float32) * (block_scale * step_b[None, :, :])
-        return gl.reduce(gl.reduce(part, 2, _add), 1, _add)
-
-    @gluon.jit
-    def _group_tile(ptrs, rows, cols_live, row0, stride, N, live):
-        """The tile at ptrs (a group's first row at row 0) for the group whose first row is row0: rows
-        past N, columns past the row's end, and every element when `live` is false, read as 0."""
-        return gl.load(ptrs + row0 * stride, mask=cols_live & (rows + row0 < N) & live, other=0)
+        return block_dots.to(gl.float32) * (block_scale * step)
 
     @gluon.jit
     def _fp4_gemv_persistent_kernel(
         x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr,
         N, K, K_WORDS, stride_wn, stride_sn,
-        IS_NVFP4: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, CHUNKS: gl.constexpr,
-        WARPS: gl.constexpr,
+        IS_NVFP4: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
+        K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr,
     ):
-        """out[0, n] = x[0, :] @ W[n, :]^T (+ bias). Persistent: program p owns the row groups p, p + P,
-        ... (P programs, ROWS rows each), with the whole K range (CHUNKS chunks of CW words) per
-        group. The activations are rounded once per program and stay in registers; the next
-        group's words and scales are loaded before the current group is reduced. Launched with
-        num_warps = WARPS and K_WORDS <= CHUNKS * CW."""
+        """out[0, n] = x[0, :] @ W[n, :]^T (+ bias). Program p owns the groups p, p + P, ... of ROWS x WARPS
+        rows; warp w the rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
+        activations' shared memory holds CHUNKS_PAD >= K_CHUNKS of them (a multiple of WARPS)."""
         WPB: gl.constexpr = 2 if IS_NVFP4 else 4  # code words per scale block
-        THREADS: gl.constexpr = 32 * WARPS
-        CW: gl.constexpr = 4 * THREADS  # code words per chunk
+        CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS)
         NB: gl.constexpr = CW // WPB  # scale blocks per chunk
-        WL: gl.constexpr = gl.BlockedLayout([ROWS, CHUNKS, 4], [1, 1, 32], [1, 1, WARPS], [2, 1, 0])
-        BL: gl.constexpr = gl.BlockedLayout([ROWS, CHUNKS, 4 // WPB], [1, 1, 32], [1, 1, WARPS], [2, 1, 0])
-        OL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, BL))
-        a0, a1, a2, a3, step = _activation_pairs(x_ptr, K, IS_NVFP4, CHUNKS, WARPS)
-        a0 = gl.convert_layout(a0, gl.SliceLayout(0, WL))
-        a1 = gl.convert_layout(a1, gl.SliceLayout(0, WL))
-        a2 = gl.convert_layout(a2, gl.SliceLayout(0, WL))
-        a3 = gl.convert_layout(a3, gl.SliceLayout(0, WL))
-        if IS_NVFP4:  # a thread's step covers its 2 blocks
-            step_b = gl.reshape(gl.join(step, step), [CHUNKS, NB])
-        else:
-            step_b = step
-        step_b = gl.convert_layout(step_b, gl.SliceLayout(0, BL))
-        # word and scale offsets of a group's first row, in the words' and the blocks' layouts
-        r_w = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
-        c_w = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
-        w_w = gl.arange(0, CW, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
-        col_w = c_w[None, :, None] * CW + w_w[None, None, :]
-        word_offs = r_w[:, None, None] * stride_wn + col_w
-        r_b = gl.arange(0, ROWS, layout=OL)
-        c_b = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
-        b_b = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
-        col_b = c_b[None, :, None] * NB + b_b[None, None, :]
-        scale_offs = r_b[:, None, None] * stride_sn + col_b
-        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + word_offs
-        scale_ptrs = scales_ptr.to(gl.pointer_type(gl.uint8)) + scale_offs
-        word_rows, word_cols_live = r_w[:, None, None], col_w < K_WORDS
-        scale_rows, scale_cols_live = r_b[:, None, None], col_b < K_WORDS // WPB
+        GROUP: gl.constexpr = ROWS * WARPS
+        WL: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [WARPS, 1], [1, 0])
+        BL: gl.constexpr = gl.BlockedLayout([ROWS, 4 // WPB], [1, 32], [WARPS, 1], [1, 0])
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        pairs_smem = gl.allocate_shared_memory(gl.int32, [4 * CHUNKS_PAD, CW], PLAIN)  # a0 chunks, a1 chunks, ...
+        steps_smem = gl.allocate_shared_memory(gl.float32, [CHUNKS_PAD, NB], PLAIN)
+        # WARPS chunks at a time (a chunk per warp), to bound the registers
+        for s in gl.static_range(CHUNKS_PAD // WARPS):
+            p0, p1, p2, p3, unit_step = _activation_pairs(x_ptr + s * WARPS * CW * 8, K - s * WARPS * CW * 8, IS_NVFP4,
+                                                          1, WARPS)
+            pairs_smem.slice(0 * CHUNKS_PAD + s * WARPS, WARPS).store(gl.reshape(p0, [WARPS, CW]))
+            pairs_smem.slice(1 * CHUNKS_PAD + s * WARPS, WARPS).store(gl.reshape(p1, [WARPS, CW]))
+            pairs_smem.slice(2 * CHUNKS_PAD + s * WARPS, WARPS).store(gl.reshape(p2, [WARPS, CW]))
+            pairs_smem.slice(3 * CHUNKS_PAD + s * WARPS, WARPS).store(gl.reshape(p3, [WARPS, CW]))
+            if IS_NVFP4:  # a unit's step covers its 2 blocks
+                steps_smem.slice(s * WARPS, WARPS).store(gl.reshape(gl.join(unit_step, unit_step), [WARPS, NB]))
+            else:
+                steps_smem.slice(s * WARPS, WARPS).store(gl.reshape(unit_step, [WARPS, NB]))
+        _cta_barrier()
+        r_w = gl.arange(0, GROUP, layout=gl.SliceLayout(1, WL))
+        w_w = gl.arange(0, CW, layout=gl.SliceLayout(0, WL))
+        r_b = gl.arange(0, GROUP, layout=gl.SliceLayout(1, BL))
+        b_b = gl.arange(0, NB, layout=gl.SliceLayout(0, BL))
+        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + r_w[:, None] * stride_wn + w_w[None, :]
+        scale_ptrs = scales_ptr.to(gl.pointer_type(gl.uint8)) + r_b[:, None] * stride_sn + b_b[None, :]
         multiplier = gl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)  # doubled codes; e4m3's 2^-8
         opaque_zero = N >> 31  # N >= 1
-        groups = gl.cdiv(N, ROWS)
-        step_g = gl.num_programs(0)
-        row0 = gl.program_id(0) * ROWS  # the grid has at most `groups` programs
-        words = _group_tile(word_ptrs, word_rows, word_cols_live, row0, stride_wn, N, True)
-        scale_bytes = _group_tile(scale_ptrs, scale_rows, scale_cols_live, row0, stride_sn, N, True)
-        for g in range(gl.program_id(0), groups, step_g):
-            nxt = g + step_g
-            nxt0 = gl.minimum(nxt, groups - 1) * ROWS
-            next_words = _group_tile(word_ptrs, word_rows, word_cols_live, nxt0, stride_wn, N, nxt < groups)
-            next_scale_bytes = _group_tile(scale_ptrs, scale_rows, scale_cols_live, nxt0, stride_sn, N, nxt < groups)
-            total = _group_sums(words, scale_bytes, a0, a1, a2, a3, step_b, opaque_zero, IS_NVFP4, BL) * multiplier
-            offs_n = g * ROWS + r_b
+        groups = gl.cdiv(N, GROUP)
+        programs = gl.num_programs(0)
+        first = gl.program_id(0)  # the grid has at most `groups` programs
+        # chunk t of the program's flattened (group, chunk) sequence: group first + (t // K_CHUNKS) * programs
+        words = _chunk_tile(word_ptrs, r_w, w_w, first * GROUP, 0, stride_wn, N, K_WORDS, True)
+        scale_bytes = _chunk_tile(scale_ptrs, r_b, b_b, first * GROUP, 0, stride_sn, N, K_WORDS // WPB, True)
+        if DEPTH == 2:
+            row1 = (first + 1 // K_CHUNKS * programs) * GROUP
+            words1 = _chunk_tile(word_ptrs, r_w, w_w, row1, 1 % K_CHUNKS * CW, stride_wn, N, K_WORDS, row1 < N)
+            scale_bytes1 = _chunk_tile(scale_ptrs, r_b, b_b, row1, 1 % K_CHUNKS * NB, stride_sn, N, K_WORDS // WPB,
+                                       row1 < N)
+        for g in range(first, groups, programs):
+            acc = gl.full([GROUP, NB], 0.0, gl.float32, BL)
+            for c in gl.static_range(K_CHUNKS):
+                ahead_row = (g + (c + DEPTH) // K_CHUNKS * programs) * GROUP  # c is a constant here
+                ahead_words = _chunk_tile(word_ptrs, r_w, w_w, ahead_row, (c + DEPTH) % K_CHUNKS * CW, stride_wn, N,
+                                          K_WORDS, ahead_row < N)
+                ahead_scale_bytes = _chunk_tile(scale_ptrs, r_b, b_b, ahead_row, (c + DEPTH) % K_CHUNKS * NB,
+                                                stride_sn, N, K_WORDS // WPB, ahead_row < N)
+                a0 = pairs_smem.slice(0 * CHUNKS_PAD + c, 1).load(WL)
+                a1 = pairs_smem.slice(1 * CHUNKS_PAD + c, 1).load(WL)
+                a2 = pairs_smem.slice(2 * CHUNKS_PAD + c, 1).load(WL)
+                a3 = pairs_smem.slice(3 * CHUNKS_PAD + c, 1).load(WL)
+                step = steps_smem.slice(c, 1).load(BL)
+                acc += _chunk_sums(words, scale_bytes, a0, a1, a2, a3, step, opaque_zero, IS_NVFP4, BL)
+                if DEPTH == 2:
+                    words, scale_bytes, words1, scale_bytes1 = words1, scale_bytes1, ahead_words, ahead_scale_bytes
+                else:
+                    words, scale_bytes = ahead_words, ahead_scale_bytes
+            offs_n = g * GROUP + r_b
+            total = gl.reduce(acc, 1, _add) * multiplier
             if HAS_BIAS:
                 total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
             gl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
-            words = next_words
-            scale_bytes = next_scale_bytes
 
 
-def chunks_for(k_padded: int, num_warps: int) -> int:
-    """Chunks of 128 * num_warps code words that cover a row of k_padded codes, rounded up to a
-    power of two (a tensor extent)."""
-    need = cdiv(k_padded // 8, 128 * num_warps)
-    return 1 << (need - 1).bit_length()
+def chunks(k_padded: int, num_warps: int) -> tuple[int, int]:
+    """(chunks of CHUNK_WORDS code words that cover a row of k_padded codes, the chunks the activations'
+    shared memory holds: a power of two (a shape Gluon lays out) and at least num_warps (the warps
+    round them num_warps chunks at a time))."""
+    k_chunks = cdiv(k_padded // 8, CHUNK_WORDS)
+    return k_chunks, max(1 << (k_chunks - 1).bit_length(), num_warps)
 
 
 def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                        bias: torch.Tensor | None, out_features: int, in_features: int, format: str, rows: int = 8,
-                        num_warps: int = 4, programs_per_sm: int = 4) -> torch.Tensor:
-    """(1, K) x -> (1, N) in x's dtype for a kernel-layout FP4 weight (format.to_kernel_layout):
-    min(N / rows, SMs x programs_per_sm) programs, each over every rows-th group of rows."""
+                        bias: torch.Tensor | None, out_features: int, in_features: int, format: str, rows: int = 4,
+                        num_warps: int = 4, programs_per_sm: int = 4, depth: int = 1) -> torch.Tensor:
+    """(1, K) x -> (1, N) in x's dtype for a kernel-layout FP4 weight (format.to_kernel_layout): each warp
+    owns `rows` rows, min(N / (rows x num_warps), SMs x programs_per_sm) programs; `depth`: chunks loaded
+    ahead of the one decoded."""
     if format not in ("nvfp4", "mxfp4"):
         raise ValueError(f"format {format!r}: expected 'nvfp4' or 'mxfp4'")
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != in_features:
         raise ValueError(f"x of shape {tuple(x.shape)}: expected (1, {in_features})")
-    if num_warps not in WARPS_CHOICES or rows < 1 or rows & (rows - 1) or programs_per_sm < 1:
-        raise ValueError(f"rows {rows}, num_warps {num_warps}, programs_per_sm {programs_per_sm}: expected "
-                         f"power-of-two rows, num_warps in {WARPS_CHOICES}, programs_per_sm >= 1")
-    k_words = codes.shape[1] // 4
-    chunks = chunks_for(codes.shape[1] * 2, num_warps)
-    if rows * chunks * 4 > MAX_WORDS_PER_THREAD:
-        raise ValueError(f"rows {rows} x {chunks} chunks of K {in_features} at num_warps {num_warps} hold "
-                         f"{rows * chunks * 4} words per thread, at most {MAX_WORDS_PER_THREAD}: fewer rows or more "
-                         f"warps")
+    if rows not in ROWS_CHOICES or num_warps not in WARPS_CHOICES or depth not in DEPTH_CHOICES or programs_per_sm < 1:
+        raise ValueError(f"rows {rows}, num_warps {num_warps}, depth {depth}, programs_per_sm {programs_per_sm}: "
+                         f"expected rows in {ROWS_CHOICES}, num_warps in {WARPS_CHOICES}, depth in {DEPTH_CHOICES}, "
+                         f"programs_per_sm >= 1")
+    if rows * (depth + 1) > MAX_ROWS_IN_FLIGHT:
+        raise ValueError(f"rows {rows} at depth {depth} keep {rows * (depth + 1)} rows of words in registers, at most "
+                         f"{MAX_ROWS_IN_FLIGHT}: fewer rows or a smaller depth")
     if not supports(x):
         raise ValueError(f"x on {x.device} as {x.dtype}: this Gluon kernel needs a CUDA GPU of compute capability 8.0 "
                          "or newer and bf16 or fp16 activations")
+    k_words = codes.shape[1] // 4
+    k_chunks, chunks_pad = chunks(codes.shape[1] * 2, num_warps)
     x = x.contiguous()
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    grid = (min(cdiv(out_features, rows), sms * programs_per_sm),)
+    grid = (min(cdiv(out_features, rows * num_warps), sms * programs_per_sm),)
     launch(_fp4_gemv_persistent_kernel, grid, x, codes, scales, global_scale, bias if bias is not None else out, out,
            out_features, in_features, k_words, k_words, scales.stride(0), IS_NVFP4=format == "nvfp4",
-           HAS_BIAS=bias is not None, ROWS=rows, CHUNKS=chunks, WARPS=num_warps, num_warps=num_warps)
+           HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
+           DEPTH=depth, num_warps=num_warps)
     return out
