@@ -155,3 +155,50 @@ def test_torchs_generate_ttir_through_the_cache_for_an_sm90_target():
     if run.returncode != 0 and "cuda" in run.stderr.lower() and "backend" in run.stderr.lower():
         pytest.skip(f"this Triton cannot build for sm_90 without a GPU: {run.stderr[-300:]}")
     assert run.returncode == 0 and "shared" in run.stdout, run.stderr[-3000:]
+
+
+GLUON_CHECK = """
+import torch, triton
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.backends.compiler import GPUTarget
+from torch._higher_order_ops import triton_kernel_wrap
+import graphopt.ops  # installs the wrapper
+from graphopt.kernels.fp4 import decode_persistent as dp
+
+class Sm90:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+triton.runtime.driver._active = Sm90()
+with FakeTensorMode():
+    t = {n: torch.empty(8, dtype=d) for n, d in (("x", torch.bfloat16), ("w", torch.uint8), ("s", torch.uint8),
+                                                ("g", torch.float32), ("out", torch.bfloat16))}
+warps = 8  # not the default options' 4
+k_chunks, chunks_pad = dp.chunks(4096, warps)
+kwargs = dict(x_ptr=t["x"], words_ptr=t["w"], scales_ptr=t["s"], global_scale_ptr=t["g"], bias_ptr=t["out"],
+              out_ptr=t["out"], N=4096, K=4096, K_WORDS=1024, stride_wn=1024, stride_sn=256, IS_NVFP4=True,
+              HAS_BIAS=False, ROWS=2, WARPS=warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad, DEPTH=1, num_warps=warps)
+if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):
+    written = {d.name for d in triton_kernel_wrap.identify_accessed_tensors(
+        dp._fp4_gemv_persistent_kernel, kwargs, {}).read_writes.writes}
+else:
+    written = set(triton_kernel_wrap.identify_mutated_tensors(dp._fp4_gemv_persistent_kernel, kwargs, {}))
+assert written == {"out_ptr"}, written
+print("only out_ptr")
+"""
+
+
+def test_torch_sees_which_tensors_a_gluon_kernel_writes():
+    """torch's mutation analysis (TTIR of the call, as Inductor makes it for a triton_op body) on the
+    persistent Gluon decode kernel: only the output is written. Without the Gluon source and the call's
+    num_warps, the TTIR fails to verify and torch takes every argument, the packed weights included,
+    as written."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", GLUON_CHECK], env=env, capture_output=True, text=True, timeout=240)
+    if run.returncode != 0 and "cuda" in run.stderr.lower() and "backend" in run.stderr.lower():
+        pytest.skip(f"this Triton cannot build for sm_90 without a GPU: {run.stderr[-300:]}")
+    assert run.returncode == 0 and "only out_ptr" in run.stdout, run.stderr[-3000:]
