@@ -11,20 +11,11 @@ two-element tensor of the dtype for every fake tensor and 2 for every symbolic s
 agree on those share one TTIR. `install` wraps torch's generate_ttir with that cache, for every
 kernel Inductor compiles; a call it cannot key (a real tensor, whose alignment Triton specializes
 on, a TMA descriptor, an autotuned kernel, an argument of another type) goes straight through.
-
-Gluon kernels (fp4_tma, fp4/decode_persistent) need one more thing there. generate_ttir builds every
-kernel with Triton's plain ASTSource and default options, which leaves a Gluon module without the
-warp count its layouts are checked against: the TTIR fails to verify, and torch then assumes the
-call writes every tensor it is given, so Inductor copies the packed weights around each call. For a
-Gluon kernel, `install`'s wrapper builds the TTIR as Gluon's own launcher does (GluonASTSource, the
-call's num_warps).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import inspect
 import threading
 from typing import Any, Callable
 
@@ -80,60 +71,19 @@ def call_key(kernel: Any, kwargs: dict, tma_descriptor_metadata: Any):
     return (kernel, target, tuple(parts))
 
 
-_source_lock = threading.Lock()  # held while triton.compiler.compiler.ASTSource is swapped
-
-
-def _is_gluon(kernel: Any) -> bool:
-    return callable(getattr(kernel, "is_gluon", None)) and kernel.is_gluon()
-
-
-def _gluon_source(num_warps: int):
-    """A stand-in for Triton's ASTSource that builds a Gluon kernel's module as Gluon's launcher does:
-    GluonASTSource, with the launch's num_warps in the options."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    class GluonSource(GluonASTSource):
-        def make_ir(self, target, options, codegen_fns, module_map, context):
-            return super().make_ir(target, dataclasses.replace(options, num_warps=num_warps), codegen_fns,
-                                   module_map, context)
-
-    GluonSource.make_ir.__signature__ = inspect.signature(GluonASTSource.make_ir)  # generate_ttir counts its parameters
-    return GluonSource
-
-
-def gluon_aware(generate_ttir: Callable, kernel: Any, kwargs: dict) -> Callable:
-    """generate_ttir, or for a Gluon kernel a call of it with Gluon's source in place of Triton's."""
-    if not _is_gluon(kernel):
-        return generate_ttir
-    import triton.compiler.compiler as triton_compiler
-
-    source = _gluon_source(int(kwargs.get("num_warps", 4)))
-
-    def generate(*args, **kw):
-        with _source_lock:
-            plain = triton_compiler.ASTSource
-            triton_compiler.ASTSource = source
-            try:
-                return generate_ttir(*args, **kw)
-            finally:
-                triton_compiler.ASTSource = plain
-    return generate
-
-
 def memoized(generate_ttir: Callable) -> Callable:
-    """generate_ttir with the cache in front of it, and Gluon kernels built as Gluon builds them."""
+    """generate_ttir with the cache in front of it."""
 
     def generate_ttir_once(kernel, kwargs, tma_descriptor_metadata, *args, **kw):
-        generate_ttir_here = gluon_aware(generate_ttir, kernel, kwargs)
         key = call_key(kernel, kwargs, tma_descriptor_metadata) if not (args or kw) else None
         if key is None:
-            return generate_ttir_here(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
+            return generate_ttir(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
         with _lock:
             hit = _cache.get(key)
             if hit is not None:
                 _cache.move_to_end(key)
         if hit is None:
-            hit = generate_ttir_here(kernel, kwargs, tma_descriptor_metadata)
+            hit = generate_ttir(kernel, kwargs, tma_descriptor_metadata)
             with _lock:
                 _cache[key] = hit
                 while len(_cache) > CACHE_ENTRIES:

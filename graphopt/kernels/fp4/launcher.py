@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from graphopt.kernels import fp4_tma, tuning
-from graphopt.kernels.fp4 import decode_persistent
 from graphopt.kernels.fp4.configs import (_DEFAULT_DECODE, DEQUANT_CONFIG, DEQUANT_TILES, FMA_BLOCK_M,
                                           INTERPRET_DECODE_CONFIG, INTERPRET_PREFILL_CONFIG, MIN_DECODE_BLOCK_N,
                                           PATHS, PREFILL_CONFIGS, KernelConfig, _candidates, _runs_here,
@@ -77,10 +76,6 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         w = dequantize_triton(codes, scales, global_scale, n, in_features, format, compute_dtype)
         out = F.linear(x2.to(compute_dtype), w, None if bias is None else bias.to(compute_dtype))
         return out.to(out_dtype) if out.dtype != out_dtype else out
-    if path == "gemv" and cfg.programs_per_sm:  # one token on the persistent Gluon kernel (_runs_here)
-        return decode_persistent.fp4_gemv_persistent(
-            x2, codes, scales, global_scale, bias, n, in_features, format, rows=cfg.block_n // cfg.num_warps,
-            num_warps=cfg.num_warps, programs_per_sm=cfg.programs_per_sm, depth=cfg.num_stages)
     if path == "gemv":  # decode: CUDA cores (BLOCK_M 1-4), tensor cores (BLOCK_M 16-64) or fp4_tma's kernel
         # permute_x (tensor-core tiles only, _valid_config) and tma: x's tiles rearranged once per
         # call, read by every program as they are
