@@ -5,7 +5,7 @@ Inductor traces their bodies and launches the kernels from its own generated cod
 CUDA graphs, with no Python per call. Their tile is an argument the pass chose at compile time.
 The others are opaque: graphopt::attention and graphopt::sparse_attention (Library ops, whose
 Python launch path the cost model prices unless CUDA graphs replay them), the Gluon TMA decodes
-(fp4_tma_linear, q4_tma_decode: Gluon kernels are not Triton JIT functions that Inductor can
+(fp4_gluon_linear, q4_tma_decode: Gluon kernels are not Triton JIT functions that Inductor can
 launch) and fft_chain_linear (a custom_op with an autograd formula; its operand tables are graph
 constants the pass builds). Every op has a fake (meta) implementation. The CPU implementation is
 always the kernel family's torch reference.
@@ -561,8 +561,9 @@ def _(q, k, v, scale, is_causal, simthreshd1, cdfthreshd, pvthreshd, dense_below
 #   fp4.kernel_string; an empty hi has no upper bound, an empty tile is the path's untuned default,
 #   and "" is fp4.default_path with it).
 #   A triton_op: Inductor traces the body and launches its Triton kernels from its own generated
-#   code (inside its CUDA graphs). CPU: the torch reference. The Gluon TMA decode is not a Triton
-#   JIT function, so a kernel that selects it calls graphopt::fp4_tma_linear, an opaque op.
+#   code (inside its CUDA graphs). CPU: the torch reference. The Gluon decodes (fp4_tma's, and
+#   decode_persistent's for one token) are not Triton JIT functions that Inductor can emit, so a
+#   kernel that selects one calls graphopt::fp4_gluon_linear, an opaque op.
 #   Inference only: no autograd formula (the weights are frozen constants).
 @torch.library.triton_op("graphopt::fp4_linear", mutates_args=())
 def fp4_linear_op(x: torch.Tensor, codes: torch.Tensor, codes_fp4: torch.Tensor, scales: torch.Tensor,
@@ -573,8 +574,9 @@ def fp4_linear_op(x: torch.Tensor, codes: torch.Tensor, codes_fp4: torch.Tensor,
     if not x.is_cuda:  # the interpreter's tests call the launcher itself
         return fp4.reference_fp4_linear(x, codes, scales, global_scale, bias, out_features, in_features, format)
     path, config = fp4.kernel_choice(kernel, x.numel() // in_features)
-    if config is not None and config.tma:
-        return torch.ops.graphopt.fp4_tma_linear(x, codes, scales, global_scale, bias, out_features, in_features, kernel)
+    if config is not None and config.gluon:
+        return torch.ops.graphopt.fp4_gluon_linear(x, codes, scales, global_scale, bias, out_features, in_features,
+                                                   format, kernel)
     return fp4.fp4_linear_triton(x, codes, scales, global_scale, bias, out_features, in_features, format, path=path,
                                  config=config)
 
@@ -582,21 +584,22 @@ def fp4_linear_op(x: torch.Tensor, codes: torch.Tensor, codes_fp4: torch.Tensor,
 _refuse_gradients(fp4_linear_op, "fp4_linear")
 
 
-@_inference_op("fp4_tma_linear(Tensor x, Tensor codes, Tensor scales, Tensor global_scale, Tensor? bias, "
-               "int out_features, int in_features, str kernel) -> Tensor")
-def fp4_tma_linear(x, codes, scales, global_scale, bias, out_features, in_features, kernel):
-    """graphopt::fp4_linear on fp4_tma's Gluon decode (NVFP4, bf16, sm_90+): `kernel` selects it."""
+@_inference_op("fp4_gluon_linear(Tensor x, Tensor codes, Tensor scales, Tensor global_scale, Tensor? bias, "
+               "int out_features, int in_features, str format, str kernel) -> Tensor")
+def fp4_gluon_linear(x, codes, scales, global_scale, bias, out_features, in_features, format, kernel):
+    """graphopt::fp4_linear on a Gluon decode that `kernel` selects: fp4_tma's (NVFP4, bf16, sm_90+) or,
+    for one token, decode_persistent's (sm_80+)."""
     from graphopt.kernels import fp4
 
     path, config = fp4.kernel_choice(kernel, x.numel() // in_features)
-    if config is None or not config.tma:
-        raise ValueError(f"graphopt::fp4_tma_linear: kernel {kernel!r} selects no tma tile for this call")
-    return fp4.fp4_linear_triton(x, codes, scales, global_scale, bias, out_features, in_features, "nvfp4", path=path,
+    if config is None or not config.gluon:
+        raise ValueError(f"graphopt::fp4_gluon_linear: kernel {kernel!r} selects no Gluon tile for this call")
+    return fp4.fp4_linear_triton(x, codes, scales, global_scale, bias, out_features, in_features, format, path=path,
                                  config=config)
 
 
-@_inference_fake("fp4_tma_linear")
-def _(x, codes, scales, global_scale, bias, out_features, in_features, kernel):
+@_inference_fake("fp4_gluon_linear")
+def _(x, codes, scales, global_scale, bias, out_features, in_features, format, kernel):
     return x.new_empty((*x.shape[:-1], out_features))
 # ==== end fp4 ==================================================================================
 

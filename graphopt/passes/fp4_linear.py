@@ -323,8 +323,8 @@ def _op_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> tuple[str, s
 def _tuned_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> str:
     """The op's compile-time kernel choice: the cost model's path on the GPU the weights live on
     (graphopt.cost.fp4.device_path) with its tiles timed now, for a static token count in a graph
-    that goes to a compiler ("" otherwise). fp4_tma's Gluon decode is a candidate only under CUDA
-    graphs, where its Python launch is not paid per call. A failed timing costs speed, never the
+    that goes to a compiler ("" otherwise). The Gluon decodes (fp4_tma's, decode_persistent's) are
+    candidates only under CUDA graphs, where their opaque op's Python launch is not paid per call. A failed timing costs speed, never the
     rewrite."""
     if not (ctx.hardware.is_gpu and info["static_tokens"] and kw.codes.is_cuda) or ctx.for_export:
         return ""
@@ -333,7 +333,7 @@ def _tuned_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> str:
         path = fp4_cost.device_path(kw.codes.device.index, info["tokens"], kw.in_features, kw.out_features, kw.format,
                                     info["act_dtype"])
         return fp4k.tune_fp4_linear(info["tokens"], kw.codes, kw.scales, kw.global_scale, bias, kw.out_features,
-                                    kw.in_features, kw.format, info["act_dtype"], allow_tma=ctx.config.cuda_graphs,
+                                    kw.in_features, kw.format, info["act_dtype"], allow_gluon=ctx.config.cuda_graphs,
                                     path=path)
     except fp4k.NoCorrectTile as exc:  # the path's tiles are wrong on this GPU: dequantize + cuBLAS instead
         log.warning("graphopt fp4_linear: %s; the op dequantizes the weight and runs cuBLAS", exc)

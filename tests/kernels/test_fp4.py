@@ -615,7 +615,7 @@ def test_the_call_path_never_times_tiles(monkeypatch):
     _assert_close(fp4.fp4_linear(x, kw, b), ref, torch.bfloat16)
     if not x.is_cuda:
         assert fp4.tune_fp4_linear(2, kw.codes, kw.scales, kw.global_scale, b, 48, 256, "nvfp4", torch.bfloat16,
-                                   allow_tma=True, path="gemv") == ""
+                                   allow_gluon=True, path="gemv") == ""
 
 
 def test_op_runs_the_tile_its_kernel_argument_names():

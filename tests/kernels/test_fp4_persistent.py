@@ -97,3 +97,63 @@ def test_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, progra
     again = dp.fp4_gemv_persistent(x, codes, scales, gscale, bias, n, k, fmt, rows=rows, num_warps=warps,
                                    programs_per_sm=programs_per_sm, depth=depth)
     assert torch.equal(again, got)  # no state between calls
+
+
+def _persistent_tiles():
+    return [cfg for cfg in fp4.DECODE_CONFIGS if cfg.programs_per_sm]
+
+
+def test_tuner_offers_the_persistent_tiles_for_one_token_only_and_only_with_gluon_allowed():
+    from graphopt.kernels.fp4 import configs
+
+    tiles = _persistent_tiles()
+    assert tiles and all(cfg.gluon for cfg in tiles)
+    for cfg in tiles:
+        assert configs._valid_config(cfg, "gemv", 1, 4096, 4096, 16)
+        assert not configs._valid_config(cfg, "gemv", 2, 4096, 4096, 16)  # one token
+        assert not configs._valid_config(cfg, "gemm", 1, 4096, 4096, 16)
+        rows = cfg.block_n // cfg.num_warps
+        assert rows * (cfg.num_stages + 1) <= dp.MAX_ROWS_IN_FLIGHT  # the launcher would refuse it
+    x = torch.randn(1, 4096, dtype=torch.bfloat16)
+    assert not any(configs._runs_here(cfg, x, torch.bfloat16) for cfg in tiles)  # a CPU tensor: no Gluon here
+
+
+def test_a_persistent_tile_goes_to_the_opaque_gluon_op():
+    """fp4_linear's body (a triton_op that Inductor emits as source) must not launch a Gluon kernel
+    itself: a kernel string that selects a persistent tile is for graphopt::fp4_gluon_linear, which
+    refuses strings that select none."""
+    import graphopt.ops  # noqa: F401 - registers the ops
+
+    tile = _persistent_tiles()[0]
+    kernel = fp4.kernel_string([(1, 1, "gemv", tile)])
+    path, cfg = fp4.kernel_choice(kernel, 1)
+    assert path == "gemv" and cfg == tile and cfg.gluon
+    plain = fp4.kernel_string([(1, 1, "gemv", fp4.DECODE_CONFIGS[0])])
+    with pytest.raises(ValueError, match="selects no Gluon tile"):
+        torch.ops.graphopt.fp4_gluon_linear(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.uint8),
+                                            torch.zeros(16, 4, dtype=torch.uint8), torch.ones(1), None, 16, 64,
+                                            "nvfp4", plain)
+
+
+@pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
+def test_the_op_on_a_persistent_tile_matches_eager_inside_a_cuda_graph():
+    import graphopt.ops  # noqa: F401
+
+    n, k = 4096, 4096
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(n, k) * 0.05, "nvfp4"))
+    codes, scales, gscale = kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda()
+    kernel = fp4.kernel_string([(1, 1, "gemv", _persistent_tiles()[0])])
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        return torch.ops.graphopt.fp4_linear(x, codes, codes, scales, gscale, None, n, k, "nvfp4", kernel)
+
+    eager = call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    ref = fp4.reference_fp4_linear(x.double(), codes, scales, gscale, None, n, k, "nvfp4").double()
+    assert ((eager.double() - ref).abs().max() / ref.abs().max()).item() < 8e-3

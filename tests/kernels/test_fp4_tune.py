@@ -78,7 +78,7 @@ def test_every_candidate_tile_the_tuner_may_pick_computes_the_product(fmt, path,
     wrong = []
     for n, k, seed in ((256, 512, 1), (200, 1000, 2)):
         x, kw, b, ref = _case(fmt, tokens, n, k, torch.bfloat16, True, seed=seed)
-        candidates = fp4._candidates(path, _args(x, kw, b, n, k, fmt), allow_tma=True)
+        candidates = fp4._candidates(path, _args(x, kw, b, n, k, fmt), allow_gluon=True)
         assert candidates, (path, tokens, n, k)
         for cfg in candidates:
             y = fp4.fp4_linear_triton(x, kw.codes, kw.scales, kw.global_scale, b, n, k, fmt, path=path, config=cfg)
@@ -102,7 +102,7 @@ def test_the_tuner_leaves_out_a_tile_whose_product_is_wrong(monkeypatch, tmp_pat
     x, kw, b, _ = _case("nvfp4", tokens, n, k, torch.bfloat16, True, seed=3)
     args = _args(x, kw, b, n, k, "nvfp4")
     default = fp4.default_config(path, args)
-    assert len(fp4._candidates(path, args, allow_tma=False)) > 1
+    assert len(fp4._candidates(path, args, allow_gluon=False)) > 1
     real_launch = tune._launch
 
     def corrupted(path, cfg, *rest):
@@ -111,6 +111,6 @@ def test_the_tuner_leaves_out_a_tile_whose_product_is_wrong(monkeypatch, tmp_pat
 
     monkeypatch.setattr(tune, "_launch", corrupted)
     with caplog.at_level("WARNING", logger=tune.__name__):
-        picked = fp4.tune_config(path, args, allow_tma=False)
+        picked = fp4.tune_config(path, args, allow_gluon=False)
     assert picked == default
     assert "wrong product" in caplog.text

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from graphopt.kernels import fp4_tma
+from graphopt.kernels.fp4 import decode_persistent
 from graphopt.kernels.fp4.format import BLOCK_SIZES, KERNEL_K_MULTIPLE
 from graphopt.kernels.launch import INTERPRET
 
@@ -34,6 +35,15 @@ class KernelConfig:
     int_dots: bool = False  # decode, BLOCK_M 1-4: _fp4_gemv_int_kernel (int16 activations, dp2a)
     permute_x: bool = False  # tensor-core decode: activations pre-permuted (permuted_activations, X_PERMUTED)
     tma: bool = False  # decode on fp4_tma's Gluon kernel (NVFP4, bf16, sm_90+); num_stages = its TMA ring slots
+    # > 0: one-token decode on decode_persistent's Gluon kernel (sm_80+), this many programs per SM; block_n
+    # = rows per group (block_n / num_warps per warp), num_stages = chunks loaded ahead (its depth)
+    programs_per_sm: int = 0
+
+    @property
+    def gluon(self) -> bool:
+        """Whether a Gluon kernel runs this tile: Inductor cannot launch one from its generated code, so
+        the op calls graphopt::fp4_gluon_linear (opaque), and the tuner offers it only under CUDA graphs."""
+        return self.tma or self.programs_per_sm > 0
 
 
 FMA_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # decode BLOCK_M values of the CUDA-core kernel
@@ -60,8 +70,10 @@ MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-
 #  - fp4_tma's Gluon kernel (TMA-fed words, activations and scales; sm_90+, NVFP4, bf16
 #    activations): 64 rows x 256 elements, 4 warps, 2 ring slots, at 16, 32 and 64 tokens per
 #    program with the splits it won (fp4_linear_1_64tok_h100.json, fp4_linear_13b_mlp_h100.json).
-#  - One token, integer dots at 16 x 1024: the fastest integer-dot tile on three of LLaMA-3-8B's four
-#    decode shapes in bench_fp4_persistent's run (results/fp4_persistent_h200.json).
+#  - One token: integer dots at 16 x 1024, the fastest integer-dot tile on three of LLaMA-3-8B's four
+#    decode shapes, and decode_persistent's kernel at the tiles that were fastest on some shape (2-4
+#    rows per warp, 4 or 8 warps, 2-8 programs per SM, one chunk ahead), in bench_fp4_persistent's
+#    run (results/fp4_persistent_h200.json).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
           for bn, bm, bk, sk, w in ((16, 4, 256, 1, 4), (16, 4, 256, 4, 4), (8, 1, 1024, 1, 4), (8, 1, 1024, 4, 4),
@@ -81,6 +93,9 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     + tuple(KernelConfig(64, bm, 256, sk, num_warps=4, num_stages=2, tma=True)
             for bm, sk in ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 1), (64, 4), (64, 8)))
     + (KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots=True),)
+    + tuple(KernelConfig(rows * warps, 1, 8 * decode_persistent.CHUNK_WORDS, num_warps=warps, num_stages=1,
+                         programs_per_sm=per_sm)
+            for rows, warps, per_sm in ((4, 4, 4), (4, 4, 8), (2, 8, 2), (2, 4, 4)))
 )
 # Prefill: the fused dequant-GEMM tiles chosen in those runs.
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
@@ -134,6 +149,13 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
     """Whether a tile config can run this shape (correctness, not speed)."""
     if path == "dequant":
         return True
+    if cfg.programs_per_sm:  # the persistent one-token kernel: its own tile rules
+        rows, depth = cfg.block_n // cfg.num_warps, cfg.num_stages
+        return (path == "gemv" and m <= 1 and cfg.block_m == 1 and cfg.split_k == 1
+                and not (cfg.int_dots or cfg.permute_x or cfg.tma) and cfg.block_n % cfg.num_warps == 0
+                and rows in decode_persistent.ROWS_CHOICES and cfg.num_warps in decode_persistent.WARPS_CHOICES
+                and depth in decode_persistent.DEPTH_CHOICES
+                and rows * (depth + 1) <= decode_persistent.MAX_ROWS_IN_FLIGHT)
 
     def power_of_two(v: int) -> bool:
         return v > 0 and v & (v - 1) == 0
@@ -162,7 +184,10 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
 
 def _runs_here(cfg: KernelConfig, x2: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether this call's device and dtypes can run the config's kernel: fp4_tma's Gluon kernel
-    needs an sm_90+ GPU (never the interpreter) and bf16 in and out; the Triton kernels run anywhere."""
+    needs an sm_90+ GPU (never the interpreter) and bf16 in and out; the persistent one an sm_80+ GPU
+    and its output in x's dtype (bf16 or fp16); the Triton kernels run anywhere."""
+    if cfg.programs_per_sm:
+        return not INTERPRET and out_dtype == x2.dtype and decode_persistent.supports(x2)
     return not cfg.tma or (not INTERPRET and out_dtype == torch.bfloat16 and fp4_tma.supports(x2))
 
 
@@ -185,12 +210,12 @@ def _worth_timing(cfg: KernelConfig, path: str, m: int, k_padded: int) -> bool:
     return cfg.split_k == 1 or (k_padded // cfg.block_k) // cfg.split_k >= 2
 
 
-def _candidates(path: str, args: tuple, allow_tma: bool) -> list[KernelConfig]:
+def _candidates(path: str, args: tuple, allow_gluon: bool) -> list[KernelConfig]:
     x2, codes, _, _, _, out_features, _, format, out_dtype = args
     m, k_padded, bs = x2.shape[0], codes.shape[1] * 2, BLOCK_SIZES[format]
     valid = [cfg for cfg in (DECODE_CONFIGS if path == "gemv" else PREFILL_CONFIGS)
              if _valid_config(cfg, path, m, out_features, k_padded, bs) and _runs_here(cfg, x2, out_dtype)
-             and (allow_tma or not cfg.tma)]
+             and (allow_gluon or not cfg.gluon)]
     # the tuning filter's picks, or every valid tile where it leaves none (a short K, say)
     return [cfg for cfg in valid if _worth_timing(cfg, path, m, k_padded)] or valid
 

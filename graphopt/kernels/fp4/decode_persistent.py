@@ -15,8 +15,10 @@ every program re-reads and re-rounds the activations of its K range. Here the la
 - codes become int8 lanes (PRMT table lookups, the tables held in registers) and meet the int16
   pairs in four dp2a per word; the int32 sum of each scale block is exact and scaled once.
 
-The weight is format.py's kernel layout (NVFP4 or MXFP4) unchanged. Gluon runs only on a GPU: on the
-CPU the tests build it offline for sm_90 (tests/kernels/test_fp4_persistent.py).
+The weight is format.py's kernel layout (NVFP4 or MXFP4) unchanged. The FP4 tuner times it for one token
+where Gluon tiles are allowed (KernelConfig.programs_per_sm; under CUDA graphs), and graphopt::fp4_gluon_linear
+launches it: Inductor cannot emit a Gluon kernel from its generated code. Gluon runs only on a GPU: on
+the CPU the tests build it offline for sm_90 (tests/kernels/test_fp4_persistent.py).
 """
 
 from __future__ import annotations

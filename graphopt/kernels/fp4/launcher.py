@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from graphopt.kernels import fp4_tma, tuning
+from graphopt.kernels.fp4 import decode_persistent
 from graphopt.kernels.fp4.configs import (_DEFAULT_DECODE, DEQUANT_CONFIG, DEQUANT_TILES, FMA_BLOCK_M,
                                           INTERPRET_DECODE_CONFIG, INTERPRET_PREFILL_CONFIG, MIN_DECODE_BLOCK_N,
                                           PATHS, PREFILL_CONFIGS, KernelConfig, _candidates, _runs_here,
@@ -76,6 +77,10 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         w = dequantize_triton(codes, scales, global_scale, n, in_features, format, compute_dtype)
         out = F.linear(x2.to(compute_dtype), w, None if bias is None else bias.to(compute_dtype))
         return out.to(out_dtype) if out.dtype != out_dtype else out
+    if path == "gemv" and cfg.programs_per_sm:  # one token on the persistent Gluon kernel (_runs_here)
+        return decode_persistent.fp4_gemv_persistent(
+            x2, codes, scales, global_scale, bias, n, in_features, format, rows=cfg.block_n // cfg.num_warps,
+            num_warps=cfg.num_warps, programs_per_sm=cfg.programs_per_sm, depth=cfg.num_stages)
     if path == "gemv":  # decode: CUDA cores (BLOCK_M 1-4), tensor cores (BLOCK_M 16-64) or fp4_tma's kernel
         # permute_x (tensor-core tiles only, _valid_config) and tma: x's tiles rearranged once per
         # call, read by every program as they are
@@ -129,10 +134,10 @@ def permuted_activations(x2: torch.Tensor, k_padded: int, words_per_iter: int, b
     return x2.reshape(m, tiles, blocks, 2, wpb, 2, 2).permute(0, 1, 6, 3, 2, 4, 5).reshape(m, k_padded)
 
 
-def _tuned_key(path: str, args: tuple, allow_tma: bool = True) -> tuple:
+def _tuned_key(path: str, args: tuple, allow_gluon: bool = True) -> tuple:
     x2, codes, _, _, bias, out_features, _, format, _ = args
     return (path, _token_bucket(x2.shape[0]), out_features, codes.shape[1] * 2, format, x2.dtype, bias is not None,
-            x2.device.index, allow_tma)
+            x2.device.index, allow_gluon)
 
 
 def default_config(path: str, args: tuple) -> KernelConfig:
@@ -156,7 +161,7 @@ def default_config(path: str, args: tuple) -> KernelConfig:
     preferred = _DEFAULT_DECODE.get(_token_bucket(m)) if path == "gemv" else PREFILL_CONFIGS[0]
     if preferred is not None and _valid_config(preferred, path, m, out_features, k_padded, bs):
         return preferred
-    candidates = _candidates(path, args, allow_tma=False)
+    candidates = _candidates(path, args, allow_gluon=False)
     if not candidates:
         raise ValueError(f"no FP4 {path} tile fits M={m} N={out_features} K_padded={k_padded}")
     return candidates[0]

@@ -45,23 +45,23 @@ def _cold_decode_timer(args: tuple):
     return time_config
 
 
-def tune_config(path: str, args: tuple, *, allow_tma: bool = True) -> KernelConfig:
+def tune_config(path: str, args: tuple, *, allow_gluon: bool = True) -> KernelConfig:
     """The fastest valid candidate for this shape, timed on the GPU (kept in memory and in the tuning
     file, graphopt.kernels.tuning). For compile time and benchmarks, never for a call inside a
     user's forward: inside a CUDA-graph capture, or without a GPU, it times nothing and returns
-    `default_config`. allow_tma: also time fp4_tma's Gluon decode. Only candidates that compute
+    `default_config`. allow_gluon: also time the Gluon decodes (fp4_tma's, decode_persistent's). Only candidates that compute
     the product are timed (_fastest_right)."""
     x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
     if path == "dequant" or INTERPRET or not x2.is_cuda or torch.cuda.is_current_stream_capturing():
         return default_config(path, args)
-    key = _tuned_key(path, args, allow_tma)
+    key = _tuned_key(path, args, allow_gluon)
     if key in _TUNED:
         return _TUNED[key]
-    disk_key = f"fp4|{tuning.device_key(x2.device.index or 0)}|{key[:-2]}|tma={allow_tma}"
+    disk_key = f"fp4|{tuning.device_key(x2.device.index or 0)}|{key[:-2]}|gluon={allow_gluon}"
     if (stored := tuning.lookup(disk_key)) is not None:
         _TUNED[key] = tuning.decode(KernelConfig, stored)
         return _TUNED[key]
-    candidates = _candidates(path, args, allow_tma)
+    candidates = _candidates(path, args, allow_gluon)
     time_config = _cold_decode_timer(args) if path == "gemv" else None
     if time_config is None:
         from triton.testing import do_bench
@@ -87,9 +87,10 @@ def _fastest_right(path: str, args: tuple, candidates: list[KernelConfig], time_
     best, best_ms = None, math.inf
     for cfg in candidates:
         try:
-            # integer-dot tiles round each K tile's activations to int16 steps of its largest one
+            # integer-dot kernels round the activations to int16 steps of the largest in a K tile (or in 32
+            # K positions: the persistent kernel)
             if not tuning.computes_product(_launch(path, cfg, *args), reference,
-                                           INT16_ACTIVATION_RTOL if cfg.int_dots else 0.0):
+                                           INT16_ACTIVATION_RTOL if cfg.int_dots or cfg.programs_per_sm else 0.0):
                 _LOG.warning("fp4 %s tile %s gives a wrong product at %dx%dx%d (%s); left out of tuning", path, cfg,
                              x2.shape[0], out_features, in_features, format)
                 continue
@@ -108,7 +109,7 @@ def _bucket_range(m: int) -> tuple[int, int]:
 
 def tune_fp4_linear(tokens: int, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                     bias: torch.Tensor | None, out_features: int, in_features: int, format: str,
-                    act_dtype: torch.dtype, *, allow_tma: bool, path: str) -> str:
+                    act_dtype: torch.dtype, *, allow_gluon: bool, path: str) -> str:
     """The `kernel` argument of graphopt::fp4_linear for calls of `tokens` rows on `path` (the cost
     model's choice, graphopt.cost.fp4), its tile chosen now (compile time): "lo-hi=path=<tile>" for
     the token counts lo..hi, or "" where nothing can be timed here (no GPU, the interpreter, a
@@ -120,6 +121,6 @@ def tune_fp4_linear(tokens: int, codes: torch.Tensor, scales: torch.Tensor, glob
     x = torch.randn(tokens, in_features, device=codes.device, dtype=act_dtype)
     x2, out_dtype = _activation_rows(x, in_features)
     args = (x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype)
-    cfg = tune_config(path, args, allow_tma=allow_tma)
+    cfg = tune_config(path, args, allow_gluon=allow_gluon)
     lo, hi = _bucket_range(tokens)
     return kernel_string([(lo, hi, path, cfg)])
