@@ -7,7 +7,9 @@ variant compiles the module twice, with `--layers` blocks (default 4 and 24), mo
 graphs), and times calls issued back to back without a sync (bench.common.host_us): the GPU work
 of a block is a few microseconds, shorter than the host's, so the wall time per call is the host's
 launch path. The difference between the two depths divided by the difference in blocks is the host
-time of one block: the per-call costs (Dynamo's guards, the compiled module's prologue) cancel.
+time of one block: the per-call costs (Dynamo's guards, the compiled module's prologue) cancel. The
+two depths are timed in alternation, ROUNDS times, and the median of the rounds' slopes is reported
+with their spread: host speed drifts between whole runs by more than the differences measured here.
 `rewritten` counts the graphopt rewrites in the
 deep module (it must equal its depth). The same is measured with Inductor on the unrewritten module (its own kernels or extern calls for
 the same work), the baseline a user would otherwise have.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +35,7 @@ from torch import nn  # noqa: E402
 from bench.common import host_us, print_table, write_json  # noqa: E402
 
 CALLS = 300
+ROUNDS = 9
 
 
 class LinearChain(nn.Module):
@@ -106,17 +110,29 @@ def launches_per_call(fn) -> float:
     return sum(e.count for e in prof.key_averages() if e.key in names) / calls
 
 
-def per_call(module: nn.Module, inputs, backend, inductor_patches: dict) -> tuple[float, float]:
-    """(host us per call, kernel launches per call) of the compiled module; `inductor_patches` are
-    Inductor config values in force while it compiles (the first calls)."""
-    torch._dynamo.reset()
+def compiled_call(module: nn.Module, inputs, backend, inductor_patches: dict):
+    """The compiled module's call on `inputs`, warmed up; `inductor_patches` are Inductor config
+    values in force while it compiles (the first calls)."""
     compiled = torch.compile(module, backend=backend, fullgraph=True)
-    with torch.no_grad():
-        with torch._inductor.config.patch(inductor_patches):
-            for _ in range(3):
-                compiled(*inputs)
-        run = lambda: compiled(*inputs)  # noqa: E731
-        return host_us(run, CALLS, repeats=7), launches_per_call(run)
+    with torch.no_grad(), torch._inductor.config.patch(inductor_patches):
+        for _ in range(3):
+            compiled(*inputs)
+
+    def run():
+        with torch.no_grad():
+            return compiled(*inputs)
+    return run
+
+
+def slope_us(shallow_run, deep_run, blocks: int) -> tuple[float, float, float, float]:
+    """(median host us per block, its min and max over the rounds, the deep call's median us): the
+    two depths timed in alternation, one slope per round."""
+    slopes, deep_us = [], []
+    for _ in range(ROUNDS):
+        t0, t1 = host_us(shallow_run, CALLS, repeats=1), host_us(deep_run, CALLS, repeats=1)
+        slopes.append((t1 - t0) / blocks)
+        deep_us.append(t1)
+    return statistics.median(slopes), min(slopes), max(slopes), statistics.median(deep_us)
 
 
 def main() -> int:
@@ -137,13 +153,15 @@ def main() -> int:
         # for its triton_ops' kernels, where this torch has it)
         variants = [("inductor", "inductor", {}), ("graphopt", graphopt.backend(**options), {})]
         for label, backend, patches in variants:
-            (t0, n0), (t1, n1) = (per_call(factory(n), inputs, backend, patches) for n in (shallow, deep))
-            times = [t0, t1]
+            torch._dynamo.reset()
+            shallow_run, deep_run = (compiled_call(factory(n), inputs, backend, patches) for n in (shallow, deep))
+            per_block, lo, hi, deep_us = slope_us(shallow_run, deep_run, deep - shallow)
             rewritten = (sum(graphopt.explain(factory(deep), *inputs, **options).counts.values())
                          if label != "inductor" else None)
-            rows.append({"block": name, "backend": label, "rewritten": rewritten, f"call_us_{shallow}": times[0], f"call_us_{deep}": times[1],
-                         "per_block_us": (times[1] - times[0]) / (deep - shallow),
-                         "launches_per_block": (n1 - n0) / (deep - shallow)})
+            rows.append({"block": name, "backend": label, "rewritten": rewritten, f"call_us_{deep}": deep_us,
+                         "per_block_us": per_block, "per_block_min_us": lo, "per_block_max_us": hi,
+                         "launches_per_block": (launches_per_call(deep_run) - launches_per_call(shallow_run))
+                         / (deep - shallow)})
             print(rows[-1], flush=True)
     print_table("Host time per block inside a compiled graph, mode=None (slope of call time over depth)", rows)
     print(f"wrote {write_json('op_host', rows, options=vars(opts))}")
