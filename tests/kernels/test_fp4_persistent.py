@@ -41,14 +41,6 @@ def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, d
     assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * k_chunks
 
 
-def test_shared_ptx_is_one_line():
-    # Inductor copies a user kernel's globals into its generated module as source; a string constant
-    # with a newline there is a syntax error that sends the whole graph back to the unrewritten one
-    from graphopt.kernels.fp4 import common
-
-    assert "\n" not in common.E2M1_INT8_LANES_PTX.value
-
-
 def test_chunks_cover_the_row():
     assert dp.chunks(4096, 4) == (4, 4) and dp.chunks(4096, 8) == (4, 8)
     assert dp.chunks(14336, 4) == (14, 16) and dp.chunks(11008, 4) == (11, 16)

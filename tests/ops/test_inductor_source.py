@@ -2,10 +2,12 @@
 
 A triton_op's kernel reaches Inductor's generated code as source: the kernel, the @jit helpers it
 calls and the global constants it reads, copied by torch's
-user_defined_triton_kernel_transitive_closure_source_code. A global that does not survive the copy
-(a name it does not bring along, a constant that does not print as Python) makes the generated
-module fail to import, and graphopt then compiles the graph without its rewrites. Gluon kernels are
-not emitted this way (they run as opaque ops) and are left out."""
+user_defined_triton_kernel_transitive_closure_source_code, then put into the wrapper inside a
+triple-quoted string literal that is not raw (async_compile.triton(name, '''...''')), whose escapes
+Python reads once more. A global that does not survive this (a name it does not bring along, a
+constant whose repr holds an escape such as a newline) makes the kernel's module fail to import, and
+graphopt then compiles the graph without its rewrites. Gluon kernels are not emitted this way (they
+run as opaque ops) and are left out."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-CHECK = """
-import importlib, importlib.util, os, pkgutil, sys, tempfile
+CHECK = r'''
+import ast, importlib, importlib.util, os, pkgutil, tempfile
 from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code as closure
 from triton.runtime.jit import JITFunction
 import graphopt.kernels
@@ -30,11 +32,13 @@ for info in pkgutil.walk_packages(graphopt.kernels.__path__, "graphopt.kernels."
             found.setdefault(value, info.name + "." + name)
 root = tempfile.mkdtemp()
 failed = []
+quotes = "'" * 3
 for i, (kernel, name) in enumerate(sorted(found.items(), key=lambda kv: kv[1])):
     path = os.path.join(root, f"emitted_{i}.py")
-    with open(path, "w") as f:
-        f.write("import triton\\nimport triton.language as tl\\n@triton.jit\\n" + closure(kernel))
+    text = "import triton\nimport triton.language as tl\n@triton.jit\n" + closure(kernel)
     try:
+        with open(path, "w") as f:  # the source as the wrapper's string literal holds it
+            f.write(ast.literal_eval(quotes + text + quotes))
         spec = importlib.util.spec_from_file_location(f"emitted_{i}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -43,8 +47,8 @@ for i, (kernel, name) in enumerate(sorted(found.items(), key=lambda kv: kv[1])):
         failed.append(f"{name}: {type(exc).__name__}: {exc}")
 names = set(found.values())
 print(len(names), "kernels;", "int-dot fp4 found:", any(n.endswith("._fp4_gemv_int_kernel") for n in names))
-print("FAILED" if failed else "all import", *failed, sep="\\n")
-"""
+print("FAILED" if failed else "all import", *failed, sep="\n")
+'''
 
 
 def test_every_triton_kernel_imports_as_inductor_emits_it():

@@ -13,8 +13,9 @@ if triton is not None:
 
     # Codes -> int8 lanes by table lookup (fp4.decode._e2m1_int8_lanes, which documents it), shared by
     # the Triton and Gluon decode kernels: $2 the code words, $3-$6 the four table words below.
-    # One line: Inductor copies a user kernel's globals into its generated module as source, where a
-    # string with newlines does not parse.
+    # One line: Inductor copies a kernel's globals into its wrapper inside a string literal, where the
+    # newline escapes of a multi-line constant's repr would become newlines inside a string again
+    # (tests/ops/test_inductor_source.py).
     E2M1_INT8_LANES_PTX = tl.constexpr(" ".join((
         "{",
         ".reg .b32 sel_lo, sel_hi, w_hi, w4, pos_lo, pos_hi, neg_lo, neg_hi, m_lo, m_hi;",
