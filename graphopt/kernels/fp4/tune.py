@@ -49,8 +49,8 @@ def tune_config(path: str, args: tuple, *, allow_gluon: bool = True) -> KernelCo
     """The fastest valid candidate for this shape, timed on the GPU (kept in memory and in the tuning
     file, graphopt.kernels.tuning). For compile time and benchmarks, never for a call inside a
     user's forward: inside a CUDA-graph capture, or without a GPU, it times nothing and returns
-    `default_config`. allow_gluon: also time the Gluon decodes (fp4_tma's, decode_persistent's). Only candidates that compute
-    the product are timed (_fastest_right)."""
+    `default_config`. allow_gluon: also time the Gluon decodes (fp4_tma's, decode_persistent's). Only
+    candidates that compute the product are timed (_fastest_right)."""
     x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
     if path == "dequant" or INTERPRET or not x2.is_cuda or torch.cuda.is_current_stream_capturing():
         return default_config(path, args)
