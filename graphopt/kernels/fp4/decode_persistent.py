@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - no Gluon in this Triton
 else:
     from graphopt.kernels.fp4.common import (E2M1_INT8_LANES_PTX, E2M1_NEG_HI, E2M1_NEG_LO, E2M1_POS_HI,
                                              E2M1_POS_LO)
+    from graphopt.kernels.fp4_tma import _cta_barrier
 
 ROWS_CHOICES = (1, 2, 4, 8)
 WARPS_CHOICES = (1, 2, 4, 8)
@@ -115,9 +116,6 @@ if gluon is not None:
         a2, a3 = gl.split(p23)
         return a0, a1, a2, a3, step
 
-    # A CTA-wide barrier: gl.thread_barrier up to Triton 3.6, gl.barrier after.
-    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-
     @gluon.jit
     def _chunk_tile(ptrs, rows, cols, row0, col0, stride, N, COLS, live):
         """The (rows, cols) tile at ptrs + row0 * stride + col0: rows past N, columns past COLS, and
@@ -159,7 +157,8 @@ if gluon is not None:
     ):
         """out[0, n] = x[0, :] @ W[n, :]^T (+ bias). Program p owns the groups p, p + P, ... of ROWS x WARPS
         rows; warp w the rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
-        activations' shared memory holds CHUNKS_PAD >= K_CHUNKS of them (a multiple of WARPS)."""
+        activations' shared memory holds CHUNKS_PAD >= K_CHUNKS of them (`chunks`: a power of two, at
+        least WARPS)."""
         WPB: gl.constexpr = 2 if IS_NVFP4 else 4  # code words per scale block
         CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS)
         NB: gl.constexpr = CW // WPB  # scale blocks per chunk
