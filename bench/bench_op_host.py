@@ -7,12 +7,16 @@ variant compiles the module twice, with `--layers` blocks (default 4 and 24), mo
 graphs), and times calls issued back to back without a sync (bench.common.host_us): the GPU work
 of a block is a few microseconds, shorter than the host's, so the wall time per call is the host's
 launch path. The difference between the two depths divided by the difference in blocks is the host
-time of one block: the per-call costs (Dynamo's guards, the compiled module's prologue) cancel. The
-two depths are timed in alternation, ROUNDS times, and the median of the rounds' slopes is reported
-with their spread: host speed drifts between whole runs by more than the differences measured here.
-`rewritten` counts the graphopt rewrites in the
-deep module (it must equal its depth). The same is measured with Inductor on the unrewritten module (its own kernels or extern calls for
-the same work), the baseline a user would otherwise have.
+time of one block: the per-call costs (the compiled module's prologue) cancel, but a block's
+parameter does not (Dynamo guards every parameter, and the compiled wrapper passes each one on).
+The `parameter_only` row measures that share: a block holding a parameter whose work Inductor
+fuses into one kernel for the whole chain; a block's slope minus it is the operation's own host
+time. The two depths are timed in alternation, ROUNDS times, and the median of the rounds' slopes
+is reported with their spread: host speed drifts between whole runs by more than the differences
+measured here. `rewritten` counts the graphopt rewrites in the deep module (it must equal its
+depth). The same is measured with Inductor on the unrewritten module (its own kernels or extern
+calls for the same work), the baseline a user would otherwise have. `launches_per_block`: kernel
+launches per block, from the profiler.
 
     python bench/bench_op_host.py          # writes op_host.json to $OUT, else bench/out/
 """
@@ -46,6 +50,21 @@ class LinearChain(nn.Module):
     def forward(self, x):
         for layer in self.layers:
             x = layer(x)
+        return x
+
+
+class ScaleChain(nn.Module):
+    """`layers` elementwise scalings, each by its own parameter: Inductor fuses them into one
+    kernel, so the slope over depth is what a block's parameter costs the call (Dynamo's guard on it,
+    its pass through the compiled wrapper) with no operation of its own to launch."""
+
+    def __init__(self, layers: int, width: int):
+        super().__init__()
+        self.scales = nn.ParameterList(nn.Parameter(torch.rand(width) + 0.5) for _ in range(layers))
+
+    def forward(self, x):
+        for scale in self.scales:
+            x = x * scale
         return x
 
 
@@ -89,6 +108,7 @@ def workloads(width: int, cache: int):
     mask[..., : cache // 2] = True
     linear = lambda n: LinearChain(n, width).to(dev, dt)  # noqa: E731
     return {
+        "parameter_only": (lambda n: ScaleChain(n, width).to(dev, dt), (x,), {}),
         "fp4_linear": (linear, (x,), dict(passes={"fp4_linear": True}, force=True)),
         "q4_linear": (linear, (x,), dict(passes={"q4_linear": True}, force=True)),
         "decode_attention": (DecodeAttentionChain, (q, k, v, mask), dict(attention_backend="triton_decode")),
@@ -140,6 +160,7 @@ def main() -> int:
     parser.add_argument("--layers", default="4,24", help="the two chain depths, comma separated")
     parser.add_argument("--width", type=int, default=1024, help="linear layers' width")
     parser.add_argument("--cache", type=int, default=640, help="attention's key length")
+    parser.add_argument("--blocks", default=None, help="comma list of the blocks to time (default all)")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_op_host.py measures CUDA launches and needs a GPU; none is visible here.")
@@ -148,7 +169,13 @@ def main() -> int:
 
     shallow, deep = (int(n) for n in opts.layers.split(","))
     rows = []
-    for name, (factory, inputs, options) in workloads(opts.width, opts.cache).items():
+    blocks = workloads(opts.width, opts.cache)
+    chosen = opts.blocks.split(",") if opts.blocks else list(blocks)
+    unknown = sorted(set(chosen) - set(blocks))
+    if unknown:
+        parser.error(f"unknown blocks {unknown}; valid choices: {', '.join(blocks)}")
+    for name in chosen:
+        factory, inputs, options = blocks[name]
         # graphopt compiles with static_launch_user_defined_triton_kernels (Inductor's own launcher
         # for its triton_ops' kernels, where this torch has it)
         variants = [("inductor", "inductor", {}), ("graphopt", graphopt.backend(**options), {})]
@@ -156,12 +183,12 @@ def main() -> int:
             torch._dynamo.reset()
             shallow_run, deep_run = (compiled_call(factory(n), inputs, backend, patches) for n in (shallow, deep))
             per_block, lo, hi, deep_us = slope_us(shallow_run, deep_run, deep - shallow)
+            launches = (launches_per_call(deep_run) - launches_per_call(shallow_run)) / (deep - shallow)
             rewritten = (sum(graphopt.explain(factory(deep), *inputs, **options).counts.values())
                          if label != "inductor" else None)
             rows.append({"block": name, "backend": label, "rewritten": rewritten, f"call_us_{deep}": deep_us,
                          "per_block_us": per_block, "per_block_min_us": lo, "per_block_max_us": hi,
-                         "launches_per_block": (launches_per_call(deep_run) - launches_per_call(shallow_run))
-                         / (deep - shallow)})
+                         "launches_per_block": launches})
             print(rows[-1], flush=True)
     print_table("Host time per block inside a compiled graph, mode=None (slope of call time over depth)", rows)
     print(f"wrote {write_json('op_host', rows, options=vars(opts))}")

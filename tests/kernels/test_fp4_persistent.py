@@ -20,7 +20,7 @@ needs_gluon = pytest.mark.skipif(dp.gluon is None, reason="this Triton has no Gl
 
 @needs_gluon
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("rows,warps,k,depth", [(4, 4, 4096, 1), (2, 4, 14336, 2), (1, 8, 1344, 2)])
+@pytest.mark.parametrize("rows,warps,k,depth", [(4, 4, 4096, 1), (2, 4, 14336, 3), (1, 8, 1344, 2), (1, 4, 4096, 7)])
 def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, depth, pristine_triton_language,
                                                           monkeypatch):
     monkeypatch.setenv("TOP_OPS", "1000")  # every opcode of a loop body, not the most common few
@@ -57,7 +57,7 @@ def test_bad_arguments_name_the_choices():
     with pytest.raises(ValueError, match=r"rows in \(1, 2, 4, 8\)"):
         dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=3)
     with pytest.raises(ValueError, match="depth in"):
-        dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", depth=3)
+        dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", depth=8)
     with pytest.raises(ValueError, match="fewer rows or a smaller depth"):
         dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=4, depth=2)
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
@@ -68,10 +68,11 @@ def test_bad_arguments_name_the_choices():
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("n,k,rows,warps", [(200, 512, 4, 4), (37, 1344, 2, 4), (5, 4096, 4, 4), (4096, 4096, 2, 4),
                                             (61, 14336, 2, 8), (1000, 8192, 1, 2), (300, 11008, 2, 4)])
-@pytest.mark.parametrize("programs_per_sm,depth", [(1, 1), (4, 2), (8, 1)])  # at 1, a program walks many groups
+# at 1 program per SM, a program walks many groups; depths past a row's chunks reach into the next group
+@pytest.mark.parametrize("programs_per_sm,depth", [(1, 1), (4, 3), (8, 7)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, programs_per_sm, depth, dtype):
-    depth = min(depth, dp.MAX_ROWS_IN_FLIGHT // rows - 1)  # 4 rows take no second chunk ahead
+    depth = min(depth, dp.MAX_ROWS_IN_FLIGHT // rows - 1)  # the launcher's register bound
     gen = torch.Generator().manual_seed(n * k + rows)
     w = torch.randn(n, k, generator=gen) * 0.05
     kw = fp4.to_kernel_layout(fp4.quantize_fp4(w, fmt))

@@ -71,9 +71,9 @@ MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-
 #    activations): 64 rows x 256 elements, 4 warps, 2 ring slots, at 16, 32 and 64 tokens per
 #    program with the splits it won (fp4_linear_1_64tok_h100.json, fp4_linear_13b_mlp_h100.json).
 #  - One token: integer dots at 16 x 1024, the fastest integer-dot tile on three of LLaMA-3-8B's four
-#    decode shapes, and decode_persistent's kernel at the tiles that were fastest on some shape (2-4
-#    rows per warp, 4 or 8 warps, 2-8 programs per SM, one chunk ahead), in bench_fp4_persistent's
-#    run (results/fp4_persistent_h200.json).
+#    decode shapes, and decode_persistent's kernel at the tiles among the four fastest on some shape
+#    and format (2-4 rows per warp, 4 or 8 warps, 2-8 programs per SM; one chunk ahead, three at
+#    K = 14336), in bench_fp4_persistent's run (results/fp4_persistent_h200.json).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
           for bn, bm, bk, sk, w in ((16, 4, 256, 1, 4), (16, 4, 256, 4, 4), (8, 1, 1024, 1, 4), (8, 1, 1024, 4, 4),
@@ -93,9 +93,9 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     + tuple(KernelConfig(64, bm, 256, sk, num_warps=4, num_stages=2, tma=True)
             for bm, sk in ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 1), (64, 4), (64, 8)))
     + (KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots=True),)
-    + tuple(KernelConfig(rows * warps, 1, 8 * decode_persistent.CHUNK_WORDS, num_warps=warps, num_stages=1,
+    + tuple(KernelConfig(rows * warps, 1, 8 * decode_persistent.CHUNK_WORDS, num_warps=warps, num_stages=depth,
                          programs_per_sm=per_sm)
-            for rows, warps, per_sm in ((4, 4, 4), (4, 4, 8), (2, 8, 2), (2, 4, 4)))
+            for rows, warps, per_sm, depth in ((4, 4, 4, 1), (4, 4, 8, 1), (2, 8, 2, 1), (2, 4, 4, 1), (2, 8, 2, 3)))
 )
 # Prefill: the fused dequant-GEMM tiles chosen in those runs.
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (

@@ -11,7 +11,9 @@ every program re-reads and re-rounds the activations of its K range. Here the la
   (4 per lane: one 16-byte load per row), so a row's sum is reduced inside its warp;
 - the chunk loop is unrolled (shared memory is read at constant offsets) and the words and scale
   bytes DEPTH chunks ahead are loaded before a chunk is decoded, across the end of a group into the
-  program's next one (programs p, p + P, ... of a persistent grid of P);
+  program's next one (programs p, p + P, ... of a persistent grid of P); the first DEPTH chunks are
+  requested before the activations are rounded, so a short row (K = 4096 is 4 chunks) is in flight
+  whole while the program's prologue runs;
 - codes become int8 lanes (PRMT table lookups, the tables held in registers) and meet the int16
   pairs in four dp2a per word; the int32 sum of each scale block is exact and scaled once.
 
@@ -39,7 +41,7 @@ else:
 
 ROWS_CHOICES = (1, 2, 4, 8)
 WARPS_CHOICES = (1, 2, 4, 8)
-DEPTH_CHOICES = (1, 2)
+DEPTH_CHOICES = (1, 2, 3, 4, 5, 6, 7)
 CHUNK_WORDS = 128  # code words per chunk: 4 per lane
 MAX_ROWS_IN_FLIGHT = 8  # rows x (depth + 1) chunks of words in registers: past this, ptxas spills at K = 14336
 
@@ -168,6 +170,24 @@ if gluon is not None:
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         pairs_smem = gl.allocate_shared_memory(gl.int32, [4 * CHUNKS_PAD, CW], PLAIN)  # a0 chunks, a1 chunks, ...
         steps_smem = gl.allocate_shared_memory(gl.float32, [CHUNKS_PAD, NB], PLAIN)
+        r_w = gl.arange(0, GROUP, layout=gl.SliceLayout(1, WL))
+        w_w = gl.arange(0, CW, layout=gl.SliceLayout(0, WL))
+        r_b = gl.arange(0, GROUP, layout=gl.SliceLayout(1, BL))
+        b_b = gl.arange(0, NB, layout=gl.SliceLayout(0, BL))
+        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + r_w[:, None] * stride_wn + w_w[None, :]
+        scale_ptrs = scales_ptr.to(gl.pointer_type(gl.uint8)) + r_b[:, None] * stride_sn + b_b[None, :]
+        groups = gl.cdiv(N, GROUP)
+        programs = gl.num_programs(0)
+        first = gl.program_id(0)  # the grid has at most `groups` programs
+        # the first DEPTH chunks of the program's flattened (group, chunk) sequence (chunk t: group
+        # first + (t // K_CHUNKS) * programs), issued before the activations are rounded so that
+        # their loads overlap it
+        ring = ()
+        for t in gl.static_range(DEPTH):
+            row = (first + t // K_CHUNKS * programs) * GROUP
+            ring = ring + ((_chunk_tile(word_ptrs, r_w, w_w, row, t % K_CHUNKS * CW, stride_wn, N, K_WORDS, row < N),
+                            _chunk_tile(scale_ptrs, r_b, b_b, row, t % K_CHUNKS * NB, stride_sn, N, K_WORDS // WPB,
+                                        row < N)),)
         # WARPS chunks at a time (a chunk per warp), to bound the registers
         for s in gl.static_range(CHUNKS_PAD // WARPS):
             p0, p1, p2, p3, unit_step = _activation_pairs(x_ptr + s * WARPS * CW * 8, K - s * WARPS * CW * 8, IS_NVFP4,
@@ -181,43 +201,23 @@ if gluon is not None:
             else:
                 steps_smem.slice(s * WARPS, WARPS).store(gl.reshape(unit_step, [WARPS, NB]))
         _cta_barrier()
-        r_w = gl.arange(0, GROUP, layout=gl.SliceLayout(1, WL))
-        w_w = gl.arange(0, CW, layout=gl.SliceLayout(0, WL))
-        r_b = gl.arange(0, GROUP, layout=gl.SliceLayout(1, BL))
-        b_b = gl.arange(0, NB, layout=gl.SliceLayout(0, BL))
-        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + r_w[:, None] * stride_wn + w_w[None, :]
-        scale_ptrs = scales_ptr.to(gl.pointer_type(gl.uint8)) + r_b[:, None] * stride_sn + b_b[None, :]
         multiplier = gl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)  # doubled codes; e4m3's 2^-8
         opaque_zero = N >> 31  # N >= 1
-        groups = gl.cdiv(N, GROUP)
-        programs = gl.num_programs(0)
-        first = gl.program_id(0)  # the grid has at most `groups` programs
-        # chunk t of the program's flattened (group, chunk) sequence: group first + (t // K_CHUNKS) * programs
-        words = _chunk_tile(word_ptrs, r_w, w_w, first * GROUP, 0, stride_wn, N, K_WORDS, True)
-        scale_bytes = _chunk_tile(scale_ptrs, r_b, b_b, first * GROUP, 0, stride_sn, N, K_WORDS // WPB, True)
-        if DEPTH == 2:
-            row1 = (first + 1 // K_CHUNKS * programs) * GROUP
-            words1 = _chunk_tile(word_ptrs, r_w, w_w, row1, 1 % K_CHUNKS * CW, stride_wn, N, K_WORDS, row1 < N)
-            scale_bytes1 = _chunk_tile(scale_ptrs, r_b, b_b, row1, 1 % K_CHUNKS * NB, stride_sn, N, K_WORDS // WPB,
-                                       row1 < N)
         for g in range(first, groups, programs):
             acc = gl.full([GROUP, NB], 0.0, gl.float32, BL)
             for c in gl.static_range(K_CHUNKS):
                 ahead_row = (g + (c + DEPTH) // K_CHUNKS * programs) * GROUP  # c is a constant here
-                ahead_words = _chunk_tile(word_ptrs, r_w, w_w, ahead_row, (c + DEPTH) % K_CHUNKS * CW, stride_wn, N,
-                                          K_WORDS, ahead_row < N)
-                ahead_scale_bytes = _chunk_tile(scale_ptrs, r_b, b_b, ahead_row, (c + DEPTH) % K_CHUNKS * NB,
-                                                stride_sn, N, K_WORDS // WPB, ahead_row < N)
+                ahead = (_chunk_tile(word_ptrs, r_w, w_w, ahead_row, (c + DEPTH) % K_CHUNKS * CW, stride_wn, N,
+                                     K_WORDS, ahead_row < N),
+                         _chunk_tile(scale_ptrs, r_b, b_b, ahead_row, (c + DEPTH) % K_CHUNKS * NB, stride_sn, N,
+                                     K_WORDS // WPB, ahead_row < N))
                 a0 = pairs_smem.slice(0 * CHUNKS_PAD + c, 1).load(WL)
                 a1 = pairs_smem.slice(1 * CHUNKS_PAD + c, 1).load(WL)
                 a2 = pairs_smem.slice(2 * CHUNKS_PAD + c, 1).load(WL)
                 a3 = pairs_smem.slice(3 * CHUNKS_PAD + c, 1).load(WL)
                 step = steps_smem.slice(c, 1).load(BL)
-                acc += _chunk_sums(words, scale_bytes, a0, a1, a2, a3, step, opaque_zero, IS_NVFP4, BL)
-                if DEPTH == 2:
-                    words, scale_bytes, words1, scale_bytes1 = words1, scale_bytes1, ahead_words, ahead_scale_bytes
-                else:
-                    words, scale_bytes = ahead_words, ahead_scale_bytes
+                acc += _chunk_sums(ring[0][0], ring[0][1], a0, a1, a2, a3, step, opaque_zero, IS_NVFP4, BL)
+                ring = ring[1:] + (ahead,)
             offs_n = g * GROUP + r_b
             total = gl.reduce(acc, 1, _add) * multiplier
             if HAS_BIAS:
