@@ -1,0 +1,237 @@
+"""Q4_0 x Q8_1 one-token decode, persistent, each warp owning whole rows (Gluon, sm_80+).
+
+The FP4 kernel of the same design (fp4/decode_persistent.py) applied to the Q4_0 kernel layout
+(format.py): one launch per layer (no split-K buffers to zero, no quantize launch, no sum kernel),
+its tiling, ring of chunks loaded ahead and persistent grid shared with that kernel.
+
+- a program quantizes the activation row once, into shared memory: each 32 consecutive K positions
+  to Q8_1 with ggml's float32 steps (d = max / 127, q = roundf(x / d) through an exactly rounded
+  multiply, d kept as its fp16 value), as int8 words in the lane order of the weight words;
+- the weight words of a block pair (32 bytes: the low nibbles are block 2p, the high ones block
+  2p + 1) are read by two lanes, 16 bytes each; a lane's nibbles meet its activation words in two
+  dp4a per word (unsigned nibbles against signed int8), and each lane scales its own half-block
+  sums: d4 * (d8 * dot - 8 * d8 * sum(q8)), the sum of q8 over the same 16 K positions, so no
+  lane exchange is needed before the row's final warp reduction;
+- the scales (fp16, [K/32, N], coalesced along N) of a group's rows are read per chunk and lane.
+
+Numbers equal the other q4_linear paths (same Q8_1 integers and fp16 d) up to fp32 summation
+order. The Q4 tuner times it for one token where Gluon tiles are allowed (TileConfig kernel
+"persistent"; under CUDA graphs), and graphopt::q4_gluon_linear launches it: Inductor cannot emit a
+Gluon kernel from its generated code. On the CPU the tests build it offline for sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphopt.kernels.fp4.decode_persistent import (CHUNK_WORDS, DEPTH_CHOICES, MAX_ROWS_IN_FLIGHT, ROWS_CHOICES,
+                                                    WARPS_CHOICES, chunks, gluon)
+from graphopt.kernels.launch import cdiv, launch
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+
+    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_tile, _larger
+    from graphopt.kernels.fp4_tma import _cta_barrier
+
+__all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "ROWS_CHOICES", "WARPS_CHOICES", "chunks",
+           "q4_gemv_persistent", "supports"]
+
+
+def supports(x: torch.Tensor) -> bool:
+    """A CUDA device of compute capability 8.0 or newer and bf16 or fp16 activations."""
+    return (gluon is not None and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _asm_f32(a, b, ASM: gl.constexpr):
+        return gl.inline_asm_elementwise(ASM, "=f,f,f", [a, b], dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _rint(v):
+        return gl.inline_asm_elementwise("cvt.rni.f32.f32 $0, $1;", "=f,f", [v], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _dp4a_nibbles(nibbles, q8, c):
+        """c + the dot of four unsigned bytes (nibbles 0..15) with four signed int8."""
+        return gl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [nibbles, q8, c],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _pack_bytes(q, THREADS: gl.constexpr):
+        """(1, THREADS, 8, 4) int32 in int8 range -> (1, THREADS, 8) words, byte j = element j."""
+        even, odd = gl.split(gl.reshape(q, [1, THREADS, 8, 2, 2]))  # by j % 2: (j0, j2), (j1, j3)
+        b0, b2 = gl.split(even)
+        b1, b3 = gl.split(odd)
+        return (b0 & 0xFF) | ((b1 & 0xFF) << 8) | ((b2 & 0xFF) << 16) | (b3 << 24)
+
+    @gluon.jit
+    def _by_lane(v, WARPS: gl.constexpr):
+        """(1, 32 x WARPS, 2) per-block values, [..., e] for half e of the block, block b = 2p + h of
+        chunk t // 32 -> per h, (WARPS, 32): lane 2p + e of each chunk."""
+        v = gl.permute(gl.reshape(v, [WARPS, 16, 2, 2]), [0, 1, 3, 2])  # (chunk, p, e, h)
+        # h is a lane bit of the quantizing threads: gather it into registers before the split
+        HL: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])
+        return gl.split(gl.convert_layout(gl.reshape(v, [WARPS, 32, 2]), HL))
+
+    @gluon.jit
+    def _quantize_q8_1(x_ptr, K, WARPS: gl.constexpr):
+        """32 x WARPS blocks of 32 K positions from x_ptr, one per thread (WARPS chunks: block t of
+        chunk t // 32), as Q8_1: the int8 words in the weight words' lane order (lo: blocks 2p,
+        hi: blocks 2p + 1; each (WARPS, 128), lane 2p + e's four words at 4 (2p + e)), and per lane
+        d8 and 8 * d8 * (its 16 q8's sum), each (WARPS, 32) for the lo and the hi block."""
+        THREADS: gl.constexpr = 32 * WARPS
+        XL: gl.constexpr = gl.BlockedLayout([1, 1, 32], [1, 32, 1], [1, WARPS, 1], [2, 1, 0])
+        t = gl.arange(0, THREADS, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
+        e = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
+        k = t[None, :, None] * 32 + e[None, None, :]
+        x = gl.load(x_ptr + k, mask=k < K, other=0.0).to(gl.float32)  # (1, THREADS, 32)
+        amax = gl.reduce(gl.abs(x), 2, _larger)
+        d = _asm_f32(amax, gl.full(amax.shape, 127.0, gl.float32, amax.type.layout), "div.rn.f32 $0, $1, $2;")
+        nonzero = d != 0.0
+        inv = gl.where(nonzero, _asm_f32(gl.full(d.shape, 1.0, gl.float32, d.type.layout), gl.where(nonzero, d, 1.0),
+                                         "div.rn.f32 $0, $1, $2;"), 0.0)
+        v = _asm_f32(x, gl.broadcast(inv[:, :, None], x)[0], "mul.rn.f32 $0, $1, $2;")  # never contracted
+        r = _rint(v)
+        diff = r - v  # exact; ties go away from zero (roundf), not to even
+        r = gl.where((diff == -0.5) & (v > 0.0), r + 1.0, gl.where((diff == 0.5) & (v < 0.0), r - 1.0, r))
+        q = r.to(gl.int32)
+        d8 = d.to(gl.float16).to(gl.float32)
+        first, second = gl.split(gl.permute(gl.reshape(q, [1, THREADS, 2, 16]), [0, 1, 3, 2]))  # halves of a block
+        first_offset = gl.convert_layout(gl.reduce(first, 2, _add), d8.type.layout).to(gl.float32) * (8.0 * d8)
+        second_offset = gl.convert_layout(gl.reduce(second, 2, _add), d8.type.layout).to(gl.float32) * (8.0 * d8)
+        words = _pack_bytes(gl.reshape(q, [1, THREADS, 8, 4]), THREADS)  # (1, THREADS, 8): word j = q[4j .. 4j + 3]
+        words = gl.permute(gl.reshape(words, [WARPS, 16, 2, 8]), [0, 1, 3, 2])  # (chunk, p, j, h)
+        HL: gl.constexpr = gl.BlockedLayout([1, 4, 2], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])
+        lo_words, hi_words = gl.split(gl.convert_layout(gl.reshape(words, [WARPS, 128, 2]), HL))
+        lo_d, hi_d = _by_lane(gl.join(d8, d8), WARPS)
+        lo_offset, hi_offset = _by_lane(gl.join(first_offset, second_offset), WARPS)
+        return lo_words, hi_words, lo_d, hi_d, lo_offset, hi_offset
+
+    @gluon.jit
+    def _scale_tile(scales_ptr, rows, lanes, row0, chunk, half, stride_sb, N, KB, live):
+        """(rows, 32) fp32 d4 of block 32 chunk + 2 (lane // 2) + half, rows row0 + rows (0 past N or KB)."""
+        block = chunk * 32 + 2 * (lanes // 2) + half
+        mask = (rows[:, None] + row0 < N) & (block[None, :] < KB) & live
+        return gl.load(scales_ptr + block[None, :] * stride_sb + (rows[:, None] + row0), mask=mask, other=0.0)
+
+    @gluon.jit
+    def _ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b, row, chunk, stride_wn, stride_sb, N, K_WORDS, KB,
+                    CW: gl.constexpr):
+        """Chunk `chunk` of the group at row `row`: its words and the d4 of its lo and hi blocks."""
+        live = row < N
+        return (_chunk_tile(word_ptrs, r_w, w_w, row, chunk * CW, stride_wn, N, K_WORDS, live),
+                _scale_tile(scales_ptr, r_b, b_b, row, chunk, 0, stride_sb, N, KB, live),
+                _scale_tile(scales_ptr, r_b, b_b, row, chunk, 1, stride_sb, N, KB, live))
+
+    @gluon.jit
+    def _chunk_sums(entry, lo_words, hi_words, lo_d, hi_d, lo_offset, hi_offset, BL: gl.constexpr):
+        """(GROUP, 32) fp32 per-lane sums of one chunk: `entry` from _ring_entry, the chunk's
+        activation words (1, CW) and per-lane d8 / offsets (1, 32) in the tiles' layouts."""
+        words, lo_scale, hi_scale = entry
+        GROUP: gl.constexpr = words.shape[0]
+        lo_words, _ = gl.broadcast(lo_words, words)
+        hi_words, _ = gl.broadcast(hi_words, words)
+        zero = gl.full(words.shape, 0, gl.int32, words.type.layout)
+        lo_dots = _dp4a_nibbles(words & 0x0F0F0F0F, lo_words, zero)
+        hi_dots = _dp4a_nibbles((words >> 4) & 0x0F0F0F0F, hi_words, zero)
+        lo_dot = gl.convert_layout(gl.reduce(gl.reshape(lo_dots, [GROUP, 32, 4]), 2, _add), BL).to(gl.float32)
+        hi_dot = gl.convert_layout(gl.reduce(gl.reshape(hi_dots, [GROUP, 32, 4]), 2, _add), BL).to(gl.float32)
+        return (lo_scale.to(gl.float32) * (lo_d * lo_dot - lo_offset)
+                + hi_scale.to(gl.float32) * (hi_d * hi_dot - hi_offset))
+
+    @gluon.jit
+    def _q4_gemv_persistent_kernel(
+        x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr,
+        N, K, K_WORDS, KB, stride_wn, stride_sb,
+        HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
+        K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr,
+    ):
+        """out[0, n] = Q8_1(x[0, :]) . Q4_0(W[n, :]) (+ bias). Groups, chunks and ring as in the FP4
+        kernel; KB: scale blocks per row (K padded to 64, over 32)."""
+        CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS): 32 lanes x 4
+        GROUP: gl.constexpr = ROWS * WARPS
+        WL: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [WARPS, 1], [1, 0])
+        BL: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS, 1], [1, 0])
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        words_smem = gl.allocate_shared_memory(gl.int32, [2 * CHUNKS_PAD, CW], PLAIN)  # lo chunks, hi chunks
+        lanes_smem = gl.allocate_shared_memory(gl.float32, [4 * CHUNKS_PAD, 32], PLAIN)  # lo d8, hi d8, offsets
+        r_w = gl.arange(0, GROUP, layout=gl.SliceLayout(1, WL))
+        w_w = gl.arange(0, CW, layout=gl.SliceLayout(0, WL))
+        r_b = gl.arange(0, GROUP, layout=gl.SliceLayout(1, BL))
+        b_b = gl.arange(0, 32, layout=gl.SliceLayout(0, BL))
+        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + r_w[:, None] * stride_wn + w_w[None, :]
+        groups = gl.cdiv(N, GROUP)
+        programs = gl.num_programs(0)
+        first = gl.program_id(0)  # the grid has at most `groups` programs
+        ring = ()  # the first DEPTH chunks, requested before the activations are quantized
+        for t in gl.static_range(DEPTH):
+            ring = ring + (_ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b,
+                                       (first + t // K_CHUNKS * programs) * GROUP, t % K_CHUNKS, stride_wn,
+                                       stride_sb, N, K_WORDS, KB, CW),)
+        for s in gl.static_range(CHUNKS_PAD // WARPS):
+            lo_w, hi_w, lo_d, hi_d, lo_o, hi_o = _quantize_q8_1(x_ptr + s * WARPS * CW * 8, K - s * WARPS * CW * 8,
+                                                                 WARPS)
+            words_smem.slice(s * WARPS, WARPS).store(lo_w)
+            words_smem.slice(CHUNKS_PAD + s * WARPS, WARPS).store(hi_w)
+            lanes_smem.slice(s * WARPS, WARPS).store(lo_d)
+            lanes_smem.slice(CHUNKS_PAD + s * WARPS, WARPS).store(hi_d)
+            lanes_smem.slice(2 * CHUNKS_PAD + s * WARPS, WARPS).store(lo_o)
+            lanes_smem.slice(3 * CHUNKS_PAD + s * WARPS, WARPS).store(hi_o)
+        _cta_barrier()
+        for g in range(first, groups, programs):
+            acc = gl.full([GROUP, 32], 0.0, gl.float32, BL)
+            for c in gl.static_range(K_CHUNKS):
+                ahead = _ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b,
+                                    (g + (c + DEPTH) // K_CHUNKS * programs) * GROUP, (c + DEPTH) % K_CHUNKS,
+                                    stride_wn, stride_sb, N, K_WORDS, KB, CW)
+                acc += _chunk_sums(ring[0], words_smem.slice(c, 1).load(WL),
+                                   words_smem.slice(CHUNKS_PAD + c, 1).load(WL),
+                                   lanes_smem.slice(c, 1).load(BL), lanes_smem.slice(CHUNKS_PAD + c, 1).load(BL),
+                                   lanes_smem.slice(2 * CHUNKS_PAD + c, 1).load(BL),
+                                   lanes_smem.slice(3 * CHUNKS_PAD + c, 1).load(BL), BL)
+                ring = ring[1:] + (ahead,)
+            offs_n = g * GROUP + r_b
+            total = gl.reduce(acc, 1, _add)
+            if HAS_BIAS:
+                total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
+            gl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                       rows: int = 2, num_warps: int = 8, programs_per_sm: int = 2, depth: int = 1) -> torch.Tensor:
+    """(1, K) x -> (1, N) in x's dtype for Q4_0 weights in the kernel layout (qweight uint8 [N, Kp/2],
+    scales fp16 [Kp/32, N]): each warp owns `rows` rows, min(N / (rows x num_warps), SMs x
+    programs_per_sm) programs; `depth`: chunks loaded ahead of the one decoded."""
+    n, k = qweight.shape[0], x.shape[-1]
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"x of shape {tuple(x.shape)}: expected one token, (1, K)")
+    if k % 32 or qweight.shape[1] * 2 < k or scales.shape != (qweight.shape[1] // 16, n) or qweight.shape[1] % 32:
+        raise ValueError(f"x (1, {k}), qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}: expected K a "
+                         "multiple of 32, qweight (N, Kp / 2) uint8 with Kp = K padded to 64 and scales (Kp / 32, N)")
+    if rows not in ROWS_CHOICES or num_warps not in WARPS_CHOICES or depth not in DEPTH_CHOICES or programs_per_sm < 1:
+        raise ValueError(f"rows {rows}, num_warps {num_warps}, depth {depth}, programs_per_sm {programs_per_sm}: "
+                         f"expected rows in {ROWS_CHOICES}, num_warps in {WARPS_CHOICES}, depth in {DEPTH_CHOICES}, "
+                         f"programs_per_sm >= 1")
+    if rows * (depth + 1) > MAX_ROWS_IN_FLIGHT:
+        raise ValueError(f"rows {rows} at depth {depth} keep {rows * (depth + 1)} rows of words in registers, at most "
+                         f"{MAX_ROWS_IN_FLIGHT}: fewer rows or a smaller depth")
+    if not supports(x):
+        raise ValueError(f"x on {x.device} as {x.dtype}: this Gluon kernel needs a CUDA GPU of compute capability 8.0 "
+                         "or newer and bf16 or fp16 activations")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    k_words = qweight.shape[1] // 4
+    k_chunks, chunks_pad = chunks(qweight.shape[1] * 2, num_warps)
+    x = x.contiguous()
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    grid = (min(cdiv(n, rows * num_warps), sms * programs_per_sm),)
+    launch(_q4_gemv_persistent_kernel, grid, x, qweight, scales, bias if bias is not None else out, out,
+           n, k, k_words, scales.shape[0], qweight.stride(0) // 4, scales.stride(0), HAS_BIAS=bias is not None,
+           ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad, DEPTH=depth, num_warps=num_warps)
+    return out

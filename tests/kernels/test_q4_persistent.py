@@ -1,0 +1,79 @@
+"""q4/decode_persistent.py: the persistent one-token Q4_0 x Q8_1 Gluon decode. On a GPU its outputs
+are checked against the float64 reference (odd sizes, K not a multiple of the 1024-value chunk, one
+and many groups per program, chunks loaded ahead across group ends); everywhere (CI has no GPU) it
+is built offline for sm_90: it compiles on this Triton, uses dp4a and 16-byte weight loads, has no
+barrier in its loops and does not spill at the tiles the launcher allows."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from bench.offline_sm90 import compile_sm90, loops, sass_and_resources
+from graphopt.kernels import q4
+from graphopt.kernels.q4 import decode_persistent as dp
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+needs_gluon = pytest.mark.skipif(dp.gluon is None, reason="this Triton has no Gluon")
+
+
+@needs_gluon
+@pytest.mark.parametrize("rows,warps,k,depth", [(2, 8, 4096, 1), (2, 8, 14336, 1), (1, 8, 14336, 3), (4, 4, 4096, 1),
+                                             (1, 4, 1344, 7)])
+def test_builds_for_sm90_with_dp4a_and_wide_loads(rows, warps, k, depth, pristine_triton_language):
+    types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16")
+    k_padded = -(-k // 64) * 64
+    k_chunks, chunks_pad = dp.chunks(k_padded, warps)
+    kernel = compile_sm90(dp._q4_gemv_persistent_kernel, types,
+                          dict(HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
+                               DEPTH=depth),
+                          ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sb", "N"],
+                          warps, gluon=True)
+    sass, usage = sass_and_resources(kernel)
+    assert re.search(r"STACK:0\b", usage), usage
+    assert "IDP.4A" in sass
+    assert not [ops for _, _, ops in loops(sass) if any(op.startswith("BAR") for op, _ in ops)]
+    assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * k_chunks  # one 16-byte load per row and chunk
+
+
+def test_bad_arguments_name_the_problem():
+    qweight, scales = q4.quantize_weight(torch.randn(16, 64))
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="expected one token"):
+        dp.q4_gemv_persistent(torch.randn(2, 64), qweight, scales, None)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        dp.q4_gemv_persistent(torch.randn(1, 48), qweight, scales, None)
+    with pytest.raises(ValueError, match=r"rows in \(1, 2, 4, 8\)"):
+        dp.q4_gemv_persistent(x, qweight, scales, None, rows=3)
+    with pytest.raises(ValueError, match="fewer rows or a smaller depth"):
+        dp.q4_gemv_persistent(x, qweight, scales, None, rows=4, depth=2)
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        dp.q4_gemv_persistent(x, qweight, scales, None)  # CPU
+
+
+@pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
+@pytest.mark.parametrize("n,k,rows,warps", [(200, 512, 4, 4), (37, 1344, 2, 4), (4096, 4096, 2, 8),
+                                            (61, 14336, 2, 8), (1000, 8192, 1, 2), (300, 11008, 2, 4),
+                                            (128, 96, 1, 4)])
+@pytest.mark.parametrize("programs_per_sm,depth", [(1, 1), (4, 3), (8, 7)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_the_float64_reference_on_the_gpu(n, k, rows, warps, programs_per_sm, depth, dtype):
+    depth = min(depth, dp.MAX_ROWS_IN_FLIGHT // rows - 1)  # the launcher's register bound
+    gen = torch.Generator().manual_seed(n * k + rows)
+    qweight, scales = q4.quantize_weight(torch.randn(n, k, generator=gen) * 0.05)
+    qweight, scales = qweight.cuda(), scales.cuda()
+    x = (torch.randn(1, k, generator=gen) * torch.linspace(0.1, 4.0, k)).to("cuda", dtype)  # varied magnitudes
+    bias = torch.randn(n, generator=gen).to("cuda", dtype)
+    assert dp.supports(x)
+    got = dp.q4_gemv_persistent(x, qweight, scales, bias, rows=rows, num_warps=warps,
+                                programs_per_sm=programs_per_sm, depth=depth)
+    ref = q4.reference_q4_linear(x.double(), qweight, scales, bias.double()).double()
+    assert got.dtype == dtype and got.shape == (1, n)
+    # the same Q8_1 integers as the reference: only fp32 sums and the output's rounding differ
+    err = (got.double() - ref).abs().max() / ref.abs().max()
+    assert err < (8e-3 if dtype == torch.bfloat16 else 1e-3), err.item()
+    again = dp.q4_gemv_persistent(x, qweight, scales, bias, rows=rows, num_warps=warps,
+                                  programs_per_sm=programs_per_sm, depth=depth)
+    assert torch.equal(again, got)  # no state between calls
