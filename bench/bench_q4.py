@@ -89,19 +89,20 @@ def weight_bytes(n: int, k: int) -> int:
     return n * kp // 2 + n * (kp // 32) * 2
 
 
-TUNED: dict[str, str] = {}  # for the JSON: "<mode>[ (tma allowed)] K->N t=<tokens>" -> the tuned tile's name
+TUNED: dict[str, str] = {}  # for the JSON: "<mode>[ (Gluon allowed)] K->N t=<tokens>" -> the tuned tile's name
 
 
 def tuned_tile(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mode: str,
-               allow_tma: bool) -> q4.TileConfig | None:
+               allow_gluon: bool) -> q4.TileConfig | None:
     """The tile q4.tune_q4_linear picks for `mode` on x's shape (timed on the GPU now; kept in
     graphopt's tuning file), or None for the launcher's untuned default (no GPU, the interpreter,
-    GRAPHOPT_Q4_AUTOTUNE=0). allow_tma: the separate mode also times q4_tma's decode tiles (the
-    pass allows them under CUDA graphs, and these sizes are timed as graph replays)."""
+    GRAPHOPT_Q4_AUTOTUNE=0). allow_gluon: the separate mode also times q4_tma's decode tiles, and one
+    token either mode decode_persistent's (the pass allows them under CUDA graphs, and these sizes
+    are timed as graph replays)."""
     n, k = qweight.shape[0], x.shape[-1]
-    kernel = q4.tune_q4_linear(tuple(x.shape), qweight, scales, False, x.dtype, mode, allow_tma)
+    kernel = q4.tune_q4_linear(tuple(x.shape), qweight, scales, False, x.dtype, mode, allow_gluon)
     config = q4.kernel_config(kernel)
-    label = f"{mode}{' (tma allowed)' if allow_tma else ''} {k}->{n} t={x.shape[0]}"
+    label = f"{mode}{' (Gluon allowed)' if allow_gluon else ''} {k}->{n} t={x.shape[0]}"
     TUNED[label] = config.name if config else "untuned default"
     return config
 
@@ -130,10 +131,10 @@ def bench_shape(k: int, n: int, rows: list, checks: list, copy_gbps: float) -> N
         # fused; separate (Q8_1-bytes tiles, and at decode sizes on sm_90+ q4_tma's decode); and the
         # pre-quantized GEMM, which takes the separate mode's Q8_1-bytes tiles only (no tma)
         tuned: dict[str, q4.TileConfig | None] = {}
-        for name, mode, allow_tma in (("fused", "fused", False), ("separate", "separate", True),
+        for name, mode, allow_gluon in (("fused", "fused", False), ("separate", "separate", True),
                                       ("prequant_gemm", "separate", False)):
             try:
-                tuned[name] = tuned_tile(x, qweight, scales, mode, allow_tma)
+                tuned[name] = tuned_tile(x, qweight, scales, mode, allow_gluon)
             except Exception as exc:  # the variant then runs the untuned default
                 print(f"  FAIL tuning {name}: {type(exc).__name__}: {exc}")
                 tuned[name] = None

@@ -223,7 +223,7 @@ def _q4_without_tiles_on_rank_1(rank: int, model, x) -> dict:
     from graphopt.kernels.tuning import NoCorrectTile
     from graphopt.passes import q4_linear as q4_pass
 
-    def tune(x_shape, qweight, scales, bias, dtype, mode, allow_tma):
+    def tune(x_shape, qweight, scales, bias, dtype, mode, allow_gluon):
         if rank == 1:
             raise NoCorrectTile(f"no Q4 {mode} tile computed the product for {x_shape}")
         return ""

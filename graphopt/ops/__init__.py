@@ -5,7 +5,7 @@ Inductor traces their bodies and launches the kernels from its own generated cod
 CUDA graphs, with no Python per call. Their tile is an argument the pass chose at compile time.
 The others are opaque: graphopt::attention and graphopt::sparse_attention (Library ops, whose
 Python launch path the cost model prices unless CUDA graphs replay them), the Gluon TMA decodes
-(fp4_gluon_linear, q4_tma_decode: Gluon kernels are not Triton JIT functions that Inductor can
+(fp4_gluon_linear, q4_gluon_linear: Gluon kernels are not Triton JIT functions that Inductor can
 launch) and fft_chain_linear (a custom_op with an autograd formula; its operand tables are graph
 constants the pass builds). Every op has a fake (meta) implementation. The CPU implementation is
 always the kernel family's torch reference.
@@ -616,8 +616,8 @@ def _(x, codes, scales, global_scale, bias, out_features, in_features, format, k
 #       per-row scale s, fused (integer dots), in the promoted dtype of x and s.
 #   kernel: the tile chosen at compile time (q4.tune_q4_linear; graphopt.kernels.tuning.encode of a
 #   q4.TileConfig), "" for the untuned default of the token count. A "tma" tile (q4_linear's
-#   separate mode, sm_90+) runs graphopt::q4_tma_decode, an opaque op: Gluon kernels are not Triton
-#   JIT functions that Inductor can launch.
+#   separate mode, sm_90+) or a "persistent" one (one token, sm_80+) runs graphopt::q4_gluon_linear,
+#   an opaque op: Gluon kernels are not Triton JIT functions that Inductor can launch.
 # triton_ops: Inductor traces the bodies and launches their Triton kernels from its own generated
 # code (inside its CUDA graphs); a body never times a tile or keeps an allocation past the call.
 # CPU: the torch references (integer math of the same formula), which a compile of a CPU graph
@@ -676,25 +676,27 @@ def q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
     if not _q4_runs_kernels(x):
         return q4.reference_q4_linear(x, qweight, scales, bias)
     config = q4.kernel_config(kernel)
-    if config is not None and config.kernel == "tma" and mode == "separate":
+    if config is not None and (config.kernel == "persistent" or (config.kernel == "tma" and mode == "separate")):
         x2 = x.reshape(-1, x.shape[-1])
-        return torch.ops.graphopt.q4_tma_decode(x2, qweight, scales, bias, kernel).reshape(*x.shape[:-1], n)
+        return torch.ops.graphopt.q4_gluon_linear(x2, qweight, scales, bias, kernel).reshape(*x.shape[:-1], n)
     return q4.q4_linear_triton(x, qweight, scales, bias, mode, config=config)
 
 
-@_inference_op("q4_tma_decode(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, str kernel) -> Tensor")
-def q4_tma_decode(x, qweight, scales, bias, kernel):
-    """graphopt::q4_linear's separate mode on q4_tma's Gluon decode (sm_90+): x (M, K) -> (M, N) in
-    x's dtype; `kernel` a "tma" tile."""
+@_inference_op("q4_gluon_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, str kernel) -> Tensor")
+def q4_gluon_linear(x, qweight, scales, bias, kernel):
+    """graphopt::q4_linear on a Gluon decode that `kernel` selects: q4_tma's (the separate mode,
+    sm_90+) or decode_persistent's (one token, sm_80+): x (M, K) -> (M, N) in x's dtype."""
     from graphopt.kernels import q4
 
     config = q4.kernel_config(kernel)
-    if config is None or config.kernel != "tma":
-        raise ValueError(f"graphopt::q4_tma_decode: kernel {kernel!r} selects no tma tile")
+    if config is None or config.kernel not in ("tma", "persistent"):
+        raise ValueError(f"graphopt::q4_gluon_linear: kernel {kernel!r} selects no Gluon tile (tma or persistent)")
+    if config.kernel == "persistent":
+        return q4.persistent_linear(x.contiguous(), qweight, scales, bias, config)
     return q4.tma_linear(x.contiguous(), qweight, scales, bias, config)
 
 
-@_inference_fake("q4_tma_decode")
+@_inference_fake("q4_gluon_linear")
 def _(x, qweight, scales, bias, kernel):
     return x.new_empty((x.shape[0], _q4_out_features(qweight, scales, x.shape[-1])))
 

@@ -24,8 +24,9 @@ user's forward. The tuner checks every tile, the default among them, against the
 where none of the mode computes it on this GPU, the layer is not rewritten (a sibling group stays
 dense as a whole), with the reason, and a layer held only as Q4_0 (graphopt.quantize_) runs
 q4.dequantized_q4_linear, a dense GEMM on its dequantized weight, instead of a tile known wrong.
-q4_tma's Gluon decode is a candidate of the separate mode only under CUDA graphs (cuda_graphs=True,
-mode="reduce-overhead"): it runs as an opaque op whose Python launch path costs more host time per
+The Gluon decodes are candidates only under CUDA graphs (cuda_graphs=True, mode="reduce-overhead"):
+q4_tma's in the separate mode, and for one token, in either mode, decode_persistent's (it quantizes
+the activations itself). They run as an opaque op whose Python launch path costs more host time per
 call than the layer's GPU work, while Inductor launches the Triton kernels from its generated code.
 
 Tensor-parallel linears (DTensor weights; graphopt.passes.tensor_parallel): each rank quantizes its
@@ -41,7 +42,9 @@ about 8.3e6 an infinite one (NaN outputs). The error budget checks the weights o
 sees at compile time; activations outside that range need a rescaled model or another pass.
 
 Where it wins (H100, the issue's two shapes, weights L2-cold): decode. 1 token 2.3-2.6x cuBLAS bf16
-(the fused dp4a kernel; bench/results/q4_linear_decode_dp4a_h100.json), 4 tokens 1.92-2.31x and 16 tokens
+(the fused dp4a kernel; bench/results/q4_linear_decode_dp4a_h100.json; on an H200 decode_persistent
+runs LLaMA-3-8B's four one-token shapes 1.16-1.65x faster than the dp4a tiles the tuner picked,
+bench/results/q4_persistent_h200.json), 4 tokens 1.92-2.31x and 16 tokens
 1.70-1.99x (the separate path on q4_tma's Gluon decode, which the cost model picks there;
 bench/results/q4_linear_tma_4_16tok_h100.json). From 64 tokens on the int8 GEMM is slower than
 cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/cost/test_fit_regression.py)
@@ -414,13 +417,14 @@ def _tuned_kernel(ctx: PassContext, info: dict, qweight: torch.Tensor | None, sc
     GPU (q4k.tune_q4_linear), where the target is a GPU, the packed weights live on it, the mode is
     a kernel mode, the token count is static and the graph goes to a compiler; else "" (the untuned
     default). None when no tile of the mode, the default included, computes the product on this
-    GPU (tuning.NoCorrectTile): the layer must not run that mode here. q4_tma's decode is a
-    candidate only under CUDA graphs: its opaque op pays a Python launch path on every call."""
+    GPU (tuning.NoCorrectTile): the layer must not run that mode here. The Gluon decodes (q4_tma's,
+    decode_persistent's) are candidates only under CUDA graphs: their opaque op pays a Python launch
+    path on every call."""
     if not _tunable(ctx, info, qweight):
         return ""
     try:
         return q4k.tune_q4_linear((info["tokens"], info["in_features"]), qweight, scales, bias, info["act_dtype"],
-                                  info["mode"], allow_tma=ctx.config.cuda_graphs)
+                                  info["mode"], allow_gluon=ctx.config.cuda_graphs)
     except NoCorrectTile as exc:
         log.warning("graphopt q4_linear: %s", exc)
         return None

@@ -77,3 +77,82 @@ def test_matches_the_float64_reference_on_the_gpu(n, k, rows, warps, programs_pe
     again = dp.q4_gemv_persistent(x, qweight, scales, bias, rows=rows, num_warps=warps,
                                   programs_per_sm=programs_per_sm, depth=depth)
     assert torch.equal(again, got)  # no state between calls
+
+
+def test_persistent_tiles_are_one_token_configs_the_launcher_accepts():
+    tiles = q4.persistent_configs(1)
+    assert tiles and all(cfg.kernel == "persistent" and cfg.programs_per_sm > 0 for cfg in tiles)
+    for cfg in tiles:
+        rows = cfg.block_n // cfg.num_warps
+        assert rows * (cfg.num_stages + 1) <= dp.MAX_ROWS_IN_FLIGHT and cfg.name.startswith("persistent_r")
+    assert q4.persistent_configs(2) == [] and q4.persistent_configs(16) == []
+    assert all(cfg.kernel != "persistent" for m in (1, 4, 64, 512) for fused in (True, False)
+               for cfg in q4.candidate_configs(m, fused))  # offered by the tuner only where Gluon is allowed
+    with pytest.raises(ValueError, match="programs_per_sm > 0 goes with the persistent kernel"):
+        q4.TileConfig("dp4a", 0, 16, 4, 1, 1, 8, "last", programs_per_sm=2)
+    with pytest.raises(ValueError, match="persistent configs take block_m 1"):
+        q4.TileConfig("persistent", 1, 16, 1, 4, 2, 1, "workspace", programs_per_sm=4)  # 4 rows, 2 ahead
+    assert not q4.persistent_runs(torch.randn(1, 64, dtype=torch.bfloat16))  # a CPU tensor
+
+
+def test_a_persistent_kernel_string_runs_the_opaque_gluon_op(monkeypatch):
+    """q4_linear's body (a triton_op that Inductor emits as source) never launches a Gluon kernel
+    itself: in either mode a persistent tile goes to graphopt::q4_gluon_linear, one opaque node in a
+    trace, which refuses strings that select no Gluon tile."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphopt.kernels import tuning
+
+    qw, sc = q4.quantize_weight(torch.randn(64, 256))
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    tile = q4.persistent_configs(1)[0]
+    kernel = tuning.encode(tile)
+    assert q4.kernel_config(kernel) == tile
+    calls = []
+
+    def decode(x2, qweight, scales, bias, config):
+        calls.append(config)
+        return torch.zeros(x2.shape[0], qweight.shape[0], dtype=x2.dtype, device=x2.device)
+
+    monkeypatch.setattr(q4, "persistent_linear", decode)
+    if GPU:
+        for mode in ("fused", "separate"):
+            out = torch.ops.graphopt.q4_linear(x.cuda().reshape(1, 1, 256), qw.cuda(), sc.cuda(), None, mode, kernel)
+            assert out.shape == (1, 1, 64)
+        assert calls == [tile, tile]
+
+    def step(x, qweight, scales):
+        return torch.ops.graphopt.q4_gluon_linear(x, qweight, scales, None, kernel)
+
+    graph = make_fx(step, tracing_mode="fake")(x, qw, sc).graph
+    (node,) = [n for n in graph.nodes if n.op == "call_function"]
+    assert node.target is torch.ops.graphopt.q4_gluon_linear.default
+    assert node.meta["val"].shape == (1, 64) and node.meta["val"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="selects no Gluon tile"):
+        torch.ops.graphopt.q4_gluon_linear(x, qw, sc, None, tuning.encode(q4.candidate_configs(1, True)[0]))
+
+
+@pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
+def test_the_op_on_a_persistent_tile_matches_eager_inside_a_cuda_graph():
+    from graphopt.kernels import tuning
+
+    import graphopt.ops  # noqa: F401
+
+    n, k = 4096, 4096
+    qw, sc = q4.quantize_weight(torch.randn(n, k) * 0.05)
+    qw, sc = qw.cuda(), sc.cuda()
+    kernel = tuning.encode(q4.persistent_configs(1)[0])
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        return torch.ops.graphopt.q4_linear(x, qw, sc, None, "fused", kernel)
+
+    eager = call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    ref = q4.reference_q4_linear(x.double(), qw, sc).double()
+    assert ((eager.double() - ref).abs().max() / ref.abs().max()).item() < 8e-3

@@ -57,15 +57,15 @@ def test_tma_config_needs_the_separate_path_and_a_hopper_gpu():
         x, qw, sc = x.to(DEVICE), qw.to(DEVICE), sc.to(DEVICE)
         with pytest.raises(ValueError, match="sm_90"):
             q4.q4_linear_triton(x, qw, sc, mode="separate", config=_tile())
-        with pytest.raises(ValueError, match="sm_90"):  # the op's tma kernel string: graphopt::q4_tma_decode
+        with pytest.raises(ValueError, match="sm_90"):  # the op's tma kernel string: graphopt::q4_gluon_linear
             torch.ops.graphopt.q4_linear(x, qw, sc, None, "separate", tuning.encode(_tile()))
-    with pytest.raises(ValueError, match="selects no tma tile"):
-        torch.ops.graphopt.q4_tma_decode(x, qw, sc, None, "")
+    with pytest.raises(ValueError, match="selects no Gluon tile"):
+        torch.ops.graphopt.q4_gluon_linear(x, qw, sc, None, "")
 
 
 def test_a_tma_kernel_string_runs_the_opaque_decode_op(monkeypatch):
     """Gluon kernels are not Triton JIT functions Inductor can launch: for a tma tile q4_linear's
-    body calls graphopt::q4_tma_decode, which a trace keeps as one opaque node."""
+    body calls graphopt::q4_gluon_linear, which a trace keeps as one opaque node."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     qw, sc = q4.quantize_weight(torch.randn(64, 256))
@@ -84,11 +84,11 @@ def test_a_tma_kernel_string_runs_the_opaque_decode_op(monkeypatch):
         assert calls == [_tile(block_m=8)]
 
     def step(x, qweight, scales):
-        return torch.ops.graphopt.q4_tma_decode(x, qweight, scales, None, kernel)
+        return torch.ops.graphopt.q4_gluon_linear(x, qweight, scales, None, kernel)
 
     graph = make_fx(step, tracing_mode="fake")(x, qw, sc).graph
     (node,) = [n for n in graph.nodes if n.op == "call_function"]
-    assert node.target is torch.ops.graphopt.q4_tma_decode.default
+    assert node.target is torch.ops.graphopt.q4_gluon_linear.default
     assert node.meta["val"].shape == (3, 64) and node.meta["val"].dtype == torch.bfloat16
 
 
@@ -149,10 +149,10 @@ def test_matches_the_float64_reference_on_the_gpu(n, k, tokens, split_k, stages,
 
 
 @on_hopper
-@pytest.mark.parametrize("allow_tma", [True, False])
-def test_the_separate_mode_tunes_over_the_tma_tiles_only_where_allowed(allow_tma, monkeypatch, tmp_path):
-    """Compile time: with allow_tma (CUDA graphs) the tma tiles are candidates; the op runs the
-    chosen kernel string (through graphopt::q4_tma_decode for a tma tile) and stays exact."""
+@pytest.mark.parametrize("allow_gluon", [True, False])
+def test_the_separate_mode_tunes_over_the_tma_tiles_only_where_allowed(allow_gluon, monkeypatch, tmp_path):
+    """Compile time: with allow_gluon (CUDA graphs) the tma tiles are candidates; the op runs the
+    chosen kernel string (through graphopt::q4_gluon_linear for a tma tile) and stays exact."""
     monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_MEMORY", {})
     gen = torch.Generator().manual_seed(3)
@@ -160,15 +160,15 @@ def test_the_separate_mode_tunes_over_the_tma_tiles_only_where_allowed(allow_tma
     qw, sc = q4.quantize_weight(torch.randn(n, k, generator=gen) * 0.05)
     qw, sc = qw.cuda(), sc.cuda()
     x = torch.randn(4, k, generator=gen).to("cuda", torch.bfloat16)
-    kernel = q4.tune_q4_linear(tuple(x.shape), qw, sc, False, x.dtype, "separate", allow_tma)
+    kernel = q4.tune_q4_linear(tuple(x.shape), qw, sc, False, x.dtype, "separate", allow_gluon)
     assert kernel
-    if not allow_tma:
+    if not allow_gluon:
         assert q4.kernel_config(kernel).kernel != "tma"
     got = torch.ops.graphopt.q4_linear(x, qw, sc, None, "separate", kernel).double()
     ref = q4.reference_q4_linear(x.double(), qw, sc).double()
     assert (got - ref).abs().max() <= 8e-3 * ref.abs().max()
     stored = json.loads((tmp_path / "tuning.json").read_text())
-    assert [key.split("|")[-5] for key in stored] == ["separate+tma" if allow_tma else "separate"]
+    assert [key.split("|")[-5] for key in stored] == ["separate+tma" if allow_gluon else "separate"]
 
 
 def test_no_tokens_give_an_empty_output_on_the_separate_path():

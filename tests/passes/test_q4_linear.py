@@ -439,7 +439,7 @@ def _tuner_without_tiles_for(monkeypatch, refused) -> list:
 
     calls = []
 
-    def tune(x_shape, qweight, scales, bias, dtype, mode, allow_tma):
+    def tune(x_shape, qweight, scales, bias, dtype, mode, allow_gluon):
         calls.append((x_shape[0], qweight.shape[0], x_shape[1], mode))
         if refused(qweight.shape[0]):
             raise NoCorrectTile(f"no Q4 {mode} tile computed the product for {x_shape}")
@@ -607,7 +607,7 @@ def test_a_tuned_tile_is_used_and_a_failed_timing_keeps_the_untuned_default(monk
     monkeypatch.setattr(pass_module, "_tunable", lambda ctx, info, qweight: True)
     kernels = {}
     for outcome in ("tile", "error"):
-        def tune(x_shape, qweight, scales, bias, dtype, mode, allow_tma, outcome=outcome):
+        def tune(x_shape, qweight, scales, bias, dtype, mode, allow_gluon, outcome=outcome):
             if outcome == "error":
                 raise RuntimeError("out of resources")
             return tuning.encode(q4.default_config(x_shape[0], mode == "fused"))

@@ -7,8 +7,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from graphopt.kernels.q4 import decode_persistent
+
 REDUCE_MODES = ("workspace", "atomic", "last")  # TileConfig.reduce choices (split-K partial sums)
-TILE_KERNELS = ("gemm", "swap", "gemv", "dp4a", "tma")  # TileConfig.kernel choices
+TILE_KERNELS = ("gemm", "swap", "gemv", "dp4a", "tma", "persistent")  # TileConfig.kernel choices
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class TileConfig:
     kernel "tma": q4_tma's Gluon decode (sm_90+, the separate path: a quantize launch, then weights
       and activations fed by TMA): block_n weight rows (64 per warpgroup), block_m tokens (8 or 16,
       the MMA's N), pairs 4 (K steps of 256), num_stages ring slots; split-K reduces "last".
+    kernel "persistent": decode_persistent's one-token Gluon decode (sm_80+, either mode: it quantizes
+      the activations itself): block_n rows per group (block_n / num_warps per warp), num_stages
+      chunks loaded ahead, programs_per_sm programs per SM; block_m 1, split_k 1.
     kernel "gemv": the decode kernel (fp32 FMAs, no tensor cores); block_m token rows per program
       (0: min(GEMV_MAX_ROWS, next power of two of the token count)), block_n weight rows per program,
       PAIRS block pairs per iteration (every weight row streams 32 * PAIRS contiguous bytes a step).
@@ -38,7 +43,7 @@ class TileConfig:
       arrival counter, writes the output with bias: no sum kernel).
     """
 
-    kernel: str  # "gemm" | "swap" | "gemv" | "dp4a" | "tma"
+    kernel: str  # "gemm" | "swap" | "gemv" | "dp4a" | "tma" | "persistent"
     block_m: int
     block_n: int
     pairs: int = 1
@@ -46,6 +51,7 @@ class TileConfig:
     num_stages: int = 3
     split_k: int = 1
     reduce: str = "workspace"
+    programs_per_sm: int = 0  # "persistent" only
 
     def __post_init__(self):
         if self.kernel not in TILE_KERNELS:
@@ -62,9 +68,19 @@ class TileConfig:
                                          and self.num_stages >= 1 and self.split_k >= 1):
             raise ValueError(f"tma configs take pairs=4, block_m 8 or 16, block_n 64 or 128, 4 warps, reduce "
                              f"'last' and an explicit split_k, got {self}")
+        if (self.kernel == "persistent") != (self.programs_per_sm > 0):
+            raise ValueError(f"programs_per_sm > 0 goes with the persistent kernel and only with it, got {self}")
+        if self.kernel == "persistent" and not _persistent_tile_fits(self):
+            raise ValueError(f"persistent configs take block_m 1, split_k 1, block_n = rows x num_warps with rows in "
+                             f"{decode_persistent.ROWS_CHOICES}, num_warps in {decode_persistent.WARPS_CHOICES}, "
+                             f"num_stages in {decode_persistent.DEPTH_CHOICES} and rows x (num_stages + 1) <= "
+                             f"{decode_persistent.MAX_ROWS_IN_FLIGHT}, got {self}")
 
     @property
     def name(self) -> str:
+        if self.kernel == "persistent":
+            return (f"persistent_r{self.block_n // self.num_warps}w{self.num_warps}p{self.programs_per_sm}"
+                    f"d{self.num_stages}")
         base = f"{self.kernel}_m{self.block_m}n{self.block_n}k{64 * self.pairs}_w{self.num_warps}s{self.num_stages}"
         if self.split_k == 1:
             return base
@@ -75,7 +91,7 @@ class TileConfig:
         """Estimate of the shared memory one CTA needs: pipelined activation and weight tiles
         (act_bytes per activation value: 2 for the fused bf16 input, 1 for Q8_1) plus the int8
         operand tiles the dot reads from shared memory."""
-        if self.kernel in ("gemv", "dp4a"):
+        if self.kernel in ("gemv", "dp4a", "persistent"):
             return 0
         k_step = 64 * self.pairs
         if self.kernel == "tma":  # per slot: weight bytes, int8 activations, d4, d and s
@@ -149,6 +165,28 @@ def tma_configs(m: int) -> list[TileConfig]:
     """q4_tma's decode tiles for m <= 16 tokens (8- or 16-token blocks, 64-row tiles, 2-3 slots)."""
     block_m = 8 if m <= 8 else 16
     return [TileConfig("tma", block_m, 64, 4, 4, stages, split, "last") for split in (1, 2, 4, 8) for stages in (2, 3)]
+
+
+def _persistent_tile_fits(cfg: TileConfig) -> bool:
+    rows = cfg.block_n // max(cfg.num_warps, 1)
+    return (cfg.block_m == 1 and cfg.split_k == 1 and rows * cfg.num_warps == cfg.block_n
+            and rows in decode_persistent.ROWS_CHOICES and cfg.num_warps in decode_persistent.WARPS_CHOICES
+            and cfg.num_stages in decode_persistent.DEPTH_CHOICES
+            and rows * (cfg.num_stages + 1) <= decode_persistent.MAX_ROWS_IN_FLIGHT)
+
+
+# decode_persistent's tiles (rows per warp, warps, programs per SM, chunks ahead): the four fastest
+# on LLaMA-3-8B's decode shapes in bench_decode_persistent.py --formats q4_0
+# (results/q4_persistent_h200.json); 4 x 4, 4 per SM, one ahead was fastest on all four.
+_PERSISTENT_TILES = ((4, 4, 4, 1), (2, 4, 4, 1), (2, 8, 2, 2), (2, 8, 2, 1))
+
+
+def persistent_configs(m: int) -> list[TileConfig]:
+    """decode_persistent's tiles: one token only."""
+    if m != 1:
+        return []
+    return [TileConfig("persistent", 1, rows * warps, 1, warps, depth, 1, "workspace", per_sm)
+            for rows, warps, per_sm, depth in _PERSISTENT_TILES]
 
 
 def candidate_configs(m: int, fused: bool) -> list[TileConfig]:

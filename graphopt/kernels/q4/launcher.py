@@ -13,6 +13,7 @@ import torch
 import triton.language as tl
 
 from graphopt.kernels import q4_tma, tuning
+from graphopt.kernels.q4 import decode_persistent
 from graphopt.kernels.launch import INTERPRET, cdiv, launch
 from graphopt.kernels.q4.configs import (_DECODE_GEMM_CONFIGS, DECODE_MAX_TOKENS, GEMV_MAX_ROWS, PROGRAMS_PER_SM,
                                          TileConfig, default_config)
@@ -159,6 +160,8 @@ def q4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     _check_k(k, "q4_linear")
     n = _check_weight(qweight, scales, k)
     bias = _check_bias(bias, n)
+    if config is not None and config.kernel == "persistent":  # either mode: it quantizes x itself
+        return persistent_linear(_rows(x, "q4_linear"), qweight, scales, bias, config).reshape(*x.shape[:-1], n)
     if config is not None and config.kernel == "tma":
         if mode != "separate":
             raise ValueError("tma configs run the separate path (mode='separate'): a quantize launch, then the "
@@ -183,7 +186,7 @@ def _tma_runs(x2: torch.Tensor, n: int, qweight: torch.Tensor) -> bool:
 def tma_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                config: TileConfig) -> torch.Tensor:
     """q4_tma's separate decode of x2 (M, K): (M, N) in x2's dtype. Gluon kernels are not Triton JIT
-    functions that Inductor can launch, so graphopt::q4_tma_decode, an opaque op, calls this."""
+    functions that Inductor can launch, so graphopt::q4_gluon_linear, an opaque op, calls this."""
     m, n = x2.shape[0], qweight.shape[0]
     bias = _check_bias(bias, n)
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
@@ -200,15 +203,33 @@ def tma_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
     return out
 
 
+def persistent_runs(x2: torch.Tensor) -> bool:
+    """Whether decode_persistent's kernel can run this call: one token, bf16 or fp16, an sm_80+ GPU
+    (never the interpreter)."""
+    return not INTERPRET and x2.shape[0] == 1 and decode_persistent.supports(x2)
+
+
+def persistent_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                      config: TileConfig) -> torch.Tensor:
+    """decode_persistent's one-token decode of x2 (1, K) with a "persistent" tile: (1, N) in x2's
+    dtype. A Gluon kernel, so graphopt::q4_gluon_linear, an opaque op, calls this in a graph."""
+    if not persistent_runs(x2):
+        raise ValueError(f"a persistent config needs one token ({x2.shape[0]} here), bf16 or fp16 activations and "
+                         "an sm_80+ GPU (not the interpreter)")
+    return decode_persistent.q4_gemv_persistent(x2, qweight, scales, _check_bias(bias, qweight.shape[0]),
+                                                rows=config.block_n // config.num_warps, num_warps=config.num_warps,
+                                                programs_per_sm=config.programs_per_sm, depth=config.num_stages)
+
+
 def q4_q8_gemm_triton(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.bfloat16, config: TileConfig | None = None) -> torch.Tensor:
     """Pre-quantized activations (block_q8_1 bytes [..., K/32, 36]) x Q4_0 -> [..., N] in out_dtype,
     with `config` ("gemm", "swap" or "dp4a") or the untuned default."""
     if xq.dtype != torch.uint8 or xq.shape[-1] != Q8_1_BLOCK_BYTES:
         raise ValueError(f"q4_q8_gemm expects block_q8_1 bytes uint8 [..., K/32, 36], got {xq.dtype} {tuple(xq.shape)}")
-    if config is not None and config.kernel in ("gemv", "tma"):
+    if config is not None and config.kernel in ("gemv", "tma", "persistent"):
         raise ValueError("q4_q8_gemm takes Q8_1 bytes: only 'gemm', 'swap' and 'dp4a' configs apply (the fp32 gemv "
-                         "kernel quantizes itself; tma tiles run q4_linear's separate mode)")
+                         "and persistent kernels quantize themselves; tma tiles run q4_linear's separate mode)")
     k = xq.shape[-2] * QK
     n = _check_weight(qweight, scales, k)
     bias = _check_bias(bias, n)

@@ -15,9 +15,10 @@ import torch
 from graphopt.hardware import timing
 from graphopt.kernels import tuning
 from graphopt.kernels.launch import INTERPRET, next_power_of_2
-from graphopt.kernels.q4.configs import DECODE_MAX_TOKENS, TileConfig, candidate_configs, tma_configs
+from graphopt.kernels.q4.configs import (DECODE_MAX_TOKENS, TileConfig, candidate_configs, persistent_configs,
+                                         tma_configs)
 from graphopt.kernels.q4.format import _check_k, _check_weight, reference_q4_linear
-from graphopt.kernels.q4.launcher import _tma_runs, q4_linear_triton
+from graphopt.kernels.q4.launcher import _tma_runs, persistent_runs, q4_linear_triton
 
 
 def _autotune_enabled() -> bool:
@@ -66,14 +67,15 @@ def _time_config(run, config: TileConfig, m: int, cold_weights: list | None = No
 
 
 def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torch.Tensor, bias: bool,
-                   dtype: torch.dtype, mode: str, allow_tma: bool) -> str:
+                   dtype: torch.dtype, mode: str, allow_gluon: bool) -> str:
     """The kernel string of graphopt::q4_linear in `mode` on activations of `x_shape` (..., K) in
     `dtype`: the fastest tile of `mode`, timed on the weights' GPU over random activations; "" (the
     untuned default) without a CUDA device, under the interpreter, during a
     CUDA-graph capture, or with tuning off. Raises tuning.NoCorrectTile, and stores nothing, when no
     candidate (the default among them) computes the product. "fused" times candidate_configs(m, fused=True);
-    "separate" the Q8_1-bytes configs (quantize launch included) and, with `allow_tma` where
-    q4_tma's decode runs, its tiles. `bias`: whether the layer adds one. Each choice is kept per
+    "separate" the Q8_1-bytes configs (quantize launch included) and, with `allow_gluon` where
+    q4_tma's decode runs, its tiles. With `allow_gluon`, one token, either mode: decode_persistent's
+    tiles too where that kernel runs. `bias`: whether the layer adds one. Each choice is kept per
     (GPU and versions, mode, token bucket, N, K, dtype), in memory and on disk (tuning.lookup)."""
     if mode not in ("fused", "separate"):
         raise ValueError(f"q4_linear mode {mode!r} is not valid; valid choices: fused, separate")
@@ -87,8 +89,10 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
         return ""
     device = qweight.device
     x = torch.randn(m, k, device=device).to(dtype)
-    tma = allow_tma and mode == "separate" and m <= DECODE_MAX_TOKENS and _tma_runs(x, n, qweight)
-    key = "|".join((gpu, "q4_linear", mode + ("+tma" if tma else ""), f"m{_token_bucket(m)}",
+    tma = allow_gluon and mode == "separate" and m <= DECODE_MAX_TOKENS and _tma_runs(x, n, qweight)
+    persistent = allow_gluon and persistent_runs(x)
+    gluon_tiles = ("+tma" if tma else "") + ("+persistent" if persistent else "")
+    key = "|".join((gpu, "q4_linear", mode + gluon_tiles, f"m{_token_bucket(m)}",
                     f"n{n}", f"k{k}", str(dtype).removeprefix("torch.")))
     cached = tuning.lookup(key)
     if cached is not None:
@@ -103,7 +107,9 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     # GPU and shape (split-K reductions and inline-asm paths run only here, not in the interpreter).
     reference = reference_q4_linear(x, qweight, scales, b)
     best, best_ms = None, math.inf
-    for config in candidate_configs(m, mode == "fused") + (tma_configs(m) if tma else []):
+    candidates = (candidate_configs(m, mode == "fused") + (tma_configs(m) if tma else [])
+                  + (persistent_configs(m) if persistent else []))
+    for config in candidates:
         try:
             if not tuning.computes_product(run(config), reference):
                 _LOG.warning("q4 tile %s gives a wrong product at %dx%dx%d (%s); left out of tuning", config.name, m, n, k, mode)
