@@ -42,9 +42,8 @@ about 8.3e6 an infinite one (NaN outputs). The error budget checks the weights o
 sees at compile time; activations outside that range need a rescaled model or another pass.
 
 Where it wins (H100, the issue's two shapes, weights L2-cold): decode. 1 token 2.3-2.6x cuBLAS bf16
-(the fused dp4a kernel; bench/results/q4_linear_decode_dp4a_h100.json; on an H200 decode_persistent
-runs LLaMA-3-8B's four one-token shapes 1.16-1.65x faster than the dp4a tiles the tuner picked,
-bench/results/q4_persistent_h200.json), 4 tokens 1.92-2.31x and 16 tokens
+(the fused dp4a kernel; bench/results/q4_linear_decode_dp4a_h100.json; decode_persistent against
+those tiles: bench/results/q4_persistent_h200.json), 4 tokens 1.92-2.31x and 16 tokens
 1.70-1.99x (the separate path on q4_tma's Gluon decode, which the cost model picks there;
 bench/results/q4_linear_tma_4_16tok_h100.json). From 64 tokens on the int8 GEMM is slower than
 cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/cost/test_fit_regression.py)
