@@ -72,6 +72,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def replayed_in_cuda_graph(call):
+    """call() captured in a CUDA graph and replayed once: the captured output, synchronized."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return captured
+
+
 @pytest.fixture(scope="module")
 def one_rank_mesh(tmp_path_factory):
     """A 1-D device mesh of one gloo rank: this process joins a default process group of one for

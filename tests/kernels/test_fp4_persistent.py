@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bench.offline_sm90 import compile_sm90, loops, sass_and_resources
+from tests.conftest import replayed_in_cuda_graph
 from graphopt.kernels import fp4
 from graphopt.kernels.fp4 import decode_persistent as dp
 
@@ -142,11 +143,6 @@ def test_the_op_on_a_persistent_tile_matches_eager_inside_a_cuda_graph():
         return torch.ops.graphopt.fp4_linear(x, codes, codes, scales, gscale, None, n, k, "nvfp4", kernel)
 
     eager = call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    assert torch.equal(replayed_in_cuda_graph(call), eager)
     ref = fp4.reference_fp4_linear(x.double(), codes, scales, gscale, None, n, k, "nvfp4").double()
     assert ((eager.double() - ref).abs().max() / ref.abs().max()).item() < 8e-3

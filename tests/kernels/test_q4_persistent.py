@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bench.offline_sm90 import compile_sm90, loops, sass_and_resources
+from tests.conftest import replayed_in_cuda_graph
 from graphopt.kernels import q4
 from graphopt.kernels.q4 import decode_persistent as dp
 
@@ -148,11 +149,6 @@ def test_the_op_on_a_persistent_tile_matches_eager_inside_a_cuda_graph():
         return torch.ops.graphopt.q4_linear(x, qw, sc, None, "fused", kernel)
 
     eager = call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    assert torch.equal(replayed_in_cuda_graph(call), eager)
     ref = q4.reference_q4_linear(x.double(), qw, sc).double()
     assert ((eager.double() - ref).abs().max() / ref.abs().max()).item() < 8e-3

@@ -233,16 +233,9 @@ def chunks(k_padded: int, num_warps: int) -> tuple[int, int]:
     return k_chunks, max(1 << (k_chunks - 1).bit_length(), num_warps)
 
 
-def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                        bias: torch.Tensor | None, out_features: int, in_features: int, format: str, rows: int = 4,
-                        num_warps: int = 4, programs_per_sm: int = 4, depth: int = 1) -> torch.Tensor:
-    """(1, K) x -> (1, N) in x's dtype for a kernel-layout FP4 weight (format.to_kernel_layout): each warp
-    owns `rows` rows, min(N / (rows x num_warps), SMs x programs_per_sm) programs; `depth`: chunks loaded
-    ahead of the one decoded."""
-    if format not in ("nvfp4", "mxfp4"):
-        raise ValueError(f"format {format!r}: expected 'nvfp4' or 'mxfp4'")
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != in_features:
-        raise ValueError(f"x of shape {tuple(x.shape)}: expected (1, {in_features})")
+def check_tile(x: torch.Tensor, rows: int, num_warps: int, depth: int, programs_per_sm: int) -> None:
+    """The launch checks the persistent kernels share: a tile the kernels take, and x where they run.
+    `supports` is this module's (bf16 / fp16 on an sm_80+ GPU), which the Q4 kernel shares."""
     if rows not in ROWS_CHOICES or num_warps not in WARPS_CHOICES or depth not in DEPTH_CHOICES or programs_per_sm < 1:
         raise ValueError(f"rows {rows}, num_warps {num_warps}, depth {depth}, programs_per_sm {programs_per_sm}: "
                          f"expected rows in {ROWS_CHOICES}, num_warps in {WARPS_CHOICES}, depth in {DEPTH_CHOICES}, "
@@ -253,12 +246,30 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     if not supports(x):
         raise ValueError(f"x on {x.device} as {x.dtype}: this Gluon kernel needs a CUDA GPU of compute capability 8.0 "
                          "or newer and bf16 or fp16 activations")
+
+
+def persistent_grid(device: torch.device, out_features: int, rows: int, num_warps: int, programs_per_sm: int):
+    """One program per group of rows x num_warps rows, at most programs_per_sm per SM."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return (min(cdiv(out_features, rows * num_warps), sms * programs_per_sm),)
+
+
+def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                        bias: torch.Tensor | None, out_features: int, in_features: int, format: str, rows: int = 4,
+                        num_warps: int = 4, programs_per_sm: int = 4, depth: int = 1) -> torch.Tensor:
+    """(1, K) x -> (1, N) in x's dtype for a kernel-layout FP4 weight (format.to_kernel_layout): each warp
+    owns `rows` rows, min(N / (rows x num_warps), SMs x programs_per_sm) programs; `depth`: chunks loaded
+    ahead of the one decoded."""
+    if format not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"format {format!r}: expected 'nvfp4' or 'mxfp4'")
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != in_features:
+        raise ValueError(f"x of shape {tuple(x.shape)}: expected (1, {in_features})")
+    check_tile(x, rows, num_warps, depth, programs_per_sm)
     k_words = codes.shape[1] // 4
     k_chunks, chunks_pad = chunks(codes.shape[1] * 2, num_warps)
     x = x.contiguous()
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    grid = (min(cdiv(out_features, rows * num_warps), sms * programs_per_sm),)
+    grid = persistent_grid(x.device, out_features, rows, num_warps, programs_per_sm)
     launch(_fp4_gemv_persistent_kernel, grid, x, codes, scales, global_scale, bias if bias is not None else out, out,
            out_features, in_features, k_words, k_words, scales.stride(0), IS_NVFP4=format == "nvfp4",
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from graphopt.kernels.fp4.decode_persistent import (CHUNK_WORDS, DEPTH_CHOICES, MAX_ROWS_IN_FLIGHT, ROWS_CHOICES,
-                                                    WARPS_CHOICES, chunks, gluon)
-from graphopt.kernels.launch import cdiv, launch
+                                                    WARPS_CHOICES, check_tile, chunks, gluon, persistent_grid, supports)
+from graphopt.kernels.launch import launch
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -36,12 +36,6 @@ if gluon is not None:
 
 __all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "ROWS_CHOICES", "WARPS_CHOICES", "chunks",
            "q4_gemv_persistent", "supports"]
-
-
-def supports(x: torch.Tensor) -> bool:
-    """A CUDA device of compute capability 8.0 or newer and bf16 or fp16 activations."""
-    return (gluon is not None and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8
-            and x.dtype in (torch.bfloat16, torch.float16))
 
 
 if gluon is not None:
@@ -213,25 +207,14 @@ def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if k % 32 or qweight.shape[1] * 2 < k or scales.shape != (qweight.shape[1] // 16, n) or qweight.shape[1] % 32:
         raise ValueError(f"x (1, {k}), qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}: expected K a "
                          "multiple of 32, qweight (N, Kp / 2) uint8 with Kp = K padded to 64 and scales (Kp / 32, N)")
-    if rows not in ROWS_CHOICES or num_warps not in WARPS_CHOICES or depth not in DEPTH_CHOICES or programs_per_sm < 1:
-        raise ValueError(f"rows {rows}, num_warps {num_warps}, depth {depth}, programs_per_sm {programs_per_sm}: "
-                         f"expected rows in {ROWS_CHOICES}, num_warps in {WARPS_CHOICES}, depth in {DEPTH_CHOICES}, "
-                         f"programs_per_sm >= 1")
-    if rows * (depth + 1) > MAX_ROWS_IN_FLIGHT:
-        raise ValueError(f"rows {rows} at depth {depth} keep {rows * (depth + 1)} rows of words in registers, at most "
-                         f"{MAX_ROWS_IN_FLIGHT}: fewer rows or a smaller depth")
-    if not supports(x):
-        raise ValueError(f"x on {x.device} as {x.dtype}: this Gluon kernel needs a CUDA GPU of compute capability 8.0 "
-                         "or newer and bf16 or fp16 activations")
+    check_tile(x, rows, num_warps, depth, programs_per_sm)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
     k_words = qweight.shape[1] // 4
     k_chunks, chunks_pad = chunks(qweight.shape[1] * 2, num_warps)
     x = x.contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    grid = (min(cdiv(n, rows * num_warps), sms * programs_per_sm),)
-    launch(_q4_gemv_persistent_kernel, grid, x, qweight, scales, bias if bias is not None else out, out,
+    launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n, rows, num_warps, programs_per_sm), x, qweight, scales, bias if bias is not None else out, out,
            n, k, k_words, scales.shape[0], qweight.stride(0) // 4, scales.stride(0), HAS_BIAS=bias is not None,
            ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad, DEPTH=depth, num_warps=num_warps)
     return out
