@@ -616,7 +616,7 @@ def _(x, codes, scales, global_scale, bias, out_features, in_features, format, k
 #       per-row scale s, fused (integer dots), in the promoted dtype of x and s.
 #   kernel: the tile chosen at compile time (q4.tune_q4_linear; graphopt.kernels.tuning.encode of a
 #   q4.TileConfig), "" for the untuned default of the token count. A "tma" tile (q4_linear's
-#   separate mode, sm_90+) or a "persistent" one (one token, sm_80+) runs graphopt::q4_gluon_linear,
+#   separate mode, sm_90+) or a "persistent" one (1-8 tokens, sm_80+) runs graphopt::q4_gluon_linear,
 #   an opaque op: Gluon kernels are not Triton JIT functions that Inductor can launch.
 # triton_ops: Inductor traces the bodies and launches their Triton kernels from its own generated
 # code (inside its CUDA graphs); a body never times a tile or keeps an allocation past the call.
@@ -685,7 +685,7 @@ def q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
 @_inference_op("q4_gluon_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, str kernel) -> Tensor")
 def q4_gluon_linear(x, qweight, scales, bias, kernel):
     """graphopt::q4_linear on a Gluon decode that `kernel` selects: q4_tma's (the separate mode,
-    sm_90+) or decode_persistent's (one token, sm_80+): x (M, K) -> (M, N) in x's dtype."""
+    sm_90+) or decode_persistent's (1-8 tokens, sm_80+): x (M, K) -> (M, N) in x's dtype."""
     from graphopt.kernels import q4
 
     config = q4.kernel_config(kernel)

@@ -25,7 +25,7 @@ where none of the mode computes it on this GPU, the layer is not rewritten (a si
 dense as a whole), with the reason, and a layer held only as Q4_0 (graphopt.quantize_) runs
 q4.dequantized_q4_linear, a dense GEMM on its dequantized weight, instead of a tile known wrong.
 The Gluon decodes are candidates only under CUDA graphs (cuda_graphs=True, mode="reduce-overhead"):
-q4_tma's in the separate mode, and for one token, in either mode, decode_persistent's (it quantizes
+q4_tma's in the separate mode, and for 1-8 tokens, in either mode, decode_persistent's (it quantizes
 the activations itself). They run as an opaque op whose Python launch path costs more host time per
 call than the layer's GPU work, while Inductor launches the Triton kernels from its generated code.
 

@@ -1,4 +1,4 @@
-"""q4/decode_persistent.py: the persistent one-token Q4_0 x Q8_1 Gluon decode. On a GPU its outputs
+"""q4/decode_persistent.py: the persistent Q4_0 x Q8_1 Gluon decode of 1-8 tokens. On a GPU its outputs
 are checked against the float64 reference (odd sizes, K not a multiple of the 1024-value chunk, one
 and many groups per program, chunks loaded ahead across group ends); everywhere (CI has no GPU) it
 is built offline for sm_90: it compiles on this Triton, uses dp4a and 16-byte weight loads, has no
@@ -21,20 +21,22 @@ needs_gluon = pytest.mark.skipif(dp.gluon is None, reason="this Triton has no Gl
 
 
 @needs_gluon
-@pytest.mark.parametrize("rows,warps,k,depth", [(2, 8, 4096, 1), (2, 8, 14336, 1), (1, 8, 14336, 3), (4, 4, 4096, 1),
-                                             (1, 4, 1344, 7)])
-def test_builds_for_sm90_with_dp4a_and_wide_loads(rows, warps, k, depth, pristine_triton_language):
+@pytest.mark.parametrize("rows,warps,k,depth,tokens", [(2, 8, 4096, 1, 1), (2, 8, 14336, 1, 1), (1, 8, 14336, 3, 1),
+                                                    (4, 4, 4096, 1, 1), (1, 4, 1344, 7, 1), (2, 8, 4096, 1, 8),
+                                                    (1, 8, 14336, 1, 2)])
+def test_builds_for_sm90_with_dp4a_and_wide_loads(rows, warps, k, depth, tokens, pristine_triton_language):
     types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16")
     k_padded = -(-k // 64) * 64
     k_chunks, chunks_pad = dp.chunks(k_padded, warps)
     kernel = compile_sm90(dp._q4_gemv_persistent_kernel, types,
                           dict(HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-                               DEPTH=depth),
-                          ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sb", "N"],
+                               DEPTH=depth, TOKENS=tokens),
+                          ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sb", "N",
+                           "stride_xm", "stride_om"],
                           warps, gluon=True)
     sass, usage = sass_and_resources(kernel)
     assert re.search(r"STACK:0\b", usage), usage
-    assert "IDP.4A" in sass
+    assert len(re.findall(r"IDP\.4A", sass)) >= 2 * rows * 4 * k_chunks * tokens  # two per word and token
     assert not [ops for _, _, ops in loops(sass) if any(op.startswith("BAR") for op, _ in ops)]
     assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * k_chunks  # one 16-byte load per row and chunk
 
@@ -42,8 +44,8 @@ def test_builds_for_sm90_with_dp4a_and_wide_loads(rows, warps, k, depth, pristin
 def test_bad_arguments_name_the_problem():
     qweight, scales = q4.quantize_weight(torch.randn(16, 64))
     x = torch.randn(1, 64)
-    with pytest.raises(ValueError, match="expected one token"):
-        dp.q4_gemv_persistent(torch.randn(2, 64), qweight, scales, None)
+    with pytest.raises(ValueError, match=r"1 <= M <= 8 tokens"):
+        dp.q4_gemv_persistent(torch.randn(9, 64), qweight, scales, None)
     with pytest.raises(ValueError, match="multiple of 32"):
         dp.q4_gemv_persistent(torch.randn(1, 48), qweight, scales, None)
     with pytest.raises(ValueError, match=r"rows in \(1, 2, 4, 8\)"):
@@ -58,20 +60,22 @@ def test_bad_arguments_name_the_problem():
 @pytest.mark.parametrize("n,k,rows,warps", [(200, 512, 4, 4), (37, 1344, 2, 4), (4096, 4096, 2, 8),
                                             (61, 14336, 2, 8), (1000, 8192, 1, 2), (300, 11008, 2, 4),
                                             (128, 96, 1, 4)])
-@pytest.mark.parametrize("programs_per_sm,depth", [(1, 1), (4, 3), (8, 7)])
+@pytest.mark.parametrize("programs_per_sm,depth,tokens", [(1, 1, 1), (4, 3, 1), (8, 7, 1), (2, 1, 3), (4, 1, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_matches_the_float64_reference_on_the_gpu(n, k, rows, warps, programs_per_sm, depth, dtype):
+def test_matches_the_float64_reference_on_the_gpu(n, k, rows, warps, programs_per_sm, depth, tokens, dtype):
     depth = min(depth, dp.MAX_ROWS_IN_FLIGHT // rows - 1)  # the launcher's register bound
     gen = torch.Generator().manual_seed(n * k + rows)
     qweight, scales = q4.quantize_weight(torch.randn(n, k, generator=gen) * 0.05)
     qweight, scales = qweight.cuda(), scales.cuda()
-    x = (torch.randn(1, k, generator=gen) * torch.linspace(0.1, 4.0, k)).to("cuda", dtype)  # varied magnitudes
+    # varied magnitudes along K and across tokens
+    x = (torch.randn(tokens, k, generator=gen) * torch.linspace(0.1, 4.0, k)
+         * torch.linspace(1.0, 3.0, tokens)[:, None]).to("cuda", dtype)
     bias = torch.randn(n, generator=gen).to("cuda", dtype)
     assert dp.supports(x)
     got = dp.q4_gemv_persistent(x, qweight, scales, bias, rows=rows, num_warps=warps,
                                 programs_per_sm=programs_per_sm, depth=depth)
     ref = q4.reference_q4_linear(x.double(), qweight, scales, bias.double()).double()
-    assert got.dtype == dtype and got.shape == (1, n)
+    assert got.dtype == dtype and got.shape == (tokens, n)
     # the same Q8_1 integers as the reference: only fp32 sums and the output's rounding differ
     err = (got.double() - ref).abs().max() / ref.abs().max()
     assert err < (8e-3 if dtype == torch.bfloat16 else 1e-3), err.item()
@@ -80,18 +84,21 @@ def test_matches_the_float64_reference_on_the_gpu(n, k, rows, warps, programs_pe
     assert torch.equal(again, got)  # no state between calls
 
 
-def test_persistent_tiles_are_one_token_configs_the_launcher_accepts():
+def test_persistent_tiles_are_decode_configs_the_launcher_accepts():
     tiles = q4.persistent_configs(1)
     assert tiles and all(cfg.kernel == "persistent" and cfg.programs_per_sm > 0 for cfg in tiles)
     for cfg in tiles:
         rows = cfg.block_n // cfg.num_warps
         assert rows * (cfg.num_stages + 1) <= dp.MAX_ROWS_IN_FLIGHT and cfg.name.startswith("persistent_r")
-    assert q4.persistent_configs(2) == [] and q4.persistent_configs(16) == []
+    for m in (2, 3, 8):  # the tile of a token bucket runs any count up to MAX_TOKENS
+        assert {cfg.block_m for cfg in q4.persistent_configs(m)} == {1 << (m - 1).bit_length()}
+    assert q4.persistent_configs(9) == [] and q4.persistent_configs(16) == []
     assert all(cfg.kernel != "persistent" for m in (1, 4, 64, 512) for fused in (True, False)
                for cfg in q4.candidate_configs(m, fused))  # offered by the tuner only where Gluon is allowed
+    assert dp.shared_memory_bytes(8, 16) <= 227 * 1024  # 8 tokens at K = 14336 fit one sm_90 program
     with pytest.raises(ValueError, match="programs_per_sm > 0 goes with the persistent kernel"):
         q4.TileConfig("dp4a", 0, 16, 4, 1, 1, 8, "last", programs_per_sm=2)
-    with pytest.raises(ValueError, match="persistent configs take block_m 1"):
+    with pytest.raises(ValueError, match="persistent configs take block_m 1-8"):
         q4.TileConfig("persistent", 1, 16, 1, 4, 2, 1, "workspace", programs_per_sm=4)  # 4 rows, 2 ahead
     assert not q4.persistent_runs(torch.randn(1, 64, dtype=torch.bfloat16))  # a CPU tensor
 

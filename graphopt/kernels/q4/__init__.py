@@ -11,7 +11,7 @@ Modules, in reading order:
                `quantize_q8_1_triton`, `tma_linear`: check the inputs, allocate the outputs, launch
                the tile they are handed (`kernel_config` reads it from an op's kernel string).
   tune.py      the compile-time tuner (`tune_q4_linear`).
-  decode_persistent.py  the one-token persistent Gluon decode (`q4_gemv_persistent`; sm_80+), a
+  decode_persistent.py  the persistent Gluon decode of 1-8 tokens (`q4_gemv_persistent`; sm_80+), a
                tuner candidate under CUDA graphs through graphopt::q4_gluon_linear.
 Beside this package: q8_1.py (the Q8_1 quantize kernels these share with q4_tma.py) and q4_tma.py
 (the Gluon TMA decode of the separate mode). The cost model of these kernels, and so the choice of

@@ -29,9 +29,10 @@ class TileConfig:
     kernel "tma": q4_tma's Gluon decode (sm_90+, the separate path: a quantize launch, then weights
       and activations fed by TMA): block_n weight rows (64 per warpgroup), block_m tokens (8 or 16,
       the MMA's N), pairs 4 (K steps of 256), num_stages ring slots; split-K reduces "last".
-    kernel "persistent": decode_persistent's one-token Gluon decode (sm_80+, either mode: it quantizes
-      the activations itself): block_n rows per group (block_n / num_warps per warp), num_stages
-      chunks loaded ahead, programs_per_sm programs per SM; block_m 1, split_k 1.
+    kernel "persistent": decode_persistent's Gluon decode of 1-8 tokens (sm_80+, either mode: it
+      quantizes the activations itself): block_n rows per group (block_n / num_warps per warp),
+      num_stages chunks loaded ahead, programs_per_sm programs per SM; block_m the token bucket it was
+      tuned for (1-8; any count up to decode_persistent.MAX_TOKENS runs), split_k 1.
     kernel "gemv": the decode kernel (fp32 FMAs, no tensor cores); block_m token rows per program
       (0: min(GEMV_MAX_ROWS, next power of two of the token count)), block_n weight rows per program,
       PAIRS block pairs per iteration (every weight row streams 32 * PAIRS contiguous bytes a step).
@@ -71,7 +72,7 @@ class TileConfig:
         if (self.kernel == "persistent") != (self.programs_per_sm > 0):
             raise ValueError(f"programs_per_sm > 0 goes with the persistent kernel and only with it, got {self}")
         if self.kernel == "persistent" and not _persistent_tile_fits(self):
-            raise ValueError(f"persistent configs take block_m 1, split_k 1, block_n = rows x num_warps with rows in "
+            raise ValueError(f"persistent configs take block_m 1-{decode_persistent.MAX_TOKENS}, split_k 1, block_n = rows x num_warps with rows in "
                              f"{decode_persistent.ROWS_CHOICES}, num_warps in {decode_persistent.WARPS_CHOICES}, "
                              f"num_stages in {decode_persistent.DEPTH_CHOICES} and rows x (num_stages + 1) <= "
                              f"{decode_persistent.MAX_ROWS_IN_FLIGHT}, got {self}")
@@ -169,24 +170,28 @@ def tma_configs(m: int) -> list[TileConfig]:
 
 def _persistent_tile_fits(cfg: TileConfig) -> bool:
     rows = cfg.block_n // max(cfg.num_warps, 1)
-    return (cfg.block_m == 1 and cfg.split_k == 1 and rows * cfg.num_warps == cfg.block_n
+    return (1 <= cfg.block_m <= decode_persistent.MAX_TOKENS and cfg.split_k == 1 and rows * cfg.num_warps == cfg.block_n
             and rows in decode_persistent.ROWS_CHOICES and cfg.num_warps in decode_persistent.WARPS_CHOICES
             and cfg.num_stages in decode_persistent.DEPTH_CHOICES
             and rows * (cfg.num_stages + 1) <= decode_persistent.MAX_ROWS_IN_FLIGHT)
 
 
-# decode_persistent's tiles (rows per warp, warps, programs per SM, chunks ahead): the four fastest
-# on LLaMA-3-8B's decode shapes in bench_decode_persistent.py --formats q4_0
-# (results/q4_persistent_h200.json); 4 x 4, 4 per SM, one ahead was fastest on all four.
+# decode_persistent's tiles (rows per warp, warps, programs per SM, chunks ahead). One token: the
+# four fastest on LLaMA-3-8B's decode shapes in bench_decode_persistent.py --formats q4_0
+# (results/q4_persistent_h200.json); 4 x 4, 4 per SM, one ahead was fastest on all four. 2-8
+# tokens: tiles that build for sm_90 without spills at K = 4096 (and at K = 14336 up to 2 tokens,
+# one row per warp), not yet timed on a GPU.
 _PERSISTENT_TILES = ((4, 4, 4, 1), (2, 4, 4, 1), (2, 8, 2, 2), (2, 8, 2, 1))
+_PERSISTENT_MULTI_TOKEN_TILES = ((2, 8, 2, 1), (1, 8, 4, 1), (2, 4, 4, 1))
 
 
 def persistent_configs(m: int) -> list[TileConfig]:
-    """decode_persistent's tiles: one token only."""
-    if m != 1:
+    """decode_persistent's tiles for m tokens (none past decode_persistent.MAX_TOKENS)."""
+    if not 1 <= m <= decode_persistent.MAX_TOKENS:
         return []
-    return [TileConfig("persistent", 1, rows * warps, 1, warps, depth, 1, "workspace", per_sm)
-            for rows, warps, per_sm, depth in _PERSISTENT_TILES]
+    bucket = 1 << (m - 1).bit_length()
+    return [TileConfig("persistent", bucket, rows * warps, 1, warps, depth, 1, "workspace", per_sm)
+            for rows, warps, per_sm, depth in (_PERSISTENT_TILES if m == 1 else _PERSISTENT_MULTI_TOKEN_TILES)]
 
 
 def candidate_configs(m: int, fused: bool) -> list[TileConfig]:

@@ -1,21 +1,21 @@
-"""Q4_0 x Q8_1 one-token decode, persistent, each warp owning whole rows (Gluon, sm_80+).
+"""Q4_0 x Q8_1 decode of 1-8 tokens, persistent, each warp owning whole rows (Gluon, sm_80+).
 
-The FP4 kernel of the same design (fp4/decode_persistent.py) applied to the Q4_0 kernel layout
-(format.py): one launch per layer (no split-K buffers to zero, no quantize launch, no sum kernel),
-its tiling, ring of chunks loaded ahead and persistent grid shared with that kernel.
+The FP4 one-token kernel of the same design (fp4/decode_persistent.py) applied to the Q4_0 kernel
+layout (format.py): one launch per layer (no split-K buffers to zero, no quantize launch, no sum
+kernel), its tiling, ring of chunks loaded ahead and persistent grid shared with that kernel.
 
-- a program quantizes the activation row once, into shared memory: each 32 consecutive K positions
-  to Q8_1 with ggml's float32 steps (d = max / 127, q = roundf(x / d) through an exactly rounded
-  multiply, d kept as its fp16 value), as int8 words in the lane order of the weight words;
+- a program quantizes each token's activation row once, into shared memory: each 32 consecutive K
+  positions to Q8_1 with ggml's float32 steps (d = max / 127, q = roundf(x / d) through an exactly
+  rounded multiply, d kept as its fp16 value), as int8 words in the lane order of the weight words;
 - the weight words of a block pair (32 bytes: the low nibbles are block 2p, the high ones block
-  2p + 1) are read by two lanes, 16 bytes each; a lane's nibbles meet its activation words in two
-  dp4a per word (unsigned nibbles against signed int8), and each lane scales its own half-block
-  sums: d4 * (d8 * dot - 8 * d8 * sum(q8)), the sum of q8 over the same 16 K positions, so no
-  lane exchange is needed before the row's final warp reduction;
+  2p + 1) are read by two lanes, 16 bytes each; a lane's nibbles, masked out once per chunk, meet
+  every token's activation words in two dp4a per word (unsigned nibbles against signed int8), and
+  each lane scales its own half-block sums: d4 * (d8 * dot - 8 * d8 * sum(q8)), the sum of q8 over
+  the same 16 K positions, so no lane exchange is needed before each row's final warp reduction;
 - the scales (fp16, [K/32, N], coalesced along N) of a group's rows are read per chunk and lane.
 
 Numbers equal the other q4_linear paths (same Q8_1 integers and fp16 d) up to fp32 summation
-order. The Q4 tuner times it for one token where Gluon tiles are allowed (TileConfig kernel
+order. The Q4 tuner times it for 1-8 tokens where Gluon tiles are allowed (TileConfig kernel
 "persistent"; under CUDA graphs), and graphopt::q4_gluon_linear launches it: Inductor cannot emit a
 Gluon kernel from its generated code. On the CPU the tests build it offline for sm_90.
 """
@@ -34,8 +34,8 @@ if gluon is not None:
     from graphopt.kernels.fp4.decode_persistent import _add, _chunk_tile, _larger
     from graphopt.kernels.fp4_tma import _cta_barrier
 
-__all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "ROWS_CHOICES", "WARPS_CHOICES", "chunks",
-           "q4_gemv_persistent", "supports"]
+__all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "MAX_TOKENS", "ROWS_CHOICES", "WARPS_CHOICES",
+           "chunks", "q4_gemv_persistent", "shared_memory_bytes", "supports"]
 
 
 if gluon is not None:
@@ -123,37 +123,46 @@ if gluon is not None:
                 _scale_tile(scales_ptr, r_b, b_b, row, chunk, 1, stride_sb, N, KB, live))
 
     @gluon.jit
-    def _chunk_sums(entry, lo_words, hi_words, lo_d, hi_d, lo_offset, hi_offset, BL: gl.constexpr):
-        """(GROUP, 32) fp32 per-lane sums of one chunk: `entry` from _ring_entry, the chunk's
-        activation words (1, CW) and per-lane d8 / offsets (1, 32) in the tiles' layouts."""
+    def _nibbles(entry):
+        """A ring entry's words as unsigned nibble bytes (the lo blocks', the hi blocks') and its d4 in fp32."""
         words, lo_scale, hi_scale = entry
-        GROUP: gl.constexpr = words.shape[0]
-        lo_words, _ = gl.broadcast(lo_words, words)
-        hi_words, _ = gl.broadcast(hi_words, words)
-        zero = gl.full(words.shape, 0, gl.int32, words.type.layout)
-        lo_dots = _dp4a_nibbles(words & 0x0F0F0F0F, lo_words, zero)
-        hi_dots = _dp4a_nibbles((words >> 4) & 0x0F0F0F0F, hi_words, zero)
+        return (words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F, lo_scale.to(gl.float32), hi_scale.to(gl.float32))
+
+    @gluon.jit
+    def _token_sums(nibbles, lo_words, hi_words, lo_d, hi_d, lo_offset, hi_offset, BL: gl.constexpr):
+        """(GROUP, 32) fp32 per-lane sums of one chunk for one token: `nibbles` from _nibbles, the
+        token's activation words (1, CW) and per-lane d8 / offsets (1, 32) in the tiles' layouts."""
+        lo_nibbles, hi_nibbles, lo_scale, hi_scale = nibbles
+        GROUP: gl.constexpr = lo_nibbles.shape[0]
+        lo_words, _ = gl.broadcast(lo_words, lo_nibbles)
+        hi_words, _ = gl.broadcast(hi_words, lo_nibbles)
+        zero = gl.full(lo_nibbles.shape, 0, gl.int32, lo_nibbles.type.layout)
+        lo_dots = _dp4a_nibbles(lo_nibbles, lo_words, zero)
+        hi_dots = _dp4a_nibbles(hi_nibbles, hi_words, zero)
         lo_dot = gl.convert_layout(gl.reduce(gl.reshape(lo_dots, [GROUP, 32, 4]), 2, _add), BL).to(gl.float32)
         hi_dot = gl.convert_layout(gl.reduce(gl.reshape(hi_dots, [GROUP, 32, 4]), 2, _add), BL).to(gl.float32)
-        return (lo_scale.to(gl.float32) * (lo_d * lo_dot - lo_offset)
-                + hi_scale.to(gl.float32) * (hi_d * hi_dot - hi_offset))
+        return lo_scale * (lo_d * lo_dot - lo_offset) + hi_scale * (hi_d * hi_dot - hi_offset)
 
     @gluon.jit
     def _q4_gemv_persistent_kernel(
         x_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr,
-        N, K, K_WORDS, KB, stride_wn, stride_sb,
+        M, N, K, K_WORDS, KB, stride_xm, stride_om, stride_wn, stride_sb,
         HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
-        K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr,
+        K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, TOKENS: gl.constexpr,
     ):
-        """out[0, n] = Q8_1(x[0, :]) . Q4_0(W[n, :]) (+ bias). Groups, chunks and ring as in the FP4
-        kernel; KB: scale blocks per row (K padded to 64, over 32)."""
+        """out[m, n] = Q8_1(x[m, :]) . Q4_0(W[n, :]) (+ bias) for the M <= TOKENS tokens. Groups, chunks
+        and ring as in the FP4 kernel; a chunk's nibbles are decoded once and meet every token's
+        activations; KB: scale blocks per row (K padded to 64, over 32)."""
         CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS): 32 lanes x 4
+        CP: gl.constexpr = CHUNKS_PAD
         GROUP: gl.constexpr = ROWS * WARPS
         WL: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [WARPS, 1], [1, 0])
         BL: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS, 1], [1, 0])
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        words_smem = gl.allocate_shared_memory(gl.int32, [2 * CHUNKS_PAD, CW], PLAIN)  # lo chunks, hi chunks
-        lanes_smem = gl.allocate_shared_memory(gl.float32, [4 * CHUNKS_PAD, 32], PLAIN)  # lo d8, hi d8, offsets
+        # per token: its lo chunks, then its hi chunks
+        words_smem = gl.allocate_shared_memory(gl.int32, [2 * TOKENS * CP, CW], PLAIN)
+        # per token: lo d8, hi d8, lo offsets, hi offsets, CP chunks each
+        lanes_smem = gl.allocate_shared_memory(gl.float32, [4 * TOKENS * CP, 32], PLAIN)
         r_w = gl.arange(0, GROUP, layout=gl.SliceLayout(1, WL))
         w_w = gl.arange(0, CW, layout=gl.SliceLayout(0, WL))
         r_b = gl.arange(0, GROUP, layout=gl.SliceLayout(1, BL))
@@ -167,54 +176,78 @@ if gluon is not None:
             ring = ring + (_ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b,
                                        (first + t // K_CHUNKS * programs) * GROUP, t % K_CHUNKS, stride_wn,
                                        stride_sb, N, K_WORDS, KB, CW),)
-        for s in gl.static_range(CHUNKS_PAD // WARPS):
-            lo_w, hi_w, lo_d, hi_d, lo_o, hi_o = _quantize_q8_1(x_ptr + s * WARPS * CW * 8, K - s * WARPS * CW * 8,
-                                                                 WARPS)
-            words_smem.slice(s * WARPS, WARPS).store(lo_w)
-            words_smem.slice(CHUNKS_PAD + s * WARPS, WARPS).store(hi_w)
-            lanes_smem.slice(s * WARPS, WARPS).store(lo_d)
-            lanes_smem.slice(CHUNKS_PAD + s * WARPS, WARPS).store(hi_d)
-            lanes_smem.slice(2 * CHUNKS_PAD + s * WARPS, WARPS).store(lo_o)
-            lanes_smem.slice(3 * CHUNKS_PAD + s * WARPS, WARPS).store(hi_o)
+        for tok in gl.static_range(TOKENS):
+            for s in gl.static_range(CP // WARPS):
+                limit = gl.where(tok < M, K - s * WARPS * CW * 8, 0)  # a token past M reads nothing
+                lo_w, hi_w, lo_d, hi_d, lo_o, hi_o = _quantize_q8_1(x_ptr + tok * stride_xm + s * WARPS * CW * 8,
+                                                                     limit, WARPS)
+                words_smem.slice((2 * tok) * CP + s * WARPS, WARPS).store(lo_w)
+                words_smem.slice((2 * tok + 1) * CP + s * WARPS, WARPS).store(hi_w)
+                lanes_smem.slice((4 * tok) * CP + s * WARPS, WARPS).store(lo_d)
+                lanes_smem.slice((4 * tok + 1) * CP + s * WARPS, WARPS).store(hi_d)
+                lanes_smem.slice((4 * tok + 2) * CP + s * WARPS, WARPS).store(lo_o)
+                lanes_smem.slice((4 * tok + 3) * CP + s * WARPS, WARPS).store(hi_o)
         _cta_barrier()
         for g in range(first, groups, programs):
-            acc = gl.full([GROUP, 32], 0.0, gl.float32, BL)
+            accs = ()
+            for tok in gl.static_range(TOKENS):
+                accs = accs + (gl.full([GROUP, 32], 0.0, gl.float32, BL),)
             for c in gl.static_range(K_CHUNKS):
                 ahead = _ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b,
                                     (g + (c + DEPTH) // K_CHUNKS * programs) * GROUP, (c + DEPTH) % K_CHUNKS,
                                     stride_wn, stride_sb, N, K_WORDS, KB, CW)
-                acc += _chunk_sums(ring[0], words_smem.slice(c, 1).load(WL),
-                                   words_smem.slice(CHUNKS_PAD + c, 1).load(WL),
-                                   lanes_smem.slice(c, 1).load(BL), lanes_smem.slice(CHUNKS_PAD + c, 1).load(BL),
-                                   lanes_smem.slice(2 * CHUNKS_PAD + c, 1).load(BL),
-                                   lanes_smem.slice(3 * CHUNKS_PAD + c, 1).load(BL), BL)
+                nibbles = _nibbles(ring[0])
+                for tok in gl.static_range(TOKENS):
+                    sums = _token_sums(nibbles, words_smem.slice((2 * tok) * CP + c, 1).load(WL),
+                                       words_smem.slice((2 * tok + 1) * CP + c, 1).load(WL),
+                                       lanes_smem.slice((4 * tok) * CP + c, 1).load(BL),
+                                       lanes_smem.slice((4 * tok + 1) * CP + c, 1).load(BL),
+                                       lanes_smem.slice((4 * tok + 2) * CP + c, 1).load(BL),
+                                       lanes_smem.slice((4 * tok + 3) * CP + c, 1).load(BL), BL)
+                    accs = accs[:tok] + (accs[tok] + sums,) + accs[tok + 1:]
                 ring = ring[1:] + (ahead,)
             offs_n = g * GROUP + r_b
-            total = gl.reduce(acc, 1, _add)
             if HAS_BIAS:
-                total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
-            gl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+                bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
+            for tok in gl.static_range(TOKENS):
+                total = gl.reduce(accs[tok], 1, _add)
+                if HAS_BIAS:
+                    total += bias
+                gl.store(out_ptr + tok * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
+                         mask=(offs_n < N) & (tok < M))
+
+
+MAX_TOKENS = 8  # token rows one launch takes: each token's activations sit in shared memory
+
+
+def shared_memory_bytes(tokens: int, chunks_pad: int) -> int:
+    """The activations' shared memory of one program: per token and chunk, 2 x 128 int8 words and
+    4 x 32 fp32 lane values."""
+    return tokens * chunks_pad * (2 * CHUNK_WORDS * 4 + 4 * 32 * 4)
 
 
 def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                        rows: int = 2, num_warps: int = 8, programs_per_sm: int = 2, depth: int = 1) -> torch.Tensor:
-    """(1, K) x -> (1, N) in x's dtype for Q4_0 weights in the kernel layout (qweight uint8 [N, Kp/2],
-    scales fp16 [Kp/32, N]): each warp owns `rows` rows, min(N / (rows x num_warps), SMs x
-    programs_per_sm) programs; `depth`: chunks loaded ahead of the one decoded."""
+    """(M, K) x, M <= MAX_TOKENS -> (M, N) in x's dtype for Q4_0 weights in the kernel layout (qweight
+    uint8 [N, Kp/2], scales fp16 [Kp/32, N]): each warp owns `rows` rows, min(N / (rows x num_warps),
+    SMs x programs_per_sm) programs; `depth`: chunks loaded ahead of the one decoded."""
     n, k = qweight.shape[0], x.shape[-1]
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"x of shape {tuple(x.shape)}: expected one token, (1, K)")
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
+        raise ValueError(f"x of shape {tuple(x.shape)}: expected (M, K) with 1 <= M <= {MAX_TOKENS} tokens")
     if k % 32 or qweight.shape[1] * 2 < k or scales.shape != (qweight.shape[1] // 16, n) or qweight.shape[1] % 32:
-        raise ValueError(f"x (1, {k}), qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}: expected K a "
+        raise ValueError(f"x (M, {k}), qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}: expected K a "
                          "multiple of 32, qweight (N, Kp / 2) uint8 with Kp = K padded to 64 and scales (Kp / 32, N)")
     check_tile(x, rows, num_warps, depth, programs_per_sm)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    m = x.shape[0]
     k_words = qweight.shape[1] // 4
     k_chunks, chunks_pad = chunks(qweight.shape[1] * 2, num_warps)
     x = x.contiguous()
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n, rows, num_warps, programs_per_sm), x, qweight, scales, bias if bias is not None else out, out,
-           n, k, k_words, scales.shape[0], qweight.stride(0) // 4, scales.stride(0), HAS_BIAS=bias is not None,
-           ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad, DEPTH=depth, num_warps=num_warps)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n, rows, num_warps, programs_per_sm),
+           x, qweight, scales, bias if bias is not None else out, out,
+           m, n, k, k_words, scales.shape[0], x.stride(0), out.stride(0), qweight.stride(0) // 4, scales.stride(0),
+           HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
+           DEPTH=depth, TOKENS=m, num_warps=num_warps)
     return out

@@ -204,18 +204,18 @@ def tma_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
 
 
 def persistent_runs(x2: torch.Tensor) -> bool:
-    """Whether decode_persistent's kernel can run this call: one token, bf16 or fp16, an sm_80+ GPU
+    """Whether decode_persistent's kernel can run this call: 1-8 tokens, bf16 or fp16, an sm_80+ GPU
     (never the interpreter)."""
-    return not INTERPRET and x2.shape[0] == 1 and decode_persistent.supports(x2)
+    return not INTERPRET and 1 <= x2.shape[0] <= decode_persistent.MAX_TOKENS and decode_persistent.supports(x2)
 
 
 def persistent_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                       config: TileConfig) -> torch.Tensor:
-    """decode_persistent's one-token decode of x2 (1, K) with a "persistent" tile: (1, N) in x2's
+    """decode_persistent's decode of x2 (M, K), M <= 8, with a "persistent" tile: (M, N) in x2's
     dtype. A Gluon kernel, so graphopt::q4_gluon_linear, an opaque op, calls this in a graph."""
     if not persistent_runs(x2):
-        raise ValueError(f"a persistent config needs one token ({x2.shape[0]} here), bf16 or fp16 activations and "
-                         "an sm_80+ GPU (not the interpreter)")
+        raise ValueError(f"a persistent config needs 1-{decode_persistent.MAX_TOKENS} tokens ({x2.shape[0]} here), "
+                         "bf16 or fp16 activations and an sm_80+ GPU (not the interpreter)")
     return decode_persistent.q4_gemv_persistent(x2, qweight, scales, _check_bias(bias, qweight.shape[0]),
                                                 rows=config.block_n // config.num_warps, num_warps=config.num_warps,
                                                 programs_per_sm=config.programs_per_sm, depth=config.num_stages)
