@@ -18,10 +18,9 @@ if triton is not None:
     # (tests/ops/test_inductor_source.py).
     E2M1_INT8_LANES_PTX = tl.constexpr(" ".join((
         "{",
-        ".reg .b32 sel_lo, sel_hi, w_hi, w4, pos_lo, pos_hi, neg_lo, neg_hi, m_lo, m_hi;",
-        "and.b32 sel_lo, $2, 0x7777;",
-        "shr.u32 w_hi, $2, 16;",
-        "and.b32 sel_hi, w_hi, 0x7777;",
+        ".reg .b32 sel_lo, sel_hi, w4, pos_lo, pos_hi, neg_lo, neg_hi, m_lo, m_hi;",
+        "and.b32 sel_lo, $2, 0x77777777;",  # PRMT reads the low 16 bits of its selector
+        "shr.u32 sel_hi, sel_lo, 16;",
         "prmt.b32 pos_lo, $3, $4, sel_lo;",
         "prmt.b32 pos_hi, $3, $4, sel_hi;",
         "prmt.b32 neg_lo, $5, $6, sel_lo;",

@@ -281,7 +281,7 @@ if triton is not None:
     @triton.jit
     def _e2m1_int8_lanes(words, USE_ASM: tl.constexpr):
         """int32 code words -> (lo, hi): lane i (byte i) of lo holds twice the e2m1 value of nibble
-        i, of hi that of nibble 4 + i, as signed int8. USE_ASM: 12 instructions per word. PRMT
+        i, of hi that of nibble 4 + i, as signed int8. USE_ASM: 11 instructions per word. PRMT
         looks up each magnitude in a positive and a negative byte table (twice the e2m1 values
         0, 1, 2, 3, 4, 6, 8, 12 and their negatives, indexed by the magnitude bits; ptxas moves
         one table word in from a uniform register at each use); a third PRMT per half
