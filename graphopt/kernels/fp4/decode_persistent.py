@@ -126,6 +126,20 @@ if gluon is not None:
         return gl.load(ptrs + row0 * stride + col0, mask=mask, other=0)
 
     @gluon.jit
+    def _word_slots(t, NB: gl.constexpr, WPB: gl.constexpr):
+        """(GROUP, NB x WPB) -> WPB tensors (GROUP, NB): the words of every scale block at one
+        position (in some order; the block sums do not depend on it)."""
+        GROUP: gl.constexpr = t.shape[0]
+        if WPB == 2:
+            first, second = gl.split(gl.reshape(t, [GROUP, NB, 2]))
+            return (first, second)
+        else:
+            even, odd = gl.split(gl.reshape(t, [GROUP, NB, 2, 2]))
+            w0, w2 = gl.split(even)
+            w1, w3 = gl.split(odd)
+            return (w0, w1, w2, w3)
+
+    @gluon.jit
     def _chunk_sums(words, scale_bytes, a0, a1, a2, a3, step, opaque_zero, IS_NVFP4: gl.constexpr,
                     BL: gl.constexpr):
         """(GROUP, NB) fp32 block sums of one chunk: words (GROUP, CW) and scale bytes (GROUP, NB) in their
@@ -133,16 +147,22 @@ if gluon is not None:
         GROUP: gl.constexpr = words.shape[0]
         WPB: gl.constexpr = 2 if IS_NVFP4 else 4
         NB: gl.constexpr = words.shape[1] // WPB
-        lo, hi = _int8_lanes(words, opaque_zero)
-        a0, _ = gl.broadcast(a0, lo)
-        a1, _ = gl.broadcast(a1, lo)
-        a2, _ = gl.broadcast(a2, lo)
-        a3, _ = gl.broadcast(a3, lo)
-        dots = _dp2a(a0, lo, gl.full(words.shape, 0, gl.int32, words.type.layout), False)
-        dots = _dp2a(a1, lo, dots, True)
-        dots = _dp2a(a2, hi, dots, False)
-        dots = _dp2a(a3, hi, dots, True)
-        block_dots = gl.convert_layout(gl.reduce(gl.reshape(dots, [GROUP, NB, WPB]), 2, _add), BL)  # exact
+        a0, _ = gl.broadcast(a0, words)
+        a1, _ = gl.broadcast(a1, words)
+        a2, _ = gl.broadcast(a2, words)
+        a3, _ = gl.broadcast(a3, words)
+        # one dp2a chain per scale block, over its words (a thread holds whole blocks): no zeroed
+        # accumulator per word and no sum of the words' dots after
+        slots, s0, s1, s2, s3 = _word_slots(words, NB, WPB), _word_slots(a0, NB, WPB), _word_slots(a1, NB, WPB), \
+            _word_slots(a2, NB, WPB), _word_slots(a3, NB, WPB)
+        dots = gl.full(slots[0].shape, 0, gl.int32, slots[0].type.layout)
+        for j in gl.static_range(WPB):
+            lo, hi = _int8_lanes(slots[j], opaque_zero)
+            dots = _dp2a(s0[j], lo, dots, False)
+            dots = _dp2a(s1[j], lo, dots, True)
+            dots = _dp2a(s2[j], hi, dots, False)
+            dots = _dp2a(s3[j], hi, dots, True)
+        block_dots = gl.convert_layout(dots, BL)  # exact
         if IS_NVFP4:  # e4m3 -> value * 2^-8 by bit placement
             b16 = scale_bytes.to(gl.uint16)
             block_scale = (((b16 & 0x7F) << 7) | ((b16 & 0x80) << 8)).to(gl.float16, bitcast=True).to(gl.float32)

@@ -179,7 +179,7 @@ def _persistent_tile_fits(cfg: TileConfig) -> bool:
 # decode_persistent's tiles (rows per warp, warps, programs per SM, chunks ahead). One token: the
 # four fastest on LLaMA-3-8B's decode shapes in bench_decode_persistent.py --formats q4_0
 # (results/q4_persistent_h200.json); 4 x 4, 4 per SM, one ahead was fastest on all four. 2-8
-# tokens: tiles that build for sm_90 without spills at K = 4096 (and at K = 14336 up to 2 tokens,
+# tokens: tiles that build for sm_90 without spills at K = 4096 (and at K = 14336 up to 4 tokens,
 # one row per warp), not yet timed on a GPU.
 _PERSISTENT_TILES = ((4, 4, 4, 1), (2, 4, 4, 1), (2, 8, 2, 2), (2, 8, 2, 1))
 _PERSISTENT_MULTI_TOKEN_TILES = ((2, 8, 2, 1), (1, 8, 4, 1), (2, 4, 4, 1))

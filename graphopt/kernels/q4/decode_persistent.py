@@ -31,7 +31,7 @@ from graphopt.kernels.launch import launch
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
-    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_tile, _larger
+    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_tile, _larger, _word_slots
     from graphopt.kernels.fp4_tma import _cta_barrier
 
 __all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "MAX_TOKENS", "ROWS_CHOICES", "WARPS_CHOICES",
@@ -133,14 +133,18 @@ if gluon is not None:
         """(GROUP, 32) fp32 per-lane sums of one chunk for one token: `nibbles` from _nibbles, the
         token's activation words (1, CW) and per-lane d8 / offsets (1, 32) in the tiles' layouts."""
         lo_nibbles, hi_nibbles, lo_scale, hi_scale = nibbles
-        GROUP: gl.constexpr = lo_nibbles.shape[0]
         lo_words, _ = gl.broadcast(lo_words, lo_nibbles)
         hi_words, _ = gl.broadcast(hi_words, lo_nibbles)
-        zero = gl.full(lo_nibbles.shape, 0, gl.int32, lo_nibbles.type.layout)
-        lo_dots = _dp4a_nibbles(lo_nibbles, lo_words, zero)
-        hi_dots = _dp4a_nibbles(hi_nibbles, hi_words, zero)
-        lo_dot = gl.convert_layout(gl.reduce(gl.reshape(lo_dots, [GROUP, 32, 4]), 2, _add), BL).to(gl.float32)
-        hi_dot = gl.convert_layout(gl.reduce(gl.reshape(hi_dots, [GROUP, 32, 4]), 2, _add), BL).to(gl.float32)
+        # a lane's four words in one dp4a chain each: no sum of per-word dots after
+        lo_n, hi_n = _word_slots(lo_nibbles, 32, 4), _word_slots(hi_nibbles, 32, 4)
+        lo_a, hi_a = _word_slots(lo_words, 32, 4), _word_slots(hi_words, 32, 4)
+        lo_dot = gl.full(lo_n[0].shape, 0, gl.int32, lo_n[0].type.layout)
+        hi_dot = gl.full(lo_n[0].shape, 0, gl.int32, lo_n[0].type.layout)
+        for j in gl.static_range(4):
+            lo_dot = _dp4a_nibbles(lo_n[j], lo_a[j], lo_dot)
+            hi_dot = _dp4a_nibbles(hi_n[j], hi_a[j], hi_dot)
+        lo_dot = gl.convert_layout(lo_dot, BL).to(gl.float32)
+        hi_dot = gl.convert_layout(hi_dot, BL).to(gl.float32)
         return lo_scale * (lo_d * lo_dot - lo_offset) + hi_scale * (hi_d * hi_dot - hi_offset)
 
     @gluon.jit
