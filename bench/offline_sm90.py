@@ -6,6 +6,7 @@ registers, stack (spills), shared memory and the instructions of the hot loop.
     python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
     python bench/offline_sm90.py q4gemv ROWS BLOCK_N PAIRS WARPS {fused,separate}
     python bench/offline_sm90.py fp4gemv {fma,mma,int} BLOCK_M BLOCK_N BLOCK_K WARPS [--mxfp4] [--permute-x]
+    python bench/offline_sm90.py persistent {nvfp4,mxfp4,q4_0} ROWS WARPS K [--depth D] [--tokens T]
     python bench/offline_sm90.py pool SLICE_ELEMENTS WARPS LOOP_STAGES
 
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
@@ -23,7 +24,9 @@ and prints how its dots are lowered (warpgroup MMA with A from registers, or not
 the dp4a decode kernel (ROWS token rows per program) and prints its K loop's SASS instructions per
 thread and per 32-bit weight word. `fp4gemv` builds an FP4 decode kernel (CUDA-core FMA, tensor-core
 or integer-dot, BLOCK_M tokens per program, bf16 activations) and prints the same per-word figure.
-`pool` builds the sparse predictor's pooling launch (D=128, bf16, 128-token query and 64-token key
+`persistent` builds a persistent decode (fp4/ or q4/decode_persistent.py; ROWS
+rows per warp, K input features) and prints its group loop's SASS instructions per thread and per
+code word. `pool` builds the sparse predictor's pooling launch (D=128, bf16, 128-token query and 64-token key
 blocks) and prints its registers (which bound how many programs an SM holds) and its global loads.
 
 Uses the installed triton's bundled cuobjdump / nvdisasm; the figures depend on the triton version
@@ -282,6 +285,32 @@ def fp4gemv(args) -> None:
     print_word_loop(sass, args.block_n * args.block_k / 8 / (32 * args.warps))
 
 
+def persistent(args) -> None:
+    from graphopt.kernels.fp4 import decode_persistent as fp4_persistent
+    from graphopt.kernels.q4 import decode_persistent as q4_persistent
+
+    k_chunks, chunks_pad = fp4_persistent.chunks(args.k, args.warps)
+    consts = dict(HAS_BIAS=False, ROWS=args.rows, WARPS=args.warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
+                  DEPTH=args.depth)
+    if args.format == "q4_0":
+        fn = q4_persistent._q4_gemv_persistent_kernel
+        types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16")
+        consts["TOKENS"] = args.tokens
+    else:
+        fn = fp4_persistent._fp4_gemv_persistent_kernel
+        types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
+                     out_ptr="*bf16")
+        consts["IS_NVFP4"] = args.format == "nvfp4"
+    div16 = [n for n in ("x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "N", "stride_wn", "stride_sn",
+                         "stride_sb", "stride_xm", "stride_om") if n in fn.arg_names]
+    kernel = compile_sm90(fn, types, consts, div16, args.warps, gluon=True)
+    sass, resources = sass_and_resources(kernel)
+    print(f"persistent {args.format} rows={args.rows} warps={args.warps} K={args.k} depth={args.depth} "
+          f"tokens={args.tokens}: {resources}")
+    # the group loop holds every chunk of a row, unrolled: rows x 4 words per lane and chunk
+    print_word_loop(sass, args.rows * 4 * k_chunks)
+
+
 def pool(args) -> None:
     from graphopt.kernels import sparse_attention as sa
 
@@ -332,11 +361,18 @@ def main() -> int:
     p.add_argument("--mxfp4", action="store_true")
     p.add_argument("--permute-x", action="store_true", help="mma: activations pre-permuted (X_PERMUTED)")
     p.add_argument("--stages", type=int, default=1, help="num_stages (the launcher uses 1)")
+    p = sub.add_parser("persistent")
+    p.add_argument("format", choices=("nvfp4", "mxfp4", "q4_0"))
+    for name in ("rows", "warps", "k"):
+        p.add_argument(name, type=int)
+    p.add_argument("--depth", type=int, default=1, help="chunks loaded ahead")
+    p.add_argument("--tokens", type=int, default=1, help="q4_0: tokens per launch")
     p = sub.add_parser("pool")
     for name in ("slice_elements", "warps", "loop_stages"):
         p.add_argument(name, type=int)
     args = parser.parse_args()
-    {"sparse": sparse, "sparse-configs": sparse_configs, "q4gemm": q4gemm, "q4gemv": q4gemv, "fp4gemv": fp4gemv, "pool": pool}[args.kernel](args)
+    {"sparse": sparse, "sparse-configs": sparse_configs, "q4gemm": q4gemm, "q4gemv": q4gemv, "fp4gemv": fp4gemv,
+     "persistent": persistent, "pool": pool}[args.kernel](args)
     return 0
 
 
