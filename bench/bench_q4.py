@@ -132,7 +132,7 @@ def bench_shape(k: int, n: int, rows: list, checks: list, copy_gbps: float) -> N
         # pre-quantized GEMM, which takes the separate mode's Q8_1-bytes tiles only (no tma)
         tuned: dict[str, q4.TileConfig | None] = {}
         for name, mode, allow_gluon in (("fused", "fused", False), ("separate", "separate", True),
-                                      ("prequant_gemm", "separate", False)):
+                                        ("prequant_gemm", "separate", False)):
             try:
                 tuned[name] = tuned_tile(x, qweight, scales, mode, allow_gluon)
             except Exception as exc:  # the variant then runs the untuned default

@@ -72,6 +72,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def q4_gluon_node(x, qweight, scales, kernel):
+    """The one call node of a fake-mode trace of graphopt::q4_gluon_linear(x, qweight, scales, None,
+    kernel): what a graph that runs a Gluon Q4 tile holds."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, qweight, scales):
+        return torch.ops.graphopt.q4_gluon_linear(x, qweight, scales, None, kernel)
+
+    (node,) = [n for n in make_fx(step, tracing_mode="fake")(x, qweight, scales).graph.nodes if n.op == "call_function"]
+    return node
+
+
 def replayed_in_cuda_graph(call):
     """call() captured in a CUDA graph and replayed once: the captured output, synchronized."""
     graph = torch.cuda.CUDAGraph()

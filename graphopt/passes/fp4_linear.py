@@ -324,8 +324,8 @@ def _tuned_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> str:
     """The op's compile-time kernel choice: the cost model's path on the GPU the weights live on
     (graphopt.cost.fp4.device_path) with its tiles timed now, for a static token count in a graph
     that goes to a compiler ("" otherwise). The Gluon decodes (fp4_tma's, decode_persistent's) are
-    candidates only under CUDA graphs, where their opaque op's Python launch is not paid per call. A failed timing costs speed, never the
-    rewrite."""
+    candidates only under CUDA graphs, where their opaque op's Python launch is not paid per call. A
+    failed timing costs speed, never the rewrite."""
     if not (ctx.hardware.is_gpu and info["static_tokens"] and kw.codes.is_cuda) or ctx.for_export:
         return ""
     bias = torch.randn(kw.out_features, device=kw.codes.device, dtype=info["act_dtype"]) if has_bias else None

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.offline_sm90 import compile_sm90, loops, sass_and_resources
-from tests.conftest import replayed_in_cuda_graph
+from tests.conftest import q4_gluon_node, replayed_in_cuda_graph
 from graphopt.kernels import q4
 from graphopt.kernels.q4 import decode_persistent as dp
 
@@ -108,8 +108,6 @@ def test_a_persistent_kernel_string_runs_the_opaque_gluon_op(monkeypatch):
     """q4_linear's body (a triton_op that Inductor emits as source) never launches a Gluon kernel
     itself: in either mode a persistent tile goes to graphopt::q4_gluon_linear, one opaque node in a
     trace, which refuses strings that select no Gluon tile."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     from graphopt.kernels import tuning
 
     qw, sc = q4.quantize_weight(torch.randn(64, 256))
@@ -130,11 +128,7 @@ def test_a_persistent_kernel_string_runs_the_opaque_gluon_op(monkeypatch):
             assert out.shape == (1, 1, 64)
         assert calls == [tile, tile]
 
-    def step(x, qweight, scales):
-        return torch.ops.graphopt.q4_gluon_linear(x, qweight, scales, None, kernel)
-
-    graph = make_fx(step, tracing_mode="fake")(x, qw, sc).graph
-    (node,) = [n for n in graph.nodes if n.op == "call_function"]
+    node = q4_gluon_node(x, qw, sc, kernel)
     assert node.target is torch.ops.graphopt.q4_gluon_linear.default
     assert node.meta["val"].shape == (1, 64) and node.meta["val"].dtype == torch.bfloat16
     with pytest.raises(ValueError, match="selects no Gluon tile"):

@@ -11,6 +11,7 @@ from bench.offline_sm90 import compile_sm90, sass_and_resources
 import graphopt  # noqa: F401  (registers graphopt::* ops)
 from graphopt.kernels import q4, q4_tma, tuning
 from graphopt.kernels.q4 import TileConfig
+from tests.conftest import q4_gluon_node
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 needs_gluon = pytest.mark.skipif(q4_tma.gluon is None, reason="this Triton has no Gluon")
@@ -66,8 +67,6 @@ def test_tma_config_needs_the_separate_path_and_a_hopper_gpu():
 def test_a_tma_kernel_string_runs_the_opaque_decode_op(monkeypatch):
     """Gluon kernels are not Triton JIT functions Inductor can launch: for a tma tile q4_linear's
     body calls graphopt::q4_gluon_linear, which a trace keeps as one opaque node."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     qw, sc = q4.quantize_weight(torch.randn(64, 256))
     x = torch.randn(3, 256, dtype=torch.bfloat16)
     kernel = tuning.encode(_tile(block_m=8))
@@ -83,11 +82,7 @@ def test_a_tma_kernel_string_runs_the_opaque_decode_op(monkeypatch):
         assert torch.ops.graphopt.q4_linear(x.reshape(1, 3, 256), qw, sc, None, "separate", kernel).shape == (1, 3, 64)
         assert calls == [_tile(block_m=8)]
 
-    def step(x, qweight, scales):
-        return torch.ops.graphopt.q4_gluon_linear(x, qweight, scales, None, kernel)
-
-    graph = make_fx(step, tracing_mode="fake")(x, qw, sc).graph
-    (node,) = [n for n in graph.nodes if n.op == "call_function"]
+    node = q4_gluon_node(x, qw, sc, kernel)
     assert node.target is torch.ops.graphopt.q4_gluon_linear.default
     assert node.meta["val"].shape == (3, 64) and node.meta["val"].dtype == torch.bfloat16
 

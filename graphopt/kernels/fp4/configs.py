@@ -150,12 +150,10 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
     if path == "dequant":
         return True
     if cfg.programs_per_sm:  # the persistent one-token kernel: its own tile rules
-        rows, depth = cfg.block_n // cfg.num_warps, cfg.num_stages
         return (path == "gemv" and m <= 1 and cfg.block_m == 1 and cfg.split_k == 1
                 and not (cfg.int_dots or cfg.permute_x or cfg.tma) and cfg.block_n % cfg.num_warps == 0
-                and rows in decode_persistent.ROWS_CHOICES and cfg.num_warps in decode_persistent.WARPS_CHOICES
-                and depth in decode_persistent.DEPTH_CHOICES
-                and rows * (depth + 1) <= decode_persistent.MAX_ROWS_IN_FLIGHT)
+                and decode_persistent.tile_problem(cfg.block_n // cfg.num_warps, cfg.num_warps, cfg.num_stages,
+                                                   cfg.programs_per_sm) is None)
 
     def power_of_two(v: int) -> bool:
         return v > 0 and v & (v - 1) == 0

@@ -253,16 +253,23 @@ def chunks(k_padded: int, num_warps: int) -> tuple[int, int]:
     return k_chunks, max(1 << (k_chunks - 1).bit_length(), num_warps)
 
 
+def tile_problem(rows: int, num_warps: int, depth: int, programs_per_sm: int) -> str | None:
+    """What makes a tile one the persistent kernels (FP4 and Q4) do not take, or None: the launchers
+    raise it, the tuners' tile rules (fp4 and q4 configs) leave such tiles out."""
+    if rows not in ROWS_CHOICES or num_warps not in WARPS_CHOICES or depth not in DEPTH_CHOICES or programs_per_sm < 1:
+        return (f"rows {rows}, num_warps {num_warps}, depth {depth}, programs_per_sm {programs_per_sm}: expected rows "
+                f"in {ROWS_CHOICES}, num_warps in {WARPS_CHOICES}, depth in {DEPTH_CHOICES}, programs_per_sm >= 1")
+    if rows * (depth + 1) > MAX_ROWS_IN_FLIGHT:
+        return (f"rows {rows} at depth {depth} keep {rows * (depth + 1)} rows of words in registers, at most "
+                f"{MAX_ROWS_IN_FLIGHT}: fewer rows or a smaller depth")
+    return None
+
+
 def check_tile(x: torch.Tensor, rows: int, num_warps: int, depth: int, programs_per_sm: int) -> None:
     """The launch checks the persistent kernels share: a tile the kernels take, and x where they run.
     `supports` is this module's (bf16 / fp16 on an sm_80+ GPU), which the Q4 kernel shares."""
-    if rows not in ROWS_CHOICES or num_warps not in WARPS_CHOICES or depth not in DEPTH_CHOICES or programs_per_sm < 1:
-        raise ValueError(f"rows {rows}, num_warps {num_warps}, depth {depth}, programs_per_sm {programs_per_sm}: "
-                         f"expected rows in {ROWS_CHOICES}, num_warps in {WARPS_CHOICES}, depth in {DEPTH_CHOICES}, "
-                         f"programs_per_sm >= 1")
-    if rows * (depth + 1) > MAX_ROWS_IN_FLIGHT:
-        raise ValueError(f"rows {rows} at depth {depth} keep {rows * (depth + 1)} rows of words in registers, at most "
-                         f"{MAX_ROWS_IN_FLIGHT}: fewer rows or a smaller depth")
+    if (problem := tile_problem(rows, num_warps, depth, programs_per_sm)) is not None:
+        raise ValueError(problem)
     if not supports(x):
         raise ValueError(f"x on {x.device} as {x.dtype}: this Gluon kernel needs a CUDA GPU of compute capability 8.0 "
                          "or newer and bf16 or fp16 activations")

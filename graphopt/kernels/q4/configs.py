@@ -171,9 +171,7 @@ def tma_configs(m: int) -> list[TileConfig]:
 def _persistent_tile_fits(cfg: TileConfig) -> bool:
     rows = cfg.block_n // max(cfg.num_warps, 1)
     return (1 <= cfg.block_m <= decode_persistent.MAX_TOKENS and cfg.split_k == 1 and rows * cfg.num_warps == cfg.block_n
-            and rows in decode_persistent.ROWS_CHOICES and cfg.num_warps in decode_persistent.WARPS_CHOICES
-            and cfg.num_stages in decode_persistent.DEPTH_CHOICES
-            and rows * (cfg.num_stages + 1) <= decode_persistent.MAX_ROWS_IN_FLIGHT)
+            and decode_persistent.tile_problem(rows, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm) is None)
 
 
 # decode_persistent's tiles (rows per warp, warps, programs per SM, chunks ahead). One token: the

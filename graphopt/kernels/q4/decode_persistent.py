@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from graphopt.kernels.fp4.decode_persistent import (CHUNK_WORDS, DEPTH_CHOICES, MAX_ROWS_IN_FLIGHT, ROWS_CHOICES,
-                                                    WARPS_CHOICES, check_tile, chunks, gluon, persistent_grid, supports)
+                                                    WARPS_CHOICES, check_tile, chunks, gluon, persistent_grid, supports,
+                                                    tile_problem)
 from graphopt.kernels.launch import launch
 
 if gluon is not None:
@@ -35,7 +36,7 @@ if gluon is not None:
     from graphopt.kernels.fp4_tma import _cta_barrier
 
 __all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "MAX_TOKENS", "ROWS_CHOICES", "WARPS_CHOICES",
-           "chunks", "q4_gemv_persistent", "shared_memory_bytes", "supports"]
+           "chunks", "q4_gemv_persistent", "shared_memory_bytes", "supports", "tile_problem"]
 
 
 if gluon is not None:
