@@ -43,7 +43,6 @@ import torch.fx as fx
 import graphopt.ops  # noqa: F401  (the rewrites emit graphopt::* ops; `import graphopt` may not have loaded them)
 from graphopt.config import GraphOptConfig
 from graphopt.hardware import HardwareSpec, get_spec
-from graphopt.kernels.launch import programmatic_launch
 from graphopt.logging_setup import configure_logging
 from graphopt.passes import graph_copy, run_passes
 from graphopt.passes.base import Decision, PassContext
@@ -270,15 +269,6 @@ class _LocalShardInputs:
         return self.compiled(values) if boxed else self.compiled(*values)
 
 
-def _programmatic_launch(example_inputs: list) -> bool:
-    """Whether graphopt's kernels launch with PDL on the graph's GPU (kernels.launch.programmatic_launch),
-    and this Inductor can do the same for its own."""
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    from torch._inductor import config as inductor_config
-
-    return device is not None and programmatic_launch(device) and hasattr(inductor_config.triton, "enable_pdl")
-
-
 def _downstream(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig, mode: str | None):
     if config.downstream == "eager":
         return gm.forward
@@ -292,13 +282,6 @@ def _downstream(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig
             patches = dict(list_mode_options(mode))
         if config.cuda_graphs:
             patches["triton.cudagraphs"] = True
-        if patches.get("triton.cudagraphs") and _programmatic_launch(example_inputs):
-            # Inductor's kernels then launch with PDL too: each waits for the kernel before it only
-            # where it reads that kernel's output, so a graph's chain of small kernels and graphopt's
-            # GEMVs (which stream their weights before waiting) overlap at every boundary. Only under
-            # CUDA graphs: such launches leave Inductor's static launcher for Triton's, whose host cost
-            # a replayed graph does not pay.
-            patches["triton.enable_pdl"] = True
         # Inductor launches its own Triton kernels through its static CUDA launcher, and the kernels
         # of triton_ops (graphopt's) through Triton's Python launcher unless this is set; a kernel
         # the static launcher cannot take falls back (bench/bench_op_host.py measures both).

@@ -89,9 +89,9 @@ def test_every_pass_replays_under_cuda_graphs_with_the_outputs_of_the_plain_grap
 
 @pytest.mark.parametrize("pass_name", ["fp4_linear", "q4_linear"])
 def test_programmatic_dependent_launch_changes_no_output(pass_name, monkeypatch):
-    """One token (the persistent GEMVs' shape) under reduce-overhead: with PDL (graphopt's GEMVs wait
-    in-kernel for the kernel before them, Inductor's kernels too) the replays give the outputs of
-    the same graphs launched without it."""
+    """One token (the persistent GEMVs' shape) under reduce-overhead: with PDL (graphopt's GEMVs
+    start while the kernel before them finishes and wait in-kernel for its output) the replays give
+    the outputs of the same graphs launched without it."""
     import graphopt.kernels.launch as launch
 
     def outputs():

@@ -54,9 +54,11 @@ DIRECT = os.environ.get("GRAPHOPT_DIRECT_LAUNCH", "1") != "0"
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so the mode is fixed at import.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Programmatic dependent launch (sm_90+): a kernel launched with launch_pdl may start while the
-# previous kernel on the stream finishes, and waits for it in-kernel (griddepcontrol.wait) only
-# before it reads that kernel's output; its constant weights stream meanwhile. GRAPHOPT_PDL=0 turns
-# it off (for ablation).
+# previous kernel on the stream finishes, and waits for it in-kernel (griddepcontrol.wait) before it
+# reads that kernel's output; its constant weights stream meanwhile. Only graphopt's persistent
+# GEMVs launch so; kernels after them launch as usual (Inductor's own PDL mode, triton.enable_pdl,
+# is left off: its kernels that read nothing of the kernel before them never wait, so a kernel two
+# launches later can read a buffer still being written). GRAPHOPT_PDL=0 turns it off (ablation).
 PDL = os.environ.get("GRAPHOPT_PDL", "1") != "0"
 # key -> (compiled kernel, the trailing arguments the caller passes by keyword, in signature order)
 _COMPILED: dict[tuple, tuple] = {}

@@ -63,11 +63,10 @@ if gluon is not None:
     def wait_for_previous_grid():
         """PTX griddepcontrol.wait: block until the grid this one depends on (the previous kernel on
         the stream, when this one is launched with launch_pdl) has finished and its writes are
-        visible; then let the next grid launch (griddepcontrol.launch_dependents), whose blocks wait
-        the same way before they read this one's output. Without launch_pdl both are no-ops. So a
-        kernel loads its constant weights first and calls this before it reads its inputs or writes."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        visible; a no-op otherwise. A kernel launched with launch_pdl may start while that kernel's
+        last blocks run: it requests its constant weights first and calls this before it reads its
+        inputs or writes anything."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _larger(a, b):
