@@ -38,8 +38,8 @@ TRITON_TILES = [KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots
                 KernelConfig(16, 1, 512, 1, num_warps=4, num_stages=1, int_dots=True),
                 KernelConfig(16, 1, 256, 8, num_warps=1, num_stages=1, int_dots=True),
                 KernelConfig(32, 1, 256, 8, num_warps=1, num_stages=1, int_dots=True)]
-PERSISTENT_TILES = [(1, 4, 4, 3), (1, 4, 8, 3), (1, 4, 16, 3), (1, 4, 4, 6), (1, 4, 8, 6), (1, 8, 4, 3), (1, 8, 4, 6),
-                    (1, 2, 16, 6), (2, 4, 4, 1), (2, 4, 4, 3), (2, 4, 8, 3), (2, 8, 2, 1), (2, 8, 2, 3), (2, 2, 8, 3),
+PERSISTENT_TILES = [(1, 4, 4, 3), (1, 4, 8, 3), (1, 4, 16, 3), (1, 4, 4, 7), (1, 4, 8, 7), (1, 8, 4, 3), (1, 8, 4, 7),
+                    (1, 2, 16, 7), (2, 4, 4, 1), (2, 4, 4, 3), (2, 4, 8, 3), (2, 8, 2, 1), (2, 8, 2, 3), (2, 2, 8, 3),
                     (4, 4, 4, 1), (4, 4, 8, 1)]  # (rows per warp, warps, programs per SM, chunks ahead)
 
 

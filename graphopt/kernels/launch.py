@@ -27,7 +27,6 @@ makes it the plain JIT launch everywhere.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import threading
@@ -53,27 +52,9 @@ except ImportError:  # pragma: no cover - a Triton without Gluon
 DIRECT = os.environ.get("GRAPHOPT_DIRECT_LAUNCH", "1") != "0"
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so the mode is fixed at import.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Programmatic dependent launch (sm_90+): a kernel launched with launch_pdl may start while the
-# previous kernel on the stream finishes, and waits for it in-kernel (griddepcontrol.wait) before it
-# reads that kernel's output; its constant weights stream meanwhile. Only graphopt's persistent
-# GEMVs launch so; kernels after them launch as usual (Inductor's own PDL mode, triton.enable_pdl,
-# is left off: its kernels that read nothing of the kernel before them never wait, so a kernel two
-# launches later can read a buffer still being written). GRAPHOPT_PDL=0 turns it off (ablation).
-PDL = os.environ.get("GRAPHOPT_PDL", "1") != "0"
 # key -> (compiled kernel, the trailing arguments the caller passes by keyword, in signature order)
 _COMPILED: dict[tuple, tuple] = {}
 MAX_ENTRIES = 4096  # shapes that vary per call (prefill lengths) each add one; past this, start over
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper_or_newer(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether a kernel that waits for the previous grid itself (wait_for_previous_grid) launches with
-    launch_pdl on `device`: a CUDA GPU of compute capability 9.0 or newer, unless GRAPHOPT_PDL=0."""
-    return PDL and not INTERPRET and device.type == "cuda" and _hopper_or_newer(device.index or 0)
 
 
 def cdiv(a: int, b: int) -> int:

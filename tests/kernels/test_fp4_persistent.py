@@ -21,7 +21,7 @@ needs_gluon = pytest.mark.skipif(dp.gluon is None, reason="this Triton has no Gl
 
 @needs_gluon
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("rows,warps,k,depth", [(4, 4, 4096, 1), (2, 4, 14336, 3), (1, 8, 1344, 2), (1, 4, 4096, 6)])
+@pytest.mark.parametrize("rows,warps,k,depth", [(4, 4, 4096, 1), (2, 4, 14336, 3), (1, 8, 1344, 2), (1, 4, 4096, 7)])
 def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, depth, pristine_triton_language,
                                                           monkeypatch):
     monkeypatch.setenv("TOP_OPS", "1000")  # every opcode of a loop body, not the most common few
@@ -33,7 +33,6 @@ def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, d
                                CHUNKS_PAD=chunks_pad, DEPTH=depth),
                           ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sn",
                            "N"], warps, gluon=True)
-    assert "griddepcontrol.wait" in kernel.asm["ptx"]  # launched with PDL, it waits for its input in-kernel
     sass, usage = sass_and_resources(kernel)
     assert re.search(r"STACK:0\b", usage), usage
     assert "IDP.2A" in sass
@@ -71,7 +70,7 @@ def test_bad_arguments_name_the_choices():
 @pytest.mark.parametrize("n,k,rows,warps", [(200, 512, 4, 4), (37, 1344, 2, 4), (5, 4096, 4, 4), (4096, 4096, 2, 4),
                                             (61, 14336, 2, 8), (1000, 8192, 1, 2), (300, 11008, 2, 4)])
 # at 1 program per SM, a program walks many groups; depths past a row's chunks reach into the next group
-@pytest.mark.parametrize("programs_per_sm,depth", [(1, 1), (4, 3), (8, 6)])
+@pytest.mark.parametrize("programs_per_sm,depth", [(1, 1), (4, 3), (8, 7)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, programs_per_sm, depth, dtype):
     depth = min(depth, dp.MAX_ROWS_IN_FLIGHT // rows - 1)  # the launcher's register bound

@@ -167,13 +167,3 @@ def test_repeated_launches_take_the_compiled_path():
         assert len([k for k in launch_module._COMPILED if k[0] == id(_axpb_kernel)]) == 2
     finally:
         launch_module.DIRECT = True
-
-
-def test_programmatic_launch_only_on_hopper_or_newer_gpus(monkeypatch):
-    from graphopt.kernels import launch
-
-    assert not launch.programmatic_launch(torch.device("cpu"))
-    monkeypatch.setattr(launch, "_hopper_or_newer", lambda index: True)
-    assert launch.programmatic_launch(torch.device("cuda", 0)) == (launch.PDL and not launch.INTERPRET)
-    monkeypatch.setattr(launch, "PDL", False)
-    assert not launch.programmatic_launch(torch.device("cuda", 0))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from graphopt.kernels.launch import cdiv, launch, programmatic_launch
+from graphopt.kernels.launch import cdiv, launch
 
 try:
     from triton.experimental import gluon
@@ -41,7 +41,7 @@ else:
 
 ROWS_CHOICES = (1, 2, 4, 8)
 WARPS_CHOICES = (1, 2, 4, 8)
-DEPTH_CHOICES = (1, 2, 3, 4, 5, 6)  # at 7, ptxas (Triton 3.9) spills one row per warp
+DEPTH_CHOICES = (1, 2, 3, 4, 5, 6, 7)
 CHUNK_WORDS = 128  # code words per chunk: 4 per lane
 MAX_ROWS_IN_FLIGHT = 8  # rows x (depth + 1) chunks of words in registers: past this, ptxas spills at K = 14336
 
@@ -58,15 +58,6 @@ if gluon is not None:
     @gluon.jit
     def _add(a, b):
         return a + b
-
-    @gluon.jit
-    def wait_for_previous_grid():
-        """PTX griddepcontrol.wait: block until the grid this one depends on (the previous kernel on
-        the stream, when this one is launched with launch_pdl) has finished and its writes are
-        visible; a no-op otherwise. A kernel launched with launch_pdl may start while that kernel's
-        last blocks run: it requests its constant weights first and calls this before it reads its
-        inputs or writes anything."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _larger(a, b):
@@ -217,7 +208,6 @@ if gluon is not None:
             ring = ring + ((_chunk_tile(word_ptrs, r_w, w_w, row, t % K_CHUNKS * CW, stride_wn, N, K_WORDS, row < N),
                             _chunk_tile(scale_ptrs, r_b, b_b, row, t % K_CHUNKS * NB, stride_sn, N, K_WORDS // WPB,
                                         row < N)),)
-        wait_for_previous_grid()  # x is the previous kernel's output
         # WARPS chunks at a time (a chunk per warp), to bound the registers
         for s in gl.static_range(CHUNKS_PAD // WARPS):
             p0, p1, p2, p3, unit_step = _activation_pairs(x_ptr + s * WARPS * CW * 8, K - s * WARPS * CW * 8, IS_NVFP4,
@@ -310,6 +300,5 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     launch(_fp4_gemv_persistent_kernel, grid, x, codes, scales, global_scale, bias if bias is not None else out, out,
            out_features, in_features, k_words, k_words, scales.stride(0), IS_NVFP4=format == "nvfp4",
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, num_warps=num_warps,
-           launch_pdl=programmatic_launch(x.device))
+           DEPTH=depth, num_warps=num_warps)
     return out

@@ -27,12 +27,12 @@ import torch
 from graphopt.kernels.fp4.decode_persistent import (CHUNK_WORDS, DEPTH_CHOICES, MAX_ROWS_IN_FLIGHT, ROWS_CHOICES,
                                                     WARPS_CHOICES, check_tile, chunks, gluon, persistent_grid, supports,
                                                     tile_problem)
-from graphopt.kernels.launch import launch, programmatic_launch
+from graphopt.kernels.launch import launch
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
-    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_tile, _larger, _word_slots, wait_for_previous_grid
+    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_tile, _larger, _word_slots
     from graphopt.kernels.fp4_tma import _cta_barrier
 
 __all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "MAX_TOKENS", "ROWS_CHOICES", "WARPS_CHOICES",
@@ -181,7 +181,6 @@ if gluon is not None:
             ring = ring + (_ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b,
                                        (first + t // K_CHUNKS * programs) * GROUP, t % K_CHUNKS, stride_wn,
                                        stride_sb, N, K_WORDS, KB, CW),)
-        wait_for_previous_grid()  # x is the previous kernel's output
         for tok in gl.static_range(TOKENS):
             for s in gl.static_range(CP // WARPS):
                 limit = gl.where(tok < M, K - s * WARPS * CW * 8, 0)  # a token past M reads nothing
@@ -255,6 +254,5 @@ def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
            x, qweight, scales, bias if bias is not None else out, out,
            m, n, k, k_words, scales.shape[0], x.stride(0), out.stride(0), qweight.stride(0) // 4, scales.stride(0),
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, TOKENS=m, num_warps=num_warps,
-           launch_pdl=programmatic_launch(x.device))
+           DEPTH=depth, TOKENS=m, num_warps=num_warps)
     return out
