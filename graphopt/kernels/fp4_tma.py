@@ -234,7 +234,7 @@ if gluon is not None:
             gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             sums_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
-            # split_k.split_buffers' counters: zeroed fp32 words, used as int32
+            # split_k.split_buffers' int32 counters (any zeroed 32-bit words would do)
             counter = (counter_ptr.to(gl.pointer_type(gl.int32))
                        + gl.program_id(2) * gl.num_programs(0) + gl.program_id(0))
             gl.atomic_add(sums_ptrs, acc, mask=mask, sem="relaxed")

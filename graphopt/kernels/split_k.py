@@ -7,8 +7,11 @@ separate sum kernel. `finish_split_tile` does this for one tile (fp4's tensor-co
 decodes, q4's "last" reduction); fp4's FMA decode keeps up to four 1-D token rows and runs the same
 steps row by row (`_finish_row` / `_drain_row`) on the same buffers. The buffers are allocated
 zeroed for each call (`split_buffers`), so nothing outlives a call and a CUDA graph owns its own.
-Sums and counters are one fp32 allocation (one zero-fill launch per call, not two: without CUDA
-graphs each launch is host time); the kernels read the counters' zero bits as int32.
+Sums and counters are two allocations, not views of one: a triton_op passes both to a kernel that
+writes both, and torch's functionalization of a user-defined Triton kernel rebuilds two mutated
+views of one base through an as_strided of one of them, which Inductor then reads past that
+view's own buffer (the counters started as garbage and split-K outputs came out wrong in compiled
+graphs on the GPU).
 """
 
 from __future__ import annotations
@@ -23,18 +26,18 @@ except ImportError:  # pragma: no cover - the CPU references work without Triton
 
 
 def split_buffers(device: torch.device, m: int, n: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed buffers for one split-K call: fp32 (m, n) sums and `counters` arrival counters (the
-    most output tiles any tiling of (m, n) has), views of one fp32 allocation; kernels take the
-    counters' pointer as int32 (`arrival_counters`)."""
-    buffer = torch.zeros((m * n + counters,), dtype=torch.float32, device=device)
-    return buffer[:m * n].view(m, n), buffer[m * n:]
+    """Zeroed buffers for one split-K call: fp32 (m, n) sums and `counters` int32 arrival counters
+    (the most output tiles any tiling of (m, n) has), each its own allocation (module docstring)."""
+    return (torch.zeros((m, n), dtype=torch.float32, device=device),
+            torch.zeros((counters,), dtype=torch.int32, device=device))
 
 
 if triton is not None:
 
     @triton.jit
     def arrival_counters(counter_ptr):
-        """split_buffers' counters (zeroed fp32 words) as the int32 counters they are used as."""
+        """The arrival counters as int32 (split_buffers allocates them so; the cast keeps a kernel that
+        is also handed its output as an unused counter argument compiling)."""
         return counter_ptr.to(tl.pointer_type(tl.int32))
 
     @triton.jit
