@@ -25,7 +25,7 @@ where none of the mode computes it on this GPU, the layer is not rewritten (a si
 dense as a whole), with the reason, and a layer held only as Q4_0 (graphopt.quantize_) runs
 q4.dequantized_q4_linear, a dense GEMM on its dequantized weight, instead of a tile known wrong.
 The Gluon decodes are candidates only under CUDA graphs (cuda_graphs=True, mode="reduce-overhead"):
-q4_tma's in the separate mode, and for 1-8 tokens, in either mode, decode_persistent's (it quantizes
+q4_tma's in the separate mode, and for 1-4 tokens, in either mode, decode_persistent's (it quantizes
 the activations itself). They run as an opaque op whose Python launch path costs more host time per
 call than the layer's GPU work, while Inductor launches the Triton kernels from its generated code.
 
@@ -43,7 +43,7 @@ sees at compile time; activations outside that range need a rescaled model or an
 
 Where it wins (H100, the issue's two shapes, weights L2-cold): decode. 1 token 2.3-2.6x cuBLAS bf16
 (the fused dp4a kernel; bench/results/q4_linear_decode_dp4a_h100.json; decode_persistent against
-those tiles: bench/results/q4_persistent_h200.json), 4 tokens 1.92-2.31x and 16 tokens
+those tiles: bench/results/decode_persistent_1tok_h200.json), 4 tokens 1.92-2.31x and 16 tokens
 1.70-1.99x (the separate path on q4_tma's Gluon decode, which the cost model picks there;
 bench/results/q4_linear_tma_4_16tok_h100.json). From 64 tokens on the int8 GEMM is slower than
 cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/cost/test_fit_regression.py)

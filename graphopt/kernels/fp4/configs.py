@@ -73,7 +73,7 @@ MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-
 #  - One token: integer dots at 16 x 1024, the fastest integer-dot tile on three of LLaMA-3-8B's four
 #    decode shapes, and decode_persistent's kernel at the tiles among the four fastest on some shape
 #    and format (2-4 rows per warp, 4 or 8 warps, 2-8 programs per SM; one chunk ahead, three at
-#    K = 14336), in bench_decode_persistent.py's run (results/fp4_persistent_h200.json).
+#    K = 14336), in bench_decode_persistent.py's run (results/decode_persistent_1tok_h200.json).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
           for bn, bm, bk, sk, w in ((16, 4, 256, 1, 4), (16, 4, 256, 4, 4), (8, 1, 1024, 1, 4), (8, 1, 1024, 4, 4),

@@ -19,9 +19,10 @@ mode, is graphopt.cost.q4. Every name is importable from here.
 """
 
 from graphopt.kernels.launch import INTERPRET
-from graphopt.kernels.q4.configs import (DECODE_MAX_TOKENS, GEMV_MAX_ROWS, GEMV_MAX_TOKENS, PROGRAMS_PER_SM,
-                                         REDUCE_MODES, TILE_KERNELS, TileConfig, candidate_configs, default_config,
-                                         describe_configs, persistent_configs, swap_configs, tma_configs)
+from graphopt.kernels.q4.configs import (DECODE_MAX_TOKENS, GEMV_MAX_ROWS, GEMV_MAX_TOKENS, PERSISTENT_MAX_OFFERED_TOKENS,
+                                         PROGRAMS_PER_SM, REDUCE_MODES, TILE_KERNELS, TileConfig, candidate_configs,
+                                         default_config, describe_configs, persistent_configs, swap_configs,
+                                         tma_configs)
 from graphopt.kernels.q4.format import (Q4_0_BLOCK_BYTES, Q8_1_BLOCK_BYTES, QK, SUPPORTED_ACT_DTYPES, _q8_1_parts,
                                         dequantize_packed, dequantize_q4_0, dequantize_q8_1, dequantized_q4_linear,
                                         pack_q4_0, quantize_q4_0, quantize_q8_1, quantize_weight, reference_q4_linear,
@@ -43,7 +44,7 @@ __all__ = [
     "QK", "Q4_0_BLOCK_BYTES", "Q8_1_BLOCK_BYTES", "SUPPORTED_ACT_DTYPES", "static_quantize", "static_result_dtype",
     "REDUCE_MODES", "TILE_KERNELS", "GEMV_MAX_ROWS", "GEMV_MAX_TOKENS", "DECODE_MAX_TOKENS", "PROGRAMS_PER_SM",
     "swap_configs", "tma_configs", "describe_configs", "ACT_PREQUANTIZED", "ACT_FUSED", "ACT_STATIC", "tma_linear",
-    "quantize_for_tma", "INTERPRET", "persistent_configs", "persistent_linear", "persistent_runs",
+    "quantize_for_tma", "INTERPRET", "PERSISTENT_MAX_OFFERED_TOKENS", "persistent_configs", "persistent_linear", "persistent_runs",
 ]
 # Helpers the kernel tests reach through this package.
 __all__ += ["_q8_1_parts", "_load_act_block", "_q4_gemm_kernel", "_q4_gemv_kernel", "_split_k", "_tma_runs"]

@@ -175,17 +175,21 @@ def _persistent_tile_fits(cfg: TileConfig) -> bool:
 
 
 # decode_persistent's tiles (rows per warp, warps, programs per SM, chunks ahead). One token: the
-# four fastest on LLaMA-3-8B's decode shapes in bench_decode_persistent.py --formats q4_0
-# (results/q4_persistent_h200.json); 4 x 4, 4 per SM, one ahead was fastest on all four. 2-8
-# tokens: tiles that build for sm_90 without spills at K = 4096 (and at K = 14336 up to 4 tokens,
-# one row per warp), not yet timed on a GPU.
+# four fastest on LLaMA-3-8B's decode shapes in bench_decode_persistent.py
+# (results/decode_persistent_1tok_h200.json); 4 x 4, 4 per SM, one ahead was fastest on all four.
+# 2-4 tokens: the two that were fastest on some shape (results/decode_persistent_q4_2to8tok_h200.json:
+# at 2 tokens the kernel beat the other tiles on three of the four shapes, at 4 on the widest only).
+# Past 4 tokens none is offered: every token adds its dp4a per word, and at 8 tokens the kernel was
+# 2.0-4.7x slower than q4_tma's tile on all four shapes.
 _PERSISTENT_TILES = ((4, 4, 4, 1), (2, 4, 4, 1), (2, 8, 2, 2), (2, 8, 2, 1))
-_PERSISTENT_MULTI_TOKEN_TILES = ((2, 8, 2, 1), (1, 8, 4, 1), (2, 4, 4, 1))
+_PERSISTENT_MULTI_TOKEN_TILES = ((2, 8, 2, 1), (2, 4, 4, 1))
+PERSISTENT_MAX_OFFERED_TOKENS = 4
 
 
 def persistent_configs(m: int) -> list[TileConfig]:
-    """decode_persistent's tiles for m tokens (none past decode_persistent.MAX_TOKENS)."""
-    if not 1 <= m <= decode_persistent.MAX_TOKENS:
+    """decode_persistent's tiles the tuner times for m tokens (none past PERSISTENT_MAX_OFFERED_TOKENS;
+    the kernel itself takes up to decode_persistent.MAX_TOKENS)."""
+    if not 1 <= m <= PERSISTENT_MAX_OFFERED_TOKENS:
         return []
     bucket = 1 << (m - 1).bit_length()
     return [TileConfig("persistent", bucket, rows * warps, 1, warps, depth, 1, "workspace", per_sm)

@@ -15,9 +15,10 @@ kernel), its tiling, ring of chunks loaded ahead and persistent grid shared with
 - the scales (fp16, [K/32, N], coalesced along N) of a group's rows are read per chunk and lane.
 
 Numbers equal the other q4_linear paths (same Q8_1 integers and fp16 d) up to fp32 summation
-order. The Q4 tuner times it for 1-8 tokens where Gluon tiles are allowed (TileConfig kernel
-"persistent"; under CUDA graphs), and graphopt::q4_gluon_linear launches it: Inductor cannot emit a
-Gluon kernel from its generated code. On the CPU the tests build it offline for sm_90.
+order. The Q4 tuner times it for 1-4 tokens (configs.PERSISTENT_MAX_OFFERED_TOKENS; past that
+q4_tma's tiles won) where Gluon tiles are allowed (TileConfig kernel "persistent"; under CUDA
+graphs), and graphopt::q4_gluon_linear launches it: Inductor cannot emit a Gluon kernel from its
+generated code. On the CPU the tests build it offline for sm_90.
 """
 
 from __future__ import annotations

@@ -74,9 +74,10 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     CUDA-graph capture, or with tuning off. Raises tuning.NoCorrectTile, and stores nothing, when no
     candidate (the default among them) computes the product. "fused" times candidate_configs(m, fused=True);
     "separate" the Q8_1-bytes configs (quantize launch included) and, with `allow_gluon` where
-    q4_tma's decode runs, its tiles. With `allow_gluon`, 1-8 tokens, either mode: decode_persistent's
-    tiles too where that kernel runs. `bias`: whether the layer adds one. Each choice is kept per
-    (GPU and versions, mode, token bucket, N, K, dtype), in memory and on disk (tuning.lookup)."""
+    q4_tma's decode runs, its tiles. With `allow_gluon`, either mode, up to
+    PERSISTENT_MAX_OFFERED_TOKENS tokens: decode_persistent's tiles too where that kernel runs.
+    `bias`: whether the layer adds one. Each choice is kept per (GPU and versions, mode, token
+    bucket, N, K, dtype), in memory and on disk (tuning.lookup)."""
     if mode not in ("fused", "separate"):
         raise ValueError(f"q4_linear mode {mode!r} is not valid; valid choices: fused, separate")
     gpu = _tuning_device(qweight)
