@@ -21,8 +21,11 @@ loop's), then --repeats timed loops. tok_s = batch * (new_tokens - 1) / the medi
 over the variant (the model's bf16 weights stay on the GPU in every variant, since one model
 serves them all, so quantized variants count both copies). agree: the fraction of greedy tokens
 equal to the eager loop's (identical: all of them; random weights nearly tie the top logits, so
-any numeric change parts the sequences early). vs_inductor / vs_int4: tok_s over that of the
-same shape, batch and mode.
+any numeric change parts the sequences early). regret / top1: each chosen token scored by the
+plain model on the variant's own prefix (llama_models.choice_regret): the mean gap to the top
+logit in units of the logits' standard deviation, and the share of choices that are its argmax; a
+kernel computing garbage shows as a regret of several units. vs_inductor / vs_int4: tok_s over
+that of the same shape, batch and mode.
 
     python bench/bench_decode_loop.py --out $OUT/decode_loop_h100.json   # 1b and 8b, batch 1 and 8: ~25 min on one H100
     python bench/bench_decode_loop.py --shapes tiny --new-tokens 8 --prompt 16 --batch 1 --repeats 1   # CPU
@@ -44,8 +47,8 @@ from bench.llama_models import (DecodeLoop, arguments, compile_kwargs, peak_gb, 
                                 sweep, timed)
 from graphopt.compiler import recording_decisions  # noqa: E402
 
-COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ms_step", "compile_s", "peak_gb", "agree", "rewrites",
-           "identical", "error"]
+COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ms_step", "compile_s", "peak_gb", "regret", "top1", "agree",
+           "rewrites", "identical", "error"]
 
 
 def measure(model, prompt: torch.Tensor, opts, variant: str, mode: str) -> tuple[dict, torch.Tensor]:

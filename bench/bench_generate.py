@@ -19,6 +19,9 @@ perf_counter between device synchronizations; medians:
   its bf16 weights count in the quantized variants too);
 - agree / identical: the fraction of generated tokens equal to the eager variant's / all equal
   (random weights nearly tie the top logits: any numeric change parts the sequences early);
+- regret / top1: each generated token scored by the plain model on the variant's own prefix
+  (llama_models.choice_regret): the mean gap to the top logit in logit standard deviations, and
+  the share of choices that are its argmax (garbage from a kernel shows as several units);
 - vs_inductor / vs_int4: tok_s over that of the same shape, batch and mode.
 
 HF overhead (hf_ms_token, on the inductor rows): what generate's own per-step work costs. The
@@ -49,8 +52,8 @@ from bench.llama_models import (DecodeLoop, arguments, compile_kwargs, peak_gb, 
                                 sweep, timed)
 from graphopt.compiler import recording_decisions  # noqa: E402
 
-COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ttft_ms", "compile_s", "peak_gb", "agree", "rewrites", "identical",
-           "loop_tok_s", "hf_ms_token", "error"]
+COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ttft_ms", "compile_s", "peak_gb", "regret", "top1", "agree",
+           "rewrites", "identical", "loop_tok_s", "hf_ms_token", "error"]
 
 
 def generate_fn(model, prompt: torch.Tensor, opts, variant: str, mode: str):

@@ -219,7 +219,9 @@ def sweep(opts: argparse.Namespace, measure: Callable, title: str, columns: list
                     table.append({**base, "error": f"{type(exc).__name__}: {exc}"[:300]})
                     continue
                 reference = tokens if variant == "eager" else reference
-                table.append({**base, **row, **agreement(tokens, reference)})
+                with torch.no_grad():  # the plain bf16 model, the int4 linears gone again
+                    scores = choice_regret(model, prompt, tokens)
+                table.append({**base, **row, **agreement(tokens, reference), **scores})
                 print(f"{shape} batch {batch} {variant} {mode}: {row['tok_s'] or 0:.1f} tok/s", flush=True)
                 write_result(name, opts, rows + table)
             fresh_start(opts.device, model)
@@ -279,6 +281,22 @@ def agreement(tokens: torch.Tensor, reference: torch.Tensor | None) -> dict[str,
         return {"agree": None, "identical": None}
     same = tokens.cpu() == reference.cpu()
     return {"agree": same.float().mean().item(), "identical": bool(same.all())}
+
+
+def choice_regret(model: nn.Module, prompt: torch.Tensor, tokens: torch.Tensor) -> dict[str, float]:
+    """How good each greedy token a variant chose is under the plain (uncompiled) model, on the
+    variant's own prefix: one forward over the prompt and its tokens gives the logits at every
+    decode position. regret: (the top logit - the chosen token's) / the logits' standard deviation,
+    averaged over positions: 0 when every choice is the plain model's own, a few units for random
+    choices (a kernel computing garbage), small for a lossy but working one. top1: the share of
+    choices that are the plain model's argmax. `agree` compares whole sequences, which random
+    weights (nearly tied top logits) part early; this scores each choice on its own."""
+    sequence = torch.cat([prompt, tokens[:, :-1].to(prompt.device)], 1)
+    logits = model(input_ids=sequence, use_cache=False, logits_to_keep=tokens.shape[1]).logits.float()
+    chosen = logits.gather(-1, tokens.to(logits.device).unsqueeze(-1)).squeeze(-1)
+    best = logits.max(-1).values
+    regret = (best - chosen) / logits.std(-1)
+    return {"regret": regret.mean().item(), "top1": (chosen >= best).float().mean().item()}
 
 
 def add_ratios(rows: list[dict], key: str, modes: list[str]) -> None:
