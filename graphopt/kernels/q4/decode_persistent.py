@@ -33,11 +33,11 @@ from graphopt.kernels.launch import launch
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
-    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_tile, _larger, _word_slots
+    from graphopt.kernels.fp4.decode_persistent import _add, _larger, _word_slots
     from graphopt.kernels.fp4_tma import _cta_barrier
 
 __all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "MAX_TOKENS", "ROWS_CHOICES", "WARPS_CHOICES",
-           "chunks", "q4_gemv_persistent", "shared_memory_bytes", "supports", "tile_problem"]
+           "chunks", "q4_gemv_persistent", "shared_memory_bytes", "split_problem", "supports", "tile_problem"]
 
 
 if gluon is not None:
@@ -109,20 +109,34 @@ if gluon is not None:
         return lo_words, hi_words, lo_d, hi_d, lo_offset, hi_offset
 
     @gluon.jit
-    def _scale_tile(scales_ptr, rows, lanes, row0, chunk, half, stride_sb, N, KB, live):
-        """(rows, 32) fp32 d4 of block 32 chunk + 2 (lane // 2) + half, rows row0 + rows (0 past N or KB)."""
-        block = chunk * 32 + 2 * (lanes // 2) + half
-        mask = (rows[:, None] + row0 < N) & (block[None, :] < KB) & live
-        return gl.load(scales_ptr + block[None, :] * stride_sb + (rows[:, None] + row0), mask=mask, other=0.0)
+    def _scale_tile(scales_ptr, rows, blocks, row0, chunk, half, stride_sb, N, KB, live):
+        """(rows, 32) fp32 d4 of block 32 chunk + blocks + half (blocks: (rows, 32), 2 (lane // 2) plus
+        each row's chunk shift), rows row0 + rows (0 past N or KB)."""
+        block = chunk * 32 + blocks + half
+        mask = (rows[:, None] + row0 < N) & (block < KB) & live
+        return gl.load(scales_ptr + block * stride_sb + (rows[:, None] + row0), mask=mask, other=0.0)
 
     @gluon.jit
-    def _ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b, row, chunk, stride_wn, stride_sb, N, K_WORDS, KB,
-                    CW: gl.constexpr):
-        """Chunk `chunk` of the group at row `row`: its words and the d4 of its lo and hi blocks."""
+    def _ring_entry(word_ptrs, scales_ptr, real_w, cols_w, real_b, blocks_b, row, chunk, stride_wn, stride_sb, N,
+                    K_WORDS, KB, CW: gl.constexpr):
+        """Chunk `chunk` of the group at row `row`: its words and the d4 of its lo and hi blocks. Per
+        row of the tile: real_w / real_b its row in the group, cols_w (rows, CW) its word columns and
+        blocks_b (rows, 32) its scale blocks in chunk 0 (a K split's later half starts further on)."""
         live = row < N
-        return (_chunk_tile(word_ptrs, r_w, w_w, row, chunk * CW, stride_wn, N, K_WORDS, live),
-                _scale_tile(scales_ptr, r_b, b_b, row, chunk, 0, stride_sb, N, KB, live),
-                _scale_tile(scales_ptr, r_b, b_b, row, chunk, 1, stride_sb, N, KB, live))
+        mask = (real_w[:, None] + row < N) & (cols_w + chunk * CW < K_WORDS) & live
+        return (gl.load(word_ptrs + row * stride_wn + chunk * CW, mask=mask, other=0),
+                _scale_tile(scales_ptr, real_b, blocks_b, row, chunk, 0, stride_sb, N, KB, live),
+                _scale_tile(scales_ptr, real_b, blocks_b, row, chunk, 1, stride_sb, N, KB, live))
+
+    @gluon.jit
+    def _chunk_of_rows(smem, index, HALF: gl.constexpr, second, layout: gl.constexpr):
+        """Row `index` of a shared-memory table for every row of a tile, or for the rows of a K split's
+        later half (`second`, (rows, 1)) row index + HALF: two loads and a select (one load without a
+        split, HALF 0)."""
+        rows = smem.slice(index, 1).load(layout)
+        if HALF != 0:
+            rows = gl.where(second, smem.slice(index + HALF, 1).load(layout), rows)
+        return rows
 
     @gluon.jit
     def _nibbles(entry):
@@ -155,13 +169,21 @@ if gluon is not None:
         M, N, K, K_WORDS, KB, stride_xm, stride_om, stride_wn, stride_sb,
         HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
         K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, TOKENS: gl.constexpr,
+        K_SPLIT: gl.constexpr,
     ):
         """out[m, n] = Q8_1(x[m, :]) . Q4_0(W[n, :]) (+ bias) for the M <= TOKENS tokens. Groups, chunks
         and ring as in the FP4 kernel; a chunk's nibbles are decoded once and meet every token's
-        activations; KB: scale blocks per row (K padded to 64, over 32)."""
+        activations; KB: scale blocks per row (K padded to 64, over 32). K_SPLIT 2: each row's K is
+        cut in two halves held by adjacent rows of a warp's tile (ROWS even), so a group covers
+        ROWS x WARPS / 2 rows, twice the programs share a layer and twice the loads are in flight
+        where the layer has too few rows to fill the GPU (N = 4096, K = 14336); the halves' sums are
+        added in registers before the store."""
         CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS): 32 lanes x 4
         CP: gl.constexpr = CHUNKS_PAD
-        GROUP: gl.constexpr = ROWS * WARPS
+        TILE: gl.constexpr = ROWS * WARPS  # rows of a warp tile (with a split: row halves)
+        GROUP: gl.constexpr = TILE // K_SPLIT  # rows of the layer a group covers
+        KH: gl.constexpr = (K_CHUNKS + K_SPLIT - 1) // K_SPLIT  # chunks per row half
+        HALF: gl.constexpr = 0 if K_SPLIT == 1 else KH  # the later half's first chunk
         WL: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [WARPS, 1], [1, 0])
         BL: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS, 1], [1, 0])
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -169,19 +191,24 @@ if gluon is not None:
         words_smem = gl.allocate_shared_memory(gl.int32, [2 * TOKENS * CP, CW], PLAIN)
         # per token: lo d8, hi d8, lo offsets, hi offsets, CP chunks each
         lanes_smem = gl.allocate_shared_memory(gl.float32, [4 * TOKENS * CP, 32], PLAIN)
-        r_w = gl.arange(0, GROUP, layout=gl.SliceLayout(1, WL))
+        r_w = gl.arange(0, TILE, layout=gl.SliceLayout(1, WL))
         w_w = gl.arange(0, CW, layout=gl.SliceLayout(0, WL))
-        r_b = gl.arange(0, GROUP, layout=gl.SliceLayout(1, BL))
+        r_b = gl.arange(0, TILE, layout=gl.SliceLayout(1, BL))
         b_b = gl.arange(0, 32, layout=gl.SliceLayout(0, BL))
-        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + r_w[:, None] * stride_wn + w_w[None, :]
+        real_w, real_b = r_w // K_SPLIT, r_b // K_SPLIT  # a tile row's row in the group
+        second_w = (r_w % K_SPLIT)[:, None] == 1  # a tile row that holds its row's later half
+        second_b = (r_b % K_SPLIT)[:, None] == 1
+        cols_w = (r_w % K_SPLIT)[:, None] * (HALF * CW) + w_w[None, :]  # (TILE, CW) word columns in chunk 0
+        blocks_b = (r_b % K_SPLIT)[:, None] * (HALF * 32) + 2 * (b_b[None, :] // 2)  # (TILE, 32) scale blocks
+        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + real_w[:, None] * stride_wn + cols_w
         groups = gl.cdiv(N, GROUP)
         programs = gl.num_programs(0)
         first = gl.program_id(0)  # the grid has at most `groups` programs
         ring = ()  # the first DEPTH chunks, requested before the activations are quantized
         for t in gl.static_range(DEPTH):
-            ring = ring + (_ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b,
-                                       (first + t // K_CHUNKS * programs) * GROUP, t % K_CHUNKS, stride_wn,
-                                       stride_sb, N, K_WORDS, KB, CW),)
+            ring = ring + (_ring_entry(word_ptrs, scales_ptr, real_w, cols_w, real_b, blocks_b,
+                                       (first + t // KH * programs) * GROUP, t % KH, stride_wn, stride_sb, N,
+                                       K_WORDS, KB, CW),)
         for tok in gl.static_range(TOKENS):
             for s in gl.static_range(CP // WARPS):
                 limit = gl.where(tok < M, K - s * WARPS * CW * 8, 0)  # a token past M reads nothing
@@ -197,26 +224,32 @@ if gluon is not None:
         for g in range(first, groups, programs):
             accs = ()
             for tok in gl.static_range(TOKENS):
-                accs = accs + (gl.full([GROUP, 32], 0.0, gl.float32, BL),)
-            for c in gl.static_range(K_CHUNKS):
-                ahead = _ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b,
-                                    (g + (c + DEPTH) // K_CHUNKS * programs) * GROUP, (c + DEPTH) % K_CHUNKS,
-                                    stride_wn, stride_sb, N, K_WORDS, KB, CW)
+                accs = accs + (gl.full([TILE, 32], 0.0, gl.float32, BL),)
+            for c in gl.static_range(KH):
+                ahead = _ring_entry(word_ptrs, scales_ptr, real_w, cols_w, real_b, blocks_b,
+                                    (g + (c + DEPTH) // KH * programs) * GROUP, (c + DEPTH) % KH, stride_wn,
+                                    stride_sb, N, K_WORDS, KB, CW)
                 nibbles = _nibbles(ring[0])
                 for tok in gl.static_range(TOKENS):
-                    sums = _token_sums(nibbles, words_smem.slice((2 * tok) * CP + c, 1).load(WL),
-                                       words_smem.slice((2 * tok + 1) * CP + c, 1).load(WL),
-                                       lanes_smem.slice((4 * tok) * CP + c, 1).load(BL),
-                                       lanes_smem.slice((4 * tok + 1) * CP + c, 1).load(BL),
-                                       lanes_smem.slice((4 * tok + 2) * CP + c, 1).load(BL),
-                                       lanes_smem.slice((4 * tok + 3) * CP + c, 1).load(BL), BL)
+                    sums = _token_sums(nibbles, _chunk_of_rows(words_smem, (2 * tok) * CP + c, HALF, second_w, WL),
+                                       _chunk_of_rows(words_smem, (2 * tok + 1) * CP + c, HALF, second_w, WL),
+                                       _chunk_of_rows(lanes_smem, (4 * tok) * CP + c, HALF, second_b, BL),
+                                       _chunk_of_rows(lanes_smem, (4 * tok + 1) * CP + c, HALF, second_b, BL),
+                                       _chunk_of_rows(lanes_smem, (4 * tok + 2) * CP + c, HALF, second_b, BL),
+                                       _chunk_of_rows(lanes_smem, (4 * tok + 3) * CP + c, HALF, second_b, BL), BL)
                     accs = accs[:tok] + (accs[tok] + sums,) + accs[tok + 1:]
                 ring = ring[1:] + (ahead,)
-            offs_n = g * GROUP + r_b
+            if K_SPLIT == 1:
+                offs_n = g * GROUP + r_b
+            else:  # tile rows 2i and 2i + 1 are row i's halves, in one thread's registers
+                offs_n = g * GROUP + gl.split(gl.reshape(real_b, [GROUP, 2]))[0]
             if HAS_BIAS:
                 bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
             for tok in gl.static_range(TOKENS):
                 total = gl.reduce(accs[tok], 1, _add)
+                if K_SPLIT != 1:
+                    first_half, second_half = gl.split(gl.reshape(total, [GROUP, 2]))
+                    total = first_half + second_half
                 if HAS_BIAS:
                     total += bias
                 gl.store(out_ptr + tok * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
@@ -233,10 +266,13 @@ def shared_memory_bytes(tokens: int, chunks_pad: int) -> int:
 
 
 def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                       rows: int = 2, num_warps: int = 8, programs_per_sm: int = 2, depth: int = 1) -> torch.Tensor:
+                       rows: int = 2, num_warps: int = 8, programs_per_sm: int = 2, depth: int = 1,
+                       k_split: int = 1) -> torch.Tensor:
     """(M, K) x, M <= MAX_TOKENS -> (M, N) in x's dtype for Q4_0 weights in the kernel layout (qweight
     uint8 [N, Kp/2], scales fp16 [Kp/32, N]): each warp owns `rows` rows, min(N / (rows x num_warps),
-    SMs x programs_per_sm) programs; `depth`: chunks loaded ahead of the one decoded."""
+    SMs x programs_per_sm) programs; `depth`: chunks loaded ahead of the one decoded. k_split 2: each
+    row's K in two halves on adjacent tile rows (rows even, K at least two chunks), so a warp owns
+    rows / 2 rows and there are twice the programs."""
     n, k = qweight.shape[0], x.shape[-1]
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
         raise ValueError(f"x of shape {tuple(x.shape)}: expected (M, K) with 1 <= M <= {MAX_TOKENS} tokens")
@@ -249,11 +285,26 @@ def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     m = x.shape[0]
     k_words = qweight.shape[1] // 4
     k_chunks, chunks_pad = chunks(qweight.shape[1] * 2, num_warps)
+    if (problem := split_problem(rows, k_split, k_chunks)) is not None:
+        raise ValueError(problem)
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n, rows, num_warps, programs_per_sm),
+    launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n * k_split, rows, num_warps, programs_per_sm),
            x, qweight, scales, bias if bias is not None else out, out,
            m, n, k, k_words, scales.shape[0], x.stride(0), out.stride(0), qweight.stride(0) // 4, scales.stride(0),
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, TOKENS=m, num_warps=num_warps)
+           DEPTH=depth, TOKENS=m, K_SPLIT=k_split, num_warps=num_warps)
     return out
+
+
+def split_problem(rows: int, k_split: int, k_chunks: int | None = None) -> str | None:
+    """Why a K split does not fit, or None: k_split 1 or 2; a split needs an even number of rows per
+    warp (a row's halves in one thread) and, when known, a row of at least two chunks."""
+    if k_split not in (1, 2):
+        return f"k_split {k_split}: expected 1 or 2"
+    if k_split == 2 and rows % 2:
+        return f"k_split 2 puts a row's halves on two rows of a warp: rows per warp must be even, got {rows}"
+    if k_split == 2 and k_chunks is not None and k_chunks < 2:
+        return (f"k_split 2 needs rows of at least two chunks ({2 * CHUNK_WORDS * 8} inputs); this K has "
+                f"{k_chunks}")
+    return None
