@@ -10,8 +10,8 @@ zeroed for each call (`split_buffers`), so nothing outlives a call and a CUDA gr
 Sums and counters are two allocations, not views of one: a triton_op passes both to a kernel that
 writes both, and torch's functionalization of a user-defined Triton kernel rebuilds two mutated
 views of one base through an as_strided of one of them, which Inductor then reads past that
-view's own buffer (the counters started as garbage and split-K outputs came out wrong in compiled
-graphs on the GPU).
+view's own buffer: the counters would not start at zero, and a compiled graph's split-K outputs
+would be wrong.
 """
 
 from __future__ import annotations

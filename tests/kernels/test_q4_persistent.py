@@ -127,6 +127,8 @@ def test_persistent_tiles_are_decode_configs_the_launcher_accepts():
     assert all(cfg.kernel != "persistent" for m in (1, 4, 64, 512) for fused in (True, False)
                for cfg in q4.candidate_configs(m, fused))  # offered by the tuner only where Gluon is allowed
     assert dp.shared_memory_bytes(8, 16) <= 227 * 1024  # 8 tokens at K = 14336 fit one sm_90 program
+    # Gluon's shared-memory shapes are powers of two: 3 tokens launch (and take the room of) 4
+    assert dp.shared_memory_bytes(3, 16) == dp.shared_memory_bytes(4, 16)
     with pytest.raises(ValueError, match="programs_per_sm > 0 goes with the persistent kernel"):
         q4.TileConfig("dp4a", 0, 16, 4, 1, 1, 8, "last", programs_per_sm=2)
     with pytest.raises(ValueError, match="persistent configs take block_m 1-8"):

@@ -3,8 +3,8 @@
 A triton_op passes the sums and the arrival counters to one kernel that writes both. Were they two
 views of one allocation, torch's functionalization of the user-defined Triton kernel would rebuild
 the mutated views through an as_strided of one of them, and Inductor would read that view's own
-buffer past its end: the counters start as garbage and the compiled graph's split-K outputs are
-wrong (seen on the GPU). The launches are recorded here under the interpreter (or on a GPU)."""
+buffer past its end: the counters would not start at zero and the compiled graph's split-K outputs
+would be wrong. The launches are recorded here under the interpreter (or on a GPU)."""
 
 import pytest
 import torch

@@ -32,12 +32,14 @@ class TileConfig:
     kernel "persistent": decode_persistent's Gluon decode of 1-8 tokens (sm_80+, either mode: it
       quantizes the activations itself): block_n rows per group (block_n / num_warps per warp),
       num_stages chunks loaded ahead, programs_per_sm programs per SM; block_m the token bucket it was
-      tuned for (1-8; any count up to decode_persistent.MAX_TOKENS runs); split_k 1, or 2: each row's
-      K in two halves on adjacent rows of a warp (block_n / 2 layer rows per group, no buffers).
+      tuned for (1, 2 or 4; any count up to decode_persistent.MAX_TOKENS runs); split_k 1, or 2: each
+      row's K in two halves on adjacent rows of a warp, summed inside the program (block_n / 2 layer
+      rows per group; no buffers and no `reduce`).
     kernel "gemv": the decode kernel (fp32 FMAs, no tensor cores); block_m token rows per program
       (0: min(GEMV_MAX_ROWS, next power of two of the token count)), block_n weight rows per program,
       PAIRS block pairs per iteration (every weight row streams 32 * PAIRS contiguous bytes a step).
-    split_k: programs along K (1: none; 0: enough for PROGRAMS_PER_SM programs per SM). Their fp32
+    split_k: programs along K (1: none; 0: enough for PROGRAMS_PER_SM programs per SM; the persistent
+      kernel's halves are described above). Their fp32
       partial sums are combined by `reduce`: "workspace" (split s writes slice s of an fp32
       [SPLIT_K, M, N] buffer; a small kernel sums the slices, adds the bias and casts) or "atomic"
       (tl.atomic_add into a zeroed fp32 [M, N] buffer, then the same small kernel with one slice), or
@@ -188,7 +190,7 @@ def _persistent_tile_fits(cfg: TileConfig) -> bool:
 # projection (N = 4096, K = 14336) was the slowest per byte at every tile, with 1-2 programs of
 # 186-255 registers a thread per multiprocessor (offline sm_90 builds). Split in two, 2 rows per warp
 # x 4 warps build with 168-174 registers (three programs per multiprocessor) and three chunks ahead,
-# 2 x 8 with 186; neither spills on Triton 3.6 or 3.9. Not yet timed on a GPU.
+# 2 x 8 with 186; neither spills on Triton 3.6 or 3.9. The tuner times them against the others.
 _PERSISTENT_TILES = ((4, 4, 4, 1, 1), (2, 4, 4, 1, 1), (2, 8, 2, 2, 1), (2, 8, 2, 1, 1), (2, 4, 4, 3, 2),
                      (2, 8, 2, 1, 2))
 _PERSISTENT_MULTI_TOKEN_TILES = ((2, 8, 2, 1, 1), (2, 4, 4, 1, 1))

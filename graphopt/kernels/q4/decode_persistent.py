@@ -15,10 +15,10 @@ kernel), its tiling, ring of chunks loaded ahead and persistent grid shared with
 - the scales (fp16, [K/32, N], coalesced along N) of a group's rows are read per chunk and lane.
 
 Numbers equal the other q4_linear paths (same Q8_1 integers and fp16 d) up to fp32 summation
-order. The Q4 tuner times it for 1-4 tokens (configs.PERSISTENT_MAX_OFFERED_TOKENS; past that
-q4_tma's tiles won) where Gluon tiles are allowed (TileConfig kernel "persistent"; under CUDA
-graphs), and graphopt::q4_gluon_linear launches it: Inductor cannot emit a Gluon kernel from its
-generated code. On the CPU the tests build it offline for sm_90.
+order. The Q4 tuner times it for 1-4 tokens (configs.PERSISTENT_MAX_OFFERED_TOKENS) where Gluon
+tiles are allowed (TileConfig kernel "persistent"; under CUDA graphs), and graphopt::q4_gluon_linear
+launches it: Inductor cannot emit a Gluon kernel from its generated code. On the CPU the tests build
+it offline for sm_90.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from graphopt.kernels.fp4.decode_persistent import (CHUNK_WORDS, DEPTH_CHOICES, MAX_ROWS_IN_FLIGHT, ROWS_CHOICES,
                                                     WARPS_CHOICES, check_tile, chunks, gluon, persistent_grid, supports,
                                                     tile_problem)
-from graphopt.kernels.launch import launch
+from graphopt.kernels.launch import launch, next_power_of_2
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -117,25 +117,26 @@ if gluon is not None:
         return gl.load(scales_ptr + block * stride_sb + (rows[:, None] + row0), mask=mask, other=0.0)
 
     @gluon.jit
-    def _ring_entry(word_ptrs, scales_ptr, real_w, cols_w, real_b, blocks_b, row, chunk, stride_wn, stride_sb, N,
-                    K_WORDS, KB, CW: gl.constexpr):
+    def _ring_entry(word_ptrs, scales_ptr, group_row_w, cols_w, group_row_b, blocks_b, row, chunk, stride_wn,
+                    stride_sb, N, K_WORDS, KB, CW: gl.constexpr):
         """Chunk `chunk` of the group at row `row`: its words and the d4 of its lo and hi blocks. Per
-        row of the tile: real_w / real_b its row in the group, cols_w (rows, CW) its word columns and
-        blocks_b (rows, 32) its scale blocks in chunk 0 (a K split's later half starts further on)."""
+        row of the tile: group_row_w / group_row_b its row in the group, cols_w (rows, CW) its word
+        columns and blocks_b (rows, 32) its scale blocks in chunk 0 (a K split's later half starts
+        further on)."""
         live = row < N
-        mask = (real_w[:, None] + row < N) & (cols_w + chunk * CW < K_WORDS) & live
+        mask = (group_row_w[:, None] + row < N) & (cols_w + chunk * CW < K_WORDS) & live
         return (gl.load(word_ptrs + row * stride_wn + chunk * CW, mask=mask, other=0),
-                _scale_tile(scales_ptr, real_b, blocks_b, row, chunk, 0, stride_sb, N, KB, live),
-                _scale_tile(scales_ptr, real_b, blocks_b, row, chunk, 1, stride_sb, N, KB, live))
+                _scale_tile(scales_ptr, group_row_b, blocks_b, row, chunk, 0, stride_sb, N, KB, live),
+                _scale_tile(scales_ptr, group_row_b, blocks_b, row, chunk, 1, stride_sb, N, KB, live))
 
     @gluon.jit
-    def _chunk_of_rows(smem, index, HALF: gl.constexpr, second, layout: gl.constexpr):
-        """Row `index` of a shared-memory table for every row of a tile, or for the rows of a K split's
-        later half (`second`, (rows, 1)) row index + HALF: two loads and a select (one load without a
-        split, HALF 0)."""
+    def _chunk_of_rows(smem, index, LATER_HALF_CHUNK: gl.constexpr, later_half, layout: gl.constexpr):
+        """Row `index` of a shared-memory table for every row of a tile; with a K split
+        (LATER_HALF_CHUNK > 0), row index + LATER_HALF_CHUNK for the tile rows that hold a later half
+        (`later_half`, (rows, 1)): two loads and a select."""
         rows = smem.slice(index, 1).load(layout)
-        if HALF != 0:
-            rows = gl.where(second, smem.slice(index + HALF, 1).load(layout), rows)
+        if LATER_HALF_CHUNK != 0:
+            rows = gl.where(later_half, smem.slice(index + LATER_HALF_CHUNK, 1).load(layout), rows)
         return rows
 
     @gluon.jit
@@ -146,8 +147,9 @@ if gluon is not None:
 
     @gluon.jit
     def _token_sums(nibbles, lo_words, hi_words, lo_d, hi_d, lo_offset, hi_offset, BL: gl.constexpr):
-        """(GROUP, 32) fp32 per-lane sums of one chunk for one token: `nibbles` from _nibbles, the
-        token's activation words (1, CW) and per-lane d8 / offsets (1, 32) in the tiles' layouts."""
+        """(rows, 32) fp32 per-lane sums of one chunk for one token: `nibbles` from _nibbles, the
+        token's activation words ((1 or rows), CW) and per-lane d8 / offsets ((1 or rows), 32) in the
+        tiles' layouts (a row per tile row with a K split: each half meets its own chunk)."""
         lo_nibbles, hi_nibbles, lo_scale, hi_scale = nibbles
         lo_words, _ = gl.broadcast(lo_words, lo_nibbles)
         hi_words, _ = gl.broadcast(hi_words, lo_nibbles)
@@ -171,7 +173,8 @@ if gluon is not None:
         K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, TOKENS: gl.constexpr,
         K_SPLIT: gl.constexpr,
     ):
-        """out[m, n] = Q8_1(x[m, :]) . Q4_0(W[n, :]) (+ bias) for the M <= TOKENS tokens. Groups, chunks
+        """out[m, n] = Q8_1(x[m, :]) . Q4_0(W[n, :]) (+ bias) for the M <= TOKENS tokens (TOKENS a power of
+        two: the shared-memory tables' shapes; tokens past M read zeros and store nothing). Groups, chunks
         and ring as in the FP4 kernel; a chunk's nibbles are decoded once and meet every token's
         activations; KB: scale blocks per row (K padded to 64, over 32). K_SPLIT 2: each row's K is
         cut in two halves held by adjacent rows of a warp's tile (ROWS even), so a group covers
@@ -182,8 +185,8 @@ if gluon is not None:
         CP: gl.constexpr = CHUNKS_PAD
         TILE: gl.constexpr = ROWS * WARPS  # rows of a warp tile (with a split: row halves)
         GROUP: gl.constexpr = TILE // K_SPLIT  # rows of the layer a group covers
-        KH: gl.constexpr = (K_CHUNKS + K_SPLIT - 1) // K_SPLIT  # chunks per row half
-        HALF: gl.constexpr = 0 if K_SPLIT == 1 else KH  # the later half's first chunk
+        CHUNKS_PER_HALF: gl.constexpr = (K_CHUNKS + K_SPLIT - 1) // K_SPLIT  # chunks per row half
+        LATER_HALF_CHUNK: gl.constexpr = 0 if K_SPLIT == 1 else CHUNKS_PER_HALF  # a later half's first chunk
         WL: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [WARPS, 1], [1, 0])
         BL: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS, 1], [1, 0])
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -195,20 +198,21 @@ if gluon is not None:
         w_w = gl.arange(0, CW, layout=gl.SliceLayout(0, WL))
         r_b = gl.arange(0, TILE, layout=gl.SliceLayout(1, BL))
         b_b = gl.arange(0, 32, layout=gl.SliceLayout(0, BL))
-        real_w, real_b = r_w // K_SPLIT, r_b // K_SPLIT  # a tile row's row in the group
-        second_w = (r_w % K_SPLIT)[:, None] == 1  # a tile row that holds its row's later half
-        second_b = (r_b % K_SPLIT)[:, None] == 1
-        cols_w = (r_w % K_SPLIT)[:, None] * (HALF * CW) + w_w[None, :]  # (TILE, CW) word columns in chunk 0
-        blocks_b = (r_b % K_SPLIT)[:, None] * (HALF * 32) + 2 * (b_b[None, :] // 2)  # (TILE, 32) scale blocks
-        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + real_w[:, None] * stride_wn + cols_w
+        group_row_w, group_row_b = r_w // K_SPLIT, r_b // K_SPLIT  # a tile row's row in the group
+        later_half_w = (r_w % K_SPLIT)[:, None] == 1  # a tile row that holds its row's later half
+        later_half_b = (r_b % K_SPLIT)[:, None] == 1
+        # each tile row's word columns (TILE, CW) and scale blocks (TILE, 32) in its first chunk
+        cols_w = (r_w % K_SPLIT)[:, None] * (LATER_HALF_CHUNK * CW) + w_w[None, :]
+        blocks_b = (r_b % K_SPLIT)[:, None] * (LATER_HALF_CHUNK * 32) + 2 * (b_b[None, :] // 2)
+        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + group_row_w[:, None] * stride_wn + cols_w
         groups = gl.cdiv(N, GROUP)
         programs = gl.num_programs(0)
         first = gl.program_id(0)  # the grid has at most `groups` programs
         ring = ()  # the first DEPTH chunks, requested before the activations are quantized
         for t in gl.static_range(DEPTH):
-            ring = ring + (_ring_entry(word_ptrs, scales_ptr, real_w, cols_w, real_b, blocks_b,
-                                       (first + t // KH * programs) * GROUP, t % KH, stride_wn, stride_sb, N,
-                                       K_WORDS, KB, CW),)
+            ring = ring + (_ring_entry(word_ptrs, scales_ptr, group_row_w, cols_w, group_row_b, blocks_b,
+                                       (first + t // CHUNKS_PER_HALF * programs) * GROUP, t % CHUNKS_PER_HALF,
+                                       stride_wn, stride_sb, N, K_WORDS, KB, CW),)
         for tok in gl.static_range(TOKENS):
             for s in gl.static_range(CP // WARPS):
                 limit = gl.where(tok < M, K - s * WARPS * CW * 8, 0)  # a token past M reads nothing
@@ -225,24 +229,26 @@ if gluon is not None:
             accs = ()
             for tok in gl.static_range(TOKENS):
                 accs = accs + (gl.full([TILE, 32], 0.0, gl.float32, BL),)
-            for c in gl.static_range(KH):
-                ahead = _ring_entry(word_ptrs, scales_ptr, real_w, cols_w, real_b, blocks_b,
-                                    (g + (c + DEPTH) // KH * programs) * GROUP, (c + DEPTH) % KH, stride_wn,
-                                    stride_sb, N, K_WORDS, KB, CW)
+            for c in gl.static_range(CHUNKS_PER_HALF):
+                ahead = _ring_entry(word_ptrs, scales_ptr, group_row_w, cols_w, group_row_b, blocks_b,
+                                    (g + (c + DEPTH) // CHUNKS_PER_HALF * programs) * GROUP,
+                                    (c + DEPTH) % CHUNKS_PER_HALF, stride_wn, stride_sb, N, K_WORDS, KB, CW)
                 nibbles = _nibbles(ring[0])
                 for tok in gl.static_range(TOKENS):
-                    sums = _token_sums(nibbles, _chunk_of_rows(words_smem, (2 * tok) * CP + c, HALF, second_w, WL),
-                                       _chunk_of_rows(words_smem, (2 * tok + 1) * CP + c, HALF, second_w, WL),
-                                       _chunk_of_rows(lanes_smem, (4 * tok) * CP + c, HALF, second_b, BL),
-                                       _chunk_of_rows(lanes_smem, (4 * tok + 1) * CP + c, HALF, second_b, BL),
-                                       _chunk_of_rows(lanes_smem, (4 * tok + 2) * CP + c, HALF, second_b, BL),
-                                       _chunk_of_rows(lanes_smem, (4 * tok + 3) * CP + c, HALF, second_b, BL), BL)
+                    # this token's activations for the chunk each tile row decodes
+                    x_lo = _chunk_of_rows(words_smem, (2 * tok) * CP + c, LATER_HALF_CHUNK, later_half_w, WL)
+                    x_hi = _chunk_of_rows(words_smem, (2 * tok + 1) * CP + c, LATER_HALF_CHUNK, later_half_w, WL)
+                    d8_lo = _chunk_of_rows(lanes_smem, (4 * tok) * CP + c, LATER_HALF_CHUNK, later_half_b, BL)
+                    d8_hi = _chunk_of_rows(lanes_smem, (4 * tok + 1) * CP + c, LATER_HALF_CHUNK, later_half_b, BL)
+                    sum_lo = _chunk_of_rows(lanes_smem, (4 * tok + 2) * CP + c, LATER_HALF_CHUNK, later_half_b, BL)
+                    sum_hi = _chunk_of_rows(lanes_smem, (4 * tok + 3) * CP + c, LATER_HALF_CHUNK, later_half_b, BL)
+                    sums = _token_sums(nibbles, x_lo, x_hi, d8_lo, d8_hi, sum_lo, sum_hi, BL)
                     accs = accs[:tok] + (accs[tok] + sums,) + accs[tok + 1:]
                 ring = ring[1:] + (ahead,)
             if K_SPLIT == 1:
                 offs_n = g * GROUP + r_b
             else:  # tile rows 2i and 2i + 1 are row i's halves, in one thread's registers
-                offs_n = g * GROUP + gl.split(gl.reshape(real_b, [GROUP, 2]))[0]
+                offs_n = g * GROUP + gl.split(gl.reshape(group_row_b, [GROUP, 2]))[0]
             if HAS_BIAS:
                 bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
             for tok in gl.static_range(TOKENS):
@@ -260,9 +266,10 @@ MAX_TOKENS = 8  # token rows one launch takes: each token's activations sit in s
 
 
 def shared_memory_bytes(tokens: int, chunks_pad: int) -> int:
-    """The activations' shared memory of one program: per token and chunk, 2 x 128 int8 words and
-    4 x 32 fp32 lane values."""
-    return tokens * chunks_pad * (2 * CHUNK_WORDS * 4 + 4 * 32 * 4)
+    """The activations' shared memory of one program: per token (their count padded to a power of
+    two, as the launch does: Gluon's shared-memory shapes are powers of two) and chunk, 2 x 128 int8
+    words and 4 x 32 fp32 lane values."""
+    return next_power_of_2(tokens) * chunks_pad * (2 * CHUNK_WORDS * 4 + 4 * 32 * 4)
 
 
 def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -289,11 +296,11 @@ def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         raise ValueError(problem)
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n * k_split, rows, num_warps, programs_per_sm),
+    launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n, rows // k_split, num_warps, programs_per_sm),
            x, qweight, scales, bias if bias is not None else out, out,
            m, n, k, k_words, scales.shape[0], x.stride(0), out.stride(0), qweight.stride(0) // 4, scales.stride(0),
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, TOKENS=m, K_SPLIT=k_split, num_warps=num_warps)
+           DEPTH=depth, TOKENS=next_power_of_2(m), K_SPLIT=k_split, num_warps=num_warps)
     return out
 
 

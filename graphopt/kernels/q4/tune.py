@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import zlib
 
 import torch
 
@@ -91,8 +92,10 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     device = qweight.device
     x = torch.randn(m, k, device=device).to(dtype)
     tma = allow_gluon and mode == "separate" and m <= DECODE_MAX_TOKENS and _tma_runs(x, n, qweight)
-    persistent = allow_gluon and persistent_runs(x)
-    gluon_tiles = ("+tma" if tma else "") + ("+persistent" if persistent else "")
+    persistent = allow_gluon and persistent_runs(x) and bool(persistent_configs(m))
+    # the persistent tiles offered are part of the key: a choice made among other tiles is not reused
+    offered = zlib.crc32(",".join(c.name for c in persistent_configs(m)).encode()) if persistent else 0
+    gluon_tiles = ("+tma" if tma else "") + (f"+persistent{offered:08x}" if persistent else "")
     key = "|".join((gpu, "q4_linear", mode + gluon_tiles, f"m{_token_bucket(m)}",
                     f"n{n}", f"k{k}", str(dtype).removeprefix("torch.")))
     cached = tuning.lookup(key)
