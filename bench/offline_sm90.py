@@ -302,6 +302,7 @@ def persistent(args) -> None:
         types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
                      out_ptr="*bf16")
         consts["IS_NVFP4"] = args.format == "nvfp4"
+        consts["K_SPLIT"] = args.k_split
     div16 = [n for n in ("x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "N", "stride_wn", "stride_sn",
                          "stride_sb", "stride_xm", "stride_om") if n in fn.arg_names]
     kernel = compile_sm90(fn, types, consts, div16, args.warps, gluon=True)
@@ -368,7 +369,7 @@ def main() -> int:
         p.add_argument(name, type=int)
     p.add_argument("--depth", type=int, default=1, help="chunks loaded ahead")
     p.add_argument("--tokens", type=int, default=1, help="q4_0: tokens per launch")
-    p.add_argument("--k-split", type=int, default=1, choices=(1, 2), help="q4_0: each row's K in this many halves")
+    p.add_argument("--k-split", type=int, default=1, choices=(1, 2), help="each row's K in this many halves")
     p = sub.add_parser("pool")
     for name in ("slice_elements", "warps", "loop_stages"):
         p.add_argument(name, type=int)

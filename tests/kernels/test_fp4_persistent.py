@@ -21,8 +21,10 @@ needs_gluon = pytest.mark.skipif(dp.gluon is None, reason="this Triton has no Gl
 
 @needs_gluon
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("rows,warps,k,depth", [(4, 4, 4096, 1), (2, 4, 14336, 3), (1, 8, 1344, 2), (1, 4, 4096, 7)])
-def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, depth, pristine_triton_language,
+@pytest.mark.parametrize("rows,warps,k,depth,k_split", [(4, 4, 4096, 1, 1), (2, 4, 14336, 3, 1), (1, 8, 1344, 2, 1),
+                                                     (1, 4, 4096, 7, 1), (2, 4, 14336, 3, 2), (2, 8, 14336, 1, 2),
+                                                     (4, 4, 2816, 1, 2)])  # the last three: K split in two
+def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, depth, k_split, pristine_triton_language,
                                                           monkeypatch):
     monkeypatch.setenv("TOP_OPS", "1000")  # every opcode of a loop body, not the most common few
     types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
@@ -30,7 +32,7 @@ def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, d
     k_chunks, chunks_pad = dp.chunks(k, warps)
     kernel = compile_sm90(dp._fp4_gemv_persistent_kernel, types,
                           dict(IS_NVFP4=fmt == "nvfp4", HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks,
-                               CHUNKS_PAD=chunks_pad, DEPTH=depth),
+                               CHUNKS_PAD=chunks_pad, DEPTH=depth, K_SPLIT=k_split),
                           ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sn",
                            "N"], warps, gluon=True)
     sass, usage = sass_and_resources(kernel)
@@ -38,8 +40,8 @@ def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, d
     assert "IDP.2A" in sass
     # barriers only while the activations are rounded: a row's sum is reduced inside its warp
     assert not [ops for _, _, ops in loops(sass) if any(op.startswith("BAR") for op, _ in ops)]
-    # one 16-byte load per row and chunk, each chunk's issued ahead of the decode
-    assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * k_chunks
+    # one 16-byte load per row and chunk (a half row's chunks with a split), each issued ahead of the decode
+    assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * -(-k_chunks // k_split)
 
 
 def test_chunks_cover_the_row():
@@ -91,6 +93,27 @@ def test_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, progra
     again = dp.fp4_gemv_persistent(x, codes, scales, gscale, bias, n, k, fmt, rows=rows, num_warps=warps,
                                    programs_per_sm=programs_per_sm, depth=depth)
     assert torch.equal(again, got)  # no state between calls
+
+
+@pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k,rows,warps,programs_per_sm,depth", [
+    (200, 2816, 2, 4, 4, 3), (4096, 14336, 2, 4, 4, 3), (4096, 14336, 2, 8, 2, 1), (37, 2048, 4, 2, 8, 1),
+    (61, 11008, 2, 4, 1, 3)])
+def test_a_k_split_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, programs_per_sm, depth):
+    gen = torch.Generator().manual_seed(n + k)
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(n, k, generator=gen) * 0.05, fmt))
+    codes, scales, gscale = kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda()
+    x = (torch.randn(1, k, generator=gen) * torch.linspace(0.1, 4.0, k)).to("cuda", torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
+    got = dp.fp4_gemv_persistent(x, codes, scales, gscale, bias, n, k, fmt, rows=rows, num_warps=warps,
+                                 programs_per_sm=programs_per_sm, depth=depth, k_split=2)
+    ref = fp4.reference_fp4_linear(x.double(), codes, scales, gscale, bias.double(), n, k, fmt).double()
+    err = (got.double() - ref).abs().max() / ref.abs().max()
+    assert got.shape == (1, n) and err < 8e-3, err.item()
+    whole = dp.fp4_gemv_persistent(x, codes, scales, gscale, bias, n, k, fmt, rows=rows, num_warps=warps,
+                                   programs_per_sm=programs_per_sm, depth=depth)
+    assert (got.double() - whole.double()).abs().max() / ref.abs().max() < 8e-3  # only the fp32 sum order differs
 
 
 def _persistent_tiles():

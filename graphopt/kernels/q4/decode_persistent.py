@@ -26,14 +26,14 @@ from __future__ import annotations
 import torch
 
 from graphopt.kernels.fp4.decode_persistent import (CHUNK_WORDS, DEPTH_CHOICES, MAX_ROWS_IN_FLIGHT, ROWS_CHOICES,
-                                                    WARPS_CHOICES, check_tile, chunks, gluon, persistent_grid, supports,
-                                                    tile_problem)
+                                                    WARPS_CHOICES, check_tile, chunks, gluon, persistent_grid,
+                                                    split_problem, supports, tile_problem)
 from graphopt.kernels.launch import launch, next_power_of_2
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
-    from graphopt.kernels.fp4.decode_persistent import _add, _larger, _word_slots
+    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_of_rows, _larger, _word_slots
     from graphopt.kernels.fp4_tma import _cta_barrier
 
 __all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "MAX_TOKENS", "ROWS_CHOICES", "WARPS_CHOICES",
@@ -128,16 +128,6 @@ if gluon is not None:
         return (gl.load(word_ptrs + row * stride_wn + chunk * CW, mask=mask, other=0),
                 _scale_tile(scales_ptr, group_row_b, blocks_b, row, chunk, 0, stride_sb, N, KB, live),
                 _scale_tile(scales_ptr, group_row_b, blocks_b, row, chunk, 1, stride_sb, N, KB, live))
-
-    @gluon.jit
-    def _chunk_of_rows(smem, index, LATER_HALF_CHUNK: gl.constexpr, later_half, layout: gl.constexpr):
-        """Row `index` of a shared-memory table for every row of a tile; with a K split
-        (LATER_HALF_CHUNK > 0), row index + LATER_HALF_CHUNK for the tile rows that hold a later half
-        (`later_half`, (rows, 1)): two loads and a select."""
-        rows = smem.slice(index, 1).load(layout)
-        if LATER_HALF_CHUNK != 0:
-            rows = gl.where(later_half, smem.slice(index + LATER_HALF_CHUNK, 1).load(layout), rows)
-        return rows
 
     @gluon.jit
     def _nibbles(entry):
@@ -302,16 +292,3 @@ def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
            DEPTH=depth, TOKENS=next_power_of_2(m), K_SPLIT=k_split, num_warps=num_warps)
     return out
-
-
-def split_problem(rows: int, k_split: int, k_chunks: int | None = None) -> str | None:
-    """Why a K split does not fit, or None: k_split 1 or 2; a split needs an even number of rows per
-    warp (a row's halves in one thread) and, when known, a row of at least two chunks."""
-    if k_split not in (1, 2):
-        return f"k_split {k_split}: expected 1 or 2"
-    if k_split == 2 and rows % 2:
-        return f"k_split 2 puts a row's halves on two rows of a warp: rows per warp must be even, got {rows}"
-    if k_split == 2 and k_chunks is not None and k_chunks < 2:
-        return (f"k_split 2 needs rows of at least two chunks ({2 * CHUNK_WORDS * 8} inputs); this K has "
-                f"{k_chunks}")
-    return None
