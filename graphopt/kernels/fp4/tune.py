@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import zlib
 
 import torch
 
@@ -57,11 +58,13 @@ def tune_config(path: str, args: tuple, *, allow_gluon: bool = True) -> KernelCo
     key = _tuned_key(path, args, allow_gluon)
     if key in _TUNED:
         return _TUNED[key]
-    disk_key = f"fp4|{tuning.device_key(x2.device.index or 0)}|{key[:-2]}|gluon={allow_gluon}"
+    candidates = _candidates(path, args, allow_gluon)
+    # the candidates are part of the key: a choice made among other tiles is not reused
+    offered = zlib.crc32(",".join(tuning.encode(cfg) for cfg in candidates).encode())
+    disk_key = f"fp4|{tuning.device_key(x2.device.index or 0)}|{key[:-2]}|gluon={allow_gluon}|{offered:08x}"
     if (stored := tuning.lookup(disk_key)) is not None:
         _TUNED[key] = tuning.decode(KernelConfig, stored)
         return _TUNED[key]
-    candidates = _candidates(path, args, allow_gluon)
     time_config = _cold_decode_timer(args) if path == "gemv" else None
     if time_config is None:
         from triton.testing import do_bench
