@@ -40,14 +40,14 @@ TRITON_TILES = [KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots
                 KernelConfig(32, 1, 256, 8, num_warps=1, num_stages=1, int_dots=True)]
 PERSISTENT_TILES = [(1, 4, 4, 3), (1, 4, 8, 3), (1, 4, 16, 3), (1, 4, 4, 7), (1, 4, 8, 7), (1, 8, 4, 3), (1, 8, 4, 7),
                     (1, 2, 16, 7), (2, 4, 4, 1), (2, 4, 4, 3), (2, 4, 8, 3), (2, 8, 2, 1), (2, 8, 2, 3), (2, 2, 8, 3),
-                    (4, 4, 4, 1), (4, 4, 8, 1), (2, 4, 4, 3, 2), (2, 8, 2, 1, 2), (2, 4, 8, 1, 2)]
+                    (4, 4, 4, 1), (4, 4, 8, 1), (2, 4, 2, 3, 2), (2, 8, 1, 1, 2), (2, 4, 4, 3, 2)]
 # (rows per warp, warps, programs per SM, chunks ahead[, K split: each row's K in this many halves])
 
 
 Q4_TILES = [q4.TileConfig("dp4a", 0, 16, 4, 1, 1, 8, "last"), q4.TileConfig("dp4a", 0, 16, 8, 1, 1, 0, "workspace"),
             q4.TileConfig("dp4a", 0, 32, 4, 1, 1, 4, "last")]  # the tiles the Q4 tuner picks on these shapes
 Q4_PERSISTENT_TILES = [(2, 8, 2, 1), (2, 4, 4, 1), (4, 4, 4, 1), (2, 8, 2, 2), (1, 8, 4, 3), (1, 4, 8, 3),
-                       (2, 4, 4, 3, 2), (2, 8, 2, 1, 2), (2, 4, 8, 1, 2)]
+                       (2, 4, 2, 3, 2), (2, 8, 1, 1, 2), (2, 4, 4, 3, 2)]  # as PERSISTENT_TILES
 # 2-8 tokens: the dp4a and q4_tma tiles among the Q4 tuner's candidates there, and persistent tiles
 # that build without spills (one row per warp at K = 14336)
 Q4_MULTI_TOKEN_TILES = [q4.TileConfig("dp4a", 0, 32, 4, 1, 1, 4, "workspace"),

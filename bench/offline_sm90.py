@@ -291,18 +291,16 @@ def persistent(args) -> None:
 
     k_chunks, chunks_pad = fp4_persistent.chunks(args.k, args.warps)
     consts = dict(HAS_BIAS=False, ROWS=args.rows, WARPS=args.warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-                  DEPTH=args.depth)
+                  DEPTH=args.depth, K_SPLIT=args.k_split)
     if args.format == "q4_0":
         fn = q4_persistent._q4_gemv_persistent_kernel
         types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16")
         consts["TOKENS"] = 1 << (args.tokens - 1).bit_length()  # the launch pads the count to a power of two
-        consts["K_SPLIT"] = args.k_split
     else:
         fn = fp4_persistent._fp4_gemv_persistent_kernel
         types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
                      out_ptr="*bf16")
         consts["IS_NVFP4"] = args.format == "nvfp4"
-        consts["K_SPLIT"] = args.k_split
     div16 = [n for n in ("x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "N", "stride_wn", "stride_sn",
                          "stride_sb", "stride_xm", "stride_om") if n in fn.arg_names]
     kernel = compile_sm90(fn, types, consts, div16, args.warps, gluon=True)

@@ -65,6 +65,10 @@ def test_bad_arguments_name_the_choices():
         dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=4, depth=2)
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         dp.fp4_gemv_persistent(x.double(), kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4")  # CPU, fp64
+    with pytest.raises(ValueError, match="rows per warp must be even"):
+        dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=1, k_split=2)
+    with pytest.raises(ValueError, match="at least two chunks"):  # K = 64 is one chunk
+        dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=2, k_split=2)
 
 
 @pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
@@ -98,8 +102,8 @@ def test_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, progra
 @pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("n,k,rows,warps,programs_per_sm,depth", [
-    (200, 2816, 2, 4, 4, 3), (4096, 14336, 2, 4, 4, 3), (4096, 14336, 2, 8, 2, 1), (37, 2048, 4, 2, 8, 1),
-    (61, 11008, 2, 4, 1, 3)])
+    (200, 2816, 2, 4, 4, 3), (4096, 14336, 2, 4, 2, 3), (4096, 14336, 2, 8, 1, 1), (37, 2048, 4, 2, 8, 1),
+    (61, 11008, 2, 4, 1, 3), (4096, 2048, 2, 4, 1, 3)])  # the last: loads ahead run into the next groups
 def test_a_k_split_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, programs_per_sm, depth):
     gen = torch.Generator().manual_seed(n + k)
     kw = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(n, k, generator=gen) * 0.05, fmt))
@@ -127,6 +131,8 @@ def test_tuner_offers_the_persistent_tiles_for_one_token_only_and_only_with_gluo
     assert tiles and all(cfg.gluon for cfg in tiles)
     for cfg in tiles:
         assert configs._valid_config(cfg, "gemv", 1, 4096, 4096, 16)
+        # a K split needs two chunks (2048 inputs) or more
+        assert configs._valid_config(cfg, "gemv", 1, 4096, 1024, 16) == (cfg.split_k == 1)
         assert not configs._valid_config(cfg, "gemv", 2, 4096, 4096, 16)  # one token
         assert not configs._valid_config(cfg, "gemm", 1, 4096, 4096, 16)
         rows = cfg.block_n // cfg.num_warps

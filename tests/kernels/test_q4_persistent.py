@@ -57,6 +57,10 @@ def test_bad_arguments_name_the_problem():
         dp.q4_gemv_persistent(x, qweight, scales, None, rows=4, depth=2)
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         dp.q4_gemv_persistent(x, qweight, scales, None)  # CPU
+    with pytest.raises(ValueError, match="rows per warp must be even"):
+        dp.q4_gemv_persistent(x, qweight, scales, None, rows=1, k_split=2)
+    with pytest.raises(ValueError, match="at least two chunks"):  # K = 64 is one chunk
+        dp.q4_gemv_persistent(x, qweight, scales, None, rows=2, k_split=2)
     assert dp.split_problem(2, 1) is None and dp.split_problem(2, 2, k_chunks=2) is None
     assert "expected 1 or 2" in dp.split_problem(2, 3)
     assert "must be even" in dp.split_problem(1, 2)
@@ -96,7 +100,7 @@ def test_matches_the_float64_reference_on_the_gpu(n, k, rows, warps, programs_pe
 @pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
 @pytest.mark.parametrize("n,k,rows,warps,programs_per_sm,depth,tokens", [
     (200, 2816, 2, 4, 4, 3, 1), (4096, 14336, 4, 4, 4, 1, 1), (37, 2048, 2, 8, 2, 1, 3), (61, 14336, 2, 4, 4, 3, 2),
-    (300, 11008, 4, 2, 8, 1, 1)])
+    (300, 11008, 4, 2, 8, 1, 1), (4096, 2048, 2, 4, 1, 3, 1)])  # the last: loads ahead run into the next groups
 def test_a_k_split_matches_the_float64_reference_on_the_gpu(n, k, rows, warps, programs_per_sm, depth, tokens):
     gen = torch.Generator().manual_seed(n + k)
     qweight, scales = q4.quantize_weight(torch.randn(n, k, generator=gen) * 0.05)

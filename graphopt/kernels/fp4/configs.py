@@ -76,7 +76,9 @@ MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-
 #    and format (2-4 rows per warp, 4 or 8 warps, 2-8 programs per SM; one chunk ahead, three at
 #    K = 14336), in bench_decode_persistent.py's run (results/decode_persistent_1tok_h200.json); and
 #    two tiles that split each row's K in two (for layers with too few rows to fill the GPU, as the
-#    down projection, N = 4096 with K = 14336), which the tuner times against the others.
+#    down projection, N = 4096 with K = 14336; timed where each half has two chunks or more,
+#    _worth_timing), with as many programs per SM as their registers let stay resident (159-170 a
+#    thread in offline sm_90 builds: two of 4 warps, one of 8).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
           for bn, bm, bk, sk, w in ((16, 4, 256, 1, 4), (16, 4, 256, 4, 4), (8, 1, 1024, 1, 4), (8, 1, 1024, 4, 4),
@@ -99,8 +101,8 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     + tuple(KernelConfig(rows * warps, 1, 8 * decode_persistent.CHUNK_WORDS, k_split, num_warps=warps,
                          num_stages=depth, programs_per_sm=per_sm)
             for rows, warps, per_sm, depth, k_split in ((4, 4, 4, 1, 1), (4, 4, 8, 1, 1), (2, 8, 2, 1, 1),
-                                                        (2, 4, 4, 1, 1), (2, 8, 2, 3, 1), (2, 4, 4, 3, 2),
-                                                        (2, 8, 2, 1, 2)))
+                                                        (2, 4, 4, 1, 1), (2, 8, 2, 3, 1), (2, 4, 2, 3, 2),
+                                                        (2, 8, 1, 1, 2)))
 )
 # Prefill: the fused dequant-GEMM tiles chosen in those runs.
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (

@@ -121,8 +121,8 @@ if gluon is not None:
     @gluon.jit
     def _chunk_tile(ptrs, rows, cols, row0, col0, stride, N, COLS, live):
         """The tile at ptrs + row0 * stride + col0 (ptrs: (rows, columns) pointers for row0 = col0 = 0;
-        rows (R,) the tile rows' layer rows, cols (R, C) their columns): rows past N, columns past COLS,
-        and every element when `live` is false, read as 0."""
+        rows (R,) the tile rows' rows within the group, cols (R, C) their columns): rows past N,
+        columns past COLS, and every element when `live` is false, read as 0."""
         mask = (rows[:, None] + row0 < N) & (cols + col0 < COLS) & live
         return gl.load(ptrs + row0 * stride + col0, mask=mask, other=0)
 
@@ -189,7 +189,7 @@ if gluon is not None:
         K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, K_SPLIT: gl.constexpr,
     ):
         """out[0, n] = x[0, :] @ W[n, :]^T (+ bias). Program p owns the groups p, p + P, ... of ROWS x WARPS
-        rows; warp w the rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
+        rows (ROWS x WARPS / 2 with a K split); warp w the tile rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
         activations' shared memory holds CHUNKS_PAD >= K_CHUNKS of them (`chunks`: a power of two, at
         least WARPS). K_SPLIT 2: each row's K in two halves on adjacent tile rows of a warp (ROWS even),
         so a group covers ROWS x WARPS / 2 rows and a layer with few rows gets twice the programs; the
@@ -222,7 +222,7 @@ if gluon is not None:
         programs = gl.num_programs(0)
         first = gl.program_id(0)  # the grid has at most `groups` programs
         # the first DEPTH chunks of the program's flattened (group, chunk) sequence (chunk t: group
-        # first + (t // K_CHUNKS) * programs), issued before the activations are rounded so that
+        # first + (t // CHUNKS_PER_HALF) * programs), issued before the activations are rounded so that
         # their loads overlap it
         ring = ()
         for t in gl.static_range(DEPTH):
@@ -334,11 +334,11 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
         raise ValueError(f"format {format!r}: expected 'nvfp4' or 'mxfp4'")
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != in_features:
         raise ValueError(f"x of shape {tuple(x.shape)}: expected (1, {in_features})")
-    check_tile(x, rows, num_warps, depth, programs_per_sm)
     k_words = codes.shape[1] // 4
     k_chunks, chunks_pad = chunks(codes.shape[1] * 2, num_warps)
     if (problem := split_problem(rows, k_split, k_chunks)) is not None:
         raise ValueError(problem)
+    check_tile(x, rows, num_warps, depth, programs_per_sm)
     x = x.contiguous()
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
     grid = persistent_grid(x.device, out_features, rows // k_split, num_warps, programs_per_sm)

@@ -189,10 +189,10 @@ def _persistent_tile_fits(cfg: TileConfig) -> bool:
 # The K-split tiles (last field 2) are for layers with too few rows to fill the GPU: the down
 # projection (N = 4096, K = 14336) was the slowest per byte at every tile, with 1-2 programs of
 # 186-255 registers a thread per multiprocessor (offline sm_90 builds). Split in two, 2 rows per warp
-# x 4 warps build with 168-174 registers (three programs per multiprocessor) and three chunks ahead,
-# 2 x 8 with 186; neither spills on Triton 3.6 or 3.9. The tuner times them against the others.
-_PERSISTENT_TILES = ((4, 4, 4, 1, 1), (2, 4, 4, 1, 1), (2, 8, 2, 2, 1), (2, 8, 2, 1, 1), (2, 4, 4, 3, 2),
-                     (2, 8, 2, 1, 2))
+# x 4 warps build with 168-174 registers and three chunks ahead (two programs stay resident), 2 x 8
+# with 186 (one); neither spills on Triton 3.6 or 3.9. The tuner times them against the others.
+_PERSISTENT_TILES = ((4, 4, 4, 1, 1), (2, 4, 4, 1, 1), (2, 8, 2, 2, 1), (2, 8, 2, 1, 1), (2, 4, 2, 3, 2),
+                     (2, 8, 1, 1, 2))
 _PERSISTENT_MULTI_TOKEN_TILES = ((2, 8, 2, 1, 1), (2, 4, 4, 1, 1))
 PERSISTENT_MAX_OFFERED_TOKENS = 4
 

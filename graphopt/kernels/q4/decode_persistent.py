@@ -276,14 +276,14 @@ def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if k % 32 or qweight.shape[1] * 2 < k or scales.shape != (qweight.shape[1] // 16, n) or qweight.shape[1] % 32:
         raise ValueError(f"x (M, {k}), qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}: expected K a "
                          "multiple of 32, qweight (N, Kp / 2) uint8 with Kp = K padded to 64 and scales (Kp / 32, N)")
+    k_chunks, chunks_pad = chunks(qweight.shape[1] * 2, num_warps)
+    if (problem := split_problem(rows, k_split, k_chunks)) is not None:
+        raise ValueError(problem)
     check_tile(x, rows, num_warps, depth, programs_per_sm)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
     m = x.shape[0]
     k_words = qweight.shape[1] // 4
-    k_chunks, chunks_pad = chunks(qweight.shape[1] * 2, num_warps)
-    if (problem := split_problem(rows, k_split, k_chunks)) is not None:
-        raise ValueError(problem)
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n, rows // k_split, num_warps, programs_per_sm),
