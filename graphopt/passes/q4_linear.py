@@ -41,14 +41,12 @@ significant bits), below about 8e-6 a zero step (the block then contributes noth
 about 8.3e6 an infinite one (NaN outputs). The error budget checks the weights only, which the pass
 sees at compile time; activations outside that range need a rescaled model or another pass.
 
-Where it wins (H100, the issue's two shapes, weights L2-cold): decode. 1 token 2.3-2.6x cuBLAS bf16
-(the fused dp4a kernel; bench/results/q4_linear_decode_dp4a_h100.json; decode_persistent against
-those tiles: bench/results/decode_persistent_1tok_h200.json), 4 tokens 1.92-2.31x and 16 tokens
-1.70-1.99x (the separate path on q4_tma's Gluon decode, which the cost model picks there;
-bench/results/q4_linear_tma_4_16tok_h100.json). From 64 tokens on the int8 GEMM is slower than
-cuBLAS (fused 0.52-0.55x at 64, 0.12-0.20x at 256-4096). The cost model (tests/cost/test_fit_regression.py)
-therefore rewrites decode linears and declines prefill unless force=True. The estimates and the
-mode choice are graphopt.cost.q4's (estimate_q4_fused, estimate_q4_separate, predict_linear).
+Where it wins (bench/RESULTS.md sections 3 and 4): decode, at 1-16 tokens, on the fused dp4a kernel,
+q4_tma's Gluon decode (the separate path, which the cost model picks at 4-16 tokens) or the
+persistent decode; from 64 tokens on the int8 GEMM is slower than cuBLAS bf16. The cost model
+(tests/cost/test_fit_regression.py) therefore rewrites decode linears and declines prefill unless
+force=True. The estimates and the mode choice are graphopt.cost.q4's (estimate_q4_fused,
+estimate_q4_separate, predict_linear).
 
 ONNX: `q4_linear` exports the Q8_1 rounding of its activations as plain ONNX ops (so the exported
 model computes what the op computes), then DequantizeLinear(INT4 weight = nibble - 8, scale d, axis 1,
