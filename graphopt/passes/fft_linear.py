@@ -19,11 +19,9 @@ Two kinds of match, one Decision each:
    held-out calibration activations. The layer is rewritten only if that error is within
    `error_budget["fft_linear"]`, the shapes match, the weight can be frozen (inference), and the
    cost model predicts a win (`config.force` overrides only the last). Every other dense linear
-   is declined with its reason. Measured on an H100 (bench/RESULTS.md, both sides replayed from
-   CUDA graphs, bf16, B=512 K=2 on 5120<->13824): 3.0-3.9x cuBLAS at 1-16 tokens, 1.15-1.8x at
-   256, and at 4096 1.5-1.7x (up projection) and 0.97-1.06x (down). The estimates are those of
-   graphopt.cost.fft_chain, fitted to the H100 runs; they assume CUDA-graph replay, and they
-   decide per token count (an H200-era fit had the chain losing at 256 and 4096 tokens).
+   is declined with its reason. Where the chain beats cuBLAS, by token count and projection, is
+   in bench/RESULTS.md section 7. The estimates are those of graphopt.cost.fft_chain, fitted to
+   H100 runs; they assume CUDA-graph replay and decide per token count.
 
 Plan section format:
     "fft_linear": {"file": "<name>.safetensors",

@@ -24,14 +24,12 @@ The cost model decides: dense time (the backend the attention pass chose, on the
 against the predictor plus the block-sparse kernel at the plan's measured sparsity
 (without a plan: an assumed ASSUMED_SPARSITY_WITHOUT_PLAN, recorded as such). Both estimates are
 rooflines fitted to the H200 timings (bench/results/sparse_attention_h200.json; see
-the constants in graphopt/cost/sparse_attention.py). Where the kernel wins there (bf16, D=128, B=1, H=16, predictor
-included, against cuDNN): from L=8k at 50% of the blocks skipped (1.09-1.15x at 8k, 1.24-1.40x
-at 16k-32k), 75% skipped 1.6-2.6x, 90% skipped 2.3-5.4x; at L=4k only from ~75% skipped
-(1.08-1.5x); never at density 1 (the kernel alone is 0.64-0.80x cuDNN). Short sequences and
+the constants in graphopt/cost/sparse_attention.py). Where the kernel wins, by sequence length
+and share of blocks skipped, is in bench/RESULTS.md section 6: from long sequences at half the
+blocks skipped, at shorter ones only at high sparsity, never at density 1. Short sequences and
 low sparsity are declined with the reason. Unless the step replays from a CUDA graph
 (`cuda_graphs` / `graph_replay`), each side is priced at least at its op's host launch path
-(`priced_host_launches`: about 230 us for graphopt::sparse_attention on the H100 hosts),
-which moves the flip to longer sequences.
+(`priced_host_launches`), which moves the flip to longer sequences.
 
 Symbolic sequence lengths (torch.compile(dynamic=True), the automatic dynamic shapes Dynamo
 turns on after a second length, or an ONNX export with dynamic axes): one graph then serves every
