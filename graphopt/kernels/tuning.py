@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 import threading
+import zlib
 from pathlib import Path
 
 import torch
@@ -122,6 +123,12 @@ def computes_product(y: torch.Tensor, reference: torch.Tensor, extra_rtol: float
 def encode(config) -> str:
     """A tile config (a frozen dataclass) as the string an op takes."""
     return json.dumps(dataclasses.asdict(config), separators=(",", ":"), sort_keys=True)
+
+
+def candidates_tag(configs) -> str:
+    """A short fingerprint of the tiles a tuner chose among, for its stored key: a choice made among
+    other tiles (before one was added, say) is not reused."""
+    return f"{zlib.crc32(','.join(encode(cfg) for cfg in configs).encode()):08x}"
 
 
 @functools.lru_cache(maxsize=1024)

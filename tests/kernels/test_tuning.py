@@ -37,3 +37,15 @@ def test_fp32_output_is_held_to_fp32_and_a_stated_rounding_widens_it():
     assert tuning.computes_product(through_bf16.to(torch.bfloat16), reference)
     assert not tuning.computes_product(through_bf16, reference)
     assert tuning.computes_product(through_bf16, reference, extra_rtol=2**-8)
+
+
+def test_the_candidates_fingerprint_changes_when_a_tile_is_offered_or_dropped():
+    """The tuners put it in their stored keys: a choice made among other tiles is not reused."""
+    from graphopt.kernels import fp4, q4
+
+    tiles = q4.persistent_configs(1)
+    assert tuning.candidates_tag(tiles) == tuning.candidates_tag(list(tiles))
+    assert tuning.candidates_tag(tiles) != tuning.candidates_tag(tiles[:-1])
+    assert tuning.candidates_tag(tiles) != tuning.candidates_tag(q4.persistent_configs(2))
+    assert tuning.candidates_tag(fp4.DECODE_CONFIGS) != tuning.candidates_tag(fp4.DECODE_CONFIGS[1:])
+    assert len(tuning.candidates_tag([])) == 8

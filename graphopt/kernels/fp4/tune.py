@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import zlib
 
 import torch
 
@@ -59,9 +58,8 @@ def tune_config(path: str, args: tuple, *, allow_gluon: bool = True) -> KernelCo
     if key in _TUNED:
         return _TUNED[key]
     candidates = _candidates(path, args, allow_gluon)
-    # the candidates are part of the key: a choice made among other tiles is not reused
-    offered = zlib.crc32(",".join(tuning.encode(cfg) for cfg in candidates).encode())
-    disk_key = f"fp4|{tuning.device_key(x2.device.index or 0)}|{key[:-2]}|gluon={allow_gluon}|{offered:08x}"
+    disk_key = (f"fp4|{tuning.device_key(x2.device.index or 0)}|{key[:-2]}|gluon={allow_gluon}"
+                f"|{tuning.candidates_tag(candidates)}")
     if (stored := tuning.lookup(disk_key)) is not None:
         _TUNED[key] = tuning.decode(KernelConfig, stored)
         return _TUNED[key]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import zlib
 
 import torch
 
@@ -77,8 +76,9 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     "separate" the Q8_1-bytes configs (quantize launch included) and, with `allow_gluon` where
     q4_tma's decode runs, its tiles. With `allow_gluon`, either mode, up to
     PERSISTENT_MAX_OFFERED_TOKENS tokens: decode_persistent's tiles too where that kernel runs.
-    `bias`: whether the layer adds one. Each choice is kept per (GPU and versions, mode, token
-    bucket, N, K, dtype), in memory and on disk (tuning.lookup)."""
+    `bias`: whether the layer adds one. Each choice is kept per (GPU and versions, mode and the Gluon
+    tiles offered, token bucket, N, K, dtype, the candidates' fingerprint), in memory and on disk
+    (tuning.lookup)."""
     if mode not in ("fused", "separate"):
         raise ValueError(f"q4_linear mode {mode!r} is not valid; valid choices: fused, separate")
     gpu = _tuning_device(qweight)
@@ -93,11 +93,11 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     x = torch.randn(m, k, device=device).to(dtype)
     tma = allow_gluon and mode == "separate" and m <= DECODE_MAX_TOKENS and _tma_runs(x, n, qweight)
     persistent = allow_gluon and persistent_runs(x) and bool(persistent_configs(m))
-    # the persistent tiles offered are part of the key: a choice made among other tiles is not reused
-    offered = zlib.crc32(",".join(c.name for c in persistent_configs(m)).encode()) if persistent else 0
-    gluon_tiles = ("+tma" if tma else "") + (f"+persistent{offered:08x}" if persistent else "")
-    key = "|".join((gpu, "q4_linear", mode + gluon_tiles, f"m{_token_bucket(m)}",
-                    f"n{n}", f"k{k}", str(dtype).removeprefix("torch.")))
+    candidates = (candidate_configs(m, mode == "fused") + (tma_configs(m) if tma else [])
+                  + (persistent_configs(m) if persistent else []))
+    gluon_tiles = ("+tma" if tma else "") + ("+persistent" if persistent else "")
+    key = "|".join((gpu, "q4_linear", mode + gluon_tiles, f"m{_token_bucket(m)}", f"n{n}", f"k{k}",
+                    str(dtype).removeprefix("torch."), tuning.candidates_tag(candidates)))
     cached = tuning.lookup(key)
     if cached is not None:
         return cached
@@ -111,8 +111,6 @@ def tune_q4_linear(x_shape: tuple[int, ...], qweight: torch.Tensor, scales: torc
     # GPU and shape (split-K reductions and inline-asm paths run only here, not in the interpreter).
     reference = reference_q4_linear(x, qweight, scales, b)
     best, best_ms = None, math.inf
-    candidates = (candidate_configs(m, mode == "fused") + (tma_configs(m) if tma else [])
-                  + (persistent_configs(m) if persistent else []))
     for config in candidates:
         try:
             if not tuning.computes_product(run(config), reference):
