@@ -44,7 +44,8 @@ __all__ = [
     "QK", "Q4_0_BLOCK_BYTES", "Q8_1_BLOCK_BYTES", "SUPPORTED_ACT_DTYPES", "static_quantize", "static_result_dtype",
     "REDUCE_MODES", "TILE_KERNELS", "GEMV_MAX_ROWS", "GEMV_MAX_TOKENS", "DECODE_MAX_TOKENS", "PROGRAMS_PER_SM",
     "swap_configs", "tma_configs", "describe_configs", "ACT_PREQUANTIZED", "ACT_FUSED", "ACT_STATIC", "tma_linear",
-    "quantize_for_tma", "INTERPRET", "PERSISTENT_MAX_OFFERED_TOKENS", "persistent_configs", "persistent_linear", "persistent_runs",
+    "quantize_for_tma", "INTERPRET", "PERSISTENT_MAX_OFFERED_TOKENS", "persistent_configs", "persistent_linear",
+    "persistent_runs",
 ]
 # Helpers the kernel tests reach through this package.
 __all__ += ["_q8_1_parts", "_load_act_block", "_q4_gemm_kernel", "_q4_gemv_kernel", "_split_k", "_tma_runs"]

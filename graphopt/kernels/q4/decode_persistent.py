@@ -33,7 +33,7 @@ from graphopt.kernels.launch import launch, next_power_of_2
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
-    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_of_rows, _larger, _word_slots
+    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_of_rows, _chunk_tile, _larger, _word_slots
     from graphopt.kernels.fp4_tma import _cta_barrier
 
 __all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "MAX_TOKENS", "ROWS_CHOICES", "WARPS_CHOICES",
@@ -124,8 +124,7 @@ if gluon is not None:
         columns and blocks_b (rows, 32) its scale blocks in chunk 0 (a K split's later half starts
         further on)."""
         live = row < N
-        mask = (group_row_w[:, None] + row < N) & (cols_w + chunk * CW < K_WORDS) & live
-        return (gl.load(word_ptrs + row * stride_wn + chunk * CW, mask=mask, other=0),
+        return (_chunk_tile(word_ptrs, group_row_w, cols_w, row, chunk * CW, stride_wn, N, K_WORDS, live),
                 _scale_tile(scales_ptr, group_row_b, blocks_b, row, chunk, 0, stride_sb, N, KB, live),
                 _scale_tile(scales_ptr, group_row_b, blocks_b, row, chunk, 1, stride_sb, N, KB, live))
 
