@@ -56,6 +56,18 @@ Q4_MULTI_TOKEN_TILES = [q4.TileConfig("dp4a", 0, 32, 4, 1, 1, 4, "workspace"),
 Q4_MULTI_TOKEN_PERSISTENT_TILES = [(2, 8, 2, 1), (1, 8, 4, 1), (2, 4, 4, 1), (1, 8, 2, 1)]
 
 
+def persistent_variants(tiles, decode) -> dict:
+    """{name: run(weight copy)} for persistent tiles (rows per warp, warps, programs per SM, chunks
+    ahead[, K split]): decode(copy, rows=, num_warps=, programs_per_sm=, depth=, k_split=)."""
+    variants = {}
+    for rows, warps, per_sm, depth, *split in tiles:
+        k_split = split[0] if split else 1
+        tile = dict(rows=rows, num_warps=warps, programs_per_sm=per_sm, depth=depth, k_split=k_split)
+        name = f"persistent r{rows} w{warps} p{per_sm} d{depth}" + (f" k{k_split}" if k_split > 1 else "")
+        variants[name] = lambda copy, tile=tile: decode(copy, **tile)
+    return variants
+
+
 def fp4_case(fmt: str, w: torch.Tensor, x: torch.Tensor):
     """(weight copies, fp32 reference, weight bytes, {variant: run(copy)}) for one FP4 format."""
     k, n = w.shape[1], w.shape[0]
@@ -66,12 +78,8 @@ def fp4_case(fmt: str, w: torch.Tensor, x: torch.Tensor):
                 (lambda c_=c: lambda kc: fp4.fp4_linear_triton(x, kc.codes, kc.scales, kc.global_scale, None, n, k, fmt,
                                                                path="gemv", config=c_))()
                 for c in TRITON_TILES}
-    for r, wp, per_sm, depth, *split in PERSISTENT_TILES:
-        k_split = split[0] if split else 1
-        variants[f"persistent r{r} w{wp} p{per_sm} d{depth}" + (f" k{k_split}" if k_split > 1 else "")] = (
-            lambda r_=r, wp_=wp, p_=per_sm, d_=depth, s_=k_split: lambda kc: dp.fp4_gemv_persistent(
-                x, kc.codes, kc.scales, kc.global_scale, None, n, k, fmt, rows=r_, num_warps=wp_, programs_per_sm=p_,
-                depth=d_, k_split=s_))()
+    variants.update(persistent_variants(PERSISTENT_TILES, lambda kc, **tile: dp.fp4_gemv_persistent(
+        x, kc.codes, kc.scales, kc.global_scale, None, n, k, fmt, **tile)))
     return copies, F.linear(x.float(), fp4.dequantize_fp4(q)), fp4.fp4_weight_bytes(k, n, fmt), variants
 
 
@@ -84,11 +92,8 @@ def q4_case(w: torch.Tensor, x: torch.Tensor):
     variants = {c.name: (lambda c_=c: lambda wc: q4.q4_linear_triton(
         x, *wc, mode="separate" if c_.kernel == "tma" else "fused", config=c_))()
         for c in (Q4_TILES if one else Q4_MULTI_TOKEN_TILES)}
-    for r, wp, per_sm, depth, *split in (Q4_PERSISTENT_TILES if one else Q4_MULTI_TOKEN_PERSISTENT_TILES):
-        k_split = split[0] if split else 1
-        variants[f"persistent r{r} w{wp} p{per_sm} d{depth}" + (f" k{k_split}" if k_split > 1 else "")] = (
-            lambda r_=r, wp_=wp, p_=per_sm, d_=depth, s_=k_split: lambda wc: q4_dp.q4_gemv_persistent(
-                x, *wc, None, rows=r_, num_warps=wp_, programs_per_sm=p_, depth=d_, k_split=s_))()
+    variants.update(persistent_variants(Q4_PERSISTENT_TILES if one else Q4_MULTI_TOKEN_PERSISTENT_TILES,
+                                        lambda wc, **tile: q4_dp.q4_gemv_persistent(x, *wc, None, **tile)))
     reference = F.linear(x.float(), q4.dequantize_packed(qweight, scales, k).float())
     return copies, reference, qweight.nbytes + scales.nbytes, variants
 
