@@ -7,7 +7,7 @@ gate/up, 14336 x 4096 down), bf16 activations, --tokens tokens (default one), ea
 CUDA-graph replays over rotated weight copies (L2-cold, >= 120 MB per graph). Every kernel is first
 checked against dequantize-then-matmul in fp32 (relative error of the max; a kernel past 2e-2 is
 reported FAIL and not timed). Persistent variants: rows per warp, warps, programs per
-multiprocessor, chunks loaded ahead, and "k2" where each row's K is split in two halves.
+multiprocessor, chunks loaded ahead.
 
     python bench/bench_decode_persistent.py                    # one H100/H200, about four minutes
     python bench/bench_decode_persistent.py --formats q4_0     # writes bench_decode_persistent.json
@@ -40,14 +40,12 @@ TRITON_TILES = [KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots
                 KernelConfig(32, 1, 256, 8, num_warps=1, num_stages=1, int_dots=True)]
 PERSISTENT_TILES = [(1, 4, 4, 3), (1, 4, 8, 3), (1, 4, 16, 3), (1, 4, 4, 7), (1, 4, 8, 7), (1, 8, 4, 3), (1, 8, 4, 7),
                     (1, 2, 16, 7), (2, 4, 4, 1), (2, 4, 4, 3), (2, 4, 8, 3), (2, 8, 2, 1), (2, 8, 2, 3), (2, 2, 8, 3),
-                    (4, 4, 4, 1), (4, 4, 8, 1), (2, 4, 2, 3, 2), (2, 8, 1, 1, 2), (2, 4, 4, 3, 2)]
-# (rows per warp, warps, programs per SM, chunks ahead[, K split: each row's K in this many halves])
+                    (4, 4, 4, 1), (4, 4, 8, 1)]  # (rows per warp, warps, programs per SM, chunks ahead)
 
 
 Q4_TILES = [q4.TileConfig("dp4a", 0, 16, 4, 1, 1, 8, "last"), q4.TileConfig("dp4a", 0, 16, 8, 1, 1, 0, "workspace"),
             q4.TileConfig("dp4a", 0, 32, 4, 1, 1, 4, "last")]  # the tiles the Q4 tuner picks on these shapes
-Q4_PERSISTENT_TILES = [(2, 8, 2, 1), (2, 4, 4, 1), (4, 4, 4, 1), (2, 8, 2, 2), (1, 8, 4, 3), (1, 4, 8, 3),
-                       (2, 4, 2, 3, 2), (2, 8, 1, 1, 2), (2, 4, 4, 3, 2)]  # as PERSISTENT_TILES
+Q4_PERSISTENT_TILES = [(2, 8, 2, 1), (2, 4, 4, 1), (4, 4, 4, 1), (2, 8, 2, 2), (1, 8, 4, 3), (1, 4, 8, 3)]
 # 2-8 tokens: the dp4a and q4_tma tiles among the Q4 tuner's candidates there, and persistent tiles
 # that build without spills (one row per warp at K = 14336)
 Q4_MULTI_TOKEN_TILES = [q4.TileConfig("dp4a", 0, 32, 4, 1, 1, 4, "workspace"),
@@ -58,13 +56,11 @@ Q4_MULTI_TOKEN_PERSISTENT_TILES = [(2, 8, 2, 1), (1, 8, 4, 1), (2, 4, 4, 1), (1,
 
 def persistent_variants(tiles, decode) -> dict:
     """{name: run(weight copy)} for persistent tiles (rows per warp, warps, programs per SM, chunks
-    ahead[, K split]): decode(copy, rows=, num_warps=, programs_per_sm=, depth=, k_split=)."""
+    ahead): decode(copy, rows=, num_warps=, programs_per_sm=, depth=)."""
     variants = {}
-    for rows, warps, per_sm, depth, *split in tiles:
-        k_split = split[0] if split else 1
-        tile = dict(rows=rows, num_warps=warps, programs_per_sm=per_sm, depth=depth, k_split=k_split)
-        name = f"persistent r{rows} w{warps} p{per_sm} d{depth}" + (f" k{k_split}" if k_split > 1 else "")
-        variants[name] = lambda copy, tile=tile: decode(copy, **tile)
+    for rows, warps, per_sm, depth in tiles:
+        tile = dict(rows=rows, num_warps=warps, programs_per_sm=per_sm, depth=depth)
+        variants[f"persistent r{rows} w{warps} p{per_sm} d{depth}"] = lambda copy, tile=tile: decode(copy, **tile)
     return variants
 
 

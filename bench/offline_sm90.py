@@ -6,7 +6,7 @@ registers, stack (spills), shared memory and the instructions of the hot loop.
     python bench/offline_sm90.py q4gemm BLOCK_M BLOCK_N PAIRS WARPS STAGES {fused,separate} [--swap]
     python bench/offline_sm90.py q4gemv ROWS BLOCK_N PAIRS WARPS {fused,separate}
     python bench/offline_sm90.py fp4gemv {fma,mma,int} BLOCK_M BLOCK_N BLOCK_K WARPS [--mxfp4] [--permute-x]
-    python bench/offline_sm90.py persistent {nvfp4,mxfp4,q4_0} ROWS WARPS K [--depth D] [--tokens T] [--k-split 2]
+    python bench/offline_sm90.py persistent {nvfp4,mxfp4,q4_0} ROWS WARPS K [--depth D] [--tokens T]
     python bench/offline_sm90.py pool SLICE_ELEMENTS WARPS LOOP_STAGES
 
 `sparse` builds the block-sparse attention kernel's single-loop body (D=128, bf16, 128 x 64 tiles,
@@ -291,7 +291,7 @@ def persistent(args) -> None:
 
     k_chunks, chunks_pad = fp4_persistent.chunks(args.k, args.warps)
     consts = dict(HAS_BIAS=False, ROWS=args.rows, WARPS=args.warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-                  DEPTH=args.depth, K_SPLIT=args.k_split)
+                  DEPTH=args.depth)
     if args.format == "q4_0":
         fn = q4_persistent._q4_gemv_persistent_kernel
         types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16")
@@ -306,9 +306,9 @@ def persistent(args) -> None:
     kernel = compile_sm90(fn, types, consts, div16, args.warps, gluon=True)
     sass, resources = sass_and_resources(kernel)
     print(f"persistent {args.format} rows={args.rows} warps={args.warps} K={args.k} depth={args.depth} "
-          f"tokens={args.tokens} k_split={args.k_split}: {resources}")
-    # the group loop holds every chunk a tile row walks, unrolled: rows x 4 words per lane and chunk
-    print_word_loop(sass, args.rows * 4 * -(-k_chunks // args.k_split))
+          f"tokens={args.tokens}: {resources}")
+    # the group loop holds every chunk of a row, unrolled: rows x 4 words per lane and chunk
+    print_word_loop(sass, args.rows * 4 * k_chunks)
 
 
 def pool(args) -> None:
@@ -367,7 +367,6 @@ def main() -> int:
         p.add_argument(name, type=int)
     p.add_argument("--depth", type=int, default=1, help="chunks loaded ahead")
     p.add_argument("--tokens", type=int, default=1, help="q4_0: tokens per launch")
-    p.add_argument("--k-split", type=int, default=1, choices=(1, 2), help="each row's K in this many halves")
     p = sub.add_parser("pool")
     for name in ("slice_elements", "warps", "loop_stages"):
         p.add_argument(name, type=int)

@@ -21,10 +21,8 @@ needs_gluon = pytest.mark.skipif(dp.gluon is None, reason="this Triton has no Gl
 
 @needs_gluon
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("rows,warps,k,depth,k_split", [(4, 4, 4096, 1, 1), (2, 4, 14336, 3, 1), (1, 8, 1344, 2, 1),
-                                                     (1, 4, 4096, 7, 1), (2, 4, 14336, 3, 2), (2, 8, 14336, 1, 2),
-                                                     (4, 4, 2816, 1, 2)])  # the last three: K split in two
-def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, depth, k_split, pristine_triton_language,
+@pytest.mark.parametrize("rows,warps,k,depth", [(4, 4, 4096, 1), (2, 4, 14336, 3), (1, 8, 1344, 2), (1, 4, 4096, 7)])
+def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, depth, pristine_triton_language,
                                                           monkeypatch):
     monkeypatch.setenv("TOP_OPS", "1000")  # every opcode of a loop body, not the most common few
     types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
@@ -32,7 +30,7 @@ def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, d
     k_chunks, chunks_pad = dp.chunks(k, warps)
     kernel = compile_sm90(dp._fp4_gemv_persistent_kernel, types,
                           dict(IS_NVFP4=fmt == "nvfp4", HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks,
-                               CHUNKS_PAD=chunks_pad, DEPTH=depth, K_SPLIT=k_split),
+                               CHUNKS_PAD=chunks_pad, DEPTH=depth),
                           ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sn",
                            "N"], warps, gluon=True)
     sass, usage = sass_and_resources(kernel)
@@ -40,8 +38,8 @@ def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, d
     assert "IDP.2A" in sass
     # barriers only while the activations are rounded: a row's sum is reduced inside its warp
     assert not [ops for _, _, ops in loops(sass) if any(op.startswith("BAR") for op, _ in ops)]
-    # one 16-byte load per row and chunk (a half row's chunks with a split), each issued ahead of the decode
-    assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * -(-k_chunks // k_split)
+    # one 16-byte load per row and chunk, each chunk's issued ahead of the decode
+    assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * k_chunks
 
 
 def test_chunks_cover_the_row():
@@ -65,10 +63,6 @@ def test_bad_arguments_name_the_choices():
         dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=4, depth=2)
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         dp.fp4_gemv_persistent(x.double(), kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4")  # CPU, fp64
-    with pytest.raises(ValueError, match="rows per warp must be even"):
-        dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=1, k_split=2)
-    with pytest.raises(ValueError, match="at least two chunks"):  # K = 64 is one chunk
-        dp.fp4_gemv_persistent(x, kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4", rows=2, k_split=2)
 
 
 @pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
@@ -99,27 +93,6 @@ def test_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, progra
     assert torch.equal(again, got)  # no state between calls
 
 
-@pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("n,k,rows,warps,programs_per_sm,depth", [
-    (200, 2816, 2, 4, 4, 3), (4096, 14336, 2, 4, 2, 3), (4096, 14336, 2, 8, 1, 1), (37, 2048, 4, 2, 8, 1),
-    (61, 11008, 2, 4, 1, 3), (4096, 2048, 2, 4, 1, 3)])  # the last: loads ahead run into the next groups
-def test_a_k_split_matches_the_float64_reference_on_the_gpu(fmt, n, k, rows, warps, programs_per_sm, depth):
-    gen = torch.Generator().manual_seed(n + k)
-    kw = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(n, k, generator=gen) * 0.05, fmt))
-    codes, scales, gscale = kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda()
-    x = (torch.randn(1, k, generator=gen) * torch.linspace(0.1, 4.0, k)).to("cuda", torch.bfloat16)
-    bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
-    got = dp.fp4_gemv_persistent(x, codes, scales, gscale, bias, n, k, fmt, rows=rows, num_warps=warps,
-                                 programs_per_sm=programs_per_sm, depth=depth, k_split=2)
-    ref = fp4.reference_fp4_linear(x.double(), codes, scales, gscale, bias.double(), n, k, fmt).double()
-    err = (got.double() - ref).abs().max() / ref.abs().max()
-    assert got.shape == (1, n) and err < 8e-3, err.item()
-    whole = dp.fp4_gemv_persistent(x, codes, scales, gscale, bias, n, k, fmt, rows=rows, num_warps=warps,
-                                   programs_per_sm=programs_per_sm, depth=depth)
-    assert (got.double() - whole.double()).abs().max() / ref.abs().max() < 8e-3  # only the fp32 sum order differs
-
-
 def _persistent_tiles():
     return [cfg for cfg in fp4.DECODE_CONFIGS if cfg.programs_per_sm]
 
@@ -131,8 +104,6 @@ def test_tuner_offers_the_persistent_tiles_for_one_token_only_and_only_with_gluo
     assert tiles and all(cfg.gluon for cfg in tiles)
     for cfg in tiles:
         assert configs._valid_config(cfg, "gemv", 1, 4096, 4096, 16)
-        # a K split needs two chunks (2048 inputs) or more
-        assert configs._valid_config(cfg, "gemv", 1, 4096, 1024, 16) == (cfg.split_k == 1)
         assert not configs._valid_config(cfg, "gemv", 2, 4096, 4096, 16)  # one token
         assert not configs._valid_config(cfg, "gemm", 1, 4096, 4096, 16)
         rows = cfg.block_n // cfg.num_warps

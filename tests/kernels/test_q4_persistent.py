@@ -22,26 +22,24 @@ needs_gluon = pytest.mark.skipif(dp.gluon is None, reason="this Triton has no Gl
 
 
 @needs_gluon
-@pytest.mark.parametrize("rows,warps,k,depth,tokens,k_split", [
-    (2, 8, 4096, 1, 1, 1), (1, 8, 14336, 1, 1, 1), (1, 8, 14336, 3, 1, 1), (4, 4, 4096, 1, 1, 1), (1, 4, 1344, 7, 1, 1),
-    (2, 8, 4096, 1, 8, 1), (1, 8, 14336, 1, 2, 1),
-    (2, 4, 14336, 3, 1, 2), (2, 8, 14336, 1, 1, 2), (4, 4, 2816, 1, 1, 2), (2, 8, 4096, 1, 2, 2)])  # K split in two
-def test_builds_for_sm90_with_dp4a_and_wide_loads(rows, warps, k, depth, tokens, k_split, pristine_triton_language):
+@pytest.mark.parametrize("rows,warps,k,depth,tokens", [(2, 8, 4096, 1, 1), (1, 8, 14336, 1, 1), (1, 8, 14336, 3, 1),
+                                                    (4, 4, 4096, 1, 1), (1, 4, 1344, 7, 1), (2, 8, 4096, 1, 8),
+                                                    (1, 8, 14336, 1, 2)])
+def test_builds_for_sm90_with_dp4a_and_wide_loads(rows, warps, k, depth, tokens, pristine_triton_language):
     types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16")
     k_padded = -(-k // 64) * 64
     k_chunks, chunks_pad = dp.chunks(k_padded, warps)
     kernel = compile_sm90(dp._q4_gemv_persistent_kernel, types,
                           dict(HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-                               DEPTH=depth, TOKENS=tokens, K_SPLIT=k_split),
+                               DEPTH=depth, TOKENS=tokens),
                           ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sb", "N",
                            "stride_xm", "stride_om"],
                           warps, gluon=True)
     sass, usage = sass_and_resources(kernel)
-    steps = -(-k_chunks // k_split)  # chunks a tile row walks: a half row's with a split
     assert re.search(r"STACK:0\b", usage), usage
-    assert len(re.findall(r"IDP\.4A", sass)) >= 2 * rows * 4 * steps * tokens  # two per word and token
+    assert len(re.findall(r"IDP\.4A", sass)) >= 2 * rows * 4 * k_chunks * tokens  # two per word and token
     assert not [ops for _, _, ops in loops(sass) if any(op.startswith("BAR") for op, _ in ops)]
-    assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * steps  # one 16-byte load per row and chunk
+    assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * k_chunks  # one 16-byte load per row and chunk
 
 
 def test_bad_arguments_name_the_problem():
@@ -57,16 +55,6 @@ def test_bad_arguments_name_the_problem():
         dp.q4_gemv_persistent(x, qweight, scales, None, rows=4, depth=2)
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         dp.q4_gemv_persistent(x, qweight, scales, None)  # CPU
-    with pytest.raises(ValueError, match="rows per warp must be even"):
-        dp.q4_gemv_persistent(x, qweight, scales, None, rows=1, k_split=2)
-    with pytest.raises(ValueError, match="at least two chunks"):  # K = 64 is one chunk
-        dp.q4_gemv_persistent(x, qweight, scales, None, rows=2, k_split=2)
-    assert dp.split_problem(2, 1) is None and dp.split_problem(2, 2, k_chunks=2) is None
-    assert "expected 1 or 2" in dp.split_problem(2, 3)
-    assert "must be even" in dp.split_problem(1, 2)
-    assert "at least two chunks" in dp.split_problem(2, 2, k_chunks=1)
-    with pytest.raises(ValueError, match="split_k 1 \\(or 2 with even rows\\)"):
-        q4.TileConfig("persistent", 1, 4, 1, 4, 1, 2, "workspace", 4)  # one row per warp cannot split
 
 
 @pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
@@ -95,26 +83,6 @@ def test_matches_the_float64_reference_on_the_gpu(n, k, rows, warps, programs_pe
     again = dp.q4_gemv_persistent(x, qweight, scales, bias, rows=rows, num_warps=warps,
                                   programs_per_sm=programs_per_sm, depth=depth)
     assert torch.equal(again, got)  # no state between calls
-
-
-@pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
-@pytest.mark.parametrize("n,k,rows,warps,programs_per_sm,depth,tokens", [
-    (200, 2816, 2, 4, 4, 3, 1), (4096, 14336, 4, 4, 4, 1, 1), (37, 2048, 2, 8, 2, 1, 3), (61, 14336, 2, 4, 4, 3, 2),
-    (300, 11008, 4, 2, 8, 1, 1), (4096, 2048, 2, 4, 1, 3, 1)])  # the last: loads ahead run into the next groups
-def test_a_k_split_matches_the_float64_reference_on_the_gpu(n, k, rows, warps, programs_per_sm, depth, tokens):
-    gen = torch.Generator().manual_seed(n + k)
-    qweight, scales = q4.quantize_weight(torch.randn(n, k, generator=gen) * 0.05)
-    qweight, scales = qweight.cuda(), scales.cuda()
-    x = (torch.randn(tokens, k, generator=gen) * torch.linspace(0.1, 4.0, k)).to("cuda", torch.bfloat16)
-    bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
-    got = dp.q4_gemv_persistent(x, qweight, scales, bias, rows=rows, num_warps=warps,
-                                programs_per_sm=programs_per_sm, depth=depth, k_split=2)
-    ref = q4.reference_q4_linear(x.double(), qweight, scales, bias.double()).double()
-    err = (got.double() - ref).abs().max() / ref.abs().max()
-    assert got.shape == (tokens, n) and err < 8e-3, err.item()
-    whole = dp.q4_gemv_persistent(x, qweight, scales, bias, rows=rows, num_warps=warps,
-                                  programs_per_sm=programs_per_sm, depth=depth)
-    assert (got.double() - whole.double()).abs().max() / ref.abs().max() < 8e-3  # only the fp32 sum order differs
 
 
 def test_persistent_tiles_are_decode_configs_the_launcher_accepts():

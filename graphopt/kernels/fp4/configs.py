@@ -36,8 +36,7 @@ class KernelConfig:
     permute_x: bool = False  # tensor-core decode: activations pre-permuted (permuted_activations, X_PERMUTED)
     tma: bool = False  # decode on fp4_tma's Gluon kernel (NVFP4, bf16, sm_90+); num_stages = its TMA ring slots
     # > 0: one-token decode on decode_persistent's Gluon kernel (sm_80+), this many programs per SM; block_n
-    # = rows per group (block_n / num_warps per warp), num_stages = chunks loaded ahead (its depth), split_k
-    # 1, or 2: each row's K in two halves on adjacent rows of a warp, summed inside the program
+    # = rows per group (block_n / num_warps per warp), num_stages = chunks loaded ahead (its depth)
     programs_per_sm: int = 0
 
     @property
@@ -74,11 +73,7 @@ MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-
 #  - One token: integer dots at 16 x 1024, the fastest integer-dot tile on three of LLaMA-3-8B's four
 #    decode shapes, and decode_persistent's kernel at the tiles among the four fastest on some shape
 #    and format (2-4 rows per warp, 4 or 8 warps, 2-8 programs per SM; one chunk ahead, three at
-#    K = 14336), in bench_decode_persistent.py's run (results/decode_persistent_1tok_h200.json); and
-#    two tiles that split each row's K in two (for layers with too few rows to fill the GPU, as the
-#    down projection, N = 4096 with K = 14336; timed where each half has two chunks or more,
-#    _worth_timing), with as many programs per SM as their registers let stay resident (159-170 a
-#    thread in offline sm_90 builds: two of 4 warps, one of 8).
+#    K = 14336), in bench_decode_persistent.py's run (results/decode_persistent_1tok_h200.json).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
           for bn, bm, bk, sk, w in ((16, 4, 256, 1, 4), (16, 4, 256, 4, 4), (8, 1, 1024, 1, 4), (8, 1, 1024, 4, 4),
@@ -98,11 +93,9 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     + tuple(KernelConfig(64, bm, 256, sk, num_warps=4, num_stages=2, tma=True)
             for bm, sk in ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 1), (64, 4), (64, 8)))
     + (KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots=True),)
-    + tuple(KernelConfig(rows * warps, 1, 8 * decode_persistent.CHUNK_WORDS, k_split, num_warps=warps,
-                         num_stages=depth, programs_per_sm=per_sm)
-            for rows, warps, per_sm, depth, k_split in ((4, 4, 4, 1, 1), (4, 4, 8, 1, 1), (2, 8, 2, 1, 1),
-                                                        (2, 4, 4, 1, 1), (2, 8, 2, 3, 1), (2, 4, 2, 3, 2),
-                                                        (2, 8, 1, 1, 2)))
+    + tuple(KernelConfig(rows * warps, 1, 8 * decode_persistent.CHUNK_WORDS, num_warps=warps, num_stages=depth,
+                         programs_per_sm=per_sm)
+            for rows, warps, per_sm, depth in ((4, 4, 4, 1), (4, 4, 8, 1), (2, 8, 2, 1), (2, 4, 4, 1), (2, 8, 2, 3)))
 )
 # Prefill: the fused dequant-GEMM tiles chosen in those runs.
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (
@@ -157,9 +150,7 @@ def _valid_config(cfg: KernelConfig, path: str, m: int, n: int, k_padded: int, b
     if path == "dequant":
         return True
     if cfg.programs_per_sm:  # the persistent one-token kernel: its own tile rules
-        return (path == "gemv" and m <= 1 and cfg.block_m == 1
-                and decode_persistent.split_problem(cfg.block_n // cfg.num_warps, cfg.split_k,
-                                                    decode_persistent.chunks(k_padded, cfg.num_warps)[0]) is None
+        return (path == "gemv" and m <= 1 and cfg.block_m == 1 and cfg.split_k == 1
                 and not (cfg.int_dots or cfg.permute_x or cfg.tma) and cfg.block_n % cfg.num_warps == 0
                 and decode_persistent.tile_problem(cfg.block_n // cfg.num_warps, cfg.num_warps, cfg.num_stages,
                                                    cfg.programs_per_sm) is None)

@@ -120,21 +120,10 @@ if gluon is not None:
 
     @gluon.jit
     def _chunk_tile(ptrs, rows, cols, row0, col0, stride, N, COLS, live):
-        """The tile at ptrs + row0 * stride + col0 (ptrs: (rows, columns) pointers for row0 = col0 = 0;
-        rows (R,) the tile rows' rows within the group, cols (R, C) their columns): rows past N,
-        columns past COLS, and every element when `live` is false, read as 0."""
-        mask = (rows[:, None] + row0 < N) & (cols + col0 < COLS) & live
+        """The (rows, cols) tile at ptrs + row0 * stride + col0: rows past N, columns past COLS, and
+        every element when `live` is false, read as 0."""
+        mask = (rows[:, None] + row0 < N) & (cols[None, :] + col0 < COLS) & live
         return gl.load(ptrs + row0 * stride + col0, mask=mask, other=0)
-
-    @gluon.jit
-    def _chunk_of_rows(smem, index, LATER_HALF_CHUNK: gl.constexpr, later_half, layout: gl.constexpr):
-        """Row `index` of a shared-memory table for every row of a tile; with a K split
-        (LATER_HALF_CHUNK > 0), row index + LATER_HALF_CHUNK for the tile rows that hold a later half
-        (`later_half`, (rows, 1)): two loads and a select."""
-        rows = smem.slice(index, 1).load(layout)
-        if LATER_HALF_CHUNK != 0:
-            rows = gl.where(later_half, smem.slice(index + LATER_HALF_CHUNK, 1).load(layout), rows)
-        return rows
 
     @gluon.jit
     def _word_slots(t, NB: gl.constexpr, WPB: gl.constexpr):
@@ -186,51 +175,39 @@ if gluon is not None:
         x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr,
         N, K, K_WORDS, stride_wn, stride_sn,
         IS_NVFP4: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
-        K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, K_SPLIT: gl.constexpr,
+        K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr,
     ):
         """out[0, n] = x[0, :] @ W[n, :]^T (+ bias). Program p owns the groups p, p + P, ... of ROWS x WARPS
-        rows (ROWS x WARPS / 2 with a K split); warp w the tile rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
+        rows; warp w the rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
         activations' shared memory holds CHUNKS_PAD >= K_CHUNKS of them (`chunks`: a power of two, at
-        least WARPS). K_SPLIT 2: each row's K in two halves on adjacent tile rows of a warp (ROWS even),
-        so a group covers ROWS x WARPS / 2 rows and a layer with few rows gets twice the programs; the
-        halves' sums are added in registers before the store."""
+        least WARPS)."""
         WPB: gl.constexpr = 2 if IS_NVFP4 else 4  # code words per scale block
         CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS)
         NB: gl.constexpr = CW // WPB  # scale blocks per chunk
-        TILE: gl.constexpr = ROWS * WARPS  # rows of a warp tile (with a split: row halves)
-        GROUP: gl.constexpr = TILE // K_SPLIT  # rows of the layer a group covers
-        CHUNKS_PER_HALF: gl.constexpr = (K_CHUNKS + K_SPLIT - 1) // K_SPLIT  # chunks per row half
-        LATER_HALF_CHUNK: gl.constexpr = 0 if K_SPLIT == 1 else CHUNKS_PER_HALF  # a later half's first chunk
+        GROUP: gl.constexpr = ROWS * WARPS
         WL: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [WARPS, 1], [1, 0])
         BL: gl.constexpr = gl.BlockedLayout([ROWS, 4 // WPB], [1, 32], [WARPS, 1], [1, 0])
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         pairs_smem = gl.allocate_shared_memory(gl.int32, [4 * CHUNKS_PAD, CW], PLAIN)  # a0 chunks, a1 chunks, ...
         steps_smem = gl.allocate_shared_memory(gl.float32, [CHUNKS_PAD, NB], PLAIN)
-        r_w = gl.arange(0, TILE, layout=gl.SliceLayout(1, WL))
+        r_w = gl.arange(0, GROUP, layout=gl.SliceLayout(1, WL))
         w_w = gl.arange(0, CW, layout=gl.SliceLayout(0, WL))
-        r_b = gl.arange(0, TILE, layout=gl.SliceLayout(1, BL))
+        r_b = gl.arange(0, GROUP, layout=gl.SliceLayout(1, BL))
         b_b = gl.arange(0, NB, layout=gl.SliceLayout(0, BL))
-        group_row_w, group_row_b = r_w // K_SPLIT, r_b // K_SPLIT  # a tile row's row in the group
-        later_half_w = (r_w % K_SPLIT)[:, None] == 1  # a tile row that holds its row's later half
-        later_half_b = (r_b % K_SPLIT)[:, None] == 1
-        # each tile row's word columns (TILE, CW) and scale-byte columns (TILE, NB) in its first chunk
-        cols_w = (r_w % K_SPLIT)[:, None] * (LATER_HALF_CHUNK * CW) + w_w[None, :]
-        cols_b = (r_b % K_SPLIT)[:, None] * (LATER_HALF_CHUNK * NB) + b_b[None, :]
-        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + group_row_w[:, None] * stride_wn + cols_w
-        scale_ptrs = scales_ptr.to(gl.pointer_type(gl.uint8)) + group_row_b[:, None] * stride_sn + cols_b
+        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + r_w[:, None] * stride_wn + w_w[None, :]
+        scale_ptrs = scales_ptr.to(gl.pointer_type(gl.uint8)) + r_b[:, None] * stride_sn + b_b[None, :]
         groups = gl.cdiv(N, GROUP)
         programs = gl.num_programs(0)
         first = gl.program_id(0)  # the grid has at most `groups` programs
         # the first DEPTH chunks of the program's flattened (group, chunk) sequence (chunk t: group
-        # first + (t // CHUNKS_PER_HALF) * programs), issued before the activations are rounded so that
+        # first + (t // K_CHUNKS) * programs), issued before the activations are rounded so that
         # their loads overlap it
         ring = ()
         for t in gl.static_range(DEPTH):
-            row = (first + t // CHUNKS_PER_HALF * programs) * GROUP
-            ring = ring + ((_chunk_tile(word_ptrs, group_row_w, cols_w, row, t % CHUNKS_PER_HALF * CW, stride_wn, N,
-                                        K_WORDS, row < N),
-                            _chunk_tile(scale_ptrs, group_row_b, cols_b, row, t % CHUNKS_PER_HALF * NB, stride_sn, N,
-                                        K_WORDS // WPB, row < N)),)
+            row = (first + t // K_CHUNKS * programs) * GROUP
+            ring = ring + ((_chunk_tile(word_ptrs, r_w, w_w, row, t % K_CHUNKS * CW, stride_wn, N, K_WORDS, row < N),
+                            _chunk_tile(scale_ptrs, r_b, b_b, row, t % K_CHUNKS * NB, stride_sn, N, K_WORDS // WPB,
+                                        row < N)),)
         # WARPS chunks at a time (a chunk per warp), to bound the registers
         for s in gl.static_range(CHUNKS_PAD // WARPS):
             p0, p1, p2, p3, unit_step = _activation_pairs(x_ptr + s * WARPS * CW * 8, K - s * WARPS * CW * 8, IS_NVFP4,
@@ -247,27 +224,22 @@ if gluon is not None:
         multiplier = gl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)  # doubled codes; e4m3's 2^-8
         opaque_zero = N >> 31  # N >= 1
         for g in range(first, groups, programs):
-            acc = gl.full([TILE, NB], 0.0, gl.float32, BL)
-            for c in gl.static_range(CHUNKS_PER_HALF):
-                ahead_row = (g + (c + DEPTH) // CHUNKS_PER_HALF * programs) * GROUP  # c is a constant here
-                ahead = (_chunk_tile(word_ptrs, group_row_w, cols_w, ahead_row, (c + DEPTH) % CHUNKS_PER_HALF * CW,
-                                     stride_wn, N, K_WORDS, ahead_row < N),
-                         _chunk_tile(scale_ptrs, group_row_b, cols_b, ahead_row, (c + DEPTH) % CHUNKS_PER_HALF * NB,
-                                     stride_sn, N, K_WORDS // WPB, ahead_row < N))
-                a0 = _chunk_of_rows(pairs_smem, 0 * CHUNKS_PAD + c, LATER_HALF_CHUNK, later_half_w, WL)
-                a1 = _chunk_of_rows(pairs_smem, 1 * CHUNKS_PAD + c, LATER_HALF_CHUNK, later_half_w, WL)
-                a2 = _chunk_of_rows(pairs_smem, 2 * CHUNKS_PAD + c, LATER_HALF_CHUNK, later_half_w, WL)
-                a3 = _chunk_of_rows(pairs_smem, 3 * CHUNKS_PAD + c, LATER_HALF_CHUNK, later_half_w, WL)
-                step = _chunk_of_rows(steps_smem, c, LATER_HALF_CHUNK, later_half_b, BL)
+            acc = gl.full([GROUP, NB], 0.0, gl.float32, BL)
+            for c in gl.static_range(K_CHUNKS):
+                ahead_row = (g + (c + DEPTH) // K_CHUNKS * programs) * GROUP  # c is a constant here
+                ahead = (_chunk_tile(word_ptrs, r_w, w_w, ahead_row, (c + DEPTH) % K_CHUNKS * CW, stride_wn, N,
+                                     K_WORDS, ahead_row < N),
+                         _chunk_tile(scale_ptrs, r_b, b_b, ahead_row, (c + DEPTH) % K_CHUNKS * NB, stride_sn, N,
+                                     K_WORDS // WPB, ahead_row < N))
+                a0 = pairs_smem.slice(0 * CHUNKS_PAD + c, 1).load(WL)
+                a1 = pairs_smem.slice(1 * CHUNKS_PAD + c, 1).load(WL)
+                a2 = pairs_smem.slice(2 * CHUNKS_PAD + c, 1).load(WL)
+                a3 = pairs_smem.slice(3 * CHUNKS_PAD + c, 1).load(WL)
+                step = steps_smem.slice(c, 1).load(BL)
                 acc += _chunk_sums(ring[0][0], ring[0][1], a0, a1, a2, a3, step, opaque_zero, IS_NVFP4, BL)
                 ring = ring[1:] + (ahead,)
+            offs_n = g * GROUP + r_b
             total = gl.reduce(acc, 1, _add) * multiplier
-            if K_SPLIT == 1:
-                offs_n = g * GROUP + r_b
-            else:  # tile rows 2i and 2i + 1 are row i's halves, in one thread's registers
-                offs_n = g * GROUP + gl.split(gl.reshape(group_row_b, [GROUP, 2]))[0]
-                first_half, second_half = gl.split(gl.reshape(total, [GROUP, 2]))
-                total = first_half + second_half
             if HAS_BIAS:
                 total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
             gl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
@@ -293,20 +265,6 @@ def tile_problem(rows: int, num_warps: int, depth: int, programs_per_sm: int) ->
     return None
 
 
-def split_problem(rows: int, k_split: int, k_chunks: int | None = None) -> str | None:
-    """Why a K split does not fit the persistent kernels (FP4 and Q4), or None: k_split 1 or 2; a
-    split needs an even number of rows per warp (a row's halves in one thread) and, when known, a
-    row of at least two chunks."""
-    if k_split not in (1, 2):
-        return f"k_split {k_split}: expected 1 or 2"
-    if k_split == 2 and rows % 2:
-        return f"k_split 2 puts a row's halves on two rows of a warp: rows per warp must be even, got {rows}"
-    if k_split == 2 and k_chunks is not None and k_chunks < 2:
-        return (f"k_split 2 needs rows of at least two chunks ({2 * CHUNK_WORDS} code words); this K has "
-                f"{k_chunks}")
-    return None
-
-
 def check_tile(x: torch.Tensor, rows: int, num_warps: int, depth: int, programs_per_sm: int) -> None:
     """The launch checks the persistent kernels share: a tile the kernels take, and x where they run.
     `supports` is this module's (bf16 / fp16 on an sm_80+ GPU), which the Q4 kernel shares."""
@@ -325,25 +283,22 @@ def persistent_grid(device: torch.device, out_features: int, rows: int, num_warp
 
 def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                         bias: torch.Tensor | None, out_features: int, in_features: int, format: str, rows: int = 4,
-                        num_warps: int = 4, programs_per_sm: int = 4, depth: int = 1, k_split: int = 1) -> torch.Tensor:
+                        num_warps: int = 4, programs_per_sm: int = 4, depth: int = 1) -> torch.Tensor:
     """(1, K) x -> (1, N) in x's dtype for a kernel-layout FP4 weight (format.to_kernel_layout): each warp
     owns `rows` rows, min(N / (rows x num_warps), SMs x programs_per_sm) programs; `depth`: chunks loaded
-    ahead of the one decoded. k_split 2: each row's K in two halves on adjacent rows of a warp (rows
-    even, K at least two chunks), so a warp owns rows / 2 rows and there are twice the programs."""
+    ahead of the one decoded."""
     if format not in ("nvfp4", "mxfp4"):
         raise ValueError(f"format {format!r}: expected 'nvfp4' or 'mxfp4'")
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != in_features:
         raise ValueError(f"x of shape {tuple(x.shape)}: expected (1, {in_features})")
+    check_tile(x, rows, num_warps, depth, programs_per_sm)
     k_words = codes.shape[1] // 4
     k_chunks, chunks_pad = chunks(codes.shape[1] * 2, num_warps)
-    if (problem := split_problem(rows, k_split, k_chunks)) is not None:
-        raise ValueError(problem)
-    check_tile(x, rows, num_warps, depth, programs_per_sm)
     x = x.contiguous()
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
-    grid = persistent_grid(x.device, out_features, rows // k_split, num_warps, programs_per_sm)
+    grid = persistent_grid(x.device, out_features, rows, num_warps, programs_per_sm)
     launch(_fp4_gemv_persistent_kernel, grid, x, codes, scales, global_scale, bias if bias is not None else out, out,
            out_features, in_features, k_words, k_words, scales.stride(0), IS_NVFP4=format == "nvfp4",
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, K_SPLIT=k_split, num_warps=num_warps)
+           DEPTH=depth, num_warps=num_warps)
     return out

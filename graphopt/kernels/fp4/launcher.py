@@ -80,7 +80,7 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
     if path == "gemv" and cfg.programs_per_sm:  # one token on the persistent Gluon kernel (_runs_here)
         return decode_persistent.fp4_gemv_persistent(
             x2, codes, scales, global_scale, bias, n, in_features, format, rows=cfg.block_n // cfg.num_warps,
-            num_warps=cfg.num_warps, programs_per_sm=cfg.programs_per_sm, depth=cfg.num_stages, k_split=cfg.split_k)
+            num_warps=cfg.num_warps, programs_per_sm=cfg.programs_per_sm, depth=cfg.num_stages)
     if path == "gemv":  # decode: CUDA cores (BLOCK_M 1-4), tensor cores (BLOCK_M 16-64) or fp4_tma's kernel
         # permute_x (tensor-core tiles only, _valid_config) and tma: x's tiles rearranged once per
         # call, read by every program as they are

@@ -32,14 +32,11 @@ class TileConfig:
     kernel "persistent": decode_persistent's Gluon decode of 1-8 tokens (sm_80+, either mode: it
       quantizes the activations itself): block_n rows per group (block_n / num_warps per warp),
       num_stages chunks loaded ahead, programs_per_sm programs per SM; block_m the token bucket it was
-      tuned for (1, 2 or 4; any count up to decode_persistent.MAX_TOKENS runs); split_k 1, or 2: each
-      row's K in two halves on adjacent rows of a warp, summed inside the program (block_n / 2 layer
-      rows per group; no buffers and no `reduce`).
+      tuned for (1, 2 or 4; any count up to decode_persistent.MAX_TOKENS runs), split_k 1.
     kernel "gemv": the decode kernel (fp32 FMAs, no tensor cores); block_m token rows per program
       (0: min(GEMV_MAX_ROWS, next power of two of the token count)), block_n weight rows per program,
       PAIRS block pairs per iteration (every weight row streams 32 * PAIRS contiguous bytes a step).
-    split_k: programs along K (1: none; 0: enough for PROGRAMS_PER_SM programs per SM; the persistent
-      kernel's halves are described above). Their fp32
+    split_k: programs along K (1: none; 0: enough for PROGRAMS_PER_SM programs per SM). Their fp32
       partial sums are combined by `reduce`: "workspace" (split s writes slice s of an fp32
       [SPLIT_K, M, N] buffer; a small kernel sums the slices, adds the bias and casts) or "atomic"
       (tl.atomic_add into a zeroed fp32 [M, N] buffer, then the same small kernel with one slice), or
@@ -75,8 +72,7 @@ class TileConfig:
         if (self.kernel == "persistent") != (self.programs_per_sm > 0):
             raise ValueError(f"programs_per_sm > 0 goes with the persistent kernel and only with it, got {self}")
         if self.kernel == "persistent" and not _persistent_tile_fits(self):
-            raise ValueError(f"persistent configs take block_m 1-{decode_persistent.MAX_TOKENS}, split_k 1 (or 2 with "
-                             f"even rows), block_n = rows x num_warps with rows in "
+            raise ValueError(f"persistent configs take block_m 1-{decode_persistent.MAX_TOKENS}, split_k 1, block_n = rows x num_warps with rows in "
                              f"{decode_persistent.ROWS_CHOICES}, num_warps in {decode_persistent.WARPS_CHOICES}, "
                              f"num_stages in {decode_persistent.DEPTH_CHOICES} and rows x (num_stages + 1) <= "
                              f"{decode_persistent.MAX_ROWS_IN_FLIGHT}, got {self}")
@@ -85,7 +81,7 @@ class TileConfig:
     def name(self) -> str:
         if self.kernel == "persistent":
             return (f"persistent_r{self.block_n // self.num_warps}w{self.num_warps}p{self.programs_per_sm}"
-                    f"d{self.num_stages}" + ("" if self.split_k == 1 else f"k{self.split_k}"))
+                    f"d{self.num_stages}")
         base = f"{self.kernel}_m{self.block_m}n{self.block_n}k{64 * self.pairs}_w{self.num_warps}s{self.num_stages}"
         if self.split_k == 1:
             return base
@@ -174,26 +170,19 @@ def tma_configs(m: int) -> list[TileConfig]:
 
 def _persistent_tile_fits(cfg: TileConfig) -> bool:
     rows = cfg.block_n // max(cfg.num_warps, 1)
-    return (1 <= cfg.block_m <= decode_persistent.MAX_TOKENS and rows * cfg.num_warps == cfg.block_n
-            and decode_persistent.split_problem(rows, cfg.split_k) is None
+    return (1 <= cfg.block_m <= decode_persistent.MAX_TOKENS and cfg.split_k == 1 and rows * cfg.num_warps == cfg.block_n
             and decode_persistent.tile_problem(rows, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm) is None)
 
 
-# decode_persistent's tiles (rows per warp, warps, programs per SM, chunks ahead, K split). One token: the
+# decode_persistent's tiles (rows per warp, warps, programs per SM, chunks ahead). One token: the
 # four fastest on LLaMA-3-8B's decode shapes in bench_decode_persistent.py
 # (results/decode_persistent_1tok_h200.json); 4 x 4, 4 per SM, one ahead was fastest on all four.
 # 2-4 tokens: the two that were fastest on some shape (results/decode_persistent_q4_2to8tok_h200.json:
 # at 2 tokens the kernel beat the other tiles on three of the four shapes, at 4 on the widest only).
 # Past 4 tokens none is offered: every token adds its dp4a per word, and at 8 tokens the kernel was
 # 2.0-4.7x slower than q4_tma's tile on all four shapes.
-# The K-split tiles (last field 2) are for layers with too few rows to fill the GPU: the down
-# projection (N = 4096, K = 14336) was the slowest per byte at every tile, with 1-2 programs of
-# 186-255 registers a thread per multiprocessor (offline sm_90 builds). Split in two, 2 rows per warp
-# x 4 warps build with 168-174 registers and three chunks ahead (two programs stay resident), 2 x 8
-# with 186 (one); neither spills on Triton 3.6 or 3.9. The tuner times them against the others.
-_PERSISTENT_TILES = ((4, 4, 4, 1, 1), (2, 4, 4, 1, 1), (2, 8, 2, 2, 1), (2, 8, 2, 1, 1), (2, 4, 2, 3, 2),
-                     (2, 8, 1, 1, 2))
-_PERSISTENT_MULTI_TOKEN_TILES = ((2, 8, 2, 1, 1), (2, 4, 4, 1, 1))
+_PERSISTENT_TILES = ((4, 4, 4, 1), (2, 4, 4, 1), (2, 8, 2, 2), (2, 8, 2, 1))
+_PERSISTENT_MULTI_TOKEN_TILES = ((2, 8, 2, 1), (2, 4, 4, 1))
 PERSISTENT_MAX_OFFERED_TOKENS = 4
 
 
@@ -203,8 +192,8 @@ def persistent_configs(m: int) -> list[TileConfig]:
     if not 1 <= m <= PERSISTENT_MAX_OFFERED_TOKENS:
         return []
     bucket = 1 << (m - 1).bit_length()
-    return [TileConfig("persistent", bucket, rows * warps, 1, warps, depth, k_split, "workspace", per_sm)
-            for rows, warps, per_sm, depth, k_split in (_PERSISTENT_TILES if m == 1 else _PERSISTENT_MULTI_TOKEN_TILES)]
+    return [TileConfig("persistent", bucket, rows * warps, 1, warps, depth, 1, "workspace", per_sm)
+            for rows, warps, per_sm, depth in (_PERSISTENT_TILES if m == 1 else _PERSISTENT_MULTI_TOKEN_TILES)]
 
 
 def candidate_configs(m: int, fused: bool) -> list[TileConfig]:

@@ -15,10 +15,10 @@ kernel), its tiling, ring of chunks loaded ahead and persistent grid shared with
 - the scales (fp16, [K/32, N], coalesced along N) of a group's rows are read per chunk and lane.
 
 Numbers equal the other q4_linear paths (same Q8_1 integers and fp16 d) up to fp32 summation
-order. The Q4 tuner times it for 1-4 tokens (configs.PERSISTENT_MAX_OFFERED_TOKENS) where Gluon
-tiles are allowed (TileConfig kernel "persistent"; under CUDA graphs), and graphopt::q4_gluon_linear
-launches it: Inductor cannot emit a Gluon kernel from its generated code. On the CPU the tests build
-it offline for sm_90.
+order. The Q4 tuner times it for 1-4 tokens (configs.PERSISTENT_MAX_OFFERED_TOKENS; past that
+q4_tma's tiles won) where Gluon tiles are allowed (TileConfig kernel "persistent"; under CUDA
+graphs), and graphopt::q4_gluon_linear launches it: Inductor cannot emit a Gluon kernel from its
+generated code. On the CPU the tests build it offline for sm_90.
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from __future__ import annotations
 import torch
 
 from graphopt.kernels.fp4.decode_persistent import (CHUNK_WORDS, DEPTH_CHOICES, MAX_ROWS_IN_FLIGHT, ROWS_CHOICES,
-                                                    WARPS_CHOICES, check_tile, chunks, gluon, persistent_grid,
-                                                    split_problem, supports, tile_problem)
+                                                    WARPS_CHOICES, check_tile, chunks, gluon, persistent_grid, supports,
+                                                    tile_problem)
 from graphopt.kernels.launch import launch, next_power_of_2
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
-    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_of_rows, _chunk_tile, _larger, _word_slots
+    from graphopt.kernels.fp4.decode_persistent import _add, _chunk_tile, _larger, _word_slots
     from graphopt.kernels.fp4_tma import _cta_barrier
 
 __all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "MAX_TOKENS", "ROWS_CHOICES", "WARPS_CHOICES",
-           "chunks", "q4_gemv_persistent", "shared_memory_bytes", "split_problem", "supports", "tile_problem"]
+           "chunks", "q4_gemv_persistent", "shared_memory_bytes", "supports", "tile_problem"]
 
 
 if gluon is not None:
@@ -109,24 +109,20 @@ if gluon is not None:
         return lo_words, hi_words, lo_d, hi_d, lo_offset, hi_offset
 
     @gluon.jit
-    def _scale_tile(scales_ptr, rows, blocks, row0, chunk, half, stride_sb, N, KB, live):
-        """(rows, 32) fp32 d4 of block 32 chunk + blocks + half (blocks: (rows, 32), 2 (lane // 2) plus
-        each row's chunk shift), rows row0 + rows (0 past N or KB)."""
-        block = chunk * 32 + blocks + half
-        mask = (rows[:, None] + row0 < N) & (block < KB) & live
-        return gl.load(scales_ptr + block * stride_sb + (rows[:, None] + row0), mask=mask, other=0.0)
+    def _scale_tile(scales_ptr, rows, lanes, row0, chunk, half, stride_sb, N, KB, live):
+        """(rows, 32) fp32 d4 of block 32 chunk + 2 (lane // 2) + half, rows row0 + rows (0 past N or KB)."""
+        block = chunk * 32 + 2 * (lanes // 2) + half
+        mask = (rows[:, None] + row0 < N) & (block[None, :] < KB) & live
+        return gl.load(scales_ptr + block[None, :] * stride_sb + (rows[:, None] + row0), mask=mask, other=0.0)
 
     @gluon.jit
-    def _ring_entry(word_ptrs, scales_ptr, group_row_w, cols_w, group_row_b, blocks_b, row, chunk, stride_wn,
-                    stride_sb, N, K_WORDS, KB, CW: gl.constexpr):
-        """Chunk `chunk` of the group at row `row`: its words and the d4 of its lo and hi blocks. Per
-        row of the tile: group_row_w / group_row_b its row in the group, cols_w (rows, CW) its word
-        columns and blocks_b (rows, 32) its scale blocks in chunk 0 (a K split's later half starts
-        further on)."""
+    def _ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b, row, chunk, stride_wn, stride_sb, N, K_WORDS, KB,
+                    CW: gl.constexpr):
+        """Chunk `chunk` of the group at row `row`: its words and the d4 of its lo and hi blocks."""
         live = row < N
-        return (_chunk_tile(word_ptrs, group_row_w, cols_w, row, chunk * CW, stride_wn, N, K_WORDS, live),
-                _scale_tile(scales_ptr, group_row_b, blocks_b, row, chunk, 0, stride_sb, N, KB, live),
-                _scale_tile(scales_ptr, group_row_b, blocks_b, row, chunk, 1, stride_sb, N, KB, live))
+        return (_chunk_tile(word_ptrs, r_w, w_w, row, chunk * CW, stride_wn, N, K_WORDS, live),
+                _scale_tile(scales_ptr, r_b, b_b, row, chunk, 0, stride_sb, N, KB, live),
+                _scale_tile(scales_ptr, r_b, b_b, row, chunk, 1, stride_sb, N, KB, live))
 
     @gluon.jit
     def _nibbles(entry):
@@ -136,9 +132,8 @@ if gluon is not None:
 
     @gluon.jit
     def _token_sums(nibbles, lo_words, hi_words, lo_d, hi_d, lo_offset, hi_offset, BL: gl.constexpr):
-        """(rows, 32) fp32 per-lane sums of one chunk for one token: `nibbles` from _nibbles, the
-        token's activation words ((1 or rows), CW) and per-lane d8 / offsets ((1 or rows), 32) in the
-        tiles' layouts (a row per tile row with a K split: each half meets its own chunk)."""
+        """(GROUP, 32) fp32 per-lane sums of one chunk for one token: `nibbles` from _nibbles, the
+        token's activation words (1, CW) and per-lane d8 / offsets (1, 32) in the tiles' layouts."""
         lo_nibbles, hi_nibbles, lo_scale, hi_scale = nibbles
         lo_words, _ = gl.broadcast(lo_words, lo_nibbles)
         hi_words, _ = gl.broadcast(hi_words, lo_nibbles)
@@ -160,22 +155,14 @@ if gluon is not None:
         M, N, K, K_WORDS, KB, stride_xm, stride_om, stride_wn, stride_sb,
         HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
         K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, TOKENS: gl.constexpr,
-        K_SPLIT: gl.constexpr,
     ):
         """out[m, n] = Q8_1(x[m, :]) . Q4_0(W[n, :]) (+ bias) for the M <= TOKENS tokens (TOKENS a power of
         two: the shared-memory tables' shapes; tokens past M read zeros and store nothing). Groups, chunks
         and ring as in the FP4 kernel; a chunk's nibbles are decoded once and meet every token's
-        activations; KB: scale blocks per row (K padded to 64, over 32). K_SPLIT 2: each row's K is
-        cut in two halves held by adjacent rows of a warp's tile (ROWS even), so a group covers
-        ROWS x WARPS / 2 rows, twice the programs share a layer and twice the loads are in flight
-        where the layer has too few rows to fill the GPU (N = 4096, K = 14336); the halves' sums are
-        added in registers before the store."""
+        activations; KB: scale blocks per row (K padded to 64, over 32)."""
         CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS): 32 lanes x 4
         CP: gl.constexpr = CHUNKS_PAD
-        TILE: gl.constexpr = ROWS * WARPS  # rows of a warp tile (with a split: row halves)
-        GROUP: gl.constexpr = TILE // K_SPLIT  # rows of the layer a group covers
-        CHUNKS_PER_HALF: gl.constexpr = (K_CHUNKS + K_SPLIT - 1) // K_SPLIT  # chunks per row half
-        LATER_HALF_CHUNK: gl.constexpr = 0 if K_SPLIT == 1 else CHUNKS_PER_HALF  # a later half's first chunk
+        GROUP: gl.constexpr = ROWS * WARPS
         WL: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [WARPS, 1], [1, 0])
         BL: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS, 1], [1, 0])
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -183,25 +170,19 @@ if gluon is not None:
         words_smem = gl.allocate_shared_memory(gl.int32, [2 * TOKENS * CP, CW], PLAIN)
         # per token: lo d8, hi d8, lo offsets, hi offsets, CP chunks each
         lanes_smem = gl.allocate_shared_memory(gl.float32, [4 * TOKENS * CP, 32], PLAIN)
-        r_w = gl.arange(0, TILE, layout=gl.SliceLayout(1, WL))
+        r_w = gl.arange(0, GROUP, layout=gl.SliceLayout(1, WL))
         w_w = gl.arange(0, CW, layout=gl.SliceLayout(0, WL))
-        r_b = gl.arange(0, TILE, layout=gl.SliceLayout(1, BL))
+        r_b = gl.arange(0, GROUP, layout=gl.SliceLayout(1, BL))
         b_b = gl.arange(0, 32, layout=gl.SliceLayout(0, BL))
-        group_row_w, group_row_b = r_w // K_SPLIT, r_b // K_SPLIT  # a tile row's row in the group
-        later_half_w = (r_w % K_SPLIT)[:, None] == 1  # a tile row that holds its row's later half
-        later_half_b = (r_b % K_SPLIT)[:, None] == 1
-        # each tile row's word columns (TILE, CW) and scale blocks (TILE, 32) in its first chunk
-        cols_w = (r_w % K_SPLIT)[:, None] * (LATER_HALF_CHUNK * CW) + w_w[None, :]
-        blocks_b = (r_b % K_SPLIT)[:, None] * (LATER_HALF_CHUNK * 32) + 2 * (b_b[None, :] // 2)
-        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + group_row_w[:, None] * stride_wn + cols_w
+        word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + r_w[:, None] * stride_wn + w_w[None, :]
         groups = gl.cdiv(N, GROUP)
         programs = gl.num_programs(0)
         first = gl.program_id(0)  # the grid has at most `groups` programs
         ring = ()  # the first DEPTH chunks, requested before the activations are quantized
         for t in gl.static_range(DEPTH):
-            ring = ring + (_ring_entry(word_ptrs, scales_ptr, group_row_w, cols_w, group_row_b, blocks_b,
-                                       (first + t // CHUNKS_PER_HALF * programs) * GROUP, t % CHUNKS_PER_HALF,
-                                       stride_wn, stride_sb, N, K_WORDS, KB, CW),)
+            ring = ring + (_ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b,
+                                       (first + t // K_CHUNKS * programs) * GROUP, t % K_CHUNKS, stride_wn,
+                                       stride_sb, N, K_WORDS, KB, CW),)
         for tok in gl.static_range(TOKENS):
             for s in gl.static_range(CP // WARPS):
                 limit = gl.where(tok < M, K - s * WARPS * CW * 8, 0)  # a token past M reads nothing
@@ -217,34 +198,26 @@ if gluon is not None:
         for g in range(first, groups, programs):
             accs = ()
             for tok in gl.static_range(TOKENS):
-                accs = accs + (gl.full([TILE, 32], 0.0, gl.float32, BL),)
-            for c in gl.static_range(CHUNKS_PER_HALF):
-                ahead = _ring_entry(word_ptrs, scales_ptr, group_row_w, cols_w, group_row_b, blocks_b,
-                                    (g + (c + DEPTH) // CHUNKS_PER_HALF * programs) * GROUP,
-                                    (c + DEPTH) % CHUNKS_PER_HALF, stride_wn, stride_sb, N, K_WORDS, KB, CW)
+                accs = accs + (gl.full([GROUP, 32], 0.0, gl.float32, BL),)
+            for c in gl.static_range(K_CHUNKS):
+                ahead = _ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b,
+                                    (g + (c + DEPTH) // K_CHUNKS * programs) * GROUP, (c + DEPTH) % K_CHUNKS,
+                                    stride_wn, stride_sb, N, K_WORDS, KB, CW)
                 nibbles = _nibbles(ring[0])
                 for tok in gl.static_range(TOKENS):
-                    # this token's activations for the chunk each tile row decodes
-                    x_lo = _chunk_of_rows(words_smem, (2 * tok) * CP + c, LATER_HALF_CHUNK, later_half_w, WL)
-                    x_hi = _chunk_of_rows(words_smem, (2 * tok + 1) * CP + c, LATER_HALF_CHUNK, later_half_w, WL)
-                    d8_lo = _chunk_of_rows(lanes_smem, (4 * tok) * CP + c, LATER_HALF_CHUNK, later_half_b, BL)
-                    d8_hi = _chunk_of_rows(lanes_smem, (4 * tok + 1) * CP + c, LATER_HALF_CHUNK, later_half_b, BL)
-                    sum_lo = _chunk_of_rows(lanes_smem, (4 * tok + 2) * CP + c, LATER_HALF_CHUNK, later_half_b, BL)
-                    sum_hi = _chunk_of_rows(lanes_smem, (4 * tok + 3) * CP + c, LATER_HALF_CHUNK, later_half_b, BL)
-                    sums = _token_sums(nibbles, x_lo, x_hi, d8_lo, d8_hi, sum_lo, sum_hi, BL)
+                    sums = _token_sums(nibbles, words_smem.slice((2 * tok) * CP + c, 1).load(WL),
+                                       words_smem.slice((2 * tok + 1) * CP + c, 1).load(WL),
+                                       lanes_smem.slice((4 * tok) * CP + c, 1).load(BL),
+                                       lanes_smem.slice((4 * tok + 1) * CP + c, 1).load(BL),
+                                       lanes_smem.slice((4 * tok + 2) * CP + c, 1).load(BL),
+                                       lanes_smem.slice((4 * tok + 3) * CP + c, 1).load(BL), BL)
                     accs = accs[:tok] + (accs[tok] + sums,) + accs[tok + 1:]
                 ring = ring[1:] + (ahead,)
-            if K_SPLIT == 1:
-                offs_n = g * GROUP + r_b
-            else:  # tile rows 2i and 2i + 1 are row i's halves, in one thread's registers
-                offs_n = g * GROUP + gl.split(gl.reshape(group_row_b, [GROUP, 2]))[0]
+            offs_n = g * GROUP + r_b
             if HAS_BIAS:
                 bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
             for tok in gl.static_range(TOKENS):
                 total = gl.reduce(accs[tok], 1, _add)
-                if K_SPLIT != 1:
-                    first_half, second_half = gl.split(gl.reshape(total, [GROUP, 2]))
-                    total = first_half + second_half
                 if HAS_BIAS:
                     total += bias
                 gl.store(out_ptr + tok * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
@@ -262,32 +235,27 @@ def shared_memory_bytes(tokens: int, chunks_pad: int) -> int:
 
 
 def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                       rows: int = 2, num_warps: int = 8, programs_per_sm: int = 2, depth: int = 1,
-                       k_split: int = 1) -> torch.Tensor:
+                       rows: int = 2, num_warps: int = 8, programs_per_sm: int = 2, depth: int = 1) -> torch.Tensor:
     """(M, K) x, M <= MAX_TOKENS -> (M, N) in x's dtype for Q4_0 weights in the kernel layout (qweight
     uint8 [N, Kp/2], scales fp16 [Kp/32, N]): each warp owns `rows` rows, min(N / (rows x num_warps),
-    SMs x programs_per_sm) programs; `depth`: chunks loaded ahead of the one decoded. k_split 2: each
-    row's K in two halves on adjacent tile rows (rows even, K at least two chunks), so a warp owns
-    rows / 2 rows and there are twice the programs."""
+    SMs x programs_per_sm) programs; `depth`: chunks loaded ahead of the one decoded."""
     n, k = qweight.shape[0], x.shape[-1]
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
         raise ValueError(f"x of shape {tuple(x.shape)}: expected (M, K) with 1 <= M <= {MAX_TOKENS} tokens")
     if k % 32 or qweight.shape[1] * 2 < k or scales.shape != (qweight.shape[1] // 16, n) or qweight.shape[1] % 32:
         raise ValueError(f"x (M, {k}), qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}: expected K a "
                          "multiple of 32, qweight (N, Kp / 2) uint8 with Kp = K padded to 64 and scales (Kp / 32, N)")
-    k_chunks, chunks_pad = chunks(qweight.shape[1] * 2, num_warps)
-    if (problem := split_problem(rows, k_split, k_chunks)) is not None:
-        raise ValueError(problem)
     check_tile(x, rows, num_warps, depth, programs_per_sm)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
     m = x.shape[0]
     k_words = qweight.shape[1] // 4
+    k_chunks, chunks_pad = chunks(qweight.shape[1] * 2, num_warps)
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n, rows // k_split, num_warps, programs_per_sm),
+    launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n, rows, num_warps, programs_per_sm),
            x, qweight, scales, bias if bias is not None else out, out,
            m, n, k, k_words, scales.shape[0], x.stride(0), out.stride(0), qweight.stride(0) // 4, scales.stride(0),
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, TOKENS=next_power_of_2(m), K_SPLIT=k_split, num_warps=num_warps)
+           DEPTH=depth, TOKENS=next_power_of_2(m), num_warps=num_warps)
     return out

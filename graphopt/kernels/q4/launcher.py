@@ -218,8 +218,7 @@ def persistent_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
                          "bf16 or fp16 activations and an sm_80+ GPU (not the interpreter)")
     return decode_persistent.q4_gemv_persistent(x2, qweight, scales, _check_bias(bias, qweight.shape[0]),
                                                 rows=config.block_n // config.num_warps, num_warps=config.num_warps,
-                                                programs_per_sm=config.programs_per_sm, depth=config.num_stages,
-                                                k_split=config.split_k)
+                                                programs_per_sm=config.programs_per_sm, depth=config.num_stages)
 
 
 def q4_q8_gemm_triton(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
