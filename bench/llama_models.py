@@ -122,6 +122,24 @@ def runs(variants: list[str], modes: list[str]) -> list[tuple[str, str]]:
     return pairs + [(v, m) for m in modes for v in variants if v != "eager"]
 
 
+def int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gpt-fast's asymmetric int4 of a weight (N, K) in groups of `group` inputs (see Int4Linear):
+    int32 q (N, K) in 0..15 and fp32 scale and zero (N * K / group, 1), rounded to w's dtype."""
+    n, k = w.shape
+    groups = w.float().reshape(-1, group)
+    lo, hi = groups.amin(1, keepdim=True), groups.amax(1, keepdim=True)
+    scale = ((hi - lo).clamp(min=1e-6) / 15).to(w.dtype).float()
+    zero = (lo + 8 * scale).to(w.dtype).float()
+    q = ((groups - (zero - 8 * scale)) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    return q, scale, zero
+
+
+def int4_dequantized(w: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    """The fp32 weight tinygemm computes with for int4_groups(w, group)."""
+    q, scale, zero = int4_groups(w, group)
+    return ((q.reshape(-1, group) - 8) * scale + zero).reshape(w.shape)
+
+
 class Int4Linear(nn.Module):
     """gpt-fast's WeightOnlyInt4Linear: 4-bit weights, asymmetric, a scale and a zero per group of
     INT4_GROUP input features, run by aten's tinygemm kernel (_weight_int4pack_mm). Packing: the
@@ -137,15 +155,10 @@ class Int4Linear(nn.Module):
         w = linear.weight.detach()
         n, k = w.shape
         self.out_features, self.group = n, min(INT4_GROUP, k)  # only the tiny shape has k < 128
-        groups = w.float().reshape(-1, self.group)
-        lo, hi = groups.amin(1, keepdim=True), groups.amax(1, keepdim=True)
-        scale = ((hi - lo).clamp(min=1e-6) / 15).to(w.dtype).float()
-        zero = (lo + 8 * scale).to(w.dtype).float()
-        q = ((groups - (zero - 8 * scale)) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+        q, scale, zero = int4_groups(w, self.group)
         self.register_buffer("scales_and_zeros", torch.stack([scale.reshape(n, -1), zero.reshape(n, -1)], -1)
                              .transpose(0, 1).contiguous().to(w.dtype))
-        reference = ((q.reshape(-1, self.group) - 8) * scale + zero).reshape(n, k)
-        self.register_buffer("packed", self._pack(q, reference.to(w.dtype)))
+        self.register_buffer("packed", self._pack(q, int4_dequantized(w, self.group).to(w.dtype)))
 
     def _pack(self, q: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
         """The packed weight in the form this torch takes, checked against the dequantized weight:
