@@ -203,7 +203,7 @@ class Fp4LinearPass(GraphPass):
                                     global_scale=q.global_scale.to(weight.device))
         else:
             q = fp4k.quantize_fp4(weight, fmt, scale_search=SCALE_SEARCH, tensor_amax=_tensor_amax([m], [weight], fmt))
-        sqnr = first_use["sqnr"] if first_use is not None else fp4k.sqnr_db(weight, fp4k.dequantize_fp4(q))
+        sqnr = first_use["sqnr"] if first_use is not None else fp4k.weight_sqnr_db(weight, q)
         if not sqnr >= budget_db:  # NaN (a weight fp4 cannot hold) fails too
             ctx.record(self.name, False, f"weight SQNR {sqnr:.2f} dB below the budget of {budget_db:.2f} dB "
                        f"(error_budget['fp4_linear']; {source})", node=node, before=before, after=after, sqnr_db=sqnr, format=fmt)

@@ -172,6 +172,31 @@ def test_a_shard_with_the_whole_tensors_amax_quantizes_as_in_the_whole_tensor(fm
         assert not torch.equal(own, whole[48:])
 
 
+@pytest.mark.parametrize("search", [False, True], ids=["amax-rule", "scale-search"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_quantizing_in_row_chunks_gives_the_bytes_of_one_pass(fmt, search, monkeypatch):
+    """quantize_fp4 works on QUANTIZE_CHUNK_ELEMENTS at a time to bound its temporaries; the
+    bytes must not depend on the chunking (the global scale comes from the whole weight), and a
+    NaN in a later chunk is still refused."""
+    from graphopt.kernels.fp4 import format as fp4_format
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(37, 200, generator=g) * torch.linspace(0.01, 0.1, 37)[:, None]).to(torch.bfloat16)
+    w[30, 11] = 0.5  # the largest value, in the last chunk
+    one = quantize_fp4(w, fmt, scale_search=search)
+    monkeypatch.setattr(fp4_format, "QUANTIZE_CHUNK_ELEMENTS", 3 * 200)  # 13 chunks, the last of one row
+    chunked = quantize_fp4(w, fmt, scale_search=search)
+    assert torch.equal(chunked.codes, one.codes) and torch.equal(chunked.global_scale, one.global_scale)
+    assert torch.equal(chunked.scales.view(torch.uint8), one.scales.view(torch.uint8))
+    # the SQNR, summed a chunk at a time, is the whole weight's
+    whole_db = 10 * math.log10(w.double().square().sum() / (w.double() - dequantize_fp4(one).double()).square().sum())
+    assert fp4.weight_sqnr_db(w, one) == pytest.approx(whole_db, rel=1e-9)
+    assert fp4.sqnr_db(w, dequantize_fp4(one)) == pytest.approx(whole_db, rel=1e-9)
+    w[36, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_fp4(w, fmt)
+
+
 def test_tensor_amax_below_the_weights_own_is_refused():
     w = torch.randn(4, 32)
     with pytest.raises(ValueError, match="tensor_amax .* is below the weight's own largest"):

@@ -121,6 +121,21 @@ def test_weight_sqnr_of_gaussian_weights():
     assert 17.0 < sqnr < 25.0  # 4-bit blocks of 32 with an absmax scale: ~20 dB on Gaussians
 
 
+def test_quantize_weight_in_row_chunks_gives_the_bytes_of_one_pass(monkeypatch):
+    """quantize_weight rounds QUANTIZE_CHUNK_ELEMENTS at a time to bound its temporaries; the
+    packed weight and its (K/32 padded to pairs, N) scales must not depend on the chunking."""
+    from graphopt.kernels.q4 import format as q4_format
+
+    w = torch.randn(37, 224, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    qweight, scales = q4.quantize_weight(w)
+    monkeypatch.setattr(q4_format, "QUANTIZE_CHUNK_ELEMENTS", 4 * 224)  # 10 chunks, the last of one row
+    chunked_q, chunked_s = q4.quantize_weight(w)
+    assert torch.equal(chunked_q, qweight) and torch.equal(chunked_s, scales) and scales.shape == (8, 37)  # 7 blocks padded to pairs
+    err = w.double() - q4.dequantize_packed(qweight, scales, 224, torch.float64)
+    whole_db = 10 * math.log10(w.double().square().sum() / err.square().sum())
+    assert q4.weight_sqnr_db(w, qweight, scales) == pytest.approx(whole_db, rel=1e-9)  # summed a chunk at a time
+
+
 # ---- references and kernels --------------------------------------------------------------
 # Triton kernels run on the GPU when there is one, else in the interpreter on CPU tensors.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -27,7 +27,7 @@ from graphopt.kernels.fp4.format import (BLOCK_SIZES, E2M1_MAX, E2M1_VALUES, E4M
                                          block_decode_scales, dequantize_fp4, dequantize_kernel_layout,
                                          e2m1_values, fp4_weight_bytes, from_kernel_layout, pack_nibbles,
                                          quantize_fp4, reference_fp4_linear, round_to_e2m1_codes, sqnr_db,
-                                         to_kernel_layout, unpack_nibbles)
+                                         to_kernel_layout, unpack_nibbles, weight_sqnr_db)
 from graphopt.kernels.fp4.gptq import GPTQ_CHUNK, GPTQ_DAMP, _linear_groups, calibrate_fp4, quantize_fp4_gptq
 from graphopt.kernels.fp4.launcher import (_launch, default_config, dequantize_triton, fp4_linear, fp4_linear_triton,
                                            kernel_choice, kernel_string, permuted_activations, triton)
@@ -36,7 +36,7 @@ from graphopt.kernels.fp4.tune import NoCorrectTile, _cold_decode_timer, tune_co
 __all__ = [
     "FORMATS", "BLOCK_SIZES", "E2M1_MAX", "E4M3_MAX", "E2M1_VALUES", "KERNEL_K_MULTIPLE", "Fp4Tensor",
     "Fp4KernelWeight", "quantize_fp4", "dequantize_fp4", "block_decode_scales", "round_to_e2m1_codes", "e2m1_values",
-    "pack_nibbles", "unpack_nibbles", "sqnr_db", "to_kernel_layout", "from_kernel_layout", "dequantize_kernel_layout",
+    "pack_nibbles", "unpack_nibbles", "sqnr_db", "weight_sqnr_db", "to_kernel_layout", "from_kernel_layout", "dequantize_kernel_layout",
     "fp4_weight_bytes", "reference_fp4_linear", "GPTQ_CHUNK", "GPTQ_DAMP", "quantize_fp4_gptq", "calibrate_fp4",
     "KernelConfig", "PATHS", "FMA_BLOCK_M", "INT_BLOCK_M", "MMA_BLOCK_M", "MIN_DECODE_BLOCK_N", "DECODE_CONFIGS",
     "PREFILL_CONFIGS", "INTERPRET_DECODE_CONFIG", "INTERPRET_PREFILL_CONFIG", "DEQUANT_CONFIG", "DEQUANT_TILES",

@@ -55,6 +55,9 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E8M0_MIN_EXP, E8M0_MAX_EXP = -126, 127
 KERNEL_K_MULTIPLE = 64
+# Elements quantize_fp4 works on at a time: its fp32 temporaries (the scale search's candidates)
+# reach about 12x a bf16 weight's bytes, which for a LLaMA-3 lm_head would be over 12 GB at once.
+QUANTIZE_CHUNK_ELEMENTS = 1 << 24
 # The 16 code values, indexed by code (bit 3 = sign).
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                                    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -175,25 +178,33 @@ def quantize_fp4(w: torch.Tensor, format: str = "nvfp4", *, scale_search: bool =
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_fp4 expects a 2-D floating-point weight (N, K), got "
                          f"{type(w).__name__} {tuple(getattr(w, 'shape', ()))} {getattr(w, 'dtype', '')}")
-    if w.numel() and not bool(torch.isfinite(w).all()):
-        raise ValueError("quantize_fp4: the weight contains NaN or Inf")
     n, k = w.shape
-    blocks = _blocks(w, block_size)  # (N, B, bs)
-    global_scale = _global_scale(blocks, format, tensor_amax)
-    codes, scales, _ = _choose_block_scales(blocks, format, global_scale, scale_search, finite_max=_finite_max(w))
-    packed = pack_nibbles(codes.flatten(1))
-    return Fp4Tensor(packed.contiguous(), scales.contiguous(), global_scale.reshape(()), (n, k), format)
+    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // max(k, 1))  # rows are quantized independently of each other
+    chunks = [w[start:start + rows] for start in range(0, max(n, 1), rows)]
+    if not all(bool(torch.isfinite(chunk).all()) for chunk in chunks):
+        raise ValueError("quantize_fp4: the weight contains NaN or Inf")
+    local_amax = max((chunk.detach().abs().amax().float() for chunk in chunks if chunk.numel()),
+                     default=torch.zeros((), device=w.device))
+    global_scale = _global_scale(local_amax, format, tensor_amax)
+    packed, scales = [], []
+    for chunk in chunks:
+        codes, chunk_scales, _ = _choose_block_scales(_blocks(chunk, block_size), format, global_scale, scale_search,
+                                                      finite_max=_finite_max(w))
+        packed.append(pack_nibbles(codes.flatten(1)))
+        scales.append(chunk_scales)
+    return Fp4Tensor(torch.cat(packed).contiguous(), torch.cat(scales).contiguous(), global_scale.reshape(()), (n, k),
+                     format)
 
 
-def _global_scale(blocks: torch.Tensor, format: str, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 per-tensor decode scale: NVFP4 amax(|W|) / (6 * 448) (1.0 for an all-zero W), MXFP4 1.0."""
+def _global_scale(local_amax: torch.Tensor, format: str, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 per-tensor decode scale from the weight's largest |value| `local_amax` (a 0-d fp32
+    tensor): NVFP4 amax(|W|) / (6 * 448) (1.0 for an all-zero W), MXFP4 1.0."""
     if format == "mxfp4":
-        return torch.ones((), dtype=torch.float32, device=blocks.device)
-    local_amax = blocks.abs().amax() if blocks.numel() else torch.zeros((), device=blocks.device)
+        return torch.ones((), dtype=torch.float32, device=local_amax.device)
     if tensor_amax is None:
         tensor_amax = local_amax
     else:
-        tensor_amax = torch.as_tensor(tensor_amax, device=blocks.device).to(local_amax.dtype).reshape(())
+        tensor_amax = torch.as_tensor(tensor_amax, device=local_amax.device).to(local_amax.dtype).reshape(())
         if bool(tensor_amax < local_amax):
             raise ValueError(f"quantize_fp4: tensor_amax {float(tensor_amax):g} is below the weight's own largest "
                              f"|value| {float(local_amax):g}; it must be the amax of a tensor that contains the weight")
@@ -271,13 +282,33 @@ def dequantize_fp4(q: Fp4Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
 
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio 10 log10(sum ref^2 / sum (ref - approx)^2), in dB."""
-    ref = reference.detach().to(torch.float64)
-    noise = (ref - approximation.detach().to(torch.float64)).square().sum()
-    signal = ref.square().sum()
+    """Signal-to-quantization-noise ratio 10 log10(sum ref^2 / sum (ref - approx)^2), in dB, summed
+    in float64 over QUANTIZE_CHUNK_ELEMENTS at a time."""
+    ref, approx = reference.detach().reshape(-1), approximation.detach().reshape(-1)
+    step = QUANTIZE_CHUNK_ELEMENTS
+    return _sqnr_of_parts((ref[i:i + step], approx[i:i + step]) for i in range(0, ref.numel(), step))
+
+
+def weight_sqnr_db(w: torch.Tensor, q: Fp4Tensor) -> float:
+    """sqnr_db(w, dequantize_fp4(q)), dequantizing a chunk of rows at a time (a whole dequantized
+    lm_head in float64 would be several GB)."""
+    n, k = q.shape
+    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // max(k, 1))
+    return _sqnr_of_parts((w[i:i + rows], dequantize_fp4(Fp4Tensor(q.codes[i:i + rows], q.scales[i:i + rows],
+                                                                     q.global_scale, (min(rows, n - i), k), q.format)))
+                          for i in range(0, n, rows))
+
+
+def _sqnr_of_parts(parts) -> float:
+    """10 log10(sum ref^2 / sum (ref - approx)^2) in dB over (ref, approx) pairs, in float64."""
+    signal = noise = 0.0
+    for ref, approx in parts:
+        ref = ref.detach().to(torch.float64)
+        signal += float(ref.square().sum())
+        noise += float((ref - approx.detach().to(torch.float64)).square().sum())
     if noise == 0:
         return math.inf
-    return float(10.0 * torch.log10(signal / noise))
+    return 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
 

@@ -91,7 +91,7 @@ def quantize_fp4_gptq(w: torch.Tensor, hessian: torch.Tensor, format: str = "nvf
     if not damp > 0:
         raise ValueError(f"quantize_fp4_gptq: damp must be > 0, got {damp}")
     blocks = _blocks(w, block_size)  # (N, B, bs), zero-padded along K
-    global_scale = _global_scale(blocks, format)
+    global_scale = _global_scale(blocks.abs().amax() if blocks.numel() else blocks.new_zeros(()), format)
     finite_max = _finite_max(w)
     k_blocks = blocks.shape[1] * block_size
     weight = blocks.reshape(n, k_blocks).clone()  # (N, Kb) fp32, updated in place by the error feedback

@@ -38,6 +38,7 @@ import torch
 QK = 32  # values per Q4_0 / Q8_1 block
 Q4_0_BLOCK_BYTES = 18
 Q8_1_BLOCK_BYTES = 36
+QUANTIZE_CHUNK_ELEMENTS = 1 << 24  # weights quantize_weight rounds at a time: bounds its temporaries
 SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -187,14 +188,22 @@ def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, in_features: 
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dense [N, K] weight -> kernel layout (qweight, scales) through ggml Q4_0."""
-    return pack_q4_0(quantize_q4_0(w))
+    """A dense [N, K] weight -> kernel layout (qweight, scales) through ggml Q4_0, in row chunks of
+    about QUANTIZE_CHUNK_ELEMENTS (the fp32 temporaries reach about 5x a bf16 weight's bytes)."""
+    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // max(w.shape[-1], 1))
+    parts = [pack_q4_0(quantize_q4_0(w[start:start + rows])) for start in range(0, max(w.shape[0], 1), rows)]
+    return torch.cat([q for q, _ in parts]), torch.cat([d for _, d in parts], dim=1)
 
 
 def weight_sqnr_db(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> float:
-    w = w.detach().to(torch.float64)
-    err = w - dequantize_packed(qweight, scales, w.shape[1], torch.float64)
-    signal, noise = float((w * w).sum()), float((err * err).sum())
+    """SQNR in dB of the packed Q4_0 weight against w [N, K], in float64, a chunk of rows at a time
+    (a whole dequantized lm_head in float64 would be several GB)."""
+    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // max(w.shape[1], 1))
+    signal = noise = 0.0
+    for i in range(0, w.shape[0], rows):
+        part = w[i:i + rows].detach().to(torch.float64)
+        err = part - dequantize_packed(qweight[i:i + rows], scales[:, i:i + rows], w.shape[1], torch.float64)
+        signal, noise = signal + float((part * part).sum()), noise + float((err * err).sum())
     return math.inf if noise == 0 else 10.0 * math.log10(max(signal, 1e-300) / noise)
 
 
