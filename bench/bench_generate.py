@@ -31,6 +31,8 @@ cudagraph_mark_step_begin); hf_ms_token = (t_N - t_1) / (N - 1) minus that loop'
 It counts generate's Python per step (input preparation, the 4D mask it builds, stopping checks)
 and, under CUDA graphs, the cost of generate making a new StaticCache each call: its tensors are
 inputs the graph holds at fixed addresses, and CUDA-graph trees re-record when one moves.
+--cache reused: one StaticCache made per variant, reset and passed to every generate call (as HF
+documents for a cache the caller keeps), so its tensors keep their addresses between calls.
 
     python bench/bench_generate.py --out $OUT/generate_h100.json   # 1b and 8b, batch 1 and 8: ~25 min on one H100
     python bench/bench_generate.py --shapes tiny --new-tokens 8 --prompt 16 --batch 1 --repeats 1   # CPU
@@ -38,6 +40,7 @@ inputs the graph holds at fixed addresses, and CUDA-graph trees re-record when o
 
 from __future__ import annotations
 
+import inspect
 import os
 import statistics
 import sys
@@ -68,9 +71,22 @@ def generate_fn(model, prompt: torch.Tensor, opts, variant: str, mode: str):
         config._compile_all_devices = True  # generate compiles only on accelerators unless told (the CPU smoke run)
         kwargs = {"compile_config": config}
 
+    cache = None
+    if opts.cache == "reused":
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + opts.new_tokens)
+        # generate's cache argument is `past_key_values` up to transformers 5.17 and `cache` later
+        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
     def run(new_tokens: int) -> torch.Tensor:
-        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                             eos_token_id=None, pad_token_id=0, **kwargs)
+        if cache is None:
+            cache_kwargs = {"cache_implementation": "static"}
+        else:
+            cache.reset()
+            cache_kwargs = {cache_arg: cache}
+        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             **cache_kwargs, **kwargs)
         return out[:, prompt.shape[1]:]
     return run
 
@@ -106,7 +122,11 @@ def hf_overhead(model, prompt: torch.Tensor, opts, mode: str, generate_decode_s:
 
 
 def main() -> None:
-    opts = resolve(arguments(__doc__).parse_args())
+    parser = arguments(__doc__)
+    parser.add_argument("--cache", choices=("new", "reused"), default="new",
+                        help="new: cache_implementation='static' (a new StaticCache each call, as HF documents); "
+                             "reused: one StaticCache, reset and passed to every call")
+    opts = resolve(parser.parse_args())
     sweep(opts, measure, "HF generate", COLUMNS, name="generate")
 
 
