@@ -223,6 +223,7 @@ def test_cuda_graphs_option_asks_inductor_for_cuda_graph_trees(monkeypatch):
     assert seen[0] == (static or None)  # Inductor calls itself again inside the patches
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph trees record only on a GPU")
 def test_cuda_graphs_replays_graphopt_kernels_with_fresh_inputs():
     """On a GPU the step is recorded once and replayed: the FP4 kernels (tuned on the warm-up call)

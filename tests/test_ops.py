@@ -150,6 +150,7 @@ def test_fft_chain_op_output_is_contiguous_and_empty_batches_run():
     assert empty.grad.shape == (0, 24) and not biased.bias.grad.any() and not biased.coeffs.grad.any()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton attention backward runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_attention_backend_trains_under_inductor(dtype):

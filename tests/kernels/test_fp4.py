@@ -595,6 +595,7 @@ def test_decode_word_positions_match_kernel_layout():
                     assert nibble == int(codes[element])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
 @pytest.mark.parametrize("cfg", [KernelConfig(8, 1, 256, split_k=4, num_stages=1),
                                  KernelConfig(16, 1, 256, split_k=4, num_warps=1, num_stages=1, int_dots=True),

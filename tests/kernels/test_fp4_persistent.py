@@ -65,6 +65,7 @@ def test_bad_arguments_name_the_choices():
         dp.fp4_gemv_persistent(x.double(), kw.codes, kw.scales, kw.global_scale, None, 16, 64, "nvfp4")  # CPU, fp64
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("n,k,rows,warps", [(200, 512, 4, 4), (37, 1344, 2, 4), (5, 4096, 4, 4), (4096, 4096, 2, 4),
@@ -129,6 +130,7 @@ def test_a_persistent_tile_goes_to_the_opaque_gluon_op():
                                             "nvfp4", plain)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
 def test_the_op_on_a_persistent_tile_matches_eager_inside_a_cuda_graph():
     import graphopt.ops  # noqa: F401

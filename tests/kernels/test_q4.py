@@ -284,6 +284,7 @@ def test_last_split_reduces_into_buffers_of_its_own_call(monkeypatch):
     assert sums.dtype == torch.float32 and counters.dtype == torch.int32
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programs run concurrently only on a GPU")
 @pytest.mark.parametrize("config", [q4.TileConfig("dp4a", 0, 16, 8, 1, 1, split_k=4, reduce="last"),
                                     q4.TileConfig("dp4a", 2, 32, 4, 1, 1, split_k=0, reduce="last"),
@@ -536,6 +537,7 @@ def test_the_tuner_raises_and_stores_nothing_when_no_tile_is_right(mode, tokens,
     assert not tuning._MEMORY and not any(tmp_path.iterdir())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="tiles are timed on a GPU")
 @pytest.mark.parametrize("mode,tokens", [("fused", 1), ("separate", 4), ("fused", 40)])
 def test_tune_q4_linear_times_once_and_the_op_runs_its_choice(mode, tokens, monkeypatch, tmp_path):

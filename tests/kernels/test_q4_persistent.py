@@ -57,6 +57,7 @@ def test_bad_arguments_name_the_problem():
         dp.q4_gemv_persistent(x, qweight, scales, None)  # CPU
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
 @pytest.mark.parametrize("n,k,rows,warps", [(200, 512, 4, 4), (37, 1344, 2, 4), (4096, 4096, 2, 8),
                                             (61, 14336, 2, 8), (1000, 8192, 1, 2), (300, 11008, 2, 4),
@@ -139,6 +140,7 @@ def test_a_persistent_kernel_string_runs_the_opaque_gluon_op(monkeypatch):
         torch.ops.graphopt.q4_gluon_linear(x, qw, sc, None, tuning.encode(q4.candidate_configs(1, True)[0]))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
 def test_the_op_on_a_persistent_tile_matches_eager_inside_a_cuda_graph():
     from graphopt.kernels import tuning

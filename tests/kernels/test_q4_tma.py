@@ -118,6 +118,7 @@ def test_builds_for_sm90_with_the_nibbles_as_the_mma_register_operand(block_m, s
     assert sass.count("SHFL") <= 1 and sass.count("STS") <= 1
 
 
+@pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("n,k", [(200, 512), (392, 1280), (64, 320)])
 @pytest.mark.parametrize("tokens", [1, 5, 16])
@@ -143,6 +144,7 @@ def test_matches_the_float64_reference_on_the_gpu(n, k, tokens, split_k, stages,
     assert (again - got).abs().max() <= tol * ref.abs().max()
 
 
+@pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("allow_gluon", [True, False])
 def test_the_separate_mode_tunes_over_the_tma_tiles_only_where_allowed(allow_gluon, monkeypatch, tmp_path):

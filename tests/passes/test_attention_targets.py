@@ -60,6 +60,7 @@ class _Logits(nn.Module):
         return self.model(input_ids=ids, use_cache=self.use_cache).logits
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="asks PyTorch's dispatcher on the GPU present")
 def test_dispatcher_choice_follows_backend_switches():
     """A backend switched off after a first query is not reported again from the cache."""

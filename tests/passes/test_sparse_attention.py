@@ -482,6 +482,7 @@ def test_symbolic_length_gate_switches_between_dense_and_sparse(monkeypatch, tmp
         torch.testing.assert_close(torch.from_numpy(out), ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the Triton predictor and kernel)")
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_symbolic_length_gate_on_the_gpu(monkeypatch, is_causal):
