@@ -186,14 +186,16 @@ def quantize_fp4(w: torch.Tensor, format: str = "nvfp4", *, scale_search: bool =
     local_amax = max((chunk.detach().abs().amax().float() for chunk in chunks if chunk.numel()),
                      default=torch.zeros((), device=w.device))
     global_scale = _global_scale(local_amax, format, tensor_amax)
-    packed, scales = [], []
-    for chunk in chunks:
+    packed = scales = None
+    for start, chunk in zip(range(0, max(n, 1), rows), chunks):
         codes, chunk_scales, _ = _choose_block_scales(_blocks(chunk, block_size), format, global_scale, scale_search,
                                                       finite_max=_finite_max(w))
-        packed.append(pack_nibbles(codes.flatten(1)))
-        scales.append(chunk_scales)
-    return Fp4Tensor(torch.cat(packed).contiguous(), torch.cat(scales).contiguous(), global_scale.reshape(()), (n, k),
-                     format)
+        if packed is None:  # filled in place, not concatenated: torch.cat would follow an ambient autocast
+            packed = codes.new_empty((n, codes.shape[1] * codes.shape[2] // 2))
+            scales = chunk_scales.new_empty((n, chunk_scales.shape[1]))
+        packed[start:start + chunk.shape[0]] = pack_nibbles(codes.flatten(1))
+        scales[start:start + chunk.shape[0]] = chunk_scales
+    return Fp4Tensor(packed, scales, global_scale.reshape(()), (n, k), format)
 
 
 def _global_scale(local_amax: torch.Tensor, format: str, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:

@@ -190,9 +190,16 @@ def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, in_features: 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense [N, K] weight -> kernel layout (qweight, scales) through ggml Q4_0, in row chunks of
     about QUANTIZE_CHUNK_ELEMENTS (the fp32 temporaries reach about 5x a bf16 weight's bytes)."""
+    n = w.shape[0]
     rows = max(1, QUANTIZE_CHUNK_ELEMENTS // max(w.shape[-1], 1))
-    parts = [pack_q4_0(quantize_q4_0(w[start:start + rows])) for start in range(0, max(w.shape[0], 1), rows)]
-    return torch.cat([q for q, _ in parts]), torch.cat([d for _, d in parts], dim=1)
+    qweight = scales = None
+    for start in range(0, max(n, 1), rows):
+        chunk_q, chunk_d = pack_q4_0(quantize_q4_0(w[start:start + rows]))
+        if qweight is None:  # filled in place, not concatenated: torch.cat would follow an ambient autocast
+            qweight, scales = chunk_q.new_empty((n, chunk_q.shape[1])), chunk_d.new_empty((chunk_d.shape[0], n))
+        qweight[start:start + chunk_q.shape[0]] = chunk_q
+        scales[:, start:start + chunk_q.shape[0]] = chunk_d
+    return qweight, scales
 
 
 def weight_sqnr_db(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> float:
