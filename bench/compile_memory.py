@@ -34,7 +34,7 @@ PASSES = ("fp4_linear", "q4_linear")
 def _peak_gb(device: str) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kilobytes on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux
 
 
 def measure(pass_name: str, layers: int, device: str) -> dict:

@@ -8,7 +8,7 @@ regret in the loop benches is read against the regret of the same quantization c
 plain PyTorch (fp32, dequantized weights, HF generate), not against zero. Rows:
 
 - random: uniformly random tokens, what a kernel computing garbage scores;
-- bf16: the weights rounded to bf16 (the loop benches' plain model);
+- bf16: the linears' weights rounded to bf16;
 - nvfp4, mxfp4: every linear and lm_head through graphopt's quantize_fp4 with the scale search
   the fp4_linear pass uses (per weight: the pass's sibling groups share one NVFP4 tensor scale);
 - q4_0: every linear and lm_head through ggml Q4_0, weights only (q4_linear also rounds the
@@ -17,7 +17,9 @@ plain PyTorch (fp32, dequantized weights, HF generate), not against zero. Rows:
   baseline (llama_models.int4_groups; lm_head stays).
 
 Each row generates --new-tokens greedy tokens from the same random prompt and scores them under
-the plain fp32 model on the row's own prefix (llama_models.choice_regret).
+the plain fp32 model on the row's own prefix (llama_models.choice_regret). The schemes quantize the
+fp32 weights (the passes get the bf16 ones: a difference far below the 4-bit error); a tied lm_head
+(1B) is quantized apart from the input embeddings, as the passes do.
 
     python bench/quantization_regret.py --out $OUT/quantization_regret_h200.json   # 1b and 8b on one GPU, ~2 min
     python bench/quantization_regret.py --shapes 1b --prompt 64 --new-tokens 17    # CPU, ~3 min
@@ -26,6 +28,7 @@ the plain fp32 model on the row's own prefix (llama_models.choice_regret).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -70,6 +73,9 @@ def measure(model: nn.Module, prompt: torch.Tensor, new_tokens: int, scheme: str
         gen = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, model.config.vocab_size, (prompt.shape[0], new_tokens), generator=gen)
         return {**lm.choice_regret(model, prompt, tokens.to(prompt.device)), "s": time.perf_counter() - start}
+    head = model.lm_head
+    if head.weight is model.get_input_embeddings().weight:  # tied (1B): the passes quantize lm_head only
+        model.lm_head = copy.deepcopy(head)
     linears = _linears(model, scheme)
     plain = {name: m.weight.detach().clone() for name, m in linears.items()}
     try:
@@ -80,6 +86,7 @@ def measure(model: nn.Module, prompt: torch.Tensor, new_tokens: int, scheme: str
     finally:
         for name, m in linears.items():
             m.weight.copy_(plain[name])
+        model.lm_head = head
     return {**lm.choice_regret(model, prompt, tokens), "s": time.perf_counter() - start}
 
 

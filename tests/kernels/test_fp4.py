@@ -198,6 +198,15 @@ def test_quantizing_in_row_chunks_gives_the_bytes_of_one_pass(fmt, search, monke
         quantize_fp4(w, fmt)
 
 
+def test_sqnr_db_edge_values_and_shapes():
+    w = torch.randn(6, 40, generator=torch.Generator().manual_seed(8))
+    assert sqnr_db(w, w) == math.inf
+    assert sqnr_db(w, torch.full_like(w, float("inf"))) == -math.inf  # infinite noise
+    assert math.isnan(sqnr_db(torch.full_like(w, float("nan")), w))
+    with pytest.raises(ValueError, match="differ in shape"):
+        sqnr_db(w, w[0])  # no broadcasting: a mismatch is a caller's bug
+
+
 def test_tensor_amax_below_the_weights_own_is_refused():
     w = torch.randn(4, 32)
     with pytest.raises(ValueError, match="tensor_amax .* is below the weight's own largest"):

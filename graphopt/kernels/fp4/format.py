@@ -286,6 +286,9 @@ def dequantize_fp4(q: Fp4Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio 10 log10(sum ref^2 / sum (ref - approx)^2), in dB, summed
     in float64 over QUANTIZE_CHUNK_ELEMENTS at a time."""
+    if reference.shape != approximation.shape:
+        raise ValueError(f"sqnr_db: reference {tuple(reference.shape)} and approximation "
+                         f"{tuple(approximation.shape)} differ in shape")
     ref, approx = reference.detach().reshape(-1), approximation.detach().reshape(-1)
     step = QUANTIZE_CHUNK_ELEMENTS
     return _sqnr_of_parts((ref[i:i + step], approx[i:i + step]) for i in range(0, ref.numel(), step))
@@ -310,8 +313,8 @@ def _sqnr_of_parts(parts) -> float:
         noise += float((ref - approx.detach().to(torch.float64)).square().sum())
     if noise == 0:
         return math.inf
-    return 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
-
+    ratio = signal / noise  # NaN stays NaN; an infinite noise gives 0, so -inf dB
+    return 10.0 * math.log10(ratio) if ratio > 0 else (ratio if math.isnan(ratio) else -math.inf)
 
 
 # ---------------------------------------------------------------------------------------------
