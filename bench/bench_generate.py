@@ -40,7 +40,6 @@ documents for a cache the caller keeps), so its tensors keep their addresses bet
 
 from __future__ import annotations
 
-import inspect
 import os
 import statistics
 import sys
@@ -51,8 +50,8 @@ if REPO not in sys.path:  # run as a script, bench/ is sys.path[0]; `bench.*` an
 
 import torch  # noqa: E402
 
-from bench.llama_models import (DecodeLoop, arguments, compile_kwargs, peak_gb, resolve, rewrite_summary,  # noqa: E402
-                                sweep, timed)
+from bench.llama_models import (DecodeLoop, arguments, cache_argument, compile_kwargs, peak_gb, resolve,  # noqa: E402
+                                rewrite_summary, sweep, timed)
 from graphopt.compiler import recording_decisions  # noqa: E402
 
 COLUMNS = ["variant", "mode", "tok_s", "vs_inductor", "vs_int4", "ttft_ms", "compile_s", "peak_gb", "regret", "top1", "agree",
@@ -76,8 +75,7 @@ def generate_fn(model, prompt: torch.Tensor, opts, variant: str, mode: str):
         from transformers import StaticCache
 
         cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + opts.new_tokens)
-        # generate's cache argument is `past_key_values` up to transformers 5.17 and `cache` later
-        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        cache_arg = cache_argument(model)
 
     def run(new_tokens: int) -> torch.Tensor:
         if cache is None:

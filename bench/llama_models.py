@@ -349,6 +349,12 @@ def write_result(name: str, opts: argparse.Namespace, rows: list[dict]) -> Path:
     return path
 
 
+def cache_argument(model: nn.Module) -> str:
+    """The name forward and generate take a cache by: `past_key_values` up to transformers 5.17,
+    `cache` later."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class DecodeLoop:
     """gpt-fast style greedy decoding of `new_tokens` tokens: the plain model fills a StaticCache
     from the prompt and gives the first token, then `new_tokens - 1` calls of a one-token step
@@ -363,8 +369,7 @@ class DecodeLoop:
         batch, length = prompt.shape
         # StaticCache(config, max_cache_len) in transformers 5.x; it sizes itself at the first update
         self.cache = StaticCache(config=model.config, max_cache_len=length + new_tokens)
-        # forward's cache argument is `past_key_values` up to 5.17 and `cache` later
-        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_arg = cache_argument(model)
         self.positions = [torch.full((batch, 1), length + i, dtype=torch.long, device=prompt.device)
                           for i in range(new_tokens - 1)]
         self.step = torch.compile(self._forward, **compile_kwargs) if compile_kwargs else self._forward

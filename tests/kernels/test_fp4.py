@@ -175,16 +175,16 @@ def test_a_shard_with_the_whole_tensors_amax_quantizes_as_in_the_whole_tensor(fm
 @pytest.mark.parametrize("search", [False, True], ids=["amax-rule", "scale-search"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_quantizing_in_row_chunks_gives_the_bytes_of_one_pass(fmt, search, monkeypatch):
-    """quantize_fp4 works on QUANTIZE_CHUNK_ELEMENTS at a time to bound its temporaries; the
+    """quantize_fp4 works on weight_chunks.CHUNK_ELEMENTS at a time to bound its temporaries; the
     bytes must not depend on the chunking (the global scale comes from the whole weight), and a
     NaN in a later chunk is still refused."""
-    from graphopt.kernels.fp4 import format as fp4_format
+    from graphopt.kernels import weight_chunks
 
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(37, 200, generator=g) * torch.linspace(0.01, 0.1, 37)[:, None]).to(torch.bfloat16)
     w[30, 11] = 0.5  # the largest value, in the last chunk
     one = quantize_fp4(w, fmt, scale_search=search)
-    monkeypatch.setattr(fp4_format, "QUANTIZE_CHUNK_ELEMENTS", 3 * 200)  # 13 chunks, the last of one row
+    monkeypatch.setattr(weight_chunks, "CHUNK_ELEMENTS", 3 * 200)  # 13 chunks, the last of one row
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a pass may quantize under the user's autocast
         chunked = quantize_fp4(w, fmt, scale_search=search)
     assert torch.equal(chunked.codes, one.codes) and torch.equal(chunked.global_scale, one.global_scale)

@@ -122,13 +122,13 @@ def test_weight_sqnr_of_gaussian_weights():
 
 
 def test_quantize_weight_in_row_chunks_gives_the_bytes_of_one_pass(monkeypatch):
-    """quantize_weight rounds QUANTIZE_CHUNK_ELEMENTS at a time to bound its temporaries; the
+    """quantize_weight rounds weight_chunks.CHUNK_ELEMENTS at a time to bound its temporaries; the
     packed weight and its (K/32 padded to pairs, N) scales must not depend on the chunking."""
-    from graphopt.kernels.q4 import format as q4_format
+    from graphopt.kernels import weight_chunks
 
     w = torch.randn(37, 224, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     qweight, scales = q4.quantize_weight(w)
-    monkeypatch.setattr(q4_format, "QUANTIZE_CHUNK_ELEMENTS", 4 * 224)  # 10 chunks, the last of one row
+    monkeypatch.setattr(weight_chunks, "CHUNK_ELEMENTS", 4 * 224)  # 10 chunks, the last of one row
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a pass may quantize under the user's autocast
         chunked_q, chunked_s = q4.quantize_weight(w)
     assert torch.equal(chunked_q, qweight) and torch.equal(chunked_s, scales) and scales.shape == (8, 37)  # 7 blocks padded to pairs

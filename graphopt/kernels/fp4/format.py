@@ -49,15 +49,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from graphopt.kernels.weight_chunks import CHUNK_ELEMENTS, chunk_rows, sqnr_db_of_parts
+
 FORMATS: tuple[str, ...] = ("mxfp4", "nvfp4")
 BLOCK_SIZES: dict[str, int] = {"mxfp4": 32, "nvfp4": 16}
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E8M0_MIN_EXP, E8M0_MAX_EXP = -126, 127
 KERNEL_K_MULTIPLE = 64
-# Elements quantize_fp4 works on at a time: its fp32 temporaries (the scale search's candidates)
-# reach about 12x a bf16 weight's bytes, which for a LLaMA-3 lm_head would be over 12 GB at once.
-QUANTIZE_CHUNK_ELEMENTS = 1 << 24
 # The 16 code values, indexed by code (bit 3 = sign).
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                                    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -179,7 +178,7 @@ def quantize_fp4(w: torch.Tensor, format: str = "nvfp4", *, scale_search: bool =
         raise ValueError(f"quantize_fp4 expects a 2-D floating-point weight (N, K), got "
                          f"{type(w).__name__} {tuple(getattr(w, 'shape', ()))} {getattr(w, 'dtype', '')}")
     n, k = w.shape
-    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // max(k, 1))  # rows are quantized independently of each other
+    rows = chunk_rows(k)  # the scale search's fp32 temporaries reach about 12x a bf16 weight's bytes
     chunks = [w[start:start + rows] for start in range(0, max(n, 1), rows)]
     if not all(bool(torch.isfinite(chunk).all()) for chunk in chunks):
         raise ValueError("quantize_fp4: the weight contains NaN or Inf")
@@ -285,36 +284,23 @@ def dequantize_fp4(q: Fp4Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio 10 log10(sum ref^2 / sum (ref - approx)^2), in dB, summed
-    in float64 over QUANTIZE_CHUNK_ELEMENTS at a time."""
+    in float64 over weight_chunks.CHUNK_ELEMENTS at a time."""
     if reference.shape != approximation.shape:
         raise ValueError(f"sqnr_db: reference {tuple(reference.shape)} and approximation "
                          f"{tuple(approximation.shape)} differ in shape")
     ref, approx = reference.detach().reshape(-1), approximation.detach().reshape(-1)
-    step = QUANTIZE_CHUNK_ELEMENTS
-    return _sqnr_of_parts((ref[i:i + step], approx[i:i + step]) for i in range(0, ref.numel(), step))
+    step = CHUNK_ELEMENTS
+    return sqnr_db_of_parts((ref[i:i + step], approx[i:i + step]) for i in range(0, ref.numel(), step))
 
 
 def weight_sqnr_db(w: torch.Tensor, q: Fp4Tensor) -> float:
     """sqnr_db(w, dequantize_fp4(q)), dequantizing a chunk of rows at a time (a whole dequantized
     lm_head in float64 would be several GB)."""
     n, k = q.shape
-    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // max(k, 1))
-    return _sqnr_of_parts((w[i:i + rows], dequantize_fp4(Fp4Tensor(q.codes[i:i + rows], q.scales[i:i + rows],
+    rows = chunk_rows(k)
+    return sqnr_db_of_parts((w[i:i + rows], dequantize_fp4(Fp4Tensor(q.codes[i:i + rows], q.scales[i:i + rows],
                                                                      q.global_scale, (min(rows, n - i), k), q.format)))
                           for i in range(0, n, rows))
-
-
-def _sqnr_of_parts(parts) -> float:
-    """10 log10(sum ref^2 / sum (ref - approx)^2) in dB over (ref, approx) pairs, in float64."""
-    signal = noise = 0.0
-    for ref, approx in parts:
-        ref = ref.detach().to(torch.float64)
-        signal += float(ref.square().sum())
-        noise += float((ref - approx.detach().to(torch.float64)).square().sum())
-    if noise == 0:
-        return math.inf
-    ratio = signal / noise  # NaN stays NaN; an infinite noise gives 0, so -inf dB
-    return 10.0 * math.log10(ratio) if ratio > 0 else (ratio if math.isnan(ratio) else -math.inf)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,10 +35,11 @@ import math
 
 import torch
 
+from graphopt.kernels.weight_chunks import chunk_rows, sqnr_db_of_parts
+
 QK = 32  # values per Q4_0 / Q8_1 block
 Q4_0_BLOCK_BYTES = 18
 Q8_1_BLOCK_BYTES = 36
-QUANTIZE_CHUNK_ELEMENTS = 1 << 24  # weights quantize_weight rounds at a time: bounds its temporaries
 SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -189,9 +190,9 @@ def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, in_features: 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense [N, K] weight -> kernel layout (qweight, scales) through ggml Q4_0, in row chunks of
-    about QUANTIZE_CHUNK_ELEMENTS (the fp32 temporaries reach about 5x a bf16 weight's bytes)."""
+    about weight_chunks.CHUNK_ELEMENTS (the fp32 temporaries reach about 5x a bf16 weight's bytes)."""
     n = w.shape[0]
-    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // max(w.shape[-1], 1))
+    rows = chunk_rows(w.shape[-1])
     qweight = scales = None
     for start in range(0, max(n, 1), rows):
         chunk_q, chunk_d = pack_q4_0(quantize_q4_0(w[start:start + rows]))
@@ -205,13 +206,10 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def weight_sqnr_db(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> float:
     """SQNR in dB of the packed Q4_0 weight against w [N, K], in float64, a chunk of rows at a time
     (a whole dequantized lm_head in float64 would be several GB)."""
-    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // max(w.shape[1], 1))
-    signal = noise = 0.0
-    for i in range(0, w.shape[0], rows):
-        part = w[i:i + rows].detach().to(torch.float64)
-        err = part - dequantize_packed(qweight[i:i + rows], scales[:, i:i + rows], w.shape[1], torch.float64)
-        signal, noise = signal + float((part * part).sum()), noise + float((err * err).sum())
-    return math.inf if noise == 0 else 10.0 * math.log10(max(signal, 1e-300) / noise)
+    rows = chunk_rows(w.shape[1])
+    return sqnr_db_of_parts((w[i:i + rows], dequantize_packed(qweight[i:i + rows], scales[:, i:i + rows], w.shape[1],
+                                                              torch.float64))
+                            for i in range(0, w.shape[0], rows))
 
 
 # =============================================================================================
