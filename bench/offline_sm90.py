@@ -111,25 +111,6 @@ def print_word_loop(sass: str, words_per_thread: float) -> None:
               f"weight word; top {top}")
 
 
-def loads_around_grid_wait(sass: str) -> tuple[list[str], list[str]] | None:
-    """The global-load opcodes a program issues before its grid-dependency wait (ACQBULK, from
-    griddepcontrol.wait) and between it and the first CTA barrier, in code order; None without a
-    wait. What a programmatic dependent reads while the kernel before it drains, and after."""
-    before, after, seen_wait = [], [], False
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
-        if not m:
-            continue
-        op = m.group(1)
-        if op == "ACQBULK":
-            seen_wait = True
-        elif op.startswith("BAR.SYNC") and seen_wait:
-            break
-        elif op.startswith("LDG"):
-            (after if seen_wait else before).append(op)
-    return (before, after) if seen_wait else None
-
-
 def print_prologue(sass: str) -> None:
     """A program's memory operations and barrier waits before its first warpgroup MMA, in code
     order: the loads a program waits on, one after another, before its first tile can start."""
@@ -310,7 +291,7 @@ def persistent(args) -> None:
 
     k_chunks, chunks_pad = fp4_persistent.chunks(args.k, args.warps)
     consts = dict(HAS_BIAS=False, ROWS=args.rows, WARPS=args.warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-                  DEPTH=args.depth, DEPENDENT=True)  # as launched on sm_90
+                  DEPTH=args.depth)
     if args.format == "q4_0":
         fn = q4_persistent._q4_gemv_persistent_kernel
         types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16")

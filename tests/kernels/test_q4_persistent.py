@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from bench.offline_sm90 import compile_sm90, loads_around_grid_wait, loops, sass_and_resources
+from bench.offline_sm90 import compile_sm90, loops, sass_and_resources
 from tests.conftest import q4_gluon_node, replayed_in_cuda_graph
 from graphopt.kernels import q4
 from graphopt.kernels.q4 import decode_persistent as dp
@@ -31,7 +31,7 @@ def test_builds_for_sm90_with_dp4a_and_wide_loads(rows, warps, k, depth, tokens,
     k_chunks, chunks_pad = dp.chunks(k_padded, warps)
     kernel = compile_sm90(dp._q4_gemv_persistent_kernel, types,
                           dict(HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-                               DEPTH=depth, TOKENS=tokens, DEPENDENT=True),
+                               DEPTH=depth, TOKENS=tokens),
                           ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sb", "N",
                            "stride_xm", "stride_om"],
                           warps, gluon=True)
@@ -40,23 +40,6 @@ def test_builds_for_sm90_with_dp4a_and_wide_loads(rows, warps, k, depth, tokens,
     assert len(re.findall(r"IDP\.4A", sass)) >= 2 * rows * 4 * k_chunks * tokens  # two per word and token
     assert not [ops for _, _, ops in loops(sass) if any(op.startswith("BAR") for op, _ in ops)]
     assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * k_chunks  # one 16-byte load per row and chunk
-
-
-@needs_gluon
-@pytest.mark.parametrize("rows,warps,k,depth,tokens", [(4, 4, 4096, 1, 1), (1, 8, 14336, 3, 2)])
-def test_a_dependent_launch_requests_the_weights_before_the_wait(rows, warps, k, depth, tokens,
-                                                                 pristine_triton_language):
-    types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16")
-    k_chunks, chunks_pad = dp.chunks(k, warps)
-    sass, _ = sass_and_resources(compile_sm90(
-        dp._q4_gemv_persistent_kernel, types,
-        dict(HAS_BIAS=False, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad, DEPTH=depth,
-             TOKENS=tokens, DEPENDENT=True),
-        ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sb", "N", "stride_xm",
-         "stride_om"], warps, gluon=True))
-    before, after = loads_around_grid_wait(sass)
-    assert before.count("LDG.E.128") == rows * depth  # the first chunks' words; no activation load
-    assert after.count("LDG.E.128") >= 4  # the activations, 16 bytes wide
 
 
 def test_bad_arguments_name_the_problem():

@@ -85,20 +85,6 @@ if gluon is not None:
         return gl.inline_asm_elementwise(asm, "=r,r,r,r", [a, b, c], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _after_prior_grid(opaque_zero, DEPENDENT: gl.constexpr):
-        """0, once the grid this one was launched behind has finished and its writes are visible
-        (griddepcontrol.wait, sm_90+), when DEPENDENT; else opaque_zero unchanged. Launched with
-        programmatic stream serialization, a program starts while the kernel before it drains: what it
-        reads before this point must not be written by that kernel (the weights), and what it reads
-        after is addressed through the returned 0 (scaled, so that the address keeps its known
-        alignment and vector width), so no load of the activations can move above the wait."""
-        if DEPENDENT:
-            return gl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.b32 $0, 0;", "=r", [],
-                                             dtype=gl.int32, is_pure=False, pack=1)
-        else:
-            return opaque_zero
-
-    @gluon.jit
     def _round_to_int(v):
         """fp32 -> int32, to nearest even (one cvt)."""
         return gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,f", [v], dtype=gl.int32, is_pure=True,
@@ -189,13 +175,12 @@ if gluon is not None:
         x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr,
         N, K, K_WORDS, stride_wn, stride_sn,
         IS_NVFP4: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
-        K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, DEPENDENT: gl.constexpr,
+        K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr,
     ):
         """out[0, n] = x[0, :] @ W[n, :]^T (+ bias). Program p owns the groups p, p + P, ... of ROWS x WARPS
         rows; warp w the rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
         activations' shared memory holds CHUNKS_PAD >= K_CHUNKS of them (`chunks`: a power of two, at
-        least WARPS). DEPENDENT: launched as a programmatic dependent (`dependent_launch`): the first
-        chunks' weights are requested while the kernel before drains, the activations after it ends."""
+        least WARPS)."""
         WPB: gl.constexpr = 2 if IS_NVFP4 else 4  # code words per scale block
         CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS)
         NB: gl.constexpr = CW // WPB  # scale blocks per chunk
@@ -223,8 +208,6 @@ if gluon is not None:
             ring = ring + ((_chunk_tile(word_ptrs, r_w, w_w, row, t % K_CHUNKS * CW, stride_wn, N, K_WORDS, row < N),
                             _chunk_tile(scale_ptrs, r_b, b_b, row, t % K_CHUNKS * NB, stride_sn, N, K_WORDS // WPB,
                                         row < N)),)
-        opaque_zero = N >> 31  # N >= 1
-        x_ptr = x_ptr + _after_prior_grid(opaque_zero, DEPENDENT) * 64  # x 64, so x's alignment stays known
         # WARPS chunks at a time (a chunk per warp), to bound the registers
         for s in gl.static_range(CHUNKS_PAD // WARPS):
             p0, p1, p2, p3, unit_step = _activation_pairs(x_ptr + s * WARPS * CW * 8, K - s * WARPS * CW * 8, IS_NVFP4,
@@ -239,6 +222,7 @@ if gluon is not None:
                 steps_smem.slice(s * WARPS, WARPS).store(gl.reshape(unit_step, [WARPS, NB]))
         _cta_barrier()
         multiplier = gl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)  # doubled codes; e4m3's 2^-8
+        opaque_zero = N >> 31  # N >= 1
         for g in range(first, groups, programs):
             acc = gl.full([GROUP, NB], 0.0, gl.float32, BL)
             for c in gl.static_range(K_CHUNKS):
@@ -291,14 +275,6 @@ def check_tile(x: torch.Tensor, rows: int, num_warps: int, depth: int, programs_
                          "or newer and bf16 or fp16 activations")
 
 
-def dependent_launch(device: torch.device) -> bool:
-    """Whether the persistent kernels launch as programmatic dependents of the kernel before them
-    (sm_90+: griddepcontrol): their launch and first weight loads then overlap that kernel's end,
-    inside CUDA graphs too. The weights are never written by the kernel before, the activations
-    are read only after it ends (`_after_prior_grid`)."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def persistent_grid(device: torch.device, out_features: int, rows: int, num_warps: int, programs_per_sm: int):
     """One program per group of rows x num_warps rows, at most programs_per_sm per SM."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -321,9 +297,8 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     x = x.contiguous()
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
     grid = persistent_grid(x.device, out_features, rows, num_warps, programs_per_sm)
-    dependent = dependent_launch(x.device)
     launch(_fp4_gemv_persistent_kernel, grid, x, codes, scales, global_scale, bias if bias is not None else out, out,
            out_features, in_features, k_words, k_words, scales.stride(0), IS_NVFP4=format == "nvfp4",
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, DEPENDENT=dependent, num_warps=num_warps, launch_pdl=dependent)
+           DEPTH=depth, num_warps=num_warps)
     return out
