@@ -5,8 +5,8 @@ each pass alone, and all but one (duplicates, e.g. "all" and "alone" with one pa
 For each it reports median latency, speedup vs eager and vs Inductor, max and relative output
 error vs eager, peak memory, compile time and the rewrites applied. On a GPU it also times the same
 call replayed from a CUDA graph: the GPU work alone, without the host's launch path (a call can be
-bound by its host time: each graphopt custom op adds a Python launch, and on the lent H100 machine
-the demo's model under Inductor spends about as long launching as computing). Output: a rich
+bound by its host time: each graphopt custom op adds a Python launch; bench/RESULTS.md section 5,
+"The demo", shows both times for the demo's model). Output: a rich
 table, a JSON file and a PNG bar chart.
 """
 

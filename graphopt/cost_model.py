@@ -144,7 +144,7 @@ def sparse_attention_op_host_launches(hw: HardwareSpec) -> float:
 def host_paced(hw: HardwareSpec, est: Estimate, host_launches: float, why: str) -> Estimate:
     """est, or the op's host time where that is longer: max(GPU estimate, host_launches units), the
     unit being the host time of a one-kernel torch op (HardwareSpec.host_op_overhead: measured by
-    `graphopt calibrate`, else the H100 hosts' 12 us)."""
+    `graphopt calibrate`, else HardwareSpec.host_op_s, from the H100 hosts)."""
     host_ms = host_launches * hw.host_op_overhead * 1e3
     if host_ms <= est.ms:
         return est
@@ -282,8 +282,9 @@ def fused_attention(
     flops = attention_flops(b, h, lq, lk, d, causal=causal)
     if causal:
         # Tiles straddling the diagonal are computed whole and masked: about one extra tile
-        # column per row of tiles. On our H200 causal cuDNN ran at 0.75x (L=1k) to 0.93x (L=16k)
-        # of its non-causal TFLOP/s, which this term reproduces within ~5%.
+        # column per row of tiles. On the H200, causal cuDNN falls further below its non-causal
+        # TFLOP/s at short lengths than at long ones, which this term follows (the SDPA cuDNN rows
+        # of bench/results/cost_model_h200.json).
         # Capped at the full square: below lk = 2 tiles the term would price causal above non-causal.
         flops *= min(2.0, 1 + 2 * CAUSAL_DIAGONAL_TILE / max(lk, 1))
     est = roofline(hw, name or family, flops=flops, bytes_moved=moved, family=family)

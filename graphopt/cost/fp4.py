@@ -178,8 +178,9 @@ def choose_fp4_path(hw, tokens: int, in_features: int, out_features: int, fmt: s
 def device_path(device_index: int | None, tokens: int, in_features: int, out_features: int, fmt: str,
                 act_dtype: torch.dtype) -> str:
     """The path for calls of `tokens` rows on CUDA device `device_index`: choose_fp4_path on its spec
-    (graphopt.hardware.device_spec, with its measured ceilings), cached (an estimate costs ~40 us of
-    Python); without a GPU spec (None: the interpreter) the kernels' static default_path."""
+    (graphopt.hardware.device_spec, with its measured ceilings), cached (an estimate is too much
+    Python to repeat per call); without a GPU spec (None: the interpreter) the kernels' static
+    default_path."""
     hw = None if device_index is None else hardware.device_spec(device_index)
     if hw is None or not hw.is_gpu:
         return default_path(tokens)

@@ -3,8 +3,8 @@
 The Triton decode kernel (`fp4._fp4_gemv_words_mma_kernel`) loads its weight words with plain loads
 and cannot be software-pipelined: Triton's pipeliner would send the decoded tile through shared
 memory. Each program then waits on one K step's loads at a time, and on an H100 the 4-16-token
-decode ran at about 40% of the bandwidth a pure read reaches. This kernel is written in Gluon,
-where layouts and shared memory are explicit:
+decode read its weights far below the rate a pure read reaches (bench/RESULTS.md section 4).
+This kernel is written in Gluon, where layouts and shared memory are explicit:
 
 - the packed words, the (pre-permuted) activations and the block scales (one byte per 16 weights)
   of up to STAGES K steps of 256 are fetched by TMA into a ring of shared-memory buffers, all
@@ -13,7 +13,7 @@ where layouts and shared memory are explicit:
   per 32-bit register, `fp4._e2m1_pair_bits`) is the warpgroup MMA's register operand A; the
   activations stay in shared memory as its operand B; each thread reads the scale bytes of its
   own words (`word_pair_layout`). (Scales gathered from global memory one step ahead leave the
-  loads' latency exposed: 1-9% slower.)
+  loads' latency exposed, and were slower.)
 
 The math is the Triton kernel's (NVFP4, bf16 activations, DIRECT_BF16): codes times block scale
 in one bf16x2 multiply, exact, fp32 accumulation, split-K with the same single-launch reduction

@@ -7,10 +7,11 @@ kernel with `torch.library.wrap_triton`, so Inductor emits the launch in its own
 
 `kernel[grid](*args, **meta)` re-derives the kernel's specialization from every argument on every
 call, builds a cache key from it, looks the compiled kernel up, and only then launches. For the
-decode kernels of fp4/ and q4/ (16-30 arguments) that launch path took 35 us of host time on
-an H100 host, while a one-token layer's GPU work is 10-25 us. `launch` makes the
-same launch, remembers the compiled kernel under a key that fixes its specialization, and sends
-later calls with that key straight to the compiled kernel's own launcher
+decode kernels of fp4/ and q4/ (16-30 arguments) that launch path took longer on an H100 host
+than a one-token layer's work on the GPU (host time per op: bench/bench_op_host.py,
+bench/RESULTS.md section 1). `launch` makes the same launch, remembers the compiled kernel
+under a key that fixes its specialization, and sends later calls with that key straight to the
+compiled kernel's own launcher
 (`CompiledKernel.__getitem__`, present in Triton 3.6 through 3.9). `launch_tuned` does the same
 for a `triton.autotune` kernel once its autotuner has chosen a config for the call: the
 autotuner's own call path (its key, then the JIT launch) costs as much host time again.
@@ -58,7 +59,7 @@ MAX_ENTRIES = 4096  # shapes that vary per call (prefill lengths) each add one; 
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for the host side of a launch (triton.cdiv is a jit helper: ~1 us a call)."""
+    """ceil(a / b) for the host side of a launch (triton.cdiv is a jit helper, slow to call there)."""
     return -(-a // b)
 
 

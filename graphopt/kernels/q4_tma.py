@@ -1,9 +1,9 @@
 """Q4_0 x Q8_1 decode (1-16 tokens) on Hopper: TMA-fed weights, one int8 warpgroup MMA per 32-block.
 
 The Triton decode GEMM (`q4._q4_gemm_kernel`, "swap" tiles) quantizes its activation tile to Q8_1
-again in every program and K step: at 16 tokens on the H100, 30% of its instructions were fp32
-adds, FMAs and max (that quantization and the per-block epilogue, profiled), twice the
-FP4 TMA kernel's instruction count. Here the activations are quantized once, by a small Triton
+again in every program and K step: at 16 tokens on the H100, fp32 adds, FMAs and max (that
+quantization and the per-block epilogue) were a large share of its instructions (profiled), and it
+ran more instructions than the FP4 TMA kernel. Here the activations are quantized once, by a small Triton
 kernel into a layout TMA can read, and a Gluon kernel streams the weights:
 
 - `q8_1.quantize_for_tma` (Triton, with the other Q8_1 kernels): x (M, K) -> q int8 (M, Kp) and, per

@@ -190,10 +190,9 @@ def attention_with_dropout(q, k, v, bias, scale: float, is_causal: bool, num_kv_
 
 # Defined with torch.library.Library (not custom_op) for its host path. Its Autograd kernel
 # (_attention_autograd_kernel) builds an autograd node only when a gradient is needed, and otherwise
-# goes straight below autograd. On an H100 host (bench/tools/probe_attention_host.py)
-# a call with SDPA backends took 66-116 us in grad mode with inputs that need no gradient,
-# against 88-225 us as a custom_op, and 71-101 us under no_grad against 75-96 us; a plain SDPA
-# call took 20-35 us.
+# goes straight below autograd. On an H100 host (bench/tools/probe_attention_host.py) a call
+# with SDPA backends took less host time this way than as a custom_op in grad mode with inputs
+# that need no gradient, and about as much under no_grad; a plain SDPA call took less than either.
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, bool is_causal, int num_kv_groups, "
             "str backend, float softcap=0.0, Tensor? alibi_slopes=None) -> Tensor")
 
@@ -456,7 +455,7 @@ def _attention_autograd_kernel(keyset, q, k, v, bias, scale, is_causal, num_kv_g
                                alibi_slopes=None):
     """The op's Autograd kernel. Without a gradient to record (inference, no_grad, frozen inputs) it
     goes straight to the implementation below autograd: no autograd.Function, none of
-    register_autograd's argument walks (about 10-20 us of Python per call)."""
+    register_autograd's argument walks (Python work on every call)."""
     if _gradient_needed((q, k, v, bias)):
         return _AttentionFunction.apply(q, k, v, bias, scale, is_causal, num_kv_groups, backend, softcap, alibi_slopes)
     return torch.ops.graphopt.attention.default.redispatch(keyset & torch._C._after_autograd_keyset, q, k, v, bias,

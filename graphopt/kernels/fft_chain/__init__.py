@@ -41,9 +41,9 @@ rule of `default_implementation`):
             (T*C, B) x (B, B); `_packed_contract_kernel` does the per-frequency complex
             contraction (FMA, K fused in c, channel loop unrolled); `_dft_inverse_kernel` runs the
             GEMM (T*N, B) x (B, B) with bias, crop and cast in its epilogue. Measured on an H200
-            (fft_chain_h200.json, CUDA graph): faster than cuBLAS only at ~16 tokens on 5120->13824 B=512 K=2
-            (1.22x); 0.59x on 13824->5120 (its contraction loops over 4x more channels); at 256
-            and 4096 tokens 0.31-0.64x. The DFT costs 2*B*B flops per block (vs ~2.5 B log2 B for
+            (fft_chain_h200.json, CUDA graph): faster than cuBLAS only at ~16 tokens on 5120->13824 B=512 K=2;
+            slower on 13824->5120 (its contraction loops over 4x more channels) and at 256 and
+            4096 tokens. The DFT costs 2*B*B flops per block (vs ~2.5 B log2 B for
             an FFT) and its kernels are latency-bound (see graphopt/cost/fft_chain.py).
             Caveat: not FlashFFTConv's b1*b2 factorization, which would cut the DFT flops further.
 - "dft2":   the dft pipeline rebuilt for latency at few tokens (3 launches). Spectra are stored

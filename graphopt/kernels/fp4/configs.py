@@ -51,7 +51,7 @@ INT_BLOCK_M: tuple[int, ...] = (1, 2, 4)  # and of the integer-dot one
 MIN_DECODE_BLOCK_N = 8  # narrowest decode tile; sizes the split-K counters (one per tile)
 MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-core decode kernel (its MMA's N)
 # Candidates the compile-time tuner (tune.py) times once per (path, token bucket, N, K, format,
-# dtype, bias, device) on a GPU. Kept short: every distinct tile compiles once (~1 s). Each tile
+# dtype, bias, device) on a GPU. Kept short: every distinct tile costs a compile. Each tile
 # below is one the tuner chose in a committed run (bench/results/fp4_linear_*.json, "tuned"), or a
 # fallback that keeps a tile for every shape; tiles that were timed in those runs and never chosen
 # (by a kernel that runs wherever they do: a loss to the TMA kernel does not count) are not listed.
@@ -112,8 +112,8 @@ DEQUANT_CONFIG = KernelConfig(64, 1, KERNEL_K_MULTIPLE)  # placeholder: the dequ
 # Dequantize tile: (rows, elements per row, warps, interleave) per program. interleave 1: one
 # contiguous store per row (INTERLEAVE in _fp4_dequantize_kernel), 0: two half-block stores. The
 # first entry is the default; bench_fp4.py --dequant-sweep times them all. H100, NVFP4, W bf16
-# 5120x13824 (bench/results/fp4_dequant_tiles_h100.json): (64, 64, 4, 0) 0.31 ms;
-# (8, 1024, 4, 0) 0.147 ms; interleaved (4, 1024, 4, 1) 0.071 ms = 2.55 TB/s, 0.86 of the copy.
+# 5120x13824 (bench/results/fp4_dequant_tiles_h100.json): (8, 1024, 4, 0) beat (64, 64, 4, 0),
+# and the interleaved (4, 1024, 4, 1) was fastest, the closest to the copy rate.
 DEQUANT_TILES: tuple[tuple[int, int, int, int], ...] = (
     (4, 1024, 4, 1), (8, 1024, 4, 1), (4, 2048, 4, 1), (16, 512, 4, 1), (2, 4096, 8, 1),
     (8, 1024, 4, 0), (4, 2048, 4, 0), (2, 4096, 8, 0),
@@ -193,7 +193,7 @@ def _worth_timing(cfg: KernelConfig, path: str, m: int, k_padded: int) -> bool:
     """Tuning filter. 1-4 tokens: the CUDA-core kernels (FMA or integer dots) with BLOCK_M = the
     token bucket, or the tensor-core kernel; 5-16 tokens: CUDA-core with 4 tokens per program or
     the tensor-core kernel; 17-32: the tensor-core kernel with 32 tokens per program; more: 32 or
-    64 (on the H100, 16-token programs took 1.5-2x as long at 32 and 64 tokens). A K split keeps at
+    64 (on the H100, 16-token programs were slower at 32 and 64 tokens). A K split keeps at
     least two K tiles per program."""
     if path != "gemv":
         return True

@@ -191,7 +191,7 @@ if triton is not None:
         words and their block scales, prefetched one iteration ahead in registers. The 8
         activations a word needs are two 4-element vector loads, made once per word column and
         shared by every row of the tile (a scale-block tile that reloads them element by element
-        per word runs at 1.12-1.16x cuBLAS at 1 token on an H100, this one at 1.46-1.72x).
+        per word was slower against cuBLAS at 1 token on an H100 than this one).
         The block scale multiplies each word's partial sum, the global scale the final sum.
         SPLIT_K > 1: partial rows are added into a zeroed fp32 workspace (ws_ptr, M x N) with
         atomics; the split that arrives last (per-tile counter) copies the rows out with bias in
@@ -519,8 +519,8 @@ if triton is not None:
         registers. DIRECT_BF16 (NVFP4, bf16 activations): codes times block scale in one bf16x2
         multiply (_bf16_scaled_pair), otherwise fp32 products rounded to the activation dtype.
         The weights are decoded in the MMA's register layout; num_stages must stay 1, since
-        Triton's pipeliner would stage the decoded tile through shared memory (H100: 0.92-0.96x
-        cuBLAS at 1-16 tokens against 1.18-1.40x). Split-K as in _fp4_gemv_words_kernel.
+        Triton's pipeliner would stage the decoded tile through shared memory (on the H100 at 1-16
+        tokens that ran slower than cuBLAS, this kernel faster). Split-K as in _fp4_gemv_words_kernel.
         X_PERMUTED: x_ptr holds permuted_activations(x) (zero-padded to K_PADDED, each tile's four
         MMA operands contiguous), loaded as they are: no split in registers, whose 2-byte shared
         stores and shuffles grow with BLOCK_M."""

@@ -30,7 +30,7 @@ from graphopt.kernels.fp4.format import (Fp4Tensor, _blocks, _check_format, _cho
 # with calibrate_fp4(sequential=True) 0.9923 / 0.9948 and 0.9910 / 0.9945 against 0.9917 / 0.9946
 # and 0.9909 / 0.9944. Tried there and not kept (changes within +-0.001 of the mean, or worse):
 # activation order (columns by descending diag H, each block's scale chosen at its first column
-# in that order, or up front from W), a finer scale search (35 factors, 16x slower), only the
+# in that order, or up front from W), a finer scale search (35 factors, much slower), only the
 # amax->6 / amax->4 scale pair (0.9862 / 0.9903: the search's 10 factors include both), a
 # least-squares re-fit of the block scales under H with the codes fixed, a larger NVFP4 global
 # scale (x1.1, x1.5: same; x0.9 and below saturate blocks and hurt), and bias correction
@@ -155,7 +155,7 @@ def calibrate_fp4(model: torch.nn.Module, calibration_inputs, format: str = "nvf
     one with the quantized weights (torch.func.functional_call; `model` is never modified). Needs each reached nn.Linear called once per forward (else ValueError).
     On MiniLM (bench/fp4_minilm_quality.py, NVFP4, 352 texts) it lifts the embedding cosine
     min / mean from 0.988 / 0.992 to 0.993 / 0.995 on the 10 evaluation sentences (0.990 / 0.992
-    to 0.990 / 0.994 on 40 validation ones), for 5.5x the calibration time (27 s -> 149 s).
+    to 0.990 / 0.994 on 40 validation ones), for a calibration several times as long.
 
     Returns {module path (as in model.named_modules()): Fp4Tensor}; write a plan for the
     fp4_linear pass with graphopt.passes.fp4_linear.save_fp4_plan.

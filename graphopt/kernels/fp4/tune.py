@@ -30,8 +30,8 @@ def _cold_decode_timer(args: tuple):
     """A decode tile's time as a model step sees it: calls over distinct copies of the weight,
     back to back in one CUDA graph, so each reads from HBM (graphopt.hardware.timing.cold_graph_ms, the
     benchmark's L2-cold timing). do_bench's L2 flush leaves the cache full of dirty lines, and its
-    host-launched calls can be launch-bound at ~20 us; tiles picked that way ran up to 20% slower
-    cold (5120->13824 at 1 token, 1.48x against 1.81x). None when the copies do not fit
+    host-launched calls can be launch-bound; tiles picked that way ran slower cold than the ones
+    this timer picks (compared on 5120->13824 at 1 token, H100). None when the copies do not fit
     (the caller falls back to do_bench)."""
     x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
     weights = timing.cold_copies((codes, scales))

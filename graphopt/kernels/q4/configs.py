@@ -118,24 +118,24 @@ _GEMV_CONFIGS = [_GEMV_DEFAULT] + [TileConfig("gemv", 0, bn, p, w, s, sk, r) for
     (64, 8, 4, 1, 0, "atomic"), (64, 8, 4, 3, 0, "workspace"))] + [
     TileConfig("dp4a", 0, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
         (32, 8, 4, 1, 0, "workspace"),
-        # one-warp tiles of 16-32 rows: the fastest dp4a configs of the H100 sweep
-        # (bench/results/q4_decode_h100_wide.*): 2.32-2.34x cuBLAS at 1 token, 1.04-1.12x at 4
+        # one-warp tiles of 16-32 rows: the fastest dp4a configs of the H100 sweep at 1 and 4
+        # tokens (bench/results/q4_decode_h100_wide.*)
         (32, 4, 1, 1, 4, "workspace"), (16, 8, 1, 1, 4, "workspace"), (32, 8, 1, 1, 0, "workspace"),
         (16, 8, 1, 1, 0, "workspace"),
         # the same with the single-launch split-K reduction (no separate sum kernel)
         (32, 4, 1, 1, 4, "last"), (16, 8, 1, 1, 4, "last"), (32, 8, 1, 1, 0, "last"), (16, 8, 1, 1, 0, "last"),
-        # a split of 8 (q4_decode_h100_splits.*): the best one-token tile on 13824->5120,
-        # 21.4 us against 23.2 us for the best of the tiles above in the same run
+        # a split of 8 (q4_decode_h100_splits.*): the best one-token tile on 13824->5120, faster
+        # than the best of the tiles above in the same run
         (16, 4, 1, 1, 8, "last"))]
 _DECODE_GEMM_CONFIGS = [TileConfig("gemm", 16, bn, p, w, s, sk, r) for bn, p, w, s, sk, r in (
     (64, 2, 4, 3, 0, "workspace"), (128, 2, 4, 3, 0, "workspace"), (64, 4, 4, 3, 0, "atomic"))]
 # The operand-swapped decode tiles ("swap"), for token blocks of 8 or 16 (wgmma's N side); (block_n,
 # pairs, warps, stages, reduce[, split_k]). The H100 sweep (bench/results/q4_decode_h100_swap.*):
-# one warpgroup on 128 rows with 3 stages was best on all six rows (64-row tiles 1.3x slower, two
-# warpgroups 1.4x, 1 stage 1.3-1.9x); 256-row tiles need fewer instructions per weight offline
+# one warpgroup on 128 rows with 3 stages was best on all six rows (ahead of 64-row tiles, two
+# warpgroups and 1 stage); 256-row tiles need fewer instructions per weight offline
 # (0.20 against 0.29 warp-instructions at 16 tokens) at 189 registers. Deeper pipelines did not
-# help (q4_decode_h100_swap_stages.*, 128-row tiles): 4 stages were 2-3% slower than 3
-# on three of four rows and 1% faster on the fourth; 6 stages were 3-9% slower on all four.
+# help (q4_decode_h100_swap_stages.*, 128-row tiles): 4 stages were slower than 3 on three of
+# four rows and faster on the fourth; 6 stages were slower on all four.
 _SWAP_SHAPES = ((128, 1, 4, 3, "last", 16), (128, 1, 4, 3, "last"), (128, 1, 4, 4, "last", 16),
                 (256, 1, 4, 3, "last", 16))
 
@@ -155,8 +155,8 @@ _MID_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s, sk) for bm, bn, p, w, s, sk 
     (32, 64, 2, 4, 3, 0), (32, 128, 2, 4, 3, 0), (64, 128, 2, 8, 3, 1))] + _WIDE_N_CONFIGS
 # 17-64 tokens: the operand-swapped kernel on blocks of 32 tokens (two at 64 tokens; the token
 # block is the grid's fastest axis, so the second block's read of W can hit L2). H100, 64 tokens,
-# fused (bench/results/q4_decode_swap_64tok_h100.*): 90.6 / 95.1 us on 5120->13824 /
-# 13824->5120 against 118.9 / 116.1 us for the best "gemm" tile; 64-token blocks took 113-119 us.
+# fused (bench/results/q4_decode_swap_64tok_h100.*): faster on 5120->13824 and 13824->5120 than
+# the best "gemm" tile and than 64-token blocks.
 _MID_SWAP_CONFIGS = [TileConfig("swap", 32, bn, 1, 4, 3, 0, "last") for bn in (128, 256)]
 _LARGE_CONFIGS = [TileConfig("gemm", bm, bn, p, w, s) for bm, bn, p, w, s in (
     (128, 128, 1, 8, 3), (128, 64, 2, 4, 4))] + _WIDE_N_CONFIGS
@@ -180,7 +180,7 @@ def _persistent_tile_fits(cfg: TileConfig) -> bool:
 # 2-4 tokens: the two that were fastest on some shape (results/decode_persistent_q4_2to8tok_h200.json:
 # at 2 tokens the kernel beat the other tiles on three of the four shapes, at 4 on the widest only).
 # Past 4 tokens none is offered: every token adds its dp4a per word, and at 8 tokens the kernel was
-# 2.0-4.7x slower than q4_tma's tile on all four shapes.
+# slower than q4_tma's tile on all four shapes.
 _PERSISTENT_TILES = ((4, 4, 4, 1), (2, 4, 4, 1), (2, 8, 2, 2), (2, 8, 2, 1))
 _PERSISTENT_MULTI_TOKEN_TILES = ((2, 8, 2, 1), (2, 4, 4, 1))
 PERSISTENT_MAX_OFFERED_TOKENS = 4

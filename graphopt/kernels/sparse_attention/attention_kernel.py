@@ -72,8 +72,8 @@ def _kept_configs(configs, head_dim: int, dot_precision: str | None, *, tma_kv: 
         return _fma_dot_config(configs, head_dim)
     if head_dim >= 128:
         # the 3-stage single loop: on the H100 (D=128, 8k and 16k, 32 heads, 25-100% density)
-        # slower than the 2-stage one in 11 of 12 rows (a tie in the 12th), yet the tuner, timing
-        # at the first call's density, picked it in 2 of 5 runs
+        # slower than the 2-stage one on every row but one (a tie), yet the tuner, timing at the
+        # first call's density, picked it in some runs
         configs = [c for c in configs if not (c.kwargs.get("SINGLE_LOOP") and c.num_stages > 2)]
     if not tma_kv:
         configs = [c for c in configs if not c.kwargs.get("USE_TMA")]
@@ -388,11 +388,11 @@ if triton is not None:
         HOST_DESCRIPTORS: the launcher built the four descriptors (q_hdesc ...) over all heads'
         rows, (B*H*L, D), when whole blocks tile every head; else each program builds its own on
         the device, four global writes and a proxy fence before its first load. On the H100 at 8k
-        tokens that made up about 2.5 of a program's 10 us of fixed cost (bench/sparse_fixed_cost.py).
+        tokens that was a sizeable part of a program's fixed cost (bench/results/sparse_fixed_cost_h100.json).
 
         MERGED_SUFFIX (causal or a partial last key block): the masked suffix joins the main loop
         instead, its mask under a branch (_attend_tile_branch). Only at 2 stages: at 3 the merged
-        loop spills 120 bytes (sm_90, triton 3.9; 1.16-1.2x slower on the H100)."""
+        loop spills 120 bytes (sm_90, triton 3.9) and ran slower on the H100."""
         pid_m, pid_bh, b, h, kv_h = _program_row(H, KV_GROUP, N_Q_BLOCKS, HEAD_GROUP, IS_CAUSAL)
         if HOST_DESCRIPTORS:
             q_desc, k_desc, v_desc, o_desc = q_hdesc, k_hdesc, v_hdesc, o_hdesc
@@ -432,11 +432,11 @@ if triton is not None:
         if (IS_CAUSAL or PARTIAL_KEYS) and MERGED_SUFFIX:
             # The whole list in one pipelined loop, the masked suffix (its last n_masked entries) last,
             # its token mask under a uniform branch: a loop of the suffix's own (below) fills a
-            # pipeline of its own, one more memory latency before the main loop. On the H100 (causal, 8k and 16k, 32 heads) 1.2-3.7% faster
-            # at 10-25% density, -2.3% to +0.9% at 50%, 0.5-1% slower at 100%. No row
-            # sees only masked keys, so the max needs no -inf guard: the list holds every block the
-            # diagonal crosses (the launcher's precondition), and the first of them starts at the
-            # query block's first token; a partial last key block starts below Lk.
+            # pipeline of its own, one more memory latency before the main loop. On the H100 (causal,
+            # 8k and 16k, 32 heads) faster at 10-25% density, either way at 50%, slightly slower at
+            # 100%. No row sees only masked keys, so the max needs no -inf guard: the list holds
+            # every block the diagonal crosses (the launcher's precondition), and the first of them
+            # starts at the query block's first token; a partial last key block starts below Lk.
             for it in range(0, count):
                 start_n = tl.load(lut_row + it, eviction_policy="evict_last") * BLOCK_N
                 acc, l_i, m_i = _attend_tile_branch(
@@ -447,7 +447,7 @@ if triton is not None:
                 # The masked suffix first, in a loop of its own (at most BLOCK_M // BLOCK_N + 1 tiles):
                 # pipelined, so a tile's K and V loads are in flight together and the next tile's load
                 # overlaps this one. As straight-line code each load would wait on its own, K then V,
-                # tile after tile (1-4% slower on the H100's causal rows). Its blocks come from
+                # tile after tile (slower on the H100's causal rows). Its blocks come from
                 # _masked_suffix, not the list, so its first loads wait on Q only.
                 for j in tl.range(0, n_masked, num_stages=2):
                     start_n = (first_masked + j) * BLOCK_N

@@ -90,14 +90,13 @@ def _statistics_views(work: torch.Tensor, g: dict) -> tuple[torch.Tensor, ...]:
 
 
 # v2 pooling launch: elements per load slice, warps per program, and the slice loop's pipeline
-# stages (0: unrolled). H100 sweeps (bench/sparse_pool_configs.py), D=128, bf16:
-# - H=32 (sparse_pool_configs_h100_h32_session23.*): with each slice reduced at once into
-#   (D,) accumulators, one warp, 1024-element slices (8 tokens) and a 2-stage loop read Q and K at
-#   2.74 / 2.84 TB/s at 8k / 16k (0.92-0.96 of the copy), 49.1 / 94.4 us, against 55.0 / 106.0 us
-#   in the same run for 2048-element slices summed into (16, D) accumulators (255 registers per
-#   thread offline, so 8 programs per SM). 512-2048-element slices with 2-4
-#   stages were within 2%; the unrolled loop 3-10% slower; 2 warps 2-7x slower (likely because
-#   the per-token norm then spans both warps).
+# stages (0: unrolled). H100 sweeps, D=128, bf16:
+# - H=32 (bench/results/sparse_pool_configs_h32_h100.json): with each slice reduced at once into
+#   (D,) accumulators, one warp, 1024-element slices (8 tokens) and a 2-stage loop read Q and K
+#   close to the copy rate at 8k and 16k, faster than 2048-element slices summed into (16, D)
+#   accumulators (255 registers per thread offline, so 8 programs per SM). 512-2048-element
+#   slices with 2-4 stages were close to it; the unrolled loop was slower, 2 warps far slower
+#   (likely because the per-token norm then spans both warps).
 # - H=16: one warp beat 2, 4 and 8 (fewer warps: more blocks in flight, no cross-warp
 #   reductions).
 POOL_SLICE_ELEMENTS = 1024
@@ -141,10 +140,10 @@ def _lut_kernel_config(n_k_pow2: int, block_d: int) -> dict:
 # selection programs of one warp with select_rows rows and 1 or 3 search pivots (None: 3 up to 128
 # key blocks, else 1). H100 sweeps (bench/results/sparse_predictor_{tiles,tile_shapes,pivots_precision,pdl}_h100.json, L = 8k-32k):
 # - one row per selection program beat 2 and 4;
-# - 3 pivots (16 steps of three independent row sums) won at 128 key blocks (4.7 against 5.5 us),
-#   1 pivot (31 steps) at 256 and 512 (7.5 against 9.1 us, 20 against 26 us);
-# - "tf32x3" scores (three TF32 tensor-core products, error ~1e-6 relative) took 3.1 / 6.7 / 19 us
-#   at 8k / 16k / 32k, "ieee" (one fp32 FMA chain per score, v2's) 7.4 / 22 / 83 us. Against the
+# - 3 pivots (16 steps of three independent row sums) won at 128 key blocks, 1 pivot (31 steps)
+#   at 256 and 512;
+# - "tf32x3" scores (three TF32 tensor-core products, error ~1e-6 relative) were faster than
+#   "ieee" (one fp32 FMA chain per score, v2's) at 8k, 16k and 32k, the gap growing with L. Against the
 #   torch predictor (cuBLAS fp32), tf32x3 changed 1 block of 524288 at 16k and none elsewhere;
 # - 16 x 64 score tiles with 4 warps beat 32 x 64, 16 x 32, 16 x 128 and 8 warps.
 V3_SHAPE = dict(select_rows=1, pivots=None, score_rows=16, score_cols=64, score_warps=4, precision="tf32x3")
