@@ -217,6 +217,15 @@ def compute_capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device, cached for the launchers that size persistent
+    grids by it."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def detect(device: "str | None" = None) -> HardwareSpec:
     """Spec of the present CUDA device (with its measured ceilings), or the generic CPU."""
     import torch

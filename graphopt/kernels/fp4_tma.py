@@ -28,6 +28,7 @@ import functools
 
 import torch
 
+from graphopt.hardware import compute_capability
 from graphopt.kernels.launch import launch
 
 try:
@@ -253,7 +254,7 @@ if gluon is not None:
 def runs_on(x: torch.Tensor) -> bool:
     """Whether this Triton has Gluon and x is on an sm_90+ GPU: where the Gluon TMA decodes (this
     module's and q4_tma's) can run."""
-    return gluon is not None and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return gluon is not None and x.is_cuda and compute_capability(x.get_device())[0] >= 9
 
 
 def runs_on_spec(hw) -> bool:

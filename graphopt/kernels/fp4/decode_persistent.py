@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from graphopt.hardware import compute_capability, sm_count
 from graphopt.kernels.launch import cdiv, launch
 
 try:
@@ -49,8 +50,8 @@ MAX_ROWS_IN_FLIGHT = 8  # rows x (depth + 1) chunks of words in registers: past 
 def supports(x: torch.Tensor) -> bool:
     """A CUDA device of compute capability 8.0 or newer (dp2a, PRMT and cvt.rni are older still;
     Gluon's distributed layouts need 8.0) and bf16 or fp16 activations."""
-    return (gluon is not None and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8
-            and x.dtype in (torch.bfloat16, torch.float16))
+    return (gluon is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and compute_capability(x.get_device())[0] >= 8)
 
 
 if gluon is not None:
@@ -275,9 +276,10 @@ def check_tile(x: torch.Tensor, rows: int, num_warps: int, depth: int, programs_
                          "or newer and bf16 or fp16 activations")
 
 
-def persistent_grid(device: torch.device, out_features: int, rows: int, num_warps: int, programs_per_sm: int):
-    """One program per group of rows x num_warps rows, at most programs_per_sm per SM."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+def persistent_grid(device_index: int, out_features: int, rows: int, num_warps: int, programs_per_sm: int):
+    """One program per group of rows x num_warps rows, at most programs_per_sm per SM of CUDA device
+    `device_index`."""
+    sms = sm_count(device_index)
     return (min(cdiv(out_features, rows * num_warps), sms * programs_per_sm),)
 
 
@@ -296,7 +298,7 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     k_chunks, chunks_pad = chunks(codes.shape[1] * 2, num_warps)
     x = x.contiguous()
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
-    grid = persistent_grid(x.device, out_features, rows, num_warps, programs_per_sm)
+    grid = persistent_grid(x.get_device(), out_features, rows, num_warps, programs_per_sm)
     launch(_fp4_gemv_persistent_kernel, grid, x, codes, scales, global_scale, bias if bias is not None else out, out,
            out_features, in_features, k_words, k_words, scales.stride(0), IS_NVFP4=format == "nvfp4",
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,

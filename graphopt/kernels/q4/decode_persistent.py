@@ -253,7 +253,7 @@ def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     k_chunks, chunks_pad = chunks(qweight.shape[1] * 2, num_warps)
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    launch(_q4_gemv_persistent_kernel, persistent_grid(x.device, n, rows, num_warps, programs_per_sm),
+    launch(_q4_gemv_persistent_kernel, persistent_grid(x.get_device(), n, rows, num_warps, programs_per_sm),
            x, qweight, scales, bias if bias is not None else out, out,
            m, n, k, k_words, scales.shape[0], x.stride(0), out.stride(0), qweight.stride(0) // 4, scales.stride(0),
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,

@@ -7,11 +7,10 @@ graphopt.cost.q4.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton.language as tl
 
+from graphopt.hardware import sm_count
 from graphopt.kernels import q4_tma, tuning
 from graphopt.kernels.q4 import decode_persistent
 from graphopt.kernels.launch import INTERPRET, cdiv, launch
@@ -35,11 +34,10 @@ def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-@functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int | None) -> int:
     if device_index is None or not torch.cuda.is_available():
         return 4  # interpreter: a few programs are enough to exercise split-K
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return sm_count(device_index)
 
 
 def _split_k(requested: int, tiles: int, num_pairs: int, step: int, device: torch.device) -> tuple[int, int]:
