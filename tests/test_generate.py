@@ -7,6 +7,7 @@ without one): the same under mode="reduce-overhead" (CUDA graphs) with the 4-bit
 tokens must equal those of the same passes without CUDA graphs."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -92,6 +93,27 @@ def test_generate_default_passes_give_eager_tokens():
         compiled = _generate(model, ids, _compile_config(graphopt.backend()))
     assert torch.equal(compiled, eager)
     assert any(d.pass_name == "attention" and d.applied for d in decisions), [d.reason for d in decisions]
+
+
+def test_one_static_cache_reset_and_passed_to_every_call_gives_eager_tokens_and_compiles_once():
+    """The README's recipe for calling generate more than once: one StaticCache, reset before each
+    call (so a CUDA-graph tree keeps its recording; transformers makes a new cache per call otherwise)."""
+    model = _tiny_llama()
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = transformers.StaticCache(config=model.config, max_cache_len=PROMPT + NEW_TOKENS)
+    config = _compile_config(graphopt.backend())
+    compiled_after = []
+    with recording_decisions(reset=True) as decisions:
+        for _ in range(2):
+            ids = torch.randint(1, 256, (1, PROMPT))
+            eager = _generate(model, ids)
+            cache.reset()
+            with torch.no_grad():
+                tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                        pad_token_id=0, compile_config=config, **{cache_arg: cache})[:, PROMPT:]
+            assert torch.equal(tokens, eager)
+            compiled_after.append(len(decisions))
+    assert compiled_after[0] > 0 and compiled_after[1] == compiled_after[0]  # the second call compiles nothing
 
 
 @pytest.mark.parametrize("pass_name", ["attention", "sparse_attention", "fp4_linear", "q4_linear"])
