@@ -12,6 +12,7 @@ multiprocessor, chunks loaded ahead.
     python bench/bench_decode_persistent.py                    # one H100/H200, about four minutes
     python bench/bench_decode_persistent.py --formats q4_0     # writes bench_decode_persistent.json
     python bench/bench_decode_persistent.py --formats q4_0 --tokens 2,4,8
+    python bench/bench_decode_persistent.py --formats nvfp4 --tiles 1-8-4-3,2-8-2-1,2-8-2-3,4-4-4-1 --no-triton
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def persistent_variants(tiles, decode) -> dict:
     return variants
 
 
-def fp4_case(fmt: str, w: torch.Tensor, x: torch.Tensor):
+def fp4_case(fmt: str, w: torch.Tensor, x: torch.Tensor, tiles=PERSISTENT_TILES, triton_tiles=TRITON_TILES):
     """(weight copies, fp32 reference, weight bytes, {variant: run(copy)}) for one FP4 format."""
     k, n = w.shape[1], w.shape[0]
     q = fp4.quantize_fp4(w, fmt)
@@ -73,8 +74,8 @@ def fp4_case(fmt: str, w: torch.Tensor, x: torch.Tensor):
     variants = {f"triton int {c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps}":
                 (lambda c_=c: lambda kc: fp4.fp4_linear_triton(x, kc.codes, kc.scales, kc.global_scale, None, n, k, fmt,
                                                                path="gemv", config=c_))()
-                for c in TRITON_TILES}
-    variants.update(persistent_variants(PERSISTENT_TILES, lambda kc, **tile: dp.fp4_gemv_persistent(
+                for c in triton_tiles}
+    variants.update(persistent_variants(tiles, lambda kc, **tile: dp.fp4_gemv_persistent(
         x, kc.codes, kc.scales, kc.global_scale, None, n, k, fmt, **tile)))
     return copies, F.linear(x.float(), fp4.dequantize_fp4(q)), fp4.fp4_weight_bytes(k, n, fmt), variants
 
@@ -99,6 +100,9 @@ def main() -> None:
     parser.add_argument("--formats", default="nvfp4,mxfp4,q4_0", help="comma list of nvfp4, mxfp4, q4_0")
     parser.add_argument("--tokens", default="1", help="comma list of token counts, 1-8 (past 1: Q4_0 only; the FP4 "
                         "persistent kernel takes one token)")
+    parser.add_argument("--tiles", default=None, help="FP4 persistent tiles to time, comma list of "
+                        "rows-warps-programs_per_sm-depth (default: the built-in sweep)")
+    parser.add_argument("--no-triton", action="store_true", help="FP4: time no Triton integer-dot tile")
     opts = parser.parse_args()
     formats, token_counts = opts.formats.split(","), comma_ints(opts.tokens)
     unknown = sorted(set(formats) - {"nvfp4", "mxfp4", "q4_0"})
@@ -106,13 +110,20 @@ def main() -> None:
         parser.error(f"unknown formats {unknown}; valid choices: nvfp4, mxfp4, q4_0")
     if not all(1 <= m <= q4_dp.MAX_TOKENS for m in token_counts):
         parser.error(f"--tokens {opts.tokens}: each count must be 1-{q4_dp.MAX_TOKENS}")
+    try:
+        tiles = ([tuple(int(v) for v in t.split("-")) for t in opts.tiles.split(",")] if opts.tiles
+                 else PERSISTENT_TILES)
+        assert all(len(t) == 4 for t in tiles)
+    except (ValueError, AssertionError):
+        parser.error(f"--tiles {opts.tiles}: expected a comma list of rows-warps-programs_per_sm-depth, e.g. 1-8-4-3")
     rows_out, cublas_ms = [], {}
     for fmt, m in ((fmt, m) for fmt in formats for m in token_counts if m == 1 or fmt == "q4_0"):
         for k, n in SHAPES:
             gen = torch.Generator().manual_seed(k + n)
             w = (torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16)
             x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
-            copies, ref, nbytes, variants = q4_case(w, x) if fmt == "q4_0" else fp4_case(fmt, w, x)
+            copies, ref, nbytes, variants = (q4_case(w, x) if fmt == "q4_0" else
+                                             fp4_case(fmt, w, x, tiles, [] if opts.no_triton else TRITON_TILES))
             if (k, n, m) not in cublas_ms:  # once per shape and token count: the formats share it
                 dense = [w] + [w.clone() for _ in range(copies_for(2 * n * k) - 1)]
                 cublas_ms[k, n, m] = ms = cold_graph_ms([lambda wc=wc: F.linear(x, wc) for wc in dense])
@@ -135,7 +146,8 @@ def main() -> None:
                 rows_out.append(dict(format=fmt, shape=f"{k}->{n}", tokens=m, kernel=name, ms=ms, vs_cublas=cublas / ms,
                                      gbps=gbps(nbytes, ms), rel_err=err))
                 print(rows_out[-1], flush=True)
-    write_json("bench_decode_persistent", rows_out, options={"formats": formats, "tokens": token_counts})
+    write_json("bench_decode_persistent", rows_out, options={"formats": formats, "tokens": token_counts,
+                                                             "tiles": tiles, "triton": not opts.no_triton})
     print_table("4-bit decode (CUDA graph, L2-cold; vs_cublas: cuBLAS bf16 ms / ms)", rows_out,
                 ["format", "shape", "tokens", "kernel", "ms", "vs_cublas", "gbps", "rel_err"])
 

@@ -21,8 +21,9 @@ needs_gluon = pytest.mark.skipif(dp.gluon is None, reason="this Triton has no Gl
 
 @needs_gluon
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("rows,warps,k,depth", [(4, 4, 4096, 1), (2, 4, 14336, 3), (1, 8, 1344, 2), (1, 4, 4096, 7)])
-def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, depth, pristine_triton_language,
+@pytest.mark.parametrize("rows,warps,k,depth,even", [(4, 4, 4096, 1, True), (2, 4, 14336, 3, True),
+                                                     (1, 8, 1344, 2, False), (1, 4, 4096, 7, False)])
+def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, depth, even, pristine_triton_language,
                                                           monkeypatch):
     monkeypatch.setenv("TOP_OPS", "1000")  # every opcode of a loop body, not the most common few
     types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
@@ -30,12 +31,20 @@ def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, d
     k_chunks, chunks_pad = dp.chunks(k, warps)
     kernel = compile_sm90(dp._fp4_gemv_persistent_kernel, types,
                           dict(IS_NVFP4=fmt == "nvfp4", HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks,
-                               CHUNKS_PAD=chunks_pad, DEPTH=depth),
+                               CHUNKS_PAD=chunks_pad, DEPTH=depth, EVEN=even, E4M3_CVT=True),
                           ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sn",
                            "N"], warps, gluon=True)
     sass, usage = sass_and_resources(kernel)
     assert re.search(r"STACK:0\b", usage), usage
+    # eight dp2a per code word (magnitudes and negative lanes), the e4m3 scales by one cvt per pair
     assert "IDP.2A" in sass
+    if fmt == "nvfp4":
+        assert "E4M3" in sass
+    if even:  # the group loop's weight loads are not masked (the activations' before it are)
+        label = loops(sass)[-1][0]
+        body = sass[sass.index(label + ":"):]
+        body = body[:body.index(label, len(label) + 1)]
+        assert "LDG.E.128" in body and not re.search(r"@!?P\d+\s+LDG\.E\.128", body)
     # barriers only while the activations are rounded: a row's sum is reduced inside its warp
     assert not [ops for _, _, ops in loops(sass) if any(op.startswith("BAR") for op, _ in ops)]
     # one 16-byte load per row and chunk, each chunk's issued ahead of the decode

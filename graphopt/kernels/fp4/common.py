@@ -32,6 +32,26 @@ if triton is not None:
         "lop3.b32 $1, pos_hi, neg_hi, m_hi, 0xD8;",
         "}",
     )))
+    # Codes -> (lo, hi, neg_lo, neg_hi) by one magnitude table (the persistent decode's): lo / hi
+    # hold twice each nibble's e2m1 magnitude as int8 lanes, neg_lo / neg_hi the same lanes kept
+    # only where the nibble's sign is set, so that a dot with the codes' values is dot(lo) -
+    # 2 dot(neg_lo) (and so for hi). Two PRMT and two AND replace the four PRMT and two LOP3
+    # selects of E2M1_INT8_LANES_PTX on the integer pipe, which bounds that kernel; the extra dots
+    # run on the FMA pipe. $4 the code words, $5-$6 E2M1_POS_LO / HI.
+    E2M1_MAGNITUDES_PTX = tl.constexpr(" ".join((
+        "{",
+        ".reg .b32 sel_lo, sel_hi, w4, m_lo, m_hi;",
+        "and.b32 sel_lo, $4, 0x77777777;",
+        "shr.u32 sel_hi, sel_lo, 16;",
+        "prmt.b32 $0, $5, $6, sel_lo;",
+        "prmt.b32 $1, $5, $6, sel_hi;",
+        "shl.b32 w4, $4, 4;",
+        "prmt.b32 m_lo, $4, w4, 0x9D8C;",
+        "prmt.b32 m_hi, $4, w4, 0xBFAE;",
+        "and.b32 $2, $0, m_lo;",
+        "and.b32 $3, $1, m_hi;",
+        "}",
+    )))
     E2M1_POS_LO = tl.constexpr(0x03020100)  # twice the e2m1 magnitudes 0, 1, 2, 3
     E2M1_POS_HI = tl.constexpr(0x0C080604)  # 4, 6, 8, 12
     E2M1_NEG_LO = tl.constexpr(-33620224)  # 0xFDFEFF00: their negatives

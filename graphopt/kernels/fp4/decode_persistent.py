@@ -14,8 +14,14 @@ every program re-reads and re-rounds the activations of its K range. Here the la
   program's next one (programs p, p + P, ... of a persistent grid of P); the first DEPTH chunks are
   requested before the activations are rounded, so a short row (K = 4096 is 4 chunks) is in flight
   whole while the program's prologue runs;
-- codes become int8 lanes (PRMT table lookups, the tables held in registers) and meet the int16
-  pairs in four dp2a per word; the int32 sum of each scale block is exact and scaled once.
+- codes become int8 lanes of their magnitudes (PRMT lookups in one table held in registers) and
+  the same lanes kept where the sign is set; both meet the int16 pairs in dp2a (eight per word), and
+  a block's value is dot(magnitudes) - 2 dot(negative ones): the integer pipe, which bounds this
+  kernel, does two PRMT and two AND per word fewer than with a signed table and a select, and the
+  extra dp2a run on the FMA pipe. The int32 sum of each scale block is exact and scaled once; NVFP4's
+  e4m3 block scales are converted two at a time by cvt (sm_89+);
+- where the rows fill whole groups and K whole chunks (LLaMA's layers), the tiles are loaded
+  without masks: the look-ahead past a program's last group re-reads the last group instead.
 
 The weight is format.py's kernel layout (NVFP4 or MXFP4) unchanged. The FP4 tuner times it for one token
 where Gluon tiles are allowed (KernelConfig.programs_per_sm; under CUDA graphs), and graphopt::fp4_gluon_linear
@@ -36,8 +42,7 @@ try:
 except ImportError:  # pragma: no cover - no Gluon in this Triton
     gluon = None
 else:
-    from graphopt.kernels.fp4.common import (E2M1_INT8_LANES_PTX, E2M1_NEG_HI, E2M1_NEG_LO, E2M1_POS_HI,
-                                             E2M1_POS_LO)
+    from graphopt.kernels.fp4.common import E2M1_MAGNITUDES_PTX, E2M1_POS_HI, E2M1_POS_LO
     from graphopt.kernels.fp4_tma import _cta_barrier
 
 ROWS_CHOICES = (1, 2, 4, 8)
@@ -65,19 +70,18 @@ if gluon is not None:
         return gl.maximum(a, b)
 
     @gluon.jit
-    def _int8_lanes(words, opaque_zero):
-        """decode._e2m1_int8_lanes (its PTX) on a Gluon tensor: lane i of lo = twice the e2m1
-        value of nibble i, of hi that of nibble 4 + i, signed int8. opaque_zero: a runtime 0 OR-ed
-        into the four table words, so that they are computed once and stay in registers (as
-        constants ptxas moves each one in again at every use: 4 more instructions per word)."""
+    def _magnitudes(words, opaque_zero):
+        """E2M1_MAGNITUDES_PTX on a Gluon tensor: (lo, hi, neg_lo, neg_hi), lane i of lo twice the e2m1
+        magnitude of nibble i, of hi that of nibble 4 + i; neg_lo / neg_hi those lanes where the
+        nibble is negative, 0 elsewhere. opaque_zero: a runtime 0 OR-ed into the two table words, so
+        that they are computed once and stay in registers (as constants ptxas moves each one in
+        again at every use)."""
         layout: gl.constexpr = words.type.layout
         return gl.inline_asm_elementwise(
-            E2M1_INT8_LANES_PTX,
-            "=r,=r,r,r,r,r,r", [words, gl.full(words.shape, E2M1_POS_LO, gl.int32, layout) | opaque_zero,
-                                gl.full(words.shape, E2M1_POS_HI, gl.int32, layout) | opaque_zero,
-                                gl.full(words.shape, E2M1_NEG_LO, gl.int32, layout) | opaque_zero,
-                                gl.full(words.shape, E2M1_NEG_HI, gl.int32, layout) | opaque_zero],
-            dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+            E2M1_MAGNITUDES_PTX,
+            "=r,=r,=r,=r,r,r,r", [words, gl.full(words.shape, E2M1_POS_LO, gl.int32, layout) | opaque_zero,
+                                  gl.full(words.shape, E2M1_POS_HI, gl.int32, layout) | opaque_zero],
+            dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
 
     @gluon.jit
     def _dp2a(a, b, c, HI: gl.constexpr):
@@ -95,7 +99,7 @@ if gluon is not None:
     def _activation_pairs(x_ptr, K, IS_NVFP4: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
         """CHUNKS x 32 x WARPS units of 32 consecutive K positions, one per thread and chunk, rounded to
         int16 with the unit's step (max |x| / 32767): a0..a3, each (CHUNKS, 4 x THREADS) int32 pairs per
-        code word (the lane order of _int8_lanes: pair i = elements (4q + i, 4q + i + BS/2) of word q
+        code word (the lane order of _magnitudes: pair i = elements (4q + i, 4q + i + BS/2) of word q
         of a scale block), and the steps (CHUNKS, THREADS)."""
         THREADS: gl.constexpr = 32 * WARPS
         XL: gl.constexpr = gl.BlockedLayout([CHUNKS, 1, 32], [1, 32, 1], [1, WARPS, 1], [2, 1, 0])
@@ -120,11 +124,15 @@ if gluon is not None:
         return a0, a1, a2, a3, step
 
     @gluon.jit
-    def _chunk_tile(ptrs, rows, cols, row0, col0, stride, N, COLS, live):
+    def _chunk_tile(ptrs, rows, cols, row0, col0, stride, N, COLS, live, EVEN: gl.constexpr):
         """The (rows, cols) tile at ptrs + row0 * stride + col0: rows past N, columns past COLS, and
-        every element when `live` is false, read as 0."""
-        mask = (rows[:, None] + row0 < N) & (cols[None, :] + col0 < COLS) & live
-        return gl.load(ptrs + row0 * stride + col0, mask=mask, other=0)
+        every element when `live` is false, read as 0. EVEN: the caller guarantees that the tile lies
+        inside (N, COLS) and wants it whole, so it is loaded without a mask."""
+        if EVEN:
+            return gl.load(ptrs + row0 * stride + col0)
+        else:
+            mask = (rows[:, None] + row0 < N) & (cols[None, :] + col0 < COLS) & live
+            return gl.load(ptrs + row0 * stride + col0, mask=mask, other=0)
 
     @gluon.jit
     def _word_slots(t, NB: gl.constexpr, WPB: gl.constexpr):
@@ -142,9 +150,10 @@ if gluon is not None:
 
     @gluon.jit
     def _chunk_sums(words, scale_bytes, a0, a1, a2, a3, step, opaque_zero, IS_NVFP4: gl.constexpr,
-                    BL: gl.constexpr):
+                    E4M3_CVT: gl.constexpr, BL: gl.constexpr):
         """(GROUP, NB) fp32 block sums of one chunk: words (GROUP, CW) and scale bytes (GROUP, NB) in their
-        layouts, the chunk's activation pairs (1, CW) and steps (1, NB) in the same ones."""
+        layouts, the chunk's activation pairs (1, CW) and steps (1, NB) in the same ones. NVFP4's scales
+        come out as their value (E4M3_CVT) or as value * 2^-8 (bit placement, before sm_89)."""
         GROUP: gl.constexpr = words.shape[0]
         WPB: gl.constexpr = 2 if IS_NVFP4 else 4
         NB: gl.constexpr = words.shape[1] // WPB
@@ -157,14 +166,22 @@ if gluon is not None:
         slots, s0, s1, s2, s3 = _word_slots(words, NB, WPB), _word_slots(a0, NB, WPB), _word_slots(a1, NB, WPB), \
             _word_slots(a2, NB, WPB), _word_slots(a3, NB, WPB)
         dots = gl.full(slots[0].shape, 0, gl.int32, slots[0].type.layout)
+        negatives = gl.full(slots[0].shape, 0, gl.int32, slots[0].type.layout)
         for j in gl.static_range(WPB):
-            lo, hi = _int8_lanes(slots[j], opaque_zero)
+            lo, hi, neg_lo, neg_hi = _magnitudes(slots[j], opaque_zero)
             dots = _dp2a(s0[j], lo, dots, False)
             dots = _dp2a(s1[j], lo, dots, True)
             dots = _dp2a(s2[j], hi, dots, False)
             dots = _dp2a(s3[j], hi, dots, True)
-        block_dots = gl.convert_layout(dots, BL)  # exact
-        if IS_NVFP4:  # e4m3 -> value * 2^-8 by bit placement
+            negatives = _dp2a(s0[j], neg_lo, negatives, False)
+            negatives = _dp2a(s1[j], neg_lo, negatives, True)
+            negatives = _dp2a(s2[j], neg_hi, negatives, False)
+            negatives = _dp2a(s3[j], neg_hi, negatives, True)
+        block_dots = gl.convert_layout(dots - 2 * negatives, BL)  # exact
+        if IS_NVFP4 and E4M3_CVT:  # two e4m3 bytes -> two fp16 values in one instruction
+            block_scale = gl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [scale_bytes],
+                                                    dtype=gl.float16, is_pure=True, pack=2).to(gl.float32)
+        elif IS_NVFP4:  # e4m3 -> value * 2^-8 by bit placement
             b16 = scale_bytes.to(gl.uint16)
             block_scale = (((b16 & 0x7F) << 7) | ((b16 & 0x80) << 8)).to(gl.float16, bitcast=True).to(gl.float32)
         else:  # e8m0 -> 2^(byte - 127)
@@ -176,12 +193,14 @@ if gluon is not None:
         x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr,
         N, K, K_WORDS, stride_wn, stride_sn,
         IS_NVFP4: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
-        K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr,
+        K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, EVEN: gl.constexpr,
+        E4M3_CVT: gl.constexpr,
     ):
         """out[0, n] = x[0, :] @ W[n, :]^T (+ bias). Program p owns the groups p, p + P, ... of ROWS x WARPS
         rows; warp w the rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
         activations' shared memory holds CHUNKS_PAD >= K_CHUNKS of them (`chunks`: a power of two, at
-        least WARPS)."""
+        least WARPS). EVEN: N is a multiple of the group and K_WORDS of CW (tiles unmasked; look-ahead
+        rows past the last group clamped to it). E4M3_CVT: NVFP4 scales by cvt (sm_89+)."""
         WPB: gl.constexpr = 2 if IS_NVFP4 else 4  # code words per scale block
         CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS)
         NB: gl.constexpr = CW // WPB  # scale blocks per chunk
@@ -198,6 +217,7 @@ if gluon is not None:
         word_ptrs = words_ptr.to(gl.pointer_type(gl.int32)) + r_w[:, None] * stride_wn + w_w[None, :]
         scale_ptrs = scales_ptr.to(gl.pointer_type(gl.uint8)) + r_b[:, None] * stride_sn + b_b[None, :]
         groups = gl.cdiv(N, GROUP)
+        last_row = (groups - 1) * GROUP
         programs = gl.num_programs(0)
         first = gl.program_id(0)  # the grid has at most `groups` programs
         # the first DEPTH chunks of the program's flattened (group, chunk) sequence (chunk t: group
@@ -206,9 +226,12 @@ if gluon is not None:
         ring = ()
         for t in gl.static_range(DEPTH):
             row = (first + t // K_CHUNKS * programs) * GROUP
-            ring = ring + ((_chunk_tile(word_ptrs, r_w, w_w, row, t % K_CHUNKS * CW, stride_wn, N, K_WORDS, row < N),
+            if EVEN:
+                row = gl.minimum(row, last_row)
+            ring = ring + ((_chunk_tile(word_ptrs, r_w, w_w, row, t % K_CHUNKS * CW, stride_wn, N, K_WORDS, row < N,
+                                        EVEN),
                             _chunk_tile(scale_ptrs, r_b, b_b, row, t % K_CHUNKS * NB, stride_sn, N, K_WORDS // WPB,
-                                        row < N)),)
+                                        row < N, EVEN)),)
         # WARPS chunks at a time (a chunk per warp), to bound the registers
         for s in gl.static_range(CHUNKS_PAD // WARPS):
             p0, p1, p2, p3, unit_step = _activation_pairs(x_ptr + s * WARPS * CW * 8, K - s * WARPS * CW * 8, IS_NVFP4,
@@ -222,22 +245,25 @@ if gluon is not None:
             else:
                 steps_smem.slice(s * WARPS, WARPS).store(gl.reshape(unit_step, [WARPS, NB]))
         _cta_barrier()
-        multiplier = gl.load(global_scale_ptr) * (128.0 if IS_NVFP4 else 0.5)  # doubled codes; e4m3's 2^-8
+        # doubled codes; the 2^-8 of e4m3 by bit placement
+        multiplier = gl.load(global_scale_ptr) * (128.0 if IS_NVFP4 and not E4M3_CVT else 0.5)
         opaque_zero = N >> 31  # N >= 1
         for g in range(first, groups, programs):
             acc = gl.full([GROUP, NB], 0.0, gl.float32, BL)
             for c in gl.static_range(K_CHUNKS):
                 ahead_row = (g + (c + DEPTH) // K_CHUNKS * programs) * GROUP  # c is a constant here
+                if EVEN:
+                    ahead_row = gl.minimum(ahead_row, last_row)
                 ahead = (_chunk_tile(word_ptrs, r_w, w_w, ahead_row, (c + DEPTH) % K_CHUNKS * CW, stride_wn, N,
-                                     K_WORDS, ahead_row < N),
+                                     K_WORDS, ahead_row < N, EVEN),
                          _chunk_tile(scale_ptrs, r_b, b_b, ahead_row, (c + DEPTH) % K_CHUNKS * NB, stride_sn, N,
-                                     K_WORDS // WPB, ahead_row < N))
+                                     K_WORDS // WPB, ahead_row < N, EVEN))
                 a0 = pairs_smem.slice(0 * CHUNKS_PAD + c, 1).load(WL)
                 a1 = pairs_smem.slice(1 * CHUNKS_PAD + c, 1).load(WL)
                 a2 = pairs_smem.slice(2 * CHUNKS_PAD + c, 1).load(WL)
                 a3 = pairs_smem.slice(3 * CHUNKS_PAD + c, 1).load(WL)
                 step = steps_smem.slice(c, 1).load(BL)
-                acc += _chunk_sums(ring[0][0], ring[0][1], a0, a1, a2, a3, step, opaque_zero, IS_NVFP4, BL)
+                acc += _chunk_sums(ring[0][0], ring[0][1], a0, a1, a2, a3, step, opaque_zero, IS_NVFP4, E4M3_CVT, BL)
                 ring = ring[1:] + (ahead,)
             offs_n = g * GROUP + r_b
             total = gl.reduce(acc, 1, _add) * multiplier
@@ -298,9 +324,11 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     k_chunks, chunks_pad = chunks(codes.shape[1] * 2, num_warps)
     x = x.contiguous()
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
-    grid = persistent_grid(x.get_device(), out_features, rows, num_warps, programs_per_sm)
+    device = x.get_device()
+    grid = persistent_grid(device, out_features, rows, num_warps, programs_per_sm)
     launch(_fp4_gemv_persistent_kernel, grid, x, codes, scales, global_scale, bias if bias is not None else out, out,
            out_features, in_features, k_words, k_words, scales.stride(0), IS_NVFP4=format == "nvfp4",
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, num_warps=num_warps)
+           DEPTH=depth, EVEN=out_features % (rows * num_warps) == 0 and k_words == k_chunks * CHUNK_WORDS,
+           E4M3_CVT=compute_capability(device) >= (8, 9), num_warps=num_warps)
     return out

@@ -120,7 +120,7 @@ if gluon is not None:
                     CW: gl.constexpr):
         """Chunk `chunk` of the group at row `row`: its words and the d4 of its lo and hi blocks."""
         live = row < N
-        return (_chunk_tile(word_ptrs, r_w, w_w, row, chunk * CW, stride_wn, N, K_WORDS, live),
+        return (_chunk_tile(word_ptrs, r_w, w_w, row, chunk * CW, stride_wn, N, K_WORDS, live, False),
                 _scale_tile(scales_ptr, r_b, b_b, row, chunk, 0, stride_sb, N, KB, live),
                 _scale_tile(scales_ptr, r_b, b_b, row, chunk, 1, stride_sb, N, KB, live))
 
