@@ -323,10 +323,15 @@ DECODE_ATTENTION_PROGRAMS_PER_SM = 2
 
 def decode_attention_splits(hw: HardwareSpec, b: int, kv_heads: int, lk: int) -> int:
     """Key chunks per (batch, KV head): about DECODE_ATTENTION_PROGRAMS_PER_SM programs per SM, each
-    of at least two 64-key steps."""
+    of at least two 64-key steps, or of one step where two-step chunks would leave more than half the
+    SMs without a program (a short cache at batch 1: there one more program per SM costs less than
+    a second step in sequence; bench/results/decode_attention_splits_h200.json)."""
     programs = DECODE_ATTENTION_PROGRAMS_PER_SM * max(1, hw.sm_count)
-    most = max(1, -(-lk // (2 * DECODE_ATTENTION_BLOCK_N)))
-    return max(1, min(most, -(-programs // max(1, b * kv_heads))))
+    wanted = -(-programs // max(1, b * kv_heads))
+    splits = min(max(1, -(-lk // (2 * DECODE_ATTENTION_BLOCK_N))), wanted)
+    if 2 * b * kv_heads * splits < hw.sm_count:
+        splits = min(max(1, -(-lk // DECODE_ATTENTION_BLOCK_N)), wanted)
+    return max(1, splits)
 
 
 def decode_attention_walk(hw: HardwareSpec, b: int, kv_heads: int, lk: int, splits: int) -> int:

@@ -134,8 +134,14 @@ def test_graph_replay_option_switches_host_pricing_off():
         GraphOptConfig(graph_replay="yes")
 
 
-def test_decode_attention_splits_fill_the_gpu_with_at_least_two_steps_per_chunk():
+def test_decode_attention_splits_fill_the_gpu_with_two_step_chunks_or_one_step_ones_on_a_short_cache():
     hw = SPECS["h100"]  # 132 SMs: 264 programs wanted
-    assert cm.decode_attention_splits(hw, 1, 8, 640) == -(-640 // (2 * cm.DECODE_ATTENTION_BLOCK_N))
+    # two-step chunks where they give at least half the SMs a program
+    assert cm.decode_attention_splits(hw, 1, 8, 2048) == 2048 // (2 * cm.DECODE_ATTENTION_BLOCK_N)
+    assert cm.decode_attention_splits(hw, 8, 8, 640) == -(-640 // (2 * cm.DECODE_ATTENTION_BLOCK_N))
     assert cm.decode_attention_splits(hw, 1, 8, 32768) == 33
     assert cm.decode_attention_splits(hw, 64, 8, 32768) == 1
+    # batch 1, short cache: five two-step chunks per KV head would leave 92 of 132 SMs idle
+    assert cm.decode_attention_splits(hw, 1, 8, 640) == 640 // cm.DECODE_ATTENTION_BLOCK_N
+    assert cm.decode_attention_splits(hw, 1, 8, 1024) == 1024 // cm.DECODE_ATTENTION_BLOCK_N
+    assert cm.decode_attention_splits(hw, 1, 8, 1) == 1

@@ -110,7 +110,10 @@ if triton is not None:
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < end
+            # V is requested with K, before the scores need K: a chunk of one or two steps then
+            # waits for one memory round trip per step, not two
             kt = tl.load(k_base + n[None, :] * stride_kn + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            vt = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 s = tl.dot(q, kt, input_precision="ieee")
             else:
@@ -128,7 +131,6 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            vt = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
             else:
