@@ -1,5 +1,6 @@
-"""Tile choices made once and kept on disk: a JSON file keyed by GPU, versions, kernel family and
-shape, so a new process compiles without timing tiles again.
+"""Tile choices made once and kept on disk: a JSON file keyed by GPU, versions, the kernels' source,
+kernel family and shape, so a new process compiles without timing tiles again, and a changed kernel
+is tuned again rather than run on a tile chosen for its predecessor.
 
 The passes tune at compile time (the kernel modules' `tune_*` functions time candidates on the GPU,
 each checked first against the reference product with `computes_product`) and hand the chosen tile
@@ -35,14 +36,34 @@ def cache_path() -> Path | None:
     return base / "tuning.json"
 
 
+KERNELS_DIR = Path(__file__).resolve().parent
+
+
 @functools.lru_cache(maxsize=None)
 def device_key(device_index: int) -> str:
     """The GPU and the software a tile choice holds for."""
+    props = torch.cuda.get_device_properties(device_index)
+    return f"{props.name}|sm{props.major}{props.minor}|{software_key()}"
+
+
+@functools.lru_cache(maxsize=None)
+def software_key() -> str:
+    """torch, Triton and graphopt versions and the kernels' source fingerprint: an edited kernel
+    (a source checkout between releases, say) keeps one version number but not the same timings."""
     import triton
 
-    props = torch.cuda.get_device_properties(device_index)
-    return (f"{props.name}|sm{props.major}{props.minor}|torch {torch.__version__}|triton {triton.__version__}"
-            f"|graphopt {graphopt_version()}")
+    return (f"torch {torch.__version__}|triton {triton.__version__}|graphopt {graphopt_version()}"
+            f"|kernels {kernels_fingerprint(KERNELS_DIR)}")
+
+
+def kernels_fingerprint(root: Path) -> str:
+    """A CRC-32 over the Python sources under `root` (each file's path relative to it and its bytes,
+    in path order)."""
+    crc = 0
+    for path in sorted(root.rglob("*.py")):
+        crc = zlib.crc32(path.relative_to(root).as_posix().encode(), crc)
+        crc = zlib.crc32(path.read_bytes(), crc)
+    return f"{crc:08x}"
 
 
 @functools.lru_cache(maxsize=None)

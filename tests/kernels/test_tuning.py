@@ -49,3 +49,19 @@ def test_the_candidates_fingerprint_changes_when_a_tile_is_offered_or_dropped():
     assert tuning.candidates_tag(tiles) != tuning.candidates_tag(q4.persistent_configs(2))
     assert tuning.candidates_tag(fp4.DECODE_CONFIGS) != tuning.candidates_tag(fp4.DECODE_CONFIGS[1:])
     assert len(tuning.candidates_tag([])) == 8
+
+
+def test_the_stored_keys_change_with_the_kernels_source(tmp_path):
+    """A kernel edited without a version change is tuned again: the kernels' fingerprint is part of
+    every stored key."""
+    (tmp_path / "family").mkdir()
+    (tmp_path / "family" / "kernel.py").write_text("TILE = 1\n")
+    (tmp_path / "launch.py").write_text("x = 0\n")
+    before = tuning.kernels_fingerprint(tmp_path)
+    assert tuning.kernels_fingerprint(tmp_path) == before
+    (tmp_path / "family" / "kernel.py").write_text("TILE = 2\n")
+    edited = tuning.kernels_fingerprint(tmp_path)
+    assert edited != before
+    (tmp_path / "family" / "kernel.py").rename(tmp_path / "family" / "other.py")  # same bytes, other file
+    assert tuning.kernels_fingerprint(tmp_path) not in (before, edited)
+    assert f"|kernels {tuning.kernels_fingerprint(tuning.KERNELS_DIR)}" in tuning.software_key()
