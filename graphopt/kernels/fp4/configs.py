@@ -74,9 +74,8 @@ MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-
 #    decode shapes, and decode_persistent's kernel at the tiles among the four fastest on some shape
 #    and format (2-4 rows per warp, 4 or 8 warps, 2-8 programs per SM; one chunk ahead, three at
 #    K = 14336), in bench_decode_persistent.py's run (results/decode_persistent_1tok_h200.json), and
-#    one row per warp, 8 warps, 4 programs per SM, three chunks ahead: the fastest NVFP4 tile of the
-#    kernel with its trimmed decode on 4096 -> 28672 and tied fastest on 4096 -> 4096
-#    (results/decode_persistent_fp4_1tok_h200.json).
+#    one row per warp, 8 warps, 4 programs per SM, three chunks ahead: the fastest NVFP4 tile on
+#    4096 -> 28672 and tied fastest on 4096 -> 4096 in results/decode_persistent_fp4_1tok_h200.json.
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
           for bn, bm, bk, sk, w in ((16, 4, 256, 1, 4), (16, 4, 256, 4, 4), (8, 1, 1024, 1, 4), (8, 1, 1024, 4, 4),
