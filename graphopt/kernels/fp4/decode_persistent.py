@@ -17,8 +17,8 @@ every program re-reads and re-rounds the activations of its K range. Here the la
 - codes become int8 lanes of their magnitudes (PRMT lookups in one table held in registers) and
   the same lanes kept where the sign is set; both meet the int16 pairs in dp2a (eight per word), and
   a block's value is dot(magnitudes) - 2 dot(negative ones): the integer pipe, which bounds this
-  kernel, does two PRMT and two AND per word fewer than with a signed table and a select, and the
-  extra dp2a run on the FMA pipe. The int32 sum of each scale block is exact and scaled once; NVFP4's
+  kernel, does two PRMT a word fewer than with a signed table (its two selects become two ANDs),
+  and the four extra dp2a run on the FMA pipe. The int32 sum of each scale block is exact and scaled once; NVFP4's
   e4m3 block scales are converted two at a time by cvt (sm_89+);
 - where the rows fill whole groups and K whole chunks (LLaMA's layers), the tiles are loaded
   without masks: the look-ahead past a program's last group re-reads the last group instead.
