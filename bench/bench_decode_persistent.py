@@ -3,7 +3,7 @@ q4/decode_persistent.py for Q4_0 x Q8_1, 1-8 tokens) against the Triton (and, pa
 q4_tma) tiles that the tuners choose on these shapes (integer-dot FP4, dp4a Q4) and cuBLAS bf16.
 
 LLaMA-3-8B's decode linears (K x N: 4096 x 6144 fused QKV, 4096 x 4096 O, 4096 x 28672 fused
-gate/up, 14336 x 4096 down), bf16 activations, --tokens tokens (default one), each timed as
+gate/up, 14336 x 4096 down; --shapes 13b: LLaMA-2-13B's MLP, 5120 x 13824 and 13824 x 5120), bf16 activations, --tokens tokens (default one), each timed as
 CUDA-graph replays over rotated weight copies (L2-cold, >= 120 MB per graph). Every kernel is first
 checked against dequantize-then-matmul in fp32 (relative error of the max; a kernel past 2e-2 is
 reported FAIL and not timed). Persistent variants: rows per warp, warps, programs per
@@ -13,6 +13,7 @@ multiprocessor, chunks loaded ahead.
     python bench/bench_decode_persistent.py --formats q4_0     # writes bench_decode_persistent.json
     python bench/bench_decode_persistent.py --formats q4_0 --tokens 2,4,8
     python bench/bench_decode_persistent.py --formats nvfp4 --tiles 1-8-4-3,2-8-2-1,2-8-2-3,4-4-4-1 --no-triton
+    python bench/bench_decode_persistent.py --shapes 13b --formats nvfp4,q4_0
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from graphopt.kernels.fp4 import KernelConfig  # noqa: E402
 from graphopt.kernels.fp4 import decode_persistent as dp  # noqa: E402
 from graphopt.kernels.q4 import decode_persistent as q4_dp  # noqa: E402
 
-SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+SHAPES = {"8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)],  # LLaMA-3-8B's decode linears
+          "13b": [(5120, 13824), (13824, 5120)]}  # LLaMA-2-13B's MLP (issue acceptance shapes of the decode rows)
 TRITON_TILES = [KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots=True),
                 KernelConfig(16, 1, 512, 1, num_warps=4, num_stages=1, int_dots=True),
                 KernelConfig(16, 1, 256, 8, num_warps=1, num_stages=1, int_dots=True),
@@ -103,6 +105,7 @@ def main() -> None:
     parser.add_argument("--tiles", default=None, help="FP4 persistent tiles to time, comma list of "
                         "rows-warps-programs_per_sm-depth (default: the built-in sweep)")
     parser.add_argument("--no-triton", action="store_true", help="FP4: time no Triton integer-dot tile")
+    parser.add_argument("--shapes", default="8b", help=f"comma list of shape sets: {', '.join(SHAPES)}")
     opts = parser.parse_args()
     formats, token_counts = opts.formats.split(","), comma_ints(opts.tokens)
     unknown = sorted(set(formats) - {"nvfp4", "mxfp4", "q4_0"})
@@ -110,6 +113,8 @@ def main() -> None:
         parser.error(f"unknown formats {unknown}; valid choices: nvfp4, mxfp4, q4_0")
     if not all(1 <= m <= q4_dp.MAX_TOKENS for m in token_counts):
         parser.error(f"--tokens {opts.tokens}: each count must be 1-{q4_dp.MAX_TOKENS}")
+    if not set(opts.shapes.split(",")) <= set(SHAPES):
+        parser.error(f"--shapes {opts.shapes}: valid shape sets are {', '.join(SHAPES)}")
     try:
         tiles = ([tuple(int(v) for v in t.split("-")) for t in opts.tiles.split(",")] if opts.tiles
                  else PERSISTENT_TILES)
@@ -118,7 +123,7 @@ def main() -> None:
         parser.error(f"--tiles {opts.tiles}: expected a comma list of rows-warps-programs_per_sm-depth, e.g. 1-8-4-3")
     rows_out, cublas_ms = [], {}
     for fmt, m in ((fmt, m) for fmt in formats for m in token_counts if m == 1 or fmt == "q4_0"):
-        for k, n in SHAPES:
+        for k, n in (shape for name in opts.shapes.split(",") for shape in SHAPES[name]):
             gen = torch.Generator().manual_seed(k + n)
             w = (torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16)
             x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
@@ -147,6 +152,7 @@ def main() -> None:
                                      gbps=gbps(nbytes, ms), rel_err=err))
                 print(rows_out[-1], flush=True)
     write_json("bench_decode_persistent", rows_out, options={"formats": formats, "tokens": token_counts,
+                                                             "shapes": opts.shapes,
                                                              "tiles": tiles, "triton": not opts.no_triton})
     print_table("4-bit decode (CUDA graph, L2-cold; vs_cublas: cuBLAS bf16 ms / ms)", rows_out,
                 ["format", "shape", "tokens", "kernel", "ms", "vs_cublas", "gbps", "rel_err"])
