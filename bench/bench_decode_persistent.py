@@ -113,7 +113,8 @@ def main() -> None:
         parser.error(f"unknown formats {unknown}; valid choices: nvfp4, mxfp4, q4_0")
     if not all(1 <= m <= q4_dp.MAX_TOKENS for m in token_counts):
         parser.error(f"--tokens {opts.tokens}: each count must be 1-{q4_dp.MAX_TOKENS}")
-    if not set(opts.shapes.split(",")) <= set(SHAPES):
+    shape_sets = opts.shapes.split(",")
+    if not set(shape_sets) <= set(SHAPES):
         parser.error(f"--shapes {opts.shapes}: valid shape sets are {', '.join(SHAPES)}")
     try:
         tiles = ([tuple(int(v) for v in t.split("-")) for t in opts.tiles.split(",")] if opts.tiles
@@ -123,7 +124,7 @@ def main() -> None:
         parser.error(f"--tiles {opts.tiles}: expected a comma list of rows-warps-programs_per_sm-depth, e.g. 1-8-4-3")
     rows_out, cublas_ms = [], {}
     for fmt, m in ((fmt, m) for fmt in formats for m in token_counts if m == 1 or fmt == "q4_0"):
-        for k, n in (shape for name in opts.shapes.split(",") for shape in SHAPES[name]):
+        for k, n in (shape for name in shape_sets for shape in SHAPES[name]):
             gen = torch.Generator().manual_seed(k + n)
             w = (torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16)
             x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
