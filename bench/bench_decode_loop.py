@@ -12,7 +12,9 @@ measures that one). Variants (--variants):
 - int4: gpt-fast's int4 weight-only baseline (bench/llama_models.py Int4Linear: the decoder
   layers' linears in 4 bits, groups of 128, aten's tinygemm kernel), compiled by Inductor;
 - graphopt, graphopt-fp4, graphopt-q4: graphopt.backend() with its default passes, with
-  fp4_linear, with q4_linear (--force: force=True for the last two).
+  fp4_linear, with q4_linear (--force: force=True for the last two);
+- graphopt-fp4-unfused, graphopt-q4-unfused (only when named): the same without the decode fusion
+  (fuse_decode_neighbours=False), the ablation of graphopt.passes.linear_fusion.
 
 Each compiled variant runs once per --modes entry (default reduce-overhead, i.e. CUDA graphs).
 Per variant: one loop as warm-up (it compiles; "compile_s" is its wall time minus a timed

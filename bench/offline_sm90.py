@@ -53,10 +53,10 @@ from triton.compiler import ASTSource  # noqa: E402
 
 
 def compile_sm90(fn, types: dict, constexprs: dict, div16: list[str], num_warps: int, num_stages: int = 1,
-                 gluon: bool = False):
+                 gluon: bool = False, maxnreg: int | None = None):
     """Build `fn` (a @triton.jit kernel, or with `gluon` a @gluon.jit one) for sm_90 without a GPU:
     `types` maps argument names to Triton type strings (the rest are i32), `div16` names the
-    arguments declared divisible by 16. The offline-build tests use it too."""
+    arguments declared divisible by 16; `maxnreg`: ptxas's register cap. The offline-build tests use it too."""
     names = fn.arg_names
     signature = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
@@ -65,7 +65,8 @@ def compile_sm90(fn, types: dict, constexprs: dict, div16: list[str], num_warps:
         from triton.experimental.gluon._runtime import GluonASTSource
 
         src = GluonASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -299,10 +300,11 @@ def persistent(args) -> None:
     else:
         fn = fp4_persistent._fp4_gemv_persistent_kernel
         types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
-                     out_ptr="*bf16")
+                     norm_ptr="*bf16", residual_ptr="*bf16", out_ptr="*bf16", norm_eps="fp32")
         # as the launcher builds it on an sm_90 GPU for N a multiple of the group (LLaMA's layers)
         consts.update(IS_NVFP4=args.format == "nvfp4", EVEN=k_chunks * fp4_persistent.CHUNK_WORDS * 8 == args.k,
-                      E4M3_CVT=True)
+                      E4M3_CVT=True, GATED="silu_gate" in args.fused, NORM="rms_norm" in args.fused,
+                      HAS_RESIDUAL="residual" in args.fused)
     div16 = [n for n in ("x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "N", "stride_wn", "stride_sn",
                          "stride_sb", "stride_xm", "stride_om") if n in fn.arg_names]
     kernel = compile_sm90(fn, types, consts, div16, args.warps, gluon=True)
@@ -369,6 +371,7 @@ def main() -> int:
         p.add_argument(name, type=int)
     p.add_argument("--depth", type=int, default=1, help="chunks loaded ahead")
     p.add_argument("--tokens", type=int, default=1, help="q4_0: tokens per launch")
+    p.add_argument("--fused", default="", help="fp4: neighbours taken in, comma-separated (rms_norm, silu_gate, residual)")
     p = sub.add_parser("pool")
     for name in ("slice_elements", "warps", "loop_stages"):
         p.add_argument(name, type=int)

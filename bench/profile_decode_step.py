@@ -27,7 +27,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 from bench.common import environment, print_table  # noqa: E402
-from bench.llama_models import (SHAPES, VARIANTS, DecodeLoop, build_model, compile_kwargs, fresh_start,  # noqa: E402
+from bench.llama_models import (ABLATIONS, SHAPES, VARIANTS, DecodeLoop, build_model, compile_kwargs, fresh_start,  # noqa: E402
                                 int4_weights, random_prompt, synchronize)
 
 
@@ -62,9 +62,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("profile_decode_step.py needs a CUDA GPU")
     variants = opts.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS or v == "eager"]
+    valid = [v for v in VARIANTS + ABLATIONS if v != "eager"]
+    bad = [v for v in variants if v not in valid]
     if bad:
-        sys.exit(f"unknown variants {bad}; valid choices: {', '.join(v for v in VARIANTS if v != 'eager')}")
+        sys.exit(f"unknown variants {bad}; valid choices: {', '.join(valid)}")
     model = build_model(opts.shape, "cuda", torch.bfloat16, layers=opts.layers)
     prompt = random_prompt(model, opts.batch, opts.prompt)
     steps = opts.new_tokens - 1

@@ -102,6 +102,9 @@ class GraphOptConfig:
     fp4_format: str = "nvfp4"
     q4_mode: str = "auto"
     fuse_sibling_linears: bool = True  # fp4_linear / q4_linear: one quantized GEMM for linears sharing an input
+    # fp4_linear / q4_linear at one token: the RMSNorm before a linear, the SiLU gate and the residual add
+    # after it run inside its kernel (graphopt.passes.linear_fusion)
+    fuse_decode_neighbours: bool = True
     # Replay the compiled graph from CUDA graphs (Inductor's CUDA-graph trees, as mode="reduce-overhead"
     # gives; torch.compile refuses mode= together with options=). Removes the host's launch path,
     # which dominates small-batch decode.
@@ -152,7 +155,8 @@ class GraphOptConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("fp4_format", self.fp4_format, FP4_FORMATS)
         _check_choice("q4_mode", self.q4_mode, Q4_MODES)
-        for flag in ("force", "fuse_sibling_linears", "cuda_graphs", "graph_replay", "attention_dropout"):
+        for flag in ("force", "fuse_sibling_linears", "fuse_decode_neighbours", "cuda_graphs", "graph_replay",
+                     "attention_dropout"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"graphopt option {flag} must be True or False, got {getattr(self, flag)!r}")
         if self.cuda_graphs and self.downstream != "inductor":

@@ -66,6 +66,7 @@ from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, dtype, fin
                                       replace_linear, replace_siblings_with_call, sibling_groups)
 from graphopt.passes.tensor_parallel import all_ranks_agree, all_ranks_amax
 from graphopt.passes.fx_utils import tokens as token_count
+from graphopt.passes.linear_fusion import fuse_decode_neighbours
 from graphopt.plan import plan_section, save_plan
 from graphopt.quant.linear import FP4_SCALE_SEARCH
 
@@ -100,7 +101,8 @@ class Fp4LinearPass(GraphPass):
         if (why := ctx.differentiated_reason()) is not None:
             ctx.record(self.name, False, why)
             return
-        self._quantized_in_place(ctx)
+        pending: dict = {}  # kernel placeholder -> what _choose_kernels needs
+        self._quantized_in_place(ctx, pending)
         fmt = ctx.config.fp4_format
         budget_db = ctx.config.error_budget["fp4_linear"]
         plan = PlanWeights(plan_section(ctx, self.name))
@@ -111,16 +113,37 @@ class Fp4LinearPass(GraphPass):
             for group in sibling_groups(matches):
                 if any(plan.has(m.location) for m in group):
                     continue  # plan weights carry their own global scales
-                outs = self._siblings(ctx, group, fmt, budget_db, replaced)
+                outs = self._siblings(ctx, group, fmt, budget_db, replaced, pending)
                 for m, out in zip(group, outs or ()):
                     replaced[m.node] = out
         for m in matches:
             if m.node not in replaced:
-                new = self._one(ctx, m, fmt, budget_db, replaced, plan, tied)
+                new = self._one(ctx, m, fmt, budget_db, replaced, plan, tied, pending)
                 if new is not None:
                     replaced[m.node] = new
+        fused = fuse_decode_neighbours(ctx, torch.ops.graphopt.fp4_linear.default, 7)
+        self._choose_kernels(ctx, pending, fused)
 
-    def _quantized_in_place(self, ctx: PassContext) -> None:
+    @staticmethod
+    def _choose_kernels(ctx: PassContext, pending: dict, fused: dict) -> None:
+        """The kernel string of every call this pass wrote, chosen now that the calls have taken in
+        their neighbours (a fused call's tiles are timed with them)."""
+        for node in ctx.gm.graph.find_nodes(op="call_function", target=torch.ops.graphopt.fp4_linear.default):
+            entry = pending.get(arg(node, 9, "kernel", ""))
+            if entry is None:
+                continue
+            info, kw, has_bias, path, decisions = entry
+            taken = fused.get(node, [])
+            kernel, tuned = _op_kernel(ctx, info, kw, has_bias, tuple(taken))
+            _set_arg(node, 9, "kernel", kernel)
+            for decision in decisions:
+                decision.details["kernel"] = kernel
+                if decision.applied:
+                    decision.implementation = _implementation(path, tuned)
+                if taken:
+                    decision.details["fused"] = taken
+
+    def _quantized_in_place(self, ctx: PassContext, pending: dict) -> None:
         """graphopt::fp4_linear calls that read their packed weights from the model's buffers (layers
         that graphopt.quantize_ or graphopt.load_quantized made): the weights stay as they are (no
         second quantization, whatever fp4_format says); on a GPU the op gets the cost model's path
@@ -136,15 +159,13 @@ class Fp4LinearPass(GraphPass):
             static = token_count(x)
             kw = fp4k.Fp4KernelWeight(codes, scales, global_scale, out_f, in_f, fmt)
             info = dict(tokens=static or 1, static_tokens=static is not None, act_dtype=dtype(x) or torch.bfloat16)
-            kernel, chosen = arg(node, 9, "kernel", ""), ""
+            kernel = arg(node, 9, "kernel", "")
+            decision = ctx.record(self.name, False, f"already quantized to {fmt} in the model (graphopt.quantize_): "
+                                  f"weights kept as they are, not quantized again", node=node, implementation=None,
+                                  quantized_in_place=True, format=fmt, kernel=kernel,
+                                  fp4_weight_bytes=int(kw.nbytes) if isinstance(scales, torch.Tensor) else None)
             if not kernel and isinstance(scales, torch.Tensor) and isinstance(global_scale, torch.Tensor):
-                kernel, _ = _op_kernel(ctx, info, kw, bias is not None)
-                chosen = kernel
-                _set_arg(node, 9, "kernel", kernel)
-            ctx.record(self.name, False, f"already quantized to {fmt} in the model (graphopt.quantize_): weights kept as "
-                       f"they are, not quantized again" + (f"; kernel chosen at compile time: {chosen}" if chosen else ""),
-                       node=node, implementation=None, quantized_in_place=True, format=fmt,
-                       fp4_weight_bytes=int(kw.nbytes) if isinstance(scales, torch.Tensor) else None, kernel=kernel)
+                _set_arg(node, 9, "kernel", _pending(pending, info, kw, bias is not None, "", [decision]))
 
     def _decide(self, ctx: PassContext, m: LinearMatch, fmt: str) -> tuple[str | None, dict]:
         """(why not, {}) or (None, the estimates): every check that needs no quantized weight."""
@@ -175,7 +196,7 @@ class Fp4LinearPass(GraphPass):
         return (None if accepted else reason + tokens_note), {**info, "reason": reason}
 
     def _one(self, ctx: PassContext, m: LinearMatch, fmt: str, budget_db: float, replaced: dict, plan: "PlanWeights",
-             tied: dict):
+             tied: dict, pending: dict):
         """One linear. A weight that an earlier linear of this graph already quantized (tied
         weights) reuses that linear's constants: one FP4 copy, its memory saving counted once."""
         node = m.node
@@ -220,20 +241,21 @@ class Fp4LinearPass(GraphPass):
             constants, saved, fp4_bytes = self._constants(ctx, kw), dense_bytes - kw.nbytes, kw.nbytes
             if not plan.has(m.location):
                 tied[tie_key] = dict(q=q, sqnr=sqnr, constants=constants, location=m.location or node.name)
-        kernel, tuned = _op_kernel(ctx, info, kw, m.bias_node is not None)
-        ctx.record(
+        decision = ctx.record(
             self.name, True, info["reason"] + info["note"] + m.shard_note, node=node, before=before, after=after,
-            implementation=_implementation(path, tuned),
+            implementation=_implementation(path, ""),
             memory_saved_bytes=int(saved), dense_weight_bytes=int(dense_bytes),
             fp4_weight_bytes=int(fp4_bytes), sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from=source,
             **m.shard_details,
         )
+        kernel = _pending(pending, info, kw, m.bias_node is not None, path, [decision])
         x_node = replaced.get(m.input, m.input)
         bias_node = replaced.get(m.bias_node, m.bias_node)
         return replace_linear(ctx, m, torch.ops.graphopt.fp4_linear.default,
                               (x_node, *constants, bias_node, out_f, in_f, fmt, kernel))
 
-    def _siblings(self, ctx: PassContext, group: list[LinearMatch], fmt: str, budget_db: float, replaced: dict):
+    def _siblings(self, ctx: PassContext, group: list[LinearMatch], fmt: str, budget_db: float, replaced: dict,
+                  pending: dict):
         """Quantize a sibling group's weights as one (concatenated along the output features; for
         NVFP4 that means one global scale) and run a single fp4_linear for all of them: one launch
         and one weight stream instead of several. Every member must pass on its own (cost model
@@ -262,19 +284,20 @@ class Fp4LinearPass(GraphPass):
         path = (fp4_cost.choose_fp4_path(ctx.hardware, tokens, in_f, out_total, fmt, infos[0]["act_dtype"])
                 if ctx.hardware.is_gpu else "reference")
         _, fused_after = predict(ctx.hardware, tokens, in_f, out_total, fmt, act_dtype=infos[0]["act_dtype"])
-        kernel, tuned = _op_kernel(ctx, infos[0], kw, False)
         names = ", ".join(m.location or m.node.name for m in group)
+        decisions = []
         for m, info, w, sqnr in zip(group, infos, weights, sqnrs):
             dense_bytes = w.numel() * w.element_size()
             share = kw.nbytes * w.shape[0] // out_total
-            ctx.record(
+            decisions.append(ctx.record(
                 self.name, True, f"{info['reason']}{info['note']}; run as one {out_total}x{in_f} FP4 GEMM with its "
                 f"siblings ({names}), predicted {fused_after.ms:.4f} ms for all{m.shard_note}", node=m.node, before=info["before"],
-                after=info["after"], implementation=_implementation(path, tuned),
+                after=info["after"], implementation=_implementation(path, ""),
                 memory_saved_bytes=int(dense_bytes - share), dense_weight_bytes=int(dense_bytes), fp4_weight_bytes=int(share),
                 sqnr_db=sqnr, format=fmt, tokens=tokens, weights_from="compile-time quantization (with its siblings)",
                 **m.shard_details,
-            )
+            ))
+        kernel = _pending(pending, infos[0], kw, False, path, decisions)
         x_node = replaced.get(group[0].input, group[0].input)
         return replace_siblings_with_call(ctx, group, torch.ops.graphopt.fp4_linear.default,
                                           (x_node, *self._constants(ctx, kw), None, out_total, in_f, fmt, kernel))
@@ -309,18 +332,26 @@ def _set_arg(node, index: int, name: str, value) -> None:
         node.update_kwarg(name, value)
 
 
-def _op_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> tuple[str, str]:
+def _pending(pending: dict, info: dict, kw, has_bias: bool, path: str, decisions: list) -> str:
+    """A placeholder kernel string for a call whose kernel _choose_kernels picks after the fusion;
+    `pending` maps it to what the choice needs."""
+    key = f"pending:{len(pending)}"
+    pending[key] = (info, kw, has_bias, path, decisions)
+    return key
+
+
+def _op_kernel(ctx: PassContext, info: dict, kw, has_bias: bool, fused: tuple[str, ...] = ()) -> tuple[str, str]:
     """(the op's kernel string, its tuned part): the tuned path and tile where _tuned_kernel times one;
     else, for weights on a GPU, the cost model's path on that GPU for every token range, each with its
     default tile (graphopt.cost.fp4.path_ranges); else "" (a CPU graph: the op runs its reference)."""
-    tuned = _tuned_kernel(ctx, info, kw, has_bias)
+    tuned = _tuned_kernel(ctx, info, kw, has_bias, fused)
     if tuned or not kw.codes.is_cuda:
         return tuned, tuned
     ranges = fp4_cost.path_ranges(kw.codes.device.index, kw.in_features, kw.out_features, kw.format, info["act_dtype"])
     return fp4k.kernel_string([(lo, hi, path, None) for lo, hi, path in ranges]), ""
 
 
-def _tuned_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> str:
+def _tuned_kernel(ctx: PassContext, info: dict, kw, has_bias: bool, fused: tuple[str, ...] = ()) -> str:
     """The op's compile-time kernel choice: the cost model's path on the GPU the weights live on
     (graphopt.cost.fp4.device_path) with its tiles timed now, for a static token count in a graph
     that goes to a compiler ("" otherwise). The Gluon decodes (fp4_tma's, decode_persistent's) are
@@ -334,7 +365,7 @@ def _tuned_kernel(ctx: PassContext, info: dict, kw, has_bias: bool) -> str:
                                     info["act_dtype"])
         return fp4k.tune_fp4_linear(info["tokens"], kw.codes, kw.scales, kw.global_scale, bias, kw.out_features,
                                     kw.in_features, kw.format, info["act_dtype"], allow_gluon=ctx.config.cuda_graphs,
-                                    path=path)
+                                    path=path, fused=fused)
     except fp4k.NoCorrectTile as exc:  # the path's tiles are wrong on this GPU: dequantize + cuBLAS instead
         log.warning("graphopt fp4_linear: %s; the op dequantizes the weight and runs cuBLAS", exc)
         return fp4k.kernel_string([(0, None, "dequant", None)])

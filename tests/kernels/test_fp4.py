@@ -371,9 +371,9 @@ def test_decode_tuner_times_each_call_over_its_own_weight_copy(monkeypatch):
     seen = []
     real_launch = fp4._launch
 
-    def recording_launch(path, cfg, x2, codes, scales, *rest):
+    def recording_launch(path, cfg, x2, codes, scales, *rest, **options):
         seen.append((codes.data_ptr(), scales.data_ptr(), torch.equal(codes, kw.codes)))
-        return real_launch(path, cfg, x2, codes, scales, *rest)
+        return real_launch(path, cfg, x2, codes, scales, *rest, **options)
 
     outputs = []
     cfg = fp4.tune_config("gemv", args)  # first: on a GPU this tunes with the real timer

@@ -26,15 +26,7 @@ needs_gluon = pytest.mark.skipif(dp.gluon is None, reason="this Triton has no Gl
 def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, depth, even, pristine_triton_language,
                                                           monkeypatch):
     monkeypatch.setenv("TOP_OPS", "1000")  # every opcode of a loop body, not the most common few
-    types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
-                 out_ptr="*bf16")
-    k_chunks, chunks_pad = dp.chunks(k, warps)
-    kernel = compile_sm90(dp._fp4_gemv_persistent_kernel, types,
-                          dict(IS_NVFP4=fmt == "nvfp4", HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks,
-                               CHUNKS_PAD=chunks_pad, DEPTH=depth, EVEN=even, E4M3_CVT=True),
-                          ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sn",
-                           "N"], warps, gluon=True)
-    sass, usage = sass_and_resources(kernel)
+    sass, usage = _build(fmt, rows, warps, k, depth, even)
     assert re.search(r"STACK:0\b", usage), usage
     # eight dp2a per code word (magnitudes and negative lanes), the e4m3 scales by one cvt per pair
     assert "IDP.2A" in sass
@@ -48,7 +40,46 @@ def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, d
     # barriers only while the activations are rounded: a row's sum is reduced inside its warp
     assert not [ops for _, _, ops in loops(sass) if any(op.startswith("BAR") for op, _ in ops)]
     # one 16-byte load per row and chunk, each chunk's issued ahead of the decode
-    assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * k_chunks
+    assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * dp.chunks(k, warps)[0]
+
+
+def _build(fmt, rows, warps, k, depth, even, gated=False, norm=False, residual=False, maxnreg=None):
+    types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
+                 norm_ptr="*bf16", residual_ptr="*bf16", out_ptr="*bf16", norm_eps="fp32")
+    k_chunks, chunks_pad = dp.chunks(k, warps)
+    kernel = compile_sm90(dp._fp4_gemv_persistent_kernel, types,
+                          dict(IS_NVFP4=fmt == "nvfp4", HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks,
+                               CHUNKS_PAD=chunks_pad, DEPTH=depth, EVEN=even, E4M3_CVT=True, GATED=gated, NORM=norm,
+                               HAS_RESIDUAL=residual),
+                          ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sn",
+                           "N"], warps, gluon=True, maxnreg=maxnreg)
+    return sass_and_resources(kernel)
+
+
+@needs_gluon
+@pytest.mark.parametrize("rows,warps,k,gated,norm,residual", [(1, 8, 4096, False, True, False),
+                                                              (2, 8, 14336, True, False, True),
+                                                              (2, 4, 1344, True, True, True)])
+def test_builds_with_the_fused_neighbours_without_spilling(rows, warps, k, gated, norm, residual,
+                                                           pristine_triton_language):
+    """linear_fusion's prologues and epilogue: the RMSNorm's reciprocal root (MUFU.RSQ), the SiLU's
+    exponential (MUFU.EX2), no local memory; the word loop stays unmasked where the tiles are whole."""
+    sass, usage = _build("nvfp4", rows, warps, k, 3 if rows == 1 else 1, k % 1024 == 0, gated, norm, residual)
+    assert re.search(r"STACK:0\b", usage), usage
+    assert ("MUFU.RSQ" in sass) == norm and ("MUFU.EX2" in sass) == gated
+    assert "IDP.2A" in sass
+
+
+@needs_gluon
+def test_the_capped_tile_fits_four_programs_of_eight_warps_with_the_norm_prologue(pristine_triton_language):
+    """The RMSNorm prologue can take the r1 w8 tile past 64 registers (three programs of eight warps
+    per SM instead of four: 78 with Triton 3.9); its capped twin (max_registers 64, one of the
+    tuner's tiles) builds in 64 without spilling."""
+    (capped,) = [cfg for cfg in _persistent_tiles() if cfg.max_registers]
+    assert (capped.block_n, capped.num_warps, capped.programs_per_sm) == (8, 8, 4)
+    assert capped.max_registers * 32 * capped.num_warps * capped.programs_per_sm <= 65536
+    _, usage = _build("nvfp4", 1, 8, 4096, 3, True, norm=True, maxnreg=capped.max_registers)
+    assert re.search(r"REG:(\d+)", usage).group(1) == "64" and re.search(r"STACK:0\b", usage), usage
 
 
 def test_chunks_cover_the_row():
@@ -158,3 +189,42 @@ def test_the_op_on_a_persistent_tile_matches_eager_inside_a_cuda_graph():
     assert torch.equal(replayed_in_cuda_graph(call), eager)
     ref = fp4.reference_fp4_linear(x.double(), codes, scales, gscale, None, n, k, "nvfp4").double()
     assert ((eager.double() - ref).abs().max() / ref.abs().max()).item() < 8e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fused", [("rms_norm",), ("silu_gate", "residual"), ("rms_norm", "residual"),
+                                   ("silu_gate", "rms_norm", "residual")], ids="+".join)
+@pytest.mark.parametrize("n,k,rows,warps,programs_per_sm,depth,cap", [
+    (6144, 4096, 4, 4, 4, 1, 0), (4096, 14336, 2, 8, 2, 3, 0), (300, 1344, 1, 8, 4, 3, 0), (37, 4096, 2, 4, 1, 1, 0),
+    (28672, 4096, 1, 8, 4, 3, 64)])
+def test_fused_neighbours_match_the_float64_reference_on_the_gpu(fmt, fused, n, k, rows, warps, programs_per_sm, depth,
+                                                                 cap):
+    """The RMSNorm prologue (its 1 / rms applied to the dot at the end), the SiLU gate over a 2K-wide
+    [gate | up] and the residual epilogue, against linear_fusion's torch form in float64, with a
+    bias (which the norm's scale must not touch), at LLaMA's and odd shapes."""
+    from graphopt.kernels.linear_fusion import example_fusion
+
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(w, fmt))
+    codes, scales, gscale = kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda()
+    torch.manual_seed(n * 7 + k)
+    fusion = example_fusion(fused, 1, k, n, torch.bfloat16, "cuda")
+    x = (torch.randn(1, fusion.input_width(k)) * 3).to("cuda", torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
+    got = dp.fp4_gemv_persistent(x, codes, scales, gscale, bias, n, k, fmt, rows=rows, num_warps=warps,
+                                 programs_per_sm=programs_per_sm, depth=depth, fusion=fusion, max_registers=cap)
+    exact = fusion.epilogue(fp4.reference_fp4_linear(fusion.prologue(x.double(), k), codes, scales, gscale,
+                                                     bias.double(), n, k, fmt).double()).double()
+    err = (got.double() - exact).abs().max() / exact.abs().max()
+    assert got.shape == (1, n) and err < 8e-3, err.item()
+    # the op, as a compiled graph calls it, on the same tile: the same numbers
+    tile = fp4.KernelConfig(block_n=rows * warps, block_m=1, block_k=8 * dp.CHUNK_WORDS, num_warps=warps,
+                            num_stages=depth, programs_per_sm=programs_per_sm, max_registers=cap)
+    kernel = fp4.kernel_string([(1, 1, "gemv", tile)])
+    op = torch.ops.graphopt.fp4_linear(x, codes, codes, scales, gscale, bias, n, k, fmt, kernel,
+                                       norm_weight=fusion.norm_weight, norm_eps=fusion.norm_eps, gated=fusion.gated,
+                                       residual=fusion.residual)
+    assert torch.equal(op, got)

@@ -32,8 +32,8 @@ def test_a_wrong_first_tile_is_left_out_and_the_right_ones_are_timed(monkeypatch
     plain = KernelConfig(16, 2, 64, split_k=1, num_stages=1)
     real_launch = tune._launch
 
-    def launch(path, cfg, *rest):
-        out = real_launch(path, cfg, *rest)
+    def launch(path, cfg, *rest, **options):
+        out = real_launch(path, cfg, *rest, **options)
         return out * 1.5 if cfg == broken else out
 
     monkeypatch.setattr(tune, "_launch", launch)
@@ -58,8 +58,8 @@ def test_a_tile_with_non_finite_output_is_left_out(monkeypatch):
     nan_tile, right = KernelConfig(16, 1, 64, num_stages=1), KernelConfig(16, 1, 128, num_stages=1)
     real_launch = tune._launch
 
-    def launch(path, cfg, *rest):
-        out = real_launch(path, cfg, *rest)
+    def launch(path, cfg, *rest, **options):
+        out = real_launch(path, cfg, *rest, **options)
         return out.index_fill(1, torch.tensor([3], device=out.device), float("nan")) if cfg == nan_tile else out
 
     monkeypatch.setattr(tune, "_launch", launch)
@@ -105,8 +105,8 @@ def test_the_tuner_leaves_out_a_tile_whose_product_is_wrong(monkeypatch, tmp_pat
     assert len(fp4._candidates(path, args, allow_gluon=False)) > 1
     real_launch = tune._launch
 
-    def corrupted(path, cfg, *rest):
-        out = real_launch(path, cfg, *rest)
+    def corrupted(path, cfg, *rest, **options):
+        out = real_launch(path, cfg, *rest, **options)
         return out if cfg == default else out * 1.5
 
     monkeypatch.setattr(tune, "_launch", corrupted)

@@ -388,12 +388,12 @@ def test_the_tma_decode_is_a_candidate_only_under_cuda_graphs(monkeypatch):
     """16 tokens on 1024 -> 11008 for the h100 target. Under CUDA graphs the separate mode's q4_tma
     decode is predicted fastest and taken; without them it is no candidate (its opaque op pays a
     Python launch path per call) and the fused kernel is taken."""
-    from graphopt import ops
     from graphopt.kernels import q4_tma
+    from graphopt.ops import quantized_linear
 
     if q4_tma.gluon is None:
         pytest.skip("this Triton has no Gluon: the TMA decode is never costed")
-    monkeypatch.setattr(ops, "_q4_runs_kernels", lambda x: False)  # the capture's run: the fast reference
+    monkeypatch.setattr(quantized_linear, "_q4_runs_kernels", lambda x: False)  # the capture's run: the fast reference
     model, x = torch.nn.Linear(1024, 11008, bias=False).eval(), torch.randn(16, 1024)
     options = dict(target="h100", passes={"q4_linear": True})
     graphed, decisions = capture_rewritten(model, (x,), cuda_graphs=True, **options)

@@ -38,6 +38,9 @@ class KernelConfig:
     # > 0: one-token decode on decode_persistent's Gluon kernel (sm_80+), this many programs per SM; block_n
     # = rows per group (block_n / num_warps per warp), num_stages = chunks loaded ahead (its depth)
     programs_per_sm: int = 0
+    # > 0: the persistent kernel's register cap (ptxas maxnreg): 65536 / (32 x num_warps x programs_per_sm)
+    # lets every program of the tile sit on its SM where the fused prologues would take a few more
+    max_registers: int = 0
 
     @property
     def gluon(self) -> bool:
@@ -96,9 +99,9 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
             for bm, sk in ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 1), (64, 4), (64, 8)))
     + (KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots=True),)
     + tuple(KernelConfig(rows * warps, 1, 8 * decode_persistent.CHUNK_WORDS, num_warps=warps, num_stages=depth,
-                         programs_per_sm=per_sm)
-            for rows, warps, per_sm, depth in ((4, 4, 4, 1), (4, 4, 8, 1), (2, 8, 2, 1), (2, 4, 4, 1), (2, 8, 2, 3),
-                                               (1, 8, 4, 3)))
+                         programs_per_sm=per_sm, max_registers=cap)
+            for rows, warps, per_sm, depth, cap in ((4, 4, 4, 1, 0), (4, 4, 8, 1, 0), (2, 8, 2, 1, 0), (2, 4, 4, 1, 0),
+                                                    (2, 8, 2, 3, 0), (1, 8, 4, 3, 0), (1, 8, 4, 3, 64)))
 )
 # Prefill: the fused dequant-GEMM tiles chosen in those runs.
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (

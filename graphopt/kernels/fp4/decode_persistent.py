@@ -35,6 +35,7 @@ import torch
 
 from graphopt.hardware import compute_capability, sm_count
 from graphopt.kernels.launch import cdiv, launch
+from graphopt.kernels.linear_fusion import NO_FUSION, LinearFusion
 
 try:
     from triton.experimental import gluon
@@ -96,11 +97,14 @@ if gluon is not None:
                                          pack=1)
 
     @gluon.jit
-    def _activation_pairs(x_ptr, K, IS_NVFP4: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr):
+    def _activation_pairs(x_ptr, up_ptr, norm_ptr, K, IS_NVFP4: gl.constexpr, CHUNKS: gl.constexpr,
+                          WARPS: gl.constexpr, GATED: gl.constexpr, NORM: gl.constexpr):
         """CHUNKS x 32 x WARPS units of 32 consecutive K positions, one per thread and chunk, rounded to
         int16 with the unit's step (max |x| / 32767): a0..a3, each (CHUNKS, 4 x THREADS) int32 pairs per
         code word (the lane order of _magnitudes: pair i = elements (4q + i, 4q + i + BS/2) of word q
-        of a scale block), and the steps (CHUNKS, THREADS)."""
+        of a scale block), the steps (CHUNKS, THREADS), and the sum of the squares of x (0.0 unless
+        NORM). GATED: x is silu(x) * up. NORM: x is x * norm (the norm weight), its squares summed
+        before; the row's 1 / rms, a common factor of every unit, is left to the caller."""
         THREADS: gl.constexpr = 32 * WARPS
         XL: gl.constexpr = gl.BlockedLayout([CHUNKS, 1, 32], [1, 32, 1], [1, WARPS, 1], [2, 1, 0])
         c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
@@ -108,6 +112,12 @@ if gluon is not None:
         e = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
         k = c[:, None, None] * (32 * THREADS) + t[None, :, None] * 32 + e[None, None, :]
         x = gl.load(x_ptr + k, mask=k < K, other=0.0).to(gl.float32)  # (CHUNKS, THREADS, 32)
+        if GATED:  # silu(gate) * up, as the model's act_fn(gate_proj(x)) * up_proj(x)
+            x = x / (1.0 + gl.exp(-x)) * gl.load(up_ptr + k, mask=k < K, other=0.0).to(gl.float32)
+        squares = 0.0
+        if NORM:
+            squares = gl.reduce(gl.reduce(gl.reduce(x * x, 2, _add), 1, _add), 0, _add)
+            x = x * gl.load(norm_ptr + k, mask=k < K, other=0.0).to(gl.float32)
         amax = gl.reduce(gl.abs(x), 2, _larger)
         step = gl.where(amax > 0, amax * (1.0 / 32767.0), 1.0)
         inv = gl.where(amax > 0, 32767.0 / amax, 0.0)
@@ -121,7 +131,7 @@ if gluon is not None:
         p01, p23 = gl.split(gl.permute(gl.reshape(pairs, [CHUNKS, 4 * THREADS, 2, 2]), [0, 1, 3, 2]))  # by i // 2
         a0, a1 = gl.split(p01)
         a2, a3 = gl.split(p23)
-        return a0, a1, a2, a3, step
+        return a0, a1, a2, a3, step, squares
 
     @gluon.jit
     def _chunk_tile(ptrs, rows, cols, row0, col0, stride, N, COLS, live, EVEN: gl.constexpr):
@@ -190,14 +200,16 @@ if gluon is not None:
 
     @gluon.jit
     def _fp4_gemv_persistent_kernel(
-        x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, out_ptr,
-        N, K, K_WORDS, stride_wn, stride_sn,
+        x_ptr, words_ptr, scales_ptr, global_scale_ptr, bias_ptr, norm_ptr, residual_ptr, out_ptr,
+        N, K, K_WORDS, stride_wn, stride_sn, norm_eps,
         IS_NVFP4: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
         K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, EVEN: gl.constexpr,
-        E4M3_CVT: gl.constexpr,
+        E4M3_CVT: gl.constexpr, GATED: gl.constexpr, NORM: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
     ):
-        """out[0, n] = x[0, :] @ W[n, :]^T (+ bias). Program p owns the groups p, p + P, ... of ROWS x WARPS
-        rows; warp w the rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
+        """out[0, n] = x[0, :] @ W[n, :]^T (+ bias) (+ residual[0, n]), x through linear_fusion's
+        prologues: GATED, x (1, 2K) = [gate | up] -> silu(gate) * up; NORM, x -> rms_norm(x) * norm (the
+        1 / rms scales the dot, not the bias or the residual). Program p owns the groups p, p + P, ... of
+        ROWS x WARPS rows; warp w the rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
         activations' shared memory holds CHUNKS_PAD >= K_CHUNKS of them (`chunks`: a power of two, at
         least WARPS). EVEN: N is a multiple of the group and K_WORDS of CW (tiles unmasked; look-ahead
         rows past the last group clamped to it). E4M3_CVT: NVFP4 scales by cvt (sm_89+)."""
@@ -233,9 +245,12 @@ if gluon is not None:
                             _chunk_tile(scale_ptrs, r_b, b_b, row, t % K_CHUNKS * NB, stride_sn, N, K_WORDS // WPB,
                                         row < N, EVEN)),)
         # WARPS chunks at a time (a chunk per warp), to bound the registers
+        squares = 0.0
         for s in gl.static_range(CHUNKS_PAD // WARPS):
-            p0, p1, p2, p3, unit_step = _activation_pairs(x_ptr + s * WARPS * CW * 8, K - s * WARPS * CW * 8, IS_NVFP4,
-                                                          1, WARPS)
+            offset = s * WARPS * CW * 8
+            p0, p1, p2, p3, unit_step, part = _activation_pairs(x_ptr + offset, x_ptr + K + offset, norm_ptr + offset,
+                                                                K - offset, IS_NVFP4, 1, WARPS, GATED, NORM)
+            squares += part
             pairs_smem.slice(0 * CHUNKS_PAD + s * WARPS, WARPS).store(gl.reshape(p0, [WARPS, CW]))
             pairs_smem.slice(1 * CHUNKS_PAD + s * WARPS, WARPS).store(gl.reshape(p1, [WARPS, CW]))
             pairs_smem.slice(2 * CHUNKS_PAD + s * WARPS, WARPS).store(gl.reshape(p2, [WARPS, CW]))
@@ -247,6 +262,8 @@ if gluon is not None:
         _cta_barrier()
         # doubled codes; the 2^-8 of e4m3 by bit placement
         multiplier = gl.load(global_scale_ptr) * (128.0 if IS_NVFP4 and not E4M3_CVT else 0.5)
+        if NORM:
+            multiplier = multiplier * gl.rsqrt(squares / K + norm_eps)
         opaque_zero = N >> 31  # N >= 1
         for g in range(first, groups, programs):
             acc = gl.full([GROUP, NB], 0.0, gl.float32, BL)
@@ -269,6 +286,8 @@ if gluon is not None:
             total = gl.reduce(acc, 1, _add) * multiplier
             if HAS_BIAS:
                 total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
+            if HAS_RESIDUAL:
+                total += gl.load(residual_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
             gl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
@@ -311,24 +330,34 @@ def persistent_grid(device_index: int, out_features: int, rows: int, num_warps: 
 
 def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                         bias: torch.Tensor | None, out_features: int, in_features: int, format: str, rows: int = 4,
-                        num_warps: int = 4, programs_per_sm: int = 4, depth: int = 1) -> torch.Tensor:
+                        num_warps: int = 4, programs_per_sm: int = 4, depth: int = 1,
+                        fusion: LinearFusion = NO_FUSION, max_registers: int = 0) -> torch.Tensor:
     """(1, K) x -> (1, N) in x's dtype for a kernel-layout FP4 weight (format.to_kernel_layout): each warp
     owns `rows` rows, min(N / (rows x num_warps), SMs x programs_per_sm) programs; `depth`: chunks loaded
-    ahead of the one decoded."""
+    ahead of the one decoded. `fusion`: the neighbours taken in (linear_fusion; a gated x is (1, 2K)).
+    `max_registers` > 0: ptxas's register cap per thread."""
     if format not in ("nvfp4", "mxfp4"):
         raise ValueError(f"format {format!r}: expected 'nvfp4' or 'mxfp4'")
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != in_features:
-        raise ValueError(f"x of shape {tuple(x.shape)}: expected (1, {in_features})")
+    if max_registers and not 24 <= max_registers <= 255:
+        raise ValueError(f"max_registers {max_registers}: expected 0 (no cap) or 24..255")
+    width = in_features * (2 if fusion.gated else 1)
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width:
+        raise ValueError(f"x of shape {tuple(x.shape)}: expected (1, {width})")
     check_tile(x, rows, num_warps, depth, programs_per_sm)
     k_words = codes.shape[1] // 4
     k_chunks, chunks_pad = chunks(codes.shape[1] * 2, num_warps)
     x = x.contiguous()
     out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
+    norm_weight = fusion.norm_weight.contiguous() if fusion.norm_weight is not None else x
+    residual = fusion.residual.contiguous() if fusion.residual is not None else out
     device = x.get_device()
     grid = persistent_grid(device, out_features, rows, num_warps, programs_per_sm)
-    launch(_fp4_gemv_persistent_kernel, grid, x, codes, scales, global_scale, bias if bias is not None else out, out,
-           out_features, in_features, k_words, k_words, scales.stride(0), IS_NVFP4=format == "nvfp4",
-           HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, EVEN=out_features % (rows * num_warps) == 0 and k_words == k_chunks * CHUNK_WORDS,
-           E4M3_CVT=compute_capability(device) >= (8, 9), num_warps=num_warps)
+    launch(_fp4_gemv_persistent_kernel, grid, x, codes, scales, global_scale, bias if bias is not None else out,
+           norm_weight, residual, out, out_features, in_features, k_words, k_words, scales.stride(0), fusion.norm_eps,
+           IS_NVFP4=format == "nvfp4", HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks,
+           CHUNKS_PAD=chunks_pad, DEPTH=depth,
+           EVEN=out_features % (rows * num_warps) == 0 and k_words == k_chunks * CHUNK_WORDS,
+           E4M3_CVT=compute_capability(device) >= (8, 9), GATED=fusion.gated, NORM=fusion.norm_weight is not None,
+           HAS_RESIDUAL=fusion.residual is not None, num_warps=num_warps,
+           **({"maxnreg": max_registers} if max_registers else {}))
     return out

@@ -25,6 +25,7 @@ from graphopt.kernels.fp4.configs import (_DEFAULT_DECODE, DEQUANT_CONFIG, DEQUA
 from graphopt.kernels.fp4.format import (BLOCK_SIZES, KERNEL_K_MULTIPLE, Fp4KernelWeight, _check_format, _padded_k,
                                          reference_fp4_linear)
 from graphopt.kernels.launch import INTERPRET, cdiv, launch
+from graphopt.kernels.linear_fusion import NO_FUSION, LinearFusion
 from graphopt.kernels.split_k import split_buffers
 
 try:
@@ -63,7 +64,8 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, global_scale: t
 
 
 def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias, out_features: int, in_features: int,
-            format: str, out_dtype: torch.dtype) -> torch.Tensor:
+            format: str, out_dtype: torch.dtype, fusion: LinearFusion = NO_FUSION) -> torch.Tensor:
+    """One launch of `path` on tile `cfg`; `fusion` only on the persistent one-token kernel."""
     m = x2.shape[0]
     n, k_padded = out_features, codes.shape[1] * 2
     bs = BLOCK_SIZES[format]
@@ -80,7 +82,8 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
     if path == "gemv" and cfg.programs_per_sm:  # one token on the persistent Gluon kernel (_runs_here)
         return decode_persistent.fp4_gemv_persistent(
             x2, codes, scales, global_scale, bias, n, in_features, format, rows=cfg.block_n // cfg.num_warps,
-            num_warps=cfg.num_warps, programs_per_sm=cfg.programs_per_sm, depth=cfg.num_stages)
+            num_warps=cfg.num_warps, programs_per_sm=cfg.programs_per_sm, depth=cfg.num_stages, fusion=fusion,
+            max_registers=cfg.max_registers)
     if path == "gemv":  # decode: CUDA cores (BLOCK_M 1-4), tensor cores (BLOCK_M 16-64) or fp4_tma's kernel
         # permute_x (tensor-core tiles only, _valid_config) and tma: x's tiles rearranged once per
         # call, read by every program as they are
@@ -134,10 +137,12 @@ def permuted_activations(x2: torch.Tensor, k_padded: int, words_per_iter: int, b
     return x2.reshape(m, tiles, blocks, 2, wpb, 2, 2).permute(0, 1, 6, 3, 2, 4, 5).reshape(m, k_padded)
 
 
-def _tuned_key(path: str, args: tuple, allow_gluon: bool = True) -> tuple:
+def _tuned_key(path: str, args: tuple, allow_gluon: bool = True, fused: tuple[str, ...] = ()) -> tuple:
+    """The tuned tile's key; `fused`, the neighbours a call took in (linear_fusion), only when there are
+    some (the unfused keys of existing tuning files stay valid)."""
     x2, codes, _, _, bias, out_features, _, format, _ = args
     return (path, _token_bucket(x2.shape[0]), out_features, codes.shape[1] * 2, format, x2.dtype, bias is not None,
-            x2.device.index, allow_gluon)
+            *((tuple(fused),) if fused else ()), x2.device.index, allow_gluon)
 
 
 def default_config(path: str, args: tuple) -> KernelConfig:
@@ -204,19 +209,28 @@ def kernel_string(entries) -> str:
 
 def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                       bias: torch.Tensor | None, out_features: int, in_features: int, format: str, *,
-                      path: str | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+                      path: str | None = None, config: KernelConfig | None = None,
+                      fusion: LinearFusion = NO_FUSION) -> torch.Tensor:
     """y = x @ W^T + bias with W in the kernel layout (to_kernel_layout). x: (..., K) bf16/fp16
     (fp32 is computed from a bf16 copy, output fp32). `path`: gemv | gemm | dequant | None
     (default_path of the token bucket: the cost model's choice comes from the caller, e.g. the pass's
-    kernel string); `config`: the tile (None: default_config; nothing is timed here, see tune.py)."""
+    kernel string); `config`: the tile (None: default_config; nothing is timed here, see tune.py).
+    `fusion`: neighbours taken in (linear_fusion): by the persistent one-token kernel, in torch around
+    the other paths."""
     if triton is None:
         raise RuntimeError("fp4_linear_triton needs Triton; use reference_fp4_linear on CPU")
+    if fusion.active:
+        fusion.check(x, in_features, out_features)
+        if not (path == "gemv" and config is not None and config.programs_per_sm and x.numel() == x.shape[-1]):
+            y = fp4_linear_triton(fusion.prologue(x, in_features), codes, scales, global_scale, bias, out_features,
+                                  in_features, format, path=path, config=config)
+            return fusion.epilogue(y)
     bs = _check_format(format)
     if path is not None and path not in PATHS:
         raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: {', '.join(PATHS)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"fp4_linear: activations must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.shape[-1] != in_features:
+    if x.shape[-1] != fusion.input_width(in_features):
         raise ValueError(f"fp4_linear: x has {x.shape[-1]} features, the weight expects {in_features}")
     k_padded = _padded_k(in_features)
     if codes.dtype != torch.uint8 or tuple(codes.shape) != (out_features, k_padded // 2):
@@ -236,7 +250,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
             raise ValueError(f"fp4_linear: {name} must be contiguous")
     if bias is not None:
         bias = bias.contiguous()  # a strided view of a bias vector is fine: copied (N values) here
-    x2, out_dtype = _activation_rows(x, in_features)
+    x2, out_dtype = _activation_rows(x, fusion.input_width(in_features))
     m = x2.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], out_features))
@@ -255,7 +269,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                          f"int_dots configs; permute_x only on the tensor-core tiles (BLOCK_M 16, 32 or 64); tma tiles: NVFP4, "
                          f"BLOCK_M 16, 32 or 64, BLOCK_K 256, K_padded a multiple of 256, "
                          f"BLOCK_N a multiple of 16 x num_warps; prefill tiles >= 16 without split)")
-    out = _launch(path, cfg, *args)
+    out = _launch(path, cfg, *args, fusion=fusion)
     return out.reshape(*x.shape[:-1], out_features)
 
 

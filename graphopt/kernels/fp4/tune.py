@@ -17,6 +17,7 @@ from graphopt.kernels.fp4.configs import PATHS, KernelConfig, _candidates, _toke
 from graphopt.kernels.fp4.format import reference_fp4_linear
 from graphopt.kernels.fp4.launcher import _TUNED, _activation_rows, _launch, _tuned_key, default_config, kernel_string
 from graphopt.kernels.launch import INTERPRET
+from graphopt.kernels.linear_fusion import NO_FUSION, LinearFusion, example_fusion
 from graphopt.kernels.tuning import NoCorrectTile
 
 _LOG = logging.getLogger(__name__)
@@ -26,7 +27,16 @@ _LOG = logging.getLogger(__name__)
 INT16_ACTIVATION_RTOL = 2**-12
 
 
-def _cold_decode_timer(args: tuple):
+def _call(path: str, cfg: KernelConfig, args: tuple, fusion: LinearFusion = NO_FUSION) -> torch.Tensor:
+    """One launch of the tile, with the neighbours of `fusion` around it as the op runs them: inside
+    the persistent one-token kernel, in torch around the other paths."""
+    if fusion.active and not (path == "gemv" and cfg.programs_per_sm):
+        x2, rest, in_features = args[0], args[1:], args[6]
+        return fusion.epilogue(_launch(path, cfg, fusion.prologue(x2, in_features), *rest))
+    return _launch(path, cfg, *args, fusion=fusion)
+
+
+def _cold_decode_timer(args: tuple, fusion: LinearFusion = NO_FUSION):
     """A decode tile's time as a model step sees it: calls over distinct copies of the weight,
     back to back in one CUDA graph, so each reads from HBM (graphopt.hardware.timing.cold_graph_ms, the
     benchmark's L2-cold timing). do_bench's L2 flush leaves the cache full of dirty lines, and its
@@ -39,37 +49,40 @@ def _cold_decode_timer(args: tuple):
         return None
 
     def time_config(cfg: KernelConfig) -> float:
-        calls = [lambda c=c, s=s: _launch("gemv", cfg, x2, c, s, global_scale, bias, out_features, in_features, format,
-                                          out_dtype) for c, s in weights]
+        calls = [lambda c=c, s=s: _call("gemv", cfg, (x2, c, s, global_scale, bias, out_features, in_features, format,
+                                                     out_dtype), fusion) for c, s in weights]
         return timing.cold_graph_ms(calls, reps=10)
     return time_config
 
 
-def tune_config(path: str, args: tuple, *, allow_gluon: bool = True) -> KernelConfig:
+def tune_config(path: str, args: tuple, *, allow_gluon: bool = True, fusion: LinearFusion = NO_FUSION,
+                fused: tuple[str, ...] = ()) -> KernelConfig:
     """The fastest valid candidate for this shape, timed on the GPU (kept in memory and in the tuning
     file, graphopt.kernels.tuning). For compile time and benchmarks, never for a call inside a
     user's forward: inside a CUDA-graph capture, or without a GPU, it times nothing and returns
     `default_config`. allow_gluon: also time the Gluon decodes (fp4_tma's, decode_persistent's). Only
-    candidates that compute the product are timed (_fastest_right)."""
+    candidates that compute the product are timed (_fastest_right). `fusion`: the neighbours the op
+    took in (their kinds `fused`, part of the key), timed with each tile; fp4_tma's tiles, which would
+    run them in torch outside the CUDA graph's kernels, are not offered then."""
     x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
     if path == "dequant" or INTERPRET or not x2.is_cuda or torch.cuda.is_current_stream_capturing():
         return default_config(path, args)
-    key = _tuned_key(path, args, allow_gluon)
+    key = _tuned_key(path, args, allow_gluon, fused)
     if key in _TUNED:
         return _TUNED[key]
-    candidates = _candidates(path, args, allow_gluon)
+    candidates = [cfg for cfg in _candidates(path, args, allow_gluon) if not (fused and cfg.tma)]
     disk_key = (f"fp4|{tuning.device_key(x2.device.index or 0)}|{key[:-2]}|gluon={allow_gluon}"
                 f"|{tuning.candidates_tag(candidates)}")
     if (stored := tuning.lookup(disk_key)) is not None:
         _TUNED[key] = tuning.decode(KernelConfig, stored)
         return _TUNED[key]
-    time_config = _cold_decode_timer(args) if path == "gemv" else None
+    time_config = _cold_decode_timer(args, fusion) if path == "gemv" else None
     if time_config is None:
         from triton.testing import do_bench
 
         def time_config(cfg):
-            return do_bench(lambda: _launch(path, cfg, *args), warmup=5, rep=20, return_mode="median")
-    best = _fastest_right(path, args, candidates, time_config)
+            return do_bench(lambda: _call(path, cfg, args, fusion), warmup=5, rep=20, return_mode="median")
+    best = _fastest_right(path, args, candidates, time_config, fusion)
     if best is None:
         raise NoCorrectTile(f"no FP4 {path} kernel configuration compiled and computed the product for "
                            f"M={x2.shape[0]} N={out_features} K={in_features}")
@@ -78,19 +91,21 @@ def tune_config(path: str, args: tuple, *, allow_gluon: bool = True) -> KernelCo
     return best
 
 
-def _fastest_right(path: str, args: tuple, candidates: list[KernelConfig], time_config) -> KernelConfig | None:
+def _fastest_right(path: str, args: tuple, candidates: list[KernelConfig], time_config,
+                   fusion: LinearFusion = NO_FUSION) -> KernelConfig | None:
     """The fastest candidate by `time_config` among those that compute the product: each tile's
     output is checked against the float64 reference (reference_fp4_linear) before it is timed, and
     a wrong one is left out with a warning (split-K reductions and inline-asm decodes run only on
     the GPU, so a miscompiled tile can be the fastest). None when no tile runs and agrees."""
     x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
-    reference = reference_fp4_linear(x2.double(), codes, scales, global_scale, bias, out_features, in_features, format)
+    reference = fusion.epilogue(reference_fp4_linear(fusion.prologue(x2.double(), in_features), codes, scales,
+                                                     global_scale, bias, out_features, in_features, format))
     best, best_ms = None, math.inf
     for cfg in candidates:
         try:
             # integer-dot kernels round the activations to int16 steps of the largest in a K tile (or in 32
             # K positions: the persistent kernel)
-            if not tuning.computes_product(_launch(path, cfg, *args), reference,
+            if not tuning.computes_product(_call(path, cfg, args, fusion), reference,
                                            INT16_ACTIVATION_RTOL if cfg.int_dots or cfg.programs_per_sm else 0.0):
                 _LOG.warning("fp4 %s tile %s gives a wrong product at %dx%dx%d (%s); left out of tuning", path, cfg,
                              x2.shape[0], out_features, in_features, format)
@@ -110,18 +125,20 @@ def _bucket_range(m: int) -> tuple[int, int]:
 
 def tune_fp4_linear(tokens: int, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                     bias: torch.Tensor | None, out_features: int, in_features: int, format: str,
-                    act_dtype: torch.dtype, *, allow_gluon: bool, path: str) -> str:
+                    act_dtype: torch.dtype, *, allow_gluon: bool, path: str, fused: tuple[str, ...] = ()) -> str:
     """The `kernel` argument of graphopt::fp4_linear for calls of `tokens` rows on `path` (the cost
     model's choice, graphopt.cost.fp4), its tile chosen now (compile time): "lo-hi=path=<tile>" for
     the token counts lo..hi, or "" where nothing can be timed here (no GPU, the interpreter, a
-    CUDA-graph capture running). Timed on random activations."""
+    CUDA-graph capture running). Timed on random activations, with the neighbours the op took in
+    (`fused`: linear_fusion.FUSIONS names) on random operands."""
     if INTERPRET or not codes.is_cuda or torch.cuda.is_current_stream_capturing() or tokens < 1:
         return ""
     if path not in PATHS:
         raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: {', '.join(PATHS)}")
-    x = torch.randn(tokens, in_features, device=codes.device, dtype=act_dtype)
-    x2, out_dtype = _activation_rows(x, in_features)
+    fusion = example_fusion(fused, tokens, in_features, out_features, act_dtype, codes.device)
+    width = fusion.input_width(in_features)
+    x2, out_dtype = _activation_rows(torch.randn(tokens, width, device=codes.device, dtype=act_dtype), width)
     args = (x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype)
-    cfg = tune_config(path, args, allow_gluon=allow_gluon)
+    cfg = tune_config(path, args, allow_gluon=allow_gluon, fusion=fusion, fused=tuple(fused))
     lo, hi = _bucket_range(tokens)
     return kernel_string([(lo, hi, path, cfg)])

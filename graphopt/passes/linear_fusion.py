@@ -1,0 +1,231 @@
+"""Decode fusion for the weight passes: the neighbours of a one-token quantized linear go into its op.
+
+At one token a decoder layer's RMSNorms, SiLU gate and residual adds each cost Inductor a kernel
+launch for a few kilobytes of work, as much GPU time as a small GEMV (graphopt.kernels.linear_fusion).
+After fp4_linear or q4_linear rewrote the linears, `fuse_decode_neighbours` hands them to the op:
+  - RMSNorm before it, LLaMA's form (`w * (h32 * rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(dt)`
+    with h32 = h.to(float32), the mul in either order, through a no-op full slice as before lm_head):
+    the op reads h, `norm_weight` and `norm_eps`;
+  - a SiLU gate (`silu(gate) * up`, gate and up the two halves of one sibling GEMM's split, in that
+    order): the op reads the GEMM's output whole, `gated=True`;
+  - a residual add after it (`r + y` or `y + r`, r of y's shape and dtype, computed before the op):
+    the op reads r, `residual`.
+A node in a matched chain that is read by anything else stops the match (nothing is computed
+twice); forms not listed (Gemma's 1 + w, LayerNorm, GELU gates) are left as they are. Only calls of
+one token (a static count) are fused; on a GPU only under CUDA graphs (where the one-token kernel
+that takes them in, an opaque Gluon op, may run); never for export (the ONNX forms are the plain
+op's); option `fuse_decode_neighbours=False` turns it off. The op runs the neighbours in its
+one-token kernel and in torch on every other path, so a fused graph computes what the original did.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from graphopt.passes.base import PassContext
+from graphopt.passes.fx_utils import canonical, device, dtype, erase_unused, shape, tokens
+
+_SILU = (F.silu, torch.nn.functional.silu)
+_SPLIT = (torch.split, torch.functional.split, torch.Tensor.split)
+_RSQRT = (torch.rsqrt,)
+_POW = (torch.pow, operator.pow)
+_MEAN = (torch.mean,)
+
+
+def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int) -> dict[fx.Node, list[str]]:
+    """Fuse into every one-token call of `target` (an op with the norm_weight / norm_eps / gated /
+    residual keyword arguments, x its first argument, in_features its argument `in_features_index`).
+    Returns {call: the neighbours it took in, e.g. ["rms_norm", "residual"]}."""
+    if not ctx.config.fuse_decode_neighbours or ctx.for_export:
+        return {}
+    graph = ctx.gm.graph
+    calls = [n for n in graph.find_nodes(op="call_function", target=target)
+             if tokens(n.args[0]) == 1 and (ctx.config.cuda_graphs or getattr(device(n.args[0]), "type", None) == "cpu")]
+    done: dict[fx.Node, list[str]] = {}
+    for call in calls:
+        in_features = call.args[in_features_index]
+        taken = []
+        if not call.kwargs.get("gated") and call.kwargs.get("norm_weight") is None:
+            prologue = _rms_norm(ctx, call.args[0], calls) or _silu_gate(call.args[0], in_features, calls)
+            if prologue is not None:
+                name, source, kwargs, chain = prologue
+                call.update_arg(0, source)
+                call.kwargs = {**call.kwargs, **kwargs}
+                erase_unused(chain, graph)
+                taken.append(name)
+        if call.kwargs.get("residual") is None and (residual := _residual(call)) is not None:
+            add, value = residual
+            call.kwargs = {**call.kwargs, "residual": value}
+            add.replace_all_uses_with(call)
+            graph.erase_node(add)
+            taken.append("residual")
+        if taken:
+            done[call] = taken
+    return done
+
+
+def _read_only_by(node: fx.Node, readers: set[fx.Node]) -> bool:
+    return bool(node.users) and all(user in readers for user in node.users)
+
+
+def _cast_dtype(node: Any) -> torch.dtype | None:
+    """The dtype of a plain dtype cast (`x.to(dt)`, `x.to(dtype=dt)`, `x.type(dt)`, `x.float()`), else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_method":
+        return None
+    if node.target == "float" and len(node.args) == 1 and not node.kwargs:
+        return torch.float32
+    if node.target not in ("to", "type"):
+        return None
+    rest, kwargs = node.args[1:], dict(node.kwargs)
+    if len(rest) == 1 and not kwargs and isinstance(rest[0], torch.dtype):
+        return rest[0]
+    if not rest and set(kwargs) == {"dtype"} and isinstance(kwargs["dtype"], torch.dtype):
+        return kwargs["dtype"]
+    return None
+
+
+def _operands(node: fx.Node) -> tuple[Any, Any] | None:
+    """(a, b) of a binary op call without extra arguments."""
+    if node.kwargs or len(node.args) != 2:
+        return None
+    return node.args[0], node.args[1]
+
+
+def _full_slice(node: fx.Node) -> bool:
+    """x[:, 0:, :] and the like: a getitem that selects everything (HF's logits_to_keep = 0)."""
+    if canonical(node) != "getitem" or not isinstance(node.args[1], tuple):
+        return False
+    return all(isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step is None
+               for s in node.args[1])
+
+
+def _rms_norm(ctx: PassContext, x: Any, calls: list[fx.Node]):
+    """("rms_norm", h, {norm_weight, norm_eps}, chain) where x is LLaMA's RMSNorm of h, else None."""
+    if not isinstance(x, fx.Node):
+        return None
+    readers, out = set(calls), x
+    chain = [x]
+    if _full_slice(x):
+        if not _read_only_by(x, readers):
+            return None
+        readers, x = {x}, x.args[0]
+        chain.append(x)
+    if canonical(x) != "mul" or x.op != "call_function" or (ops := _operands(x)) is None or not _read_only_by(x, readers):
+        return None
+    out_dtype = dtype(out)
+    weight, cast = ops if _cast_dtype(ops[1]) is not None else ops[::-1]
+    if not (isinstance(weight, fx.Node) and weight.op == "placeholder" and ctx.is_model_state(weight)):
+        return None
+    if dtype(weight) != out_dtype or _cast_dtype(cast) != out_dtype or len(cast.users) != 1:
+        return None
+    scaled = cast.args[0]
+    if canonical(scaled) != "mul" or (ops := _operands(scaled)) is None or len(scaled.users) != 1:
+        return None
+    for h32, inv in (ops, ops[::-1]):
+        if not (isinstance(inv, fx.Node) and (inv.target in _RSQRT or (inv.op == "call_method" and inv.target == "rsqrt"))):
+            continue
+        eps_add = inv.args[0]
+        if len(inv.users) != 1 or canonical(eps_add) != "add" or (terms := _operands(eps_add)) is None:
+            return None
+        variance, eps = terms if isinstance(terms[1], (float, int)) else terms[::-1]
+        if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps > 0 or len(eps_add.users) != 1:
+            return None
+        squares = _mean_of_last_dim(variance)
+        if squares is None or not _square_of(squares, h32):
+            return None
+        if _cast_dtype(h32) != torch.float32 or set(h32.users) != {squares, scaled}:
+            return None
+        h = h32.args[0]
+        if not isinstance(h, fx.Node) or dtype(h) != out_dtype:
+            return None
+        chain += [cast, scaled, inv, eps_add, variance, squares, h32]
+        return "rms_norm", h, {"norm_weight": weight, "norm_eps": float(eps)}, chain
+    return None
+
+
+def _mean_of_last_dim(node: Any) -> fx.Node | None:
+    """p where node is p.mean(-1, keepdim=True) (or the last dim by index), read once."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return None
+    if not (node.target in _MEAN or (node.op == "call_method" and node.target == "mean")):
+        return None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    rank = len(shape(node.args[0]) or ())
+    if isinstance(dims, (list, tuple)) and len(dims) == 1:
+        dims = dims[0]
+    if dims not in (-1, rank - 1) or node.kwargs.get("keepdim") is not True or len(node.args) > 2:
+        return None
+    return node.args[0]
+
+
+def _square_of(node: Any, base: fx.Node) -> bool:
+    """node is base ** 2 (pow) or base * base, read once."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return False
+    if node.target in _POW or (node.op == "call_method" and node.target == "pow"):
+        return tuple(node.args) == (base, 2) and not node.kwargs
+    return canonical(node) == "mul" and _operands(node) == (base, base)
+
+
+def _silu_gate(x: Any, in_features: int, calls: list[fx.Node]):
+    """("silu_gate", packed, {gated}, chain) where x is silu(gate) * up with gate, up = packed.split(
+    [in_features, in_features], -1), else None."""
+    if not isinstance(x, fx.Node) or canonical(x) != "mul" or (ops := _operands(x)) is None:
+        return None
+    if not _read_only_by(x, set(calls)):
+        return None
+    silu, up = ops if _is_silu(ops[0]) else ops[::-1]
+    if not _is_silu(silu) or len(silu.users) != 1 or not isinstance(up, fx.Node):
+        return None
+    gate = silu.args[0]
+    parts = [gate, up]
+    if any(canonical(p) != "getitem" or len(p.users) != 1 for p in parts):
+        return None
+    split = gate.args[0]
+    if up.args[0] is not split or (gate.args[1], up.args[1]) != (0, 1) or len(split.users) != 2:
+        return None
+    if split.target not in _SPLIT and not (split.op == "call_method" and split.target == "split"):
+        return None
+    packed = split.args[0]
+    sizes = split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size_or_sections")
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    packed_shape = shape(packed)
+    if packed_shape is None or dim not in (-1, len(packed_shape) - 1) or packed_shape[-1] != 2 * in_features:
+        return None
+    halves = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes, sizes]
+    if halves != [in_features, in_features]:
+        return None
+    if dtype(packed) != dtype(x):
+        return None
+    return "silu_gate", packed, {"gated": True}, [x, silu, gate, up, split]
+
+
+def _is_silu(node: Any) -> bool:
+    return (isinstance(node, fx.Node) and not node.kwargs.get("inplace", False) and len(node.args) == 1
+            and (node.target in _SILU or (node.op == "call_method" and node.target == "silu")))
+
+
+def _residual(call: fx.Node):
+    """(the add, r) where the call's one reader is r + call or call + r, r of the call's shape and
+    dtype and computed before it; else None."""
+    if len(call.users) != 1:
+        return None
+    add = next(iter(call.users))
+    if canonical(add) != "add" or add.target in (operator.iadd,) or (ops := _operands(add)) is None:
+        return None
+    if add.op == "call_method" and add.target != "add":
+        return None
+    other = ops[1] if ops[0] is call else ops[0]
+    if other is call or not isinstance(other, fx.Node) or call not in ops:
+        return None
+    if shape(other) is None or shape(other) != shape(call) or dtype(other) != dtype(call) or dtype(add) != dtype(call):
+        return None
+    order = {node: i for i, node in enumerate(call.graph.nodes)}
+    if order[other] > order[call]:
+        return None
+    return add, other

@@ -1,0 +1,141 @@
+"""Decode fusion (graphopt.passes.linear_fusion): at one token the RMSNorms, the SiLU gate and the
+residual adds of a LLaMA layer go into the quantized linears' op, and the outputs stay those of the
+unfused graph; chains read by anything else, other token counts and other forms are left alone."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphopt
+from graphopt.passes import GraphPass, register_extra_pass, unregister_extra_pass
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(dtype=torch.float32, layers=2):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      rms_norm_eps=1e-5)
+    return transformers.LlamaForCausalLM(config).eval().to(dtype)
+
+
+def _explain(model, ids, **options):
+    return graphopt.explain(model, ids, passes={"fp4_linear": True}, force=True, downstream="eager", **options)
+
+
+def _fused(report):
+    return [d.details.get("fused", []) for d in report.decisions if d.pass_name == "fp4_linear" and d.applied]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_llama_layers_take_their_norms_gate_and_residuals_in_and_compute_the_same(dtype):
+    model = _llama(dtype)
+    ids = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(3))
+    fused = _explain(model, ids)
+    plain = _explain(model, ids, fuse_decode_neighbours=False)
+    # per layer: q/k/v (one call) and gate/up (one call) take their RMSNorm, o_proj the residual, down_proj the
+    # gate and the residual; lm_head the final norm (through HF's no-op slice)
+    by_location = {d.location: d.details.get("fused") for d in fused.decisions if d.pass_name == "fp4_linear"}
+    for i in range(2):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert by_location[f"model.layers.{i}.self_attn.{name}"] == ["rms_norm"]
+        assert by_location[f"model.layers.{i}.self_attn.o_proj"] == ["residual"]
+        assert by_location[f"model.layers.{i}.mlp.gate_proj"] == ["rms_norm"]
+        assert by_location[f"model.layers.{i}.mlp.up_proj"] == ["rms_norm"]
+        assert by_location[f"model.layers.{i}.mlp.down_proj"] == ["silu_gate", "residual"]
+    assert by_location["lm_head"] == ["rms_norm"]
+    assert all(not f for f in _fused(plain))
+    # the op computes the neighbours as the model did, op for op (the CPU path): the same logits
+    torch.testing.assert_close(fused.output.logits, plain.output.logits, atol=0, rtol=0)
+
+
+class _Targets(GraphPass):
+    """Records the call targets of the graph the registry's passes left (run after them)."""
+    name = "record_targets"
+    lossless = True
+
+    def __init__(self):
+        self.targets = []
+
+    def run(self, ctx):
+        self.targets = [str(n.target) for n in ctx.gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def test_the_fused_graph_has_no_norm_gate_or_residual_ops_left():
+    model = _llama()
+    ids = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(4))
+    recorder = _Targets()
+    register_extra_pass(recorder)
+    try:
+        _explain(model, ids)
+    finally:
+        unregister_extra_pass(recorder.name)
+    targets = recorder.targets
+    assert not any("rsqrt" in t or "silu" in t or t in ("pow", "mean") for t in targets), targets
+    assert sum("fp4_linear" in t for t in targets) == 2 * 4 + 1  # qkv, o, gate/up, down per layer; lm_head
+    assert "<built-in function add>" in targets  # RoPE's adds stay: only the residual adds went in
+
+
+def test_prefill_is_not_fused():
+    model = _llama()
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    prefill = _explain(model, ids)
+    assert _fused(prefill) and all(not f for f in _fused(prefill))
+    torch.testing.assert_close(prefill.output.logits, _explain(model, ids, fuse_decode_neighbours=False).output.logits,
+                               atol=0, rtol=0)
+
+
+class _NormReadTwice(torch.nn.Module):
+    """A LLaMA-style RMSNorm whose output also leaves the graph: it must stay computed."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(width, eps=1e-5)
+        self.proj = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, h):
+        normed = self.norm(h)
+        return self.proj(normed), normed
+
+
+class _GemmaNorm(torch.nn.Module):
+    """(1 + w) RMSNorm and a GELU gate: forms the fusion does not take."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width) * 0.1)
+        self.gate_up = torch.nn.Linear(width, 2 * width, bias=False)
+        self.down = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, h):
+        x = h.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        x = (x * (1.0 + self.weight.float())).to(h.dtype)
+        gate, up = self.gate_up(x).split([64, 64], -1)
+        return h + self.down(F.gelu(gate) * up)
+
+
+class _BroadcastResidual(torch.nn.Module):
+    def __init__(self, width=64):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width, bias=False)
+        self.shift = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, h):
+        return self.proj(h) + self.shift  # (width,) broadcast: not a residual of the output's shape
+
+
+@pytest.mark.parametrize("model,expected", [(_NormReadTwice(), {"proj": []}),
+                                            (_GemmaNorm(), {"gate_up": [], "down": ["residual"]}),
+                                            (_BroadcastResidual(), {"proj": []})],
+                         ids=["norm-read-twice", "gemma-norm-gelu-gate", "broadcast-add"])
+def test_forms_it_does_not_take_are_left_alone_and_compute_the_same(model, expected):
+    model = model.eval()
+    h = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(5))
+    report = _explain(model, h)
+    got = {d.location: d.details.get("fused", []) for d in report.decisions if d.pass_name == "fp4_linear" and d.applied}
+    assert got == expected
+    plain = _explain(model, h, fuse_decode_neighbours=False).output
+    for fused_out, plain_out in zip(*(o if isinstance(o, tuple) else (o,) for o in (report.output, plain))):
+        torch.testing.assert_close(fused_out, plain_out, atol=0, rtol=0)
