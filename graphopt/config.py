@@ -102,8 +102,8 @@ class GraphOptConfig:
     fp4_format: str = "nvfp4"
     q4_mode: str = "auto"
     fuse_sibling_linears: bool = True  # fp4_linear / q4_linear: one quantized GEMM for linears sharing an input
-    # fp4_linear / q4_linear at one token: the RMSNorm before a linear, the SiLU gate and the residual add
-    # after it run inside its kernel (graphopt.passes.linear_fusion)
+    # fp4_linear at one token: the RMSNorm before a linear, the SiLU gate and the residual add after it
+    # run inside its kernel (graphopt.passes.linear_fusion)
     fuse_decode_neighbours: bool = True
     # Replay the compiled graph from CUDA graphs (Inductor's CUDA-graph trees, as mode="reduce-overhead"
     # gives; torch.compile refuses mode= together with options=). Removes the host's launch path,

@@ -2,7 +2,7 @@
 
 At batch 1 a decoder layer's small ops cost a launch each, as much as their work: a LLaMA layer runs
 two RMSNorms, a SiLU gate and two residual adds around four GEMVs. A weight pass that rewrote the
-linears (fp4_linear, q4_linear) hands them to the GEMV instead (graphopt.passes.linear_fusion):
+linears (fp4_linear) hands them to the GEMV instead (graphopt.passes.linear_fusion):
   - prologue `norm_weight` / `norm_eps`: x -> RMSNorm(x) * norm_weight, LLaMA's form (fp32 mean of
     squares, rsqrt(mean + eps), the normalised row rounded to x's dtype, times the weight);
   - prologue `gated`: x holds [gate | up] side by side (2K wide) -> silu(gate) * up;

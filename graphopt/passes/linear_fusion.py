@@ -2,7 +2,8 @@
 
 At one token a decoder layer's RMSNorms, SiLU gate and residual adds each cost Inductor a kernel
 launch for a few kilobytes of work, as much GPU time as a small GEMV (graphopt.kernels.linear_fusion).
-After fp4_linear or q4_linear rewrote the linears, `fuse_decode_neighbours` hands them to the op:
+After fp4_linear rewrote the linears, `fuse_decode_neighbours` hands them to its op (q4_linear's
+one-token kernel does not take them):
   - RMSNorm before it, LLaMA's form (`w * (h32 * rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(dt)`
     with h32 = h.to(float32), the mul in either order, through a no-op full slice as before lm_head):
     the op reads h, `norm_weight` and `norm_eps`;
@@ -97,11 +98,16 @@ def _operands(node: fx.Node) -> tuple[Any, Any] | None:
 
 
 def _full_slice(node: fx.Node) -> bool:
-    """x[:, 0:, :] and the like: a getitem that selects everything (HF's logits_to_keep = 0)."""
+    """x[:, 0:, :], x[:, -1:, :] of one token and the like: a getitem of slices that select all of
+    x (HF's logits_to_keep)."""
     if canonical(node) != "getitem" or not isinstance(node.args[1], tuple):
         return False
-    return all(isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step is None
-               for s in node.args[1])
+    sizes = shape(node.args[0])
+    if sizes is None or len(node.args[1]) > len(sizes):
+        return False
+    return all(isinstance(s, slice) and s.stop is None and s.step is None
+               and (s.start in (None, 0) or (isinstance(s.start, int) and s.start <= -size))
+               for s, size in zip(node.args[1], sizes))
 
 
 def _rms_norm(ctx: PassContext, x: Any, calls: list[fx.Node]):

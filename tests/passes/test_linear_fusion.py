@@ -139,3 +139,23 @@ def test_forms_it_does_not_take_are_left_alone_and_compute_the_same(model, expec
     plain = _explain(model, h, fuse_decode_neighbours=False).output
     for fused_out, plain_out in zip(*(o if isinstance(o, tuple) else (o,) for o in (report.output, plain))):
         torch.testing.assert_close(fused_out, plain_out, atol=0, rtol=0)
+
+
+class _LastLogits(torch.nn.Module):
+    """The decode loop's call: logits of the last position only (HF's x[:, -1:, :] before lm_head)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, logits_to_keep=1).logits
+
+
+def test_lm_head_takes_the_final_norm_through_the_last_position_slice_of_one_token():
+    wrapped = _LastLogits(_llama()).eval()
+    one = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(7))
+    fused = _explain(wrapped, one)
+    by_location = {d.location: d.details.get("fused") for d in fused.decisions if d.pass_name == "fp4_linear"}
+    assert by_location["model.lm_head"] == ["rms_norm"]
+    torch.testing.assert_close(fused.output, _explain(wrapped, one, fuse_decode_neighbours=False).output, atol=0, rtol=0)
