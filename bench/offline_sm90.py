@@ -112,6 +112,17 @@ def print_word_loop(sass: str, words_per_thread: float) -> None:
               f"weight word; top {top}")
 
 
+def print_before_loop(sass: str) -> None:
+    """The instructions a program runs before its last loop (a persistent kernel's group loop): its
+    prologue, which every program of the grid pays once."""
+    label = loops(sass)[-1][0]
+    before = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)",
+                                              sass[:sass.index(label + ":")], re.M)]
+    counts = collections.Counter(op.split(".")[0] for op in before)
+    print(f"  before the group loop: {len(before)} instructions; BAR {counts['BAR']}, SHFL {counts['SHFL']}, "
+          f"MUFU {counts['MUFU']}, LDG {counts['LDG']}")
+
+
 def print_prologue(sass: str) -> None:
     """A program's memory operations and barrier waits before its first warpgroup MMA, in code
     order: the loads a program waits on, one after another, before its first tile can start."""
@@ -305,14 +316,15 @@ def persistent(args) -> None:
         consts.update(IS_NVFP4=args.format == "nvfp4", EVEN=k_chunks * fp4_persistent.CHUNK_WORDS * 8 == args.k,
                       E4M3_CVT=True, GATED="silu_gate" in args.fused, NORM="rms_norm" in args.fused,
                       HAS_RESIDUAL="residual" in args.fused)
-    div16 = [n for n in ("x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "N", "stride_wn", "stride_sn",
-                         "stride_sb", "stride_xm", "stride_om") if n in fn.arg_names]
+    div16 = [n for n in ("x_ptr", "words_ptr", "scales_ptr", "out_ptr", "norm_ptr", "residual_ptr", "K", "K_WORDS", "N",
+                         "stride_wn", "stride_sn", "stride_sb", "stride_xm", "stride_om") if n in fn.arg_names]
     kernel = compile_sm90(fn, types, consts, div16, args.warps, gluon=True)
     sass, resources = sass_and_resources(kernel)
     print(f"persistent {args.format} rows={args.rows} warps={args.warps} K={args.k} depth={args.depth} "
           f"tokens={args.tokens}: {resources}")
     # the group loop holds every chunk of a row, unrolled: rows x 4 words per lane and chunk
     print_word_loop(sass, args.rows * 4 * k_chunks)
+    print_before_loop(sass)
 
 
 def pool(args) -> None:
