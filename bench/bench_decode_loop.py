@@ -13,7 +13,7 @@ measures that one). Variants (--variants):
   layers' linears in 4 bits, groups of 128, aten's tinygemm kernel), compiled by Inductor;
 - graphopt, graphopt-fp4, graphopt-q4: graphopt.backend() with its default passes, with
   fp4_linear, with q4_linear (--force: force=True for the last two);
-- graphopt-fp4-unfused, graphopt-q4-unfused (only when named): the same without the decode fusion
+- graphopt-fp4-unfused (only when named): graphopt-fp4 without the decode fusion
   (fuse_decode_neighbours=False), the ablation of graphopt.passes.linear_fusion.
 
 Each compiled variant runs once per --modes entry (default reduce-overhead, i.e. CUDA graphs).

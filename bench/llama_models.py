@@ -36,8 +36,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                intermediate_size=14336, vocab_size=128256, rope_parameters=_ROPE),
 }
 VARIANTS: tuple[str, ...] = ("eager", "inductor", "int4", "graphopt", "graphopt-fp4", "graphopt-q4")
-# ablations, run only when named: the 4-bit passes without their decode fusion (fuse_decode_neighbours=False)
-ABLATIONS: tuple[str, ...] = ("graphopt-fp4-unfused", "graphopt-q4-unfused")
+# ablations, run only when named: fp4_linear without its decode fusion (fuse_decode_neighbours=False)
+ABLATIONS: tuple[str, ...] = ("graphopt-fp4-unfused",)
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 INT4_GROUP = 128  # gpt-fast's default groupsize
 INT4_INNER_K_TILES = 8
@@ -112,7 +112,6 @@ def compile_kwargs(variant: str, mode: str, force: bool) -> dict[str, Any] | Non
     options = {"graphopt": {}, "graphopt-fp4": dict(passes={"fp4_linear": True}, **lossy),
                "graphopt-q4": dict(passes={"q4_linear": True}, **lossy),
                "graphopt-fp4-unfused": dict(passes={"fp4_linear": True}, fuse_decode_neighbours=False, **lossy),
-               "graphopt-q4-unfused": dict(passes={"q4_linear": True}, fuse_decode_neighbours=False, **lossy),
                # tensor-parallel models (bench_tensor_parallel.py): DTensor's all-reduces as graphopt::all_reduce
                "graphopt-allreduce": dict(passes={"all_reduce": True}, **lossy),
                "graphopt-fp4-allreduce": dict(passes={"fp4_linear": True, "all_reduce": True}, **lossy)}[variant]

@@ -42,8 +42,9 @@ class LinearFusion:
             raise ValueError(f"x has {x.shape[-1]} features; the weight expects {width}"
                              + (" ([gate | up] of a gated prologue)" if self.gated else ""))
         if self.norm_weight is not None:
-            if tuple(self.norm_weight.shape) != (in_features,):
-                raise ValueError(f"norm_weight must be ({in_features},), got {tuple(self.norm_weight.shape)}")
+            if tuple(self.norm_weight.shape) != (in_features,) or self.norm_weight.dtype != x.dtype:
+                raise ValueError(f"norm_weight must be {x.dtype} ({in_features},) (x's dtype), got "
+                                 f"{self.norm_weight.dtype} {tuple(self.norm_weight.shape)}")
             if not self.norm_eps > 0:
                 raise ValueError(f"norm_eps must be > 0 with a norm_weight, got {self.norm_eps}")
         if self.residual is not None:
@@ -51,6 +52,9 @@ class LinearFusion:
             if tuple(self.residual.shape) != expected or self.residual.dtype != x.dtype:
                 raise ValueError(f"residual must be {x.dtype} {expected} (the output's shape and dtype), got "
                                  f"{self.residual.dtype} {tuple(self.residual.shape)}")
+        for name, t in (("norm_weight", self.norm_weight), ("residual", self.residual)):
+            if t is not None and t.device != x.device:
+                raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
 
     def prologue(self, x: torch.Tensor, in_features: int) -> torch.Tensor:
         """The linear's input from x, as the model computed it."""

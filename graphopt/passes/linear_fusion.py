@@ -11,12 +11,14 @@ one-token kernel does not take them):
     order): the op reads the GEMM's output whole, `gated=True`;
   - a residual add after it (`r + y` or `y + r`, r of y's shape and dtype, computed before the op):
     the op reads r, `residual`.
-A node in a matched chain that is read by anything else stops the match (nothing is computed
-twice); forms not listed (Gemma's 1 + w, LayerNorm, GELU gates) are left as they are. Only calls of
-one token (a static count) are fused; on a GPU only under CUDA graphs (where the one-token kernel
-that takes them in, an opaque Gluon op, may run); never for export (the ONNX forms are the plain
-op's); option `fuse_decode_neighbours=False` turns it off. The op runs the neighbours in its
-one-token kernel and in torch on every other path, so a fused graph computes what the original did.
+A node of a matched chain that is read outside the chain stops the match (a norm read by several
+fused calls is computed in each of them). The op reads h, r or the gate/up output where it runs, not
+where the model read them, so a match is also stopped by any in-place operation in between. Forms not
+listed (Gemma's 1 + w, LayerNorm, GELU gates) are left as they are. Only calls of one token (a static
+count) are fused; on a GPU only under CUDA graphs and in bf16 / fp16 (where the one-token kernel that
+takes them in, an opaque Gluon op, may run); never for export (the ONNX forms are the plain op's);
+option `fuse_decode_neighbours=False` turns it off. The op runs the neighbours in its one-token
+kernel and in torch on every other path, so a fused graph computes what the original did.
 """
 
 from __future__ import annotations
@@ -45,15 +47,14 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
     if not ctx.config.fuse_decode_neighbours or ctx.for_export:
         return {}
     graph = ctx.gm.graph
-    calls = [n for n in graph.find_nodes(op="call_function", target=target)
-             if tokens(n.args[0]) == 1 and (ctx.config.cuda_graphs or getattr(device(n.args[0]), "type", None) == "cpu")]
+    calls = [n for n in graph.find_nodes(op="call_function", target=target) if _eligible(ctx, n)]
     done: dict[fx.Node, list[str]] = {}
     for call in calls:
         in_features = call.args[in_features_index]
         taken = []
         if not call.kwargs.get("gated") and call.kwargs.get("norm_weight") is None:
-            prologue = _rms_norm(ctx, call.args[0], calls) or _silu_gate(call.args[0], in_features, calls)
-            if prologue is not None:
+            prologue = _rms_norm(ctx, call.args[0], in_features, calls) or _silu_gate(call.args[0], in_features, calls)
+            if prologue is not None and not _mutation_between(prologue[3][-1], call):
                 name, source, kwargs, chain = prologue
                 call.update_arg(0, source)
                 call.kwargs = {**call.kwargs, **kwargs}
@@ -68,6 +69,46 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
         if taken:
             done[call] = taken
     return done
+
+
+def _eligible(ctx: PassContext, call: fx.Node) -> bool:
+    """A call of one token, on the CPU (the op's torch form) or, under CUDA graphs, in bf16 / fp16 on a
+    GPU (where the one-token kernel may run; an fp32 call never reaches it)."""
+    x = call.args[0]
+    if tokens(x) != 1:
+        return False
+    where = getattr(device(x), "type", None)
+    return where == "cpu" or (where == "cuda" and ctx.config.cuda_graphs
+                              and dtype(x) in (torch.bfloat16, torch.float16))
+
+
+_IN_PLACE_FUNCTIONS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether a node may write a tensor in place (conservatively: any module call)."""
+    if node.op == "call_module":
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in _IN_PLACE_FUNCTIONS:
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _mutation_between(first: fx.Node, last: fx.Node) -> bool:
+    """Whether a node after `first` and before `last`, in graph order, may write a tensor in place."""
+    node = first.next
+    while node is not last and node.op != "root":
+        if _mutates(node):
+            return True
+        node = node.next
+    return False
 
 
 def _read_only_by(node: fx.Node, readers: set[fx.Node]) -> bool:
@@ -110,8 +151,9 @@ def _full_slice(node: fx.Node) -> bool:
                for s, size in zip(node.args[1], sizes))
 
 
-def _rms_norm(ctx: PassContext, x: Any, calls: list[fx.Node]):
-    """("rms_norm", h, {norm_weight, norm_eps}, chain) where x is LLaMA's RMSNorm of h, else None."""
+def _rms_norm(ctx: PassContext, x: Any, in_features: int, calls: list[fx.Node]):
+    """("rms_norm", h, {norm_weight, norm_eps}, chain) where x is LLaMA's RMSNorm of h with a (K,) model
+    parameter as its weight, else None; the chain ends with the node that reads h."""
     if not isinstance(x, fx.Node):
         return None
     readers, out = set(calls), x
@@ -125,7 +167,8 @@ def _rms_norm(ctx: PassContext, x: Any, calls: list[fx.Node]):
         return None
     out_dtype = dtype(out)
     weight, cast = ops if _cast_dtype(ops[1]) is not None else ops[::-1]
-    if not (isinstance(weight, fx.Node) and weight.op == "placeholder" and ctx.is_model_state(weight)):
+    if not (isinstance(weight, fx.Node) and weight.op == "placeholder" and ctx.is_model_state(weight)
+            and not ctx.is_lifted_scalar(weight) and shape(weight) == (in_features,)):
         return None
     if dtype(weight) != out_dtype or _cast_dtype(cast) != out_dtype or len(cast.users) != 1:
         return None
@@ -175,12 +218,12 @@ def _square_of(node: Any, base: fx.Node) -> bool:
         return False
     if node.target in _POW or (node.op == "call_method" and node.target == "pow"):
         return tuple(node.args) == (base, 2) and not node.kwargs
-    return canonical(node) == "mul" and _operands(node) == (base, base)
+    return canonical(node) == "mul" and not _mutates(node) and _operands(node) == (base, base)
 
 
 def _silu_gate(x: Any, in_features: int, calls: list[fx.Node]):
     """("silu_gate", packed, {gated}, chain) where x is silu(gate) * up with gate, up = packed.split(
-    [in_features, in_features], -1), else None."""
+    [in_features, in_features], -1), else None; the chain ends with the split, which reads packed."""
     if not isinstance(x, fx.Node) or canonical(x) != "mul" or (ops := _operands(x)) is None:
         return None
     if not _read_only_by(x, set(calls)):
@@ -222,7 +265,7 @@ def _residual(call: fx.Node):
     if len(call.users) != 1:
         return None
     add = next(iter(call.users))
-    if canonical(add) != "add" or add.target in (operator.iadd,) or (ops := _operands(add)) is None:
+    if canonical(add) != "add" or _mutates(add) or (ops := _operands(add)) is None:
         return None
     if add.op == "call_method" and add.target != "add":
         return None
@@ -232,6 +275,6 @@ def _residual(call: fx.Node):
     if shape(other) is None or shape(other) != shape(call) or dtype(other) != dtype(call) or dtype(add) != dtype(call):
         return None
     order = {node: i for i, node in enumerate(call.graph.nodes)}
-    if order[other] > order[call]:
+    if order[other] > order[call] or _mutation_between(call, add):
         return None
     return add, other

@@ -8,7 +8,7 @@ from graphopt.kernels import fp4, tuning
 from graphopt.kernels.fp4 import FORMATS, KernelConfig
 from graphopt.kernels.fp4 import tune
 from graphopt.kernels.fp4.launcher import _activation_rows
-from tests.kernels.test_fp4 import _case
+from tests.kernels.test_fp4 import DEVICE, _case
 
 
 def _args(x, kw, b, n, k, fmt):
@@ -65,6 +65,32 @@ def test_a_tile_with_non_finite_output_is_left_out(monkeypatch):
     monkeypatch.setattr(tune, "_launch", launch)
     assert tune._fastest_right("gemv", args, [nan_tile, right], lambda cfg: 1.0 if cfg == nan_tile else 2.0) == right
     assert tune._fastest_right("gemv", args, [nan_tile], lambda cfg: 1.0) is None
+
+
+@pytest.mark.parametrize("fused", [("rms_norm", "residual"), ("silu_gate",)], ids="+".join)
+def test_a_fused_call_is_checked_and_timed_with_its_neighbours(monkeypatch, fused):
+    """With the neighbours a call took in, each tile runs with them (in torch around the tiles that
+    do not take them) against the float64 reference of the whole computation: the right tiles pass,
+    a tile that skips the epilogue does not."""
+    from graphopt.kernels.linear_fusion import example_fusion
+
+    n, k = 24, 128
+    torch.manual_seed(14)
+    fusion = example_fusion(fused, 1, k, n, torch.float16, DEVICE)
+    x, kw, b, _ = _case("nvfp4", 1, n, k, torch.float16, True, seed=14)
+    x = torch.randn(1, fusion.input_width(k), generator=torch.Generator().manual_seed(15)).to(x.device, x.dtype)
+    x2, out_dtype = _activation_rows(x, fusion.input_width(k))
+    args = (x2, kw.codes, kw.scales.view(torch.uint8), kw.global_scale, b, n, k, "nvfp4", out_dtype)
+    skips, right = KernelConfig(16, 1, 64, num_stages=1), KernelConfig(16, 1, 128, num_stages=1)
+    real_call = tune._call
+
+    def call(path, cfg, args, fusion):
+        out = real_call(path, cfg, args, fusion)
+        return out - fusion.residual if cfg == skips and fusion.residual is not None else out
+
+    monkeypatch.setattr(tune, "_call", call)
+    picked = tune._fastest_right("gemv", args, [skips, right], lambda cfg: 1.0 if cfg == skips else 2.0, fusion)
+    assert picked == (right if "residual" in fused else skips)
 
 
 @pytest.mark.gpu

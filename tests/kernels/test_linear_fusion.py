@@ -33,8 +33,12 @@ def test_bad_arguments_name_the_problem():
     x = torch.randn(1, 64)
     with pytest.raises(ValueError, match=r"x has 64 features; the weight expects 128 \(\[gate \| up\]"):
         LinearFusion(gated=True).check(x, 64, 16)
-    with pytest.raises(ValueError, match=r"norm_weight must be \(64,\)"):
+    with pytest.raises(ValueError, match=r"norm_weight must be torch.float32 \(64,\) \(x's dtype\), got torch.float32 \(32,\)"):
         LinearFusion(norm_weight=torch.ones(32), norm_eps=1e-5).check(x, 64, 16)
+    with pytest.raises(ValueError, match=r"norm_weight must be torch.float32 \(64,\) \(x's dtype\), got torch.bfloat16"):
+        LinearFusion(norm_weight=torch.ones(64, dtype=torch.bfloat16), norm_eps=1e-5).check(x, 64, 16)
+    with pytest.raises(ValueError, match="residual is on meta but x is on cpu"):
+        LinearFusion(residual=torch.ones(1, 16, device="meta")).check(x, 64, 16)
     with pytest.raises(ValueError, match="norm_eps must be > 0"):
         LinearFusion(norm_weight=torch.ones(64)).check(x, 64, 16)
     with pytest.raises(ValueError, match=r"residual must be torch.float32 \(1, 16\)"):

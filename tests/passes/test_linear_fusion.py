@@ -50,28 +50,33 @@ def test_one_token_llama_layers_take_their_norms_gate_and_residuals_in_and_compu
     torch.testing.assert_close(fused.output.logits, plain.output.logits, atol=0, rtol=0)
 
 
-class _Targets(GraphPass):
-    """Records the call targets of the graph the registry's passes left (run after them)."""
-    name = "record_targets"
+class _Calls(GraphPass):
+    """Records (target, args) of every call in the graph the registry's passes left (run after them)."""
+    name = "record_calls"
     lossless = True
 
     def __init__(self):
-        self.targets = []
+        self.calls = []
 
     def run(self, ctx):
-        self.targets = [str(n.target) for n in ctx.gm.graph.nodes if n.op in ("call_function", "call_method")]
+        self.calls = [(n.target, n.args) for n in ctx.gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def _explain_recording_calls(model, ids):
+    recorder = _Calls()
+    register_extra_pass(recorder)
+    try:
+        report = _explain(model, ids)
+    finally:
+        unregister_extra_pass(recorder.name)
+    return report, recorder.calls
 
 
 def test_the_fused_graph_has_no_norm_gate_or_residual_ops_left():
     model = _llama()
     ids = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(4))
-    recorder = _Targets()
-    register_extra_pass(recorder)
-    try:
-        _explain(model, ids)
-    finally:
-        unregister_extra_pass(recorder.name)
-    targets = recorder.targets
+    _, calls = _explain_recording_calls(model, ids)
+    targets = [str(target) for target, _ in calls]
     assert not any("rsqrt" in t or "silu" in t or t in ("pow", "mean") for t in targets), targets
     assert sum("fp4_linear" in t for t in targets) == 2 * 4 + 1  # qkv, o, gate/up, down per layer; lm_head
     assert "<built-in function add>" in targets  # RoPE's adds stay: only the residual adds went in
@@ -126,21 +131,6 @@ class _BroadcastResidual(torch.nn.Module):
         return self.proj(h) + self.shift  # (width,) broadcast: not a residual of the output's shape
 
 
-@pytest.mark.parametrize("model,expected", [(_NormReadTwice(), {"proj": []}),
-                                            (_GemmaNorm(), {"gate_up": [], "down": ["residual"]}),
-                                            (_BroadcastResidual(), {"proj": []})],
-                         ids=["norm-read-twice", "gemma-norm-gelu-gate", "broadcast-add"])
-def test_forms_it_does_not_take_are_left_alone_and_compute_the_same(model, expected):
-    model = model.eval()
-    h = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(5))
-    report = _explain(model, h)
-    got = {d.location: d.details.get("fused", []) for d in report.decisions if d.pass_name == "fp4_linear" and d.applied}
-    assert got == expected
-    plain = _explain(model, h, fuse_decode_neighbours=False).output
-    for fused_out, plain_out in zip(*(o if isinstance(o, tuple) else (o,) for o in (report.output, plain))):
-        torch.testing.assert_close(fused_out, plain_out, atol=0, rtol=0)
-
-
 class _LastLogits(torch.nn.Module):
     """The decode loop's call: logits of the last position only (HF's x[:, -1:, :] before lm_head)."""
 
@@ -159,3 +149,107 @@ def test_lm_head_takes_the_final_norm_through_the_last_position_slice_of_one_tok
     by_location = {d.location: d.details.get("fused") for d in fused.decisions if d.pass_name == "fp4_linear"}
     assert by_location["model.lm_head"] == ["rms_norm"]
     torch.testing.assert_close(fused.output, _explain(wrapped, one, fuse_decode_neighbours=False).output, atol=0, rtol=0)
+
+
+class _ResidualChangedInPlace(torch.nn.Module):
+    """r is written in place after the linear and before the add: the add must read the new value."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, h):
+        r = h * 1.0
+        y = self.proj(h)
+        r.mul_(2.0)
+        return r + y
+
+
+class _NormInputChangedInPlace(torch.nn.Module):
+    """h is written in place between the norm and the linear: the linear must see the norm of the old h
+    (the residual add after it reads the new h, as the op would)."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(width, eps=1e-5)
+        self.proj = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, h):
+        h = h * 1.0
+        normed = self.norm(h)
+        h.add_(1.0)
+        return self.proj(normed) + h
+
+
+class _NormWeightNotPerFeature(torch.nn.Module):
+    """An RMSNorm whose weight is (1, 1, K): broadcasting makes it the same product, but the op takes (K,)."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(1, 1, width))
+        self.proj = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, h):
+        x = h.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return self.proj(self.weight * x.to(h.dtype))
+
+
+class _SiluOfTheSecondHalf(torch.nn.Module):
+    """silu of the second half of a packed GEMM's output times the first: not the [gate | up] order
+    the op reads."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(width, 2 * width, bias=False)
+        self.down = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, h):
+        up, gate = self.gate_up(h).split([64, 64], -1)
+        return self.down(up * F.silu(gate))
+
+
+class _InPlaceResidualAndWiderResidual(torch.nn.Module):
+    """y += h (written into the op's output) and an fp32 residual added to a bf16 output."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width, bias=False)
+        self.b = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, h):
+        y = self.a(h)
+        y += h
+        return y, self.b(h) + h.float()
+
+
+@pytest.mark.parametrize("model,dtype,expected", [
+    (_NormReadTwice(), torch.float32, {"proj": []}),
+    (_GemmaNorm(), torch.float32, {"gate_up": [], "down": ["residual"]}),
+    (_BroadcastResidual(), torch.float32, {"proj": []}),
+    (_ResidualChangedInPlace(), torch.bfloat16, {"proj": []}),
+    (_NormInputChangedInPlace(), torch.bfloat16, {"proj": ["residual"]}),  # the add reads h after the write, as the op does
+    (_NormWeightNotPerFeature(), torch.bfloat16, {"proj": []}),
+    (_SiluOfTheSecondHalf(), torch.bfloat16, {"gate_up": [], "down": []}),
+    (_InPlaceResidualAndWiderResidual(), torch.bfloat16, {"a": [], "b": []}),
+], ids=["norm-read-twice", "gemma-norm-gelu-gate", "broadcast-add", "residual-written-in-place",
+        "norm-input-written-in-place", "norm-weight-1x1xK", "silu-of-the-second-half", "in-place-add-and-fp32-residual"])
+def test_forms_it_does_not_take_and_writes_in_between_are_left_alone_and_compute_the_same(model, dtype, expected):
+    model = model.eval().to(dtype)
+    h = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    report = _explain(model, h)
+    got = {d.location: d.details.get("fused", []) for d in report.decisions if d.pass_name == "fp4_linear" and d.applied}
+    assert got == expected
+    plain = _explain(model, h, fuse_decode_neighbours=False).output
+    for fused_out, plain_out in zip(*(o if isinstance(o, tuple) else (o,) for o in (report.output, plain))):
+        torch.testing.assert_close(fused_out, plain_out, atol=0, rtol=0)
+
+
+def test_no_kernel_placeholder_is_left_in_the_graph_or_the_decisions():
+    """Kernels are chosen after the fusion from placeholders: none may reach the compiled graph (the
+    CPU reference never reads the string, so a leak would only show on a GPU)."""
+    report, calls = _explain_recording_calls(_llama(), torch.randint(0, 128, (1, 1)))
+    kernels = [args[9] for target, args in calls if target is torch.ops.graphopt.fp4_linear.default]
+    assert len(kernels) == 2 * 4 + 1
+    assert not [k for k in kernels if "pending" in k]
+    assert not [d for d in report.decisions if "pending" in str(d.details.get("kernel", ""))]
