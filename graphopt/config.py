@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from graphopt.hardware import SPECS
+from graphopt.kernels.linear_fusion import FUSIONS as DECODE_FUSIONS
 
 # Registry order is also the order passes run in (see graphopt/passes/__init__.py).
 PASS_NAMES: tuple[str, ...] = ("attention", "sparse_attention", "fp4_linear", "q4_linear", "fft_linear", "all_reduce")
@@ -103,8 +104,9 @@ class GraphOptConfig:
     q4_mode: str = "auto"
     fuse_sibling_linears: bool = True  # fp4_linear / q4_linear: one quantized GEMM for linears sharing an input
     # fp4_linear at one token: the RMSNorm before a linear, the SiLU gate and the residual add after it
-    # run inside its kernel (graphopt.passes.linear_fusion)
-    fuse_decode_neighbours: bool = True
+    # run inside its kernel (graphopt.passes.linear_fusion). True: all of DECODE_FUSIONS; False: none; or
+    # a list of those names (an ablation of one of them)
+    fuse_decode_neighbours: bool | tuple[str, ...] = True
     # Replay the compiled graph from CUDA graphs (Inductor's CUDA-graph trees, as mode="reduce-overhead"
     # gives; torch.compile refuses mode= together with options=). Removes the host's launch path,
     # which dominates small-batch decode.
@@ -155,10 +157,16 @@ class GraphOptConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("fp4_format", self.fp4_format, FP4_FORMATS)
         _check_choice("q4_mode", self.q4_mode, Q4_MODES)
-        for flag in ("force", "fuse_sibling_linears", "fuse_decode_neighbours", "cuda_graphs", "graph_replay",
-                     "attention_dropout"):
+        for flag in ("force", "fuse_sibling_linears", "cuda_graphs", "graph_replay", "attention_dropout"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"graphopt option {flag} must be True or False, got {getattr(self, flag)!r}")
+        if not isinstance(self.fuse_decode_neighbours, bool):
+            names = self.fuse_decode_neighbours
+            if (not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names)
+                    or set(names) - set(DECODE_FUSIONS)):
+                raise ValueError(f"graphopt option fuse_decode_neighbours must be True, False or a list of "
+                                 f"{', '.join(DECODE_FUSIONS)}, got {names!r}")
+            self.fuse_decode_neighbours = tuple(names)
         if self.cuda_graphs and self.downstream != "inductor":
             raise ValueError(f"graphopt option cuda_graphs=True needs downstream='inductor' (its CUDA-graph trees "
                              f"record the compiled graph), got downstream={self.downstream!r}")

@@ -17,8 +17,9 @@ where the model read them, so a match is also stopped by any in-place operation 
 listed (Gemma's 1 + w, LayerNorm, GELU gates) are left as they are. Only calls of one token (a static
 count) are fused; on a GPU only under CUDA graphs and in bf16 / fp16 (where the one-token kernel that
 takes them in, an opaque Gluon op, may run); never for export (the ONNX forms are the plain op's);
-option `fuse_decode_neighbours=False` turns it off. The op runs the neighbours in its one-token
-kernel and in torch on every other path, so a fused graph computes what the original did.
+option `fuse_decode_neighbours=False` turns it off, a list of FUSIONS names keeps only those. The op
+runs the neighbours in its one-token kernel and in torch on every other path, so a fused graph
+computes what the original did.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from graphopt.kernels.linear_fusion import FUSIONS
 from graphopt.passes.base import PassContext
 from graphopt.passes.fx_utils import canonical, device, dtype, erase_unused, shape, tokens
 
@@ -44,7 +46,9 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
     """Fuse into every one-token call of `target` (an op with the norm_weight / norm_eps / gated /
     residual keyword arguments, x its first argument, in_features its argument `in_features_index`).
     Returns {call: the neighbours it took in, e.g. ["rms_norm", "residual"]}."""
-    if not ctx.config.fuse_decode_neighbours or ctx.for_export:
+    option = ctx.config.fuse_decode_neighbours
+    allowed = set(FUSIONS) if option is True else set(option or ())
+    if not allowed or ctx.for_export:
         return {}
     graph = ctx.gm.graph
     calls = [n for n in graph.find_nodes(op="call_function", target=target) if _eligible(ctx, n)]
@@ -53,14 +57,15 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
         in_features = call.args[in_features_index]
         taken = []
         if not call.kwargs.get("gated") and call.kwargs.get("norm_weight") is None:
-            prologue = _rms_norm(ctx, call.args[0], in_features, calls) or _silu_gate(call.args[0], in_features, calls)
+            prologue = (("rms_norm" in allowed and _rms_norm(ctx, call.args[0], in_features, calls))
+                        or ("silu_gate" in allowed and _silu_gate(call.args[0], in_features, calls)) or None)
             if prologue is not None and not _mutation_between(prologue[3][-1], call):
                 name, source, kwargs, chain = prologue
                 call.update_arg(0, source)
                 call.kwargs = {**call.kwargs, **kwargs}
                 erase_unused(chain, graph)
                 taken.append(name)
-        if call.kwargs.get("residual") is None and (residual := _residual(call)) is not None:
+        if "residual" in allowed and call.kwargs.get("residual") is None and (residual := _residual(call)) is not None:
             add, value = residual
             call.kwargs = {**call.kwargs, "residual": value}
             add.replace_all_uses_with(call)

@@ -253,3 +253,15 @@ def test_no_kernel_placeholder_is_left_in_the_graph_or_the_decisions():
     assert len(kernels) == 2 * 4 + 1
     assert not [k for k in kernels if "pending" in k]
     assert not [d for d in report.decisions if "pending" in str(d.details.get("kernel", ""))]
+
+
+@pytest.mark.parametrize("kept", [("residual",), ("rms_norm", "silu_gate")], ids="+".join)
+def test_a_list_of_neighbours_keeps_only_those(kept):
+    """fuse_decode_neighbours=[names]: the ablation of one kind of neighbour."""
+    model = _llama()
+    ids = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(9))
+    report = _explain(model, ids, fuse_decode_neighbours=list(kept))
+    taken = {name for names in _fused(report) for name in names}
+    assert taken == set(kept)
+    torch.testing.assert_close(report.output.logits, _explain(model, ids, fuse_decode_neighbours=False).output.logits,
+                               atol=0, rtol=0)
