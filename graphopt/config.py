@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from graphopt.hardware import SPECS
-from graphopt.kernels.linear_fusion import FUSIONS as DECODE_FUSIONS
 
 # Registry order is also the order passes run in (see graphopt/passes/__init__.py).
 PASS_NAMES: tuple[str, ...] = ("attention", "sparse_attention", "fp4_linear", "q4_linear", "fft_linear", "all_reduce")
@@ -39,6 +38,9 @@ DEFAULT_PASSES: dict[str, bool] = {
 TARGETS: tuple[str, ...] = ("auto", *SPECS)  # every hardware table entry (a spec added there is a target)
 DOWNSTREAMS: tuple[str, ...] = ("inductor", "eager", "tensorrt")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "triton_decode", "flash", "cudnn", "efficient", "math")
+# the neighbours a one-token linear can take in: graphopt.kernels.linear_fusion.FUSIONS (kept here too, so
+# that reading the options loads no torch)
+DECODE_FUSIONS: tuple[str, ...] = ("rms_norm", "silu_gate", "residual")
 FP4_FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
 Q4_MODES: tuple[str, ...] = ("auto", "fused", "separate")
 

@@ -29,6 +29,12 @@ def test_the_prologues_are_llamas_rms_norm_and_silu_gate_bit_for_bit(dtype):
     assert NO_FUSION.prologue(h, 96) is h and NO_FUSION.epilogue(y) is y and not NO_FUSION.active
 
 
+def test_the_options_name_the_same_neighbours():
+    from graphopt.config import DECODE_FUSIONS
+
+    assert DECODE_FUSIONS == FUSIONS
+
+
 def test_bad_arguments_name_the_problem():
     x = torch.randn(1, 64)
     with pytest.raises(ValueError, match=r"x has 64 features; the weight expects 128 \(\[gate \| up\]"):
