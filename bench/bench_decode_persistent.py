@@ -36,7 +36,7 @@ from graphopt.kernels.fp4 import decode_persistent as dp  # noqa: E402
 from graphopt.kernels.q4 import decode_persistent as q4_dp  # noqa: E402
 
 SHAPES = {"8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)],  # LLaMA-3-8B's decode linears
-          "13b": [(5120, 13824), (13824, 5120)]}  # LLaMA-2-13B's MLP (issue acceptance shapes of the decode rows)
+          "13b": [(5120, 13824), (13824, 5120)]}  # LLaMA-2-13B's MLP
 TRITON_TILES = [KernelConfig(16, 1, 1024, 1, num_warps=4, num_stages=1, int_dots=True),
                 KernelConfig(16, 1, 512, 1, num_warps=4, num_stages=1, int_dots=True),
                 KernelConfig(16, 1, 256, 8, num_warps=1, num_stages=1, int_dots=True),

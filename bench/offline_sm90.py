@@ -112,12 +112,20 @@ def print_word_loop(sass: str, words_per_thread: float) -> None:
               f"weight word; top {top}")
 
 
+def last_loop(sass: str) -> tuple[str, str]:
+    """(the code before the last loop, the loop's body up to its backward branch): a persistent
+    kernel's prologue and group loop."""
+    label = loops(sass)[-1][0]
+    start = sass.index(label + ":")
+    body = sass[start:]
+    return sass[:start], body[:body.index(label, len(label) + 1)]
+
+
 def print_before_loop(sass: str) -> None:
     """The instructions a program runs before its last loop (a persistent kernel's group loop): its
     prologue, which every program of the grid pays once."""
-    label = loops(sass)[-1][0]
     before = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)",
-                                              sass[:sass.index(label + ":")], re.M)]
+                                              last_loop(sass)[0], re.M)]
     counts = collections.Counter(op.split(".")[0] for op in before)
     print(f"  before the group loop: {len(before)} instructions; BAR {counts['BAR']}, SHFL {counts['SHFL']}, "
           f"MUFU {counts['MUFU']}, LDG {counts['LDG']}")

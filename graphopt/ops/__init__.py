@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from graphopt.ops.registration import (_LIB, _gradient_needed, _inference_fake, _inference_op,  # noqa: F401
-                                       _refuse_gradients, _refusing_grad)
+from graphopt.ops.registration import (_LIB, _gradient_needed, _inference_fake, _inference_op, _refuse_gradients,
+                                       _refusing_grad)
 
 # ==== attention (graphopt/kernels/flash_attention/, passes/attention/) ========================
 # graphopt::attention(q, k, v, bias, scale, is_causal, num_kv_groups, backend) -> out

@@ -20,6 +20,9 @@ from graphopt.passes.base import PassContext, module_path
 from graphopt.passes.tensor_parallel import (LinearShard, linear_shard, local_bias_node, local_example,
                                              local_shard_parameter, wrap_local)
 
+# Python operators that write their first operand in place (`x += y`, `x[i] = v`, ...).
+IN_PLACE_FUNCTIONS = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift})
 _FUNCTIONS: dict[Any, str] = {
     operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm", torch.baddbmm: "baddbmm",
     torch.softmax: "softmax", F.softmax: "softmax", torch.nn.functional.log_softmax: "log_softmax",

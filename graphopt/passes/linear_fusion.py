@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from graphopt.kernels.linear_fusion import FUSIONS
 from graphopt.passes.base import PassContext
-from graphopt.passes.fx_utils import canonical, device, dtype, erase_unused, shape, tokens
+from graphopt.passes.fx_utils import IN_PLACE_FUNCTIONS, canonical, device, dtype, erase_unused, shape, tokens
 
 _SILU = (F.silu, torch.nn.functional.silu)
 _SPLIT = (torch.split, torch.functional.split, torch.Tensor.split)
@@ -52,6 +52,7 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
         return {}
     graph = ctx.gm.graph
     calls = [n for n in graph.find_nodes(op="call_function", target=target) if _eligible(ctx, n)]
+    order = {node: i for i, node in enumerate(graph.nodes)}  # stays monotonic as matched nodes are erased
     done: dict[fx.Node, list[str]] = {}
     for call in calls:
         in_features = call.args[in_features_index]
@@ -65,7 +66,8 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
                 call.kwargs = {**call.kwargs, **kwargs}
                 erase_unused(chain, graph)
                 taken.append(name)
-        if "residual" in allowed and call.kwargs.get("residual") is None and (residual := _residual(call)) is not None:
+        residual = _residual(call, order) if "residual" in allowed and call.kwargs.get("residual") is None else None
+        if residual is not None:
             add, value = residual
             call.kwargs = {**call.kwargs, "residual": value}
             add.replace_all_uses_with(call)
@@ -87,9 +89,6 @@ def _eligible(ctx: PassContext, call: fx.Node) -> bool:
                               and dtype(x) in (torch.bfloat16, torch.float16))
 
 
-_IN_PLACE_FUNCTIONS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
-
-
 def _mutates(node: fx.Node) -> bool:
     """Whether a node may write a tensor in place (conservatively: any module call)."""
     if node.op == "call_module":
@@ -98,7 +97,7 @@ def _mutates(node: fx.Node) -> bool:
         return node.target.endswith("_") and not node.target.startswith("__")
     if node.op != "call_function":
         return False
-    if node.target in _IN_PLACE_FUNCTIONS:
+    if node.target in IN_PLACE_FUNCTIONS:
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target._schema.is_mutable
@@ -264,7 +263,7 @@ def _is_silu(node: Any) -> bool:
             and (node.target in _SILU or (node.op == "call_method" and node.target == "silu")))
 
 
-def _residual(call: fx.Node):
+def _residual(call: fx.Node, order: dict[fx.Node, int]):
     """(the add, r) where the call's one reader is r + call or call + r, r of the call's shape and
     dtype and computed before it; else None."""
     if len(call.users) != 1:
@@ -279,7 +278,6 @@ def _residual(call: fx.Node):
         return None
     if shape(other) is None or shape(other) != shape(call) or dtype(other) != dtype(call) or dtype(add) != dtype(call):
         return None
-    order = {node: i for i, node in enumerate(call.graph.nodes)}
     if order[other] > order[call] or _mutation_between(call, add):
         return None
     return add, other

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from bench.offline_sm90 import compile_sm90, loops, sass_and_resources
+from bench.offline_sm90 import compile_sm90, last_loop, loops, sass_and_resources
 from tests.conftest import replayed_in_cuda_graph
 from graphopt.kernels import fp4
 from graphopt.kernels.fp4 import decode_persistent as dp
@@ -33,9 +33,7 @@ def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, d
     if fmt == "nvfp4":
         assert "E4M3" in sass
     if even:  # the group loop's weight loads are not masked (the activations' before it are)
-        label = loops(sass)[-1][0]
-        body = sass[sass.index(label + ":"):]
-        body = body[:body.index(label, len(label) + 1)]
+        _, body = last_loop(sass)
         assert "LDG.E.128" in body and not re.search(r"@!?P\d+\s+LDG\.E\.128", body)
     # barriers only while the activations are rounded: a row's sum is reduced inside its warp
     assert not [ops for _, _, ops in loops(sass) if any(op.startswith("BAR") for op, _ in ops)]
@@ -81,9 +79,7 @@ def test_the_capped_tile_fits_four_programs_of_eight_warps_with_the_norm_prologu
     assert capped.max_registers * 32 * capped.num_warps * capped.programs_per_sm <= 65536
     sass, usage = _build("nvfp4", 1, 8, 4096, 3, True, norm=True, maxnreg=capped.max_registers)
     assert re.search(r"REG:64\b", usage), usage
-    label = loops(sass)[-1][0]
-    body = sass[sass.index(label + ":"):]
-    body = body[:body.index(label, len(label) + 1)]
+    _, body = last_loop(sass)
     assert "LDL" not in body and "STL" not in body
 
 

@@ -340,7 +340,7 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
         raise ValueError(f"format {format!r}: expected 'nvfp4' or 'mxfp4'")
     if max_registers and not 24 <= max_registers <= 255:
         raise ValueError(f"max_registers {max_registers}: expected 0 (no cap) or 24..255")
-    width = in_features * (2 if fusion.gated else 1)
+    width = fusion.input_width(in_features)
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width:
         raise ValueError(f"x of shape {tuple(x.shape)}: expected (1, {width})")
     check_tile(x, rows, num_warps, depth, programs_per_sm)

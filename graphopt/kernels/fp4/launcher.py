@@ -63,6 +63,12 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, global_scale: t
 
 
 
+def fusion_in_kernel(path: str | None, cfg: KernelConfig | None, rows: int) -> bool:
+    """Whether a call of `rows` rows on this path and tile takes linear_fusion's neighbours inside its
+    kernel (the persistent one-token kernel); every other call runs them in torch around the product."""
+    return path == "gemv" and cfg is not None and bool(cfg.programs_per_sm) and rows == 1
+
+
 def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias, out_features: int, in_features: int,
             format: str, out_dtype: torch.dtype, fusion: LinearFusion = NO_FUSION) -> torch.Tensor:
     """One launch of `path` on tile `cfg`; `fusion` only on the persistent one-token kernel."""
@@ -221,7 +227,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         raise RuntimeError("fp4_linear_triton needs Triton; use reference_fp4_linear on CPU")
     if fusion.active:
         fusion.check(x, in_features, out_features)
-        if not (path == "gemv" and config is not None and config.programs_per_sm and x.numel() == x.shape[-1]):
+        if not fusion_in_kernel(path, config, x.numel() // x.shape[-1]):
             y = fp4_linear_triton(fusion.prologue(x, in_features), codes, scales, global_scale, bias, out_features,
                                   in_features, format, path=path, config=config)
             return fusion.epilogue(y)

@@ -15,7 +15,8 @@ from graphopt.hardware import timing
 from graphopt.kernels import tuning
 from graphopt.kernels.fp4.configs import PATHS, KernelConfig, _candidates, _token_bucket
 from graphopt.kernels.fp4.format import reference_fp4_linear
-from graphopt.kernels.fp4.launcher import _TUNED, _activation_rows, _launch, _tuned_key, default_config, kernel_string
+from graphopt.kernels.fp4.launcher import (_TUNED, _activation_rows, _launch, _tuned_key, default_config,
+                                           fusion_in_kernel, kernel_string)
 from graphopt.kernels.launch import INTERPRET
 from graphopt.kernels.linear_fusion import NO_FUSION, LinearFusion, example_fusion
 from graphopt.kernels.tuning import NoCorrectTile
@@ -30,7 +31,7 @@ INT16_ACTIVATION_RTOL = 2**-12
 def _call(path: str, cfg: KernelConfig, args: tuple, fusion: LinearFusion = NO_FUSION) -> torch.Tensor:
     """One launch of the tile, with the neighbours of `fusion` around it as the op runs them: inside
     the persistent one-token kernel, in torch around the other paths."""
-    if fusion.active and not (path == "gemv" and cfg.programs_per_sm):
+    if fusion.active and not fusion_in_kernel(path, cfg, args[0].shape[0]):
         x2, rest, in_features = args[0], args[1:], args[6]
         return fusion.epilogue(_launch(path, cfg, fusion.prologue(x2, in_features), *rest))
     return _launch(path, cfg, *args, fusion=fusion)

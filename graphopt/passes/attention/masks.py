@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from graphopt.passes.base import PassContext
-from graphopt.passes.fx_utils import canonical, dtype, fake, size_hints
+from graphopt.passes.fx_utils import IN_PLACE_FUNCTIONS, canonical, dtype, fake, size_hints
 
 # A mask entry at or below this (or -inf) contributes exp(fill - max) == 0 to softmax in any float
 # dtype we run, so such a fill counts as "masked out".
@@ -73,8 +73,6 @@ def _masks(fill: float | None, multiplier: float) -> bool:
 
 # Functions and methods that write into their first argument: a mask subgraph touched by one is
 # not the value its inputs compute (evaluate_constant would miss the edit).
-_INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
 _VIEW_METHODS = {"view", "reshape", "expand", "expand_as", "transpose", "permute", "unsqueeze", "squeeze", "t",
                  "narrow", "select", "as_strided", "view_as", "unflatten", "flatten", "contiguous", "__getitem__",
                  "diagonal", "unfold", "split", "chunk", "T", "mT"}
@@ -92,7 +90,7 @@ def _written_in_place(node: fx.Node, seen: set | None = None) -> bool:
         if user.op == "call_function":
             name = getattr(user.target, "__name__", "")
             operator_module = getattr(user.target, "__module__", None) in ("_operator", "operator")  # and_, or_ ...
-            if user.target in _INPLACE_FUNCTIONS or (name.endswith("_") and not name.endswith("__") and not operator_module):
+            if user.target in IN_PLACE_FUNCTIONS or (name.endswith("_") and not name.endswith("__") and not operator_module):
                 return True
             if user.target is operator.getitem or user.target is getattr or name in _VIEW_METHODS:
                 if _written_in_place(user, seen):
