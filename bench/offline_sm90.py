@@ -316,6 +316,7 @@ def persistent(args) -> None:
         fn = q4_persistent._q4_gemv_persistent_kernel
         types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16")
         consts["TOKENS"] = 1 << (args.tokens - 1).bit_length()  # the launch pads the count to a power of two
+        consts["DEPENDENT"] = True
     else:
         fn = fp4_persistent._fp4_gemv_persistent_kernel
         types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
@@ -323,7 +324,7 @@ def persistent(args) -> None:
         # as the launcher builds it on an sm_90 GPU for N a multiple of the group (LLaMA's layers)
         consts.update(IS_NVFP4=args.format == "nvfp4", EVEN=k_chunks * fp4_persistent.CHUNK_WORDS * 8 == args.k,
                       E4M3_CVT=True, GATED="silu_gate" in args.fused, NORM="rms_norm" in args.fused,
-                      HAS_RESIDUAL="residual" in args.fused)
+                      HAS_RESIDUAL="residual" in args.fused, DEPENDENT=True)
     div16 = [n for n in ("x_ptr", "words_ptr", "scales_ptr", "out_ptr", "norm_ptr", "residual_ptr", "K", "K_WORDS", "N",
                          "stride_wn", "stride_sn", "stride_sb", "stride_xm", "stride_om") if n in fn.arg_names]
     kernel = compile_sm90(fn, types, consts, div16, args.warps, gluon=True)

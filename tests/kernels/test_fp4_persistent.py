@@ -41,17 +41,39 @@ def test_builds_for_sm90_with_integer_dots_and_wide_loads(fmt, rows, warps, k, d
     assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * dp.chunks(k, warps)[0]
 
 
-def _build(fmt, rows, warps, k, depth, even, gated=False, norm=False, residual=False, maxnreg=None):
+def _build(fmt, rows, warps, k, depth, even, gated=False, norm=False, residual=False, maxnreg=None, dependent=True):
     types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",
                  norm_ptr="*bf16", residual_ptr="*bf16", out_ptr="*bf16", norm_eps="fp32")
     k_chunks, chunks_pad = dp.chunks(k, warps)
     kernel = compile_sm90(dp._fp4_gemv_persistent_kernel, types,
                           dict(IS_NVFP4=fmt == "nvfp4", HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks,
                                CHUNKS_PAD=chunks_pad, DEPTH=depth, EVEN=even, E4M3_CVT=True, GATED=gated, NORM=norm,
-                               HAS_RESIDUAL=residual),
+                               HAS_RESIDUAL=residual, DEPENDENT=dependent),
                           ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "norm_ptr", "residual_ptr", "K", "K_WORDS",
                            "stride_wn", "stride_sn", "N"], warps, gluon=True, maxnreg=maxnreg)
     return sass_and_resources(kernel)
+
+
+def _loads_before_the_wait(sass: str) -> list[str]:
+    """The global loads a kernel issues before griddepcontrol.wait (SASS ACQBULK), which must appear."""
+    before, wait, _ = sass.partition("ACQBULK")
+    assert wait, "no griddepcontrol.wait in the dependent kernel"
+    return re.findall(r"LDG\.E[.\w]*", before)
+
+
+@needs_gluon
+@pytest.mark.parametrize("fmt,depth", [("nvfp4", 3), ("mxfp4", 2)])
+def test_a_dependent_launch_reads_only_weights_before_it_waits(fmt, depth, pristine_triton_language):
+    """Launched as a dependent (dependent_launch), the kernel requests its first `depth` chunks of
+    words (one 16-byte load per row) and their scale bytes, then waits for the kernel before it: the
+    activations, norm weight and residual are read after the wait. Without the flag there is no wait."""
+    sass, usage = _build(fmt, 1, 8, 4096, depth, True, norm=True, residual=True)
+    assert re.search(r"STACK:0\b", usage), usage
+    loads = _loads_before_the_wait(sass)
+    assert loads.count("LDG.E.128") == depth
+    assert len(loads) == 2 * depth  # a scale load per chunk besides its words
+    plain, _ = _build(fmt, 1, 8, 4096, depth, True, norm=True, residual=True, dependent=False)
+    assert "ACQBULK" not in plain
 
 
 @needs_gluon
@@ -229,3 +251,43 @@ def test_fused_neighbours_match_the_float64_reference_on_the_gpu(fmt, fused, n, 
                                        norm_weight=fusion.norm_weight, norm_eps=fusion.norm_eps, gated=fusion.gated,
                                        residual=fusion.residual)
     assert torch.equal(op, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "cuda_graph"])
+def test_a_chain_of_dependent_launches_reads_each_previous_output(in_graph, monkeypatch):
+    """Each call reads the previous call's output (as activation and as residual) and some calls follow
+    a torch kernel: launched as dependents (sm_90) they may start before the previous kernel ends, so a
+    read before its wait would see stale values. The chain equals the same chain launched the plain
+    way bit for bit, eagerly and replayed from a CUDA graph (whose pool reuses the outputs' memory)."""
+    from graphopt.kernels import dependent_launch
+    from graphopt.kernels.linear_fusion import LinearFusion
+
+    n = k = 4096
+    gen = torch.Generator().manual_seed(5)
+    kw = fp4.to_kernel_layout(fp4.quantize_fp4(torch.randn(n, k, generator=gen) * 0.05, "nvfp4"))
+    codes, scales, gscale = kw.codes.cuda(), kw.scales.cuda(), kw.global_scale.cuda()
+    norm = (1 + 0.1 * torch.randn(k, generator=gen)).to("cuda", torch.bfloat16)
+    start = torch.randn(1, k, generator=gen).to("cuda", torch.bfloat16)
+
+    def chain():
+        h = start
+        for i in range(12):
+            fusion = LinearFusion(norm_weight=norm, norm_eps=1e-5, residual=h)
+            h = dp.fp4_gemv_persistent(h, codes, scales, gscale, None, n, k, "nvfp4", rows=1, num_warps=8,
+                                       programs_per_sm=4, depth=3, fusion=fusion)
+            if i % 3 == 2:
+                h = h * 0.5  # a plain kernel between two dependents
+        return h
+
+    def run():
+        return replayed_in_cuda_graph(chain) if in_graph else chain()
+
+    monkeypatch.setattr(dependent_launch, "ENABLED", False)
+    plain = run()
+    monkeypatch.setattr(dependent_launch, "ENABLED", True)
+    dependent = run()
+    torch.cuda.synchronize()
+    assert torch.isfinite(plain).all() and plain.abs().max() > 0
+    assert torch.equal(dependent, plain)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from graphopt.hardware import compute_capability, sm_count
+from graphopt.kernels.dependent_launch import dependent_launch
 from graphopt.kernels.launch import cdiv, launch
 from graphopt.kernels.linear_fusion import NO_FUSION, LinearFusion
 
@@ -44,6 +45,7 @@ except ImportError:  # pragma: no cover - no Gluon in this Triton
     gluon = None
 else:
     from graphopt.kernels.fp4.common import E2M1_MAGNITUDES_PTX, E2M1_POS_HI, E2M1_POS_LO
+    from graphopt.kernels.dependent_launch import release_next_grid, wait_for_previous_grid
     from graphopt.kernels.fp4_tma import _cta_barrier
 
 ROWS_CHOICES = (1, 2, 4, 8)
@@ -205,6 +207,7 @@ if gluon is not None:
         IS_NVFP4: gl.constexpr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
         K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, EVEN: gl.constexpr,
         E4M3_CVT: gl.constexpr, GATED: gl.constexpr, NORM: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+        DEPENDENT: gl.constexpr,
     ):
         """out[0, n] = x[0, :] @ W[n, :]^T (+ bias) (+ residual[0, n]), x through linear_fusion's
         prologues: GATED, x (1, 2K) = [gate | up] -> silu(gate) * up; NORM, x -> rms_norm(x) * norm (the
@@ -212,7 +215,8 @@ if gluon is not None:
         ROWS x WARPS rows; warp w the rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
         activations' shared memory holds CHUNKS_PAD >= K_CHUNKS of them (`chunks`: a power of two, at
         least WARPS). EVEN: N is a multiple of the group and K_WORDS of CW (tiles unmasked; look-ahead
-        rows past the last group clamped to it). E4M3_CVT: NVFP4 scales by cvt (sm_89+)."""
+        rows past the last group clamped to it). E4M3_CVT: NVFP4 scales by cvt (sm_89+). DEPENDENT: launched
+        as a dependent of the kernel before it (dependent_launch): only the weights are read before the wait."""
         WPB: gl.constexpr = 2 if IS_NVFP4 else 4  # code words per scale block
         CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS)
         NB: gl.constexpr = CW // WPB  # scale blocks per chunk
@@ -244,6 +248,9 @@ if gluon is not None:
                                         EVEN),
                             _chunk_tile(scale_ptrs, r_b, b_b, row, t % K_CHUNKS * NB, stride_sn, N, K_WORDS // WPB,
                                         row < N, EVEN)),)
+        if DEPENDENT:  # x, the norm weight's neighbours and out belong to the kernels around this one
+            wait_for_previous_grid()
+            release_next_grid()
         # WARPS chunks at a time (a chunk per warp), to bound the registers
         squares = 0.0
         for s in gl.static_range(CHUNKS_PAD // WARPS):
@@ -358,6 +365,6 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
            CHUNKS_PAD=chunks_pad, DEPTH=depth,
            EVEN=out_features % (rows * num_warps) == 0 and k_words == k_chunks * CHUNK_WORDS,
            E4M3_CVT=compute_capability(device) >= (8, 9), GATED=fusion.gated, NORM=fusion.norm_weight is not None,
-           HAS_RESIDUAL=fusion.residual is not None, num_warps=num_warps,
-           **({"maxnreg": max_registers} if max_registers else {}))
+           HAS_RESIDUAL=fusion.residual is not None, DEPENDENT=(dependent := dependent_launch(device)),
+           num_warps=num_warps, launch_pdl=dependent, **({"maxnreg": max_registers} if max_registers else {}))
     return out
