@@ -5,7 +5,9 @@ two RMSNorms, a SiLU gate and two residual adds around four GEMVs. A weight pass
 linears (fp4_linear) hands them to the GEMV instead (graphopt.passes.linear_fusion):
   - prologue `norm_weight` / `norm_eps`: x -> RMSNorm(x) * norm_weight, LLaMA's form (fp32 mean of
     squares, rsqrt(mean + eps), the normalised row rounded to x's dtype, times the weight);
-  - prologue `gated`: x holds [gate | up] side by side (2K wide) -> silu(gate) * up;
+  - epilogue `gated`: the product's rows interleave a gate and an up projection (row 2j is gate j,
+    row 2j + 1 up j: `interleave_gate_up` of the [gate | up] weight) -> y = silu(gate) * up, half as
+    wide; each gate value is computed once, by the program that owns the pair;
   - epilogue `residual`: y -> residual + y (a tensor of y's shape).
 The kernels compute the same thing in fp32 without the intermediate roundings (the RMSNorm's row
 scale, a common factor of the row, multiplies the dot product at the end); `prologue` and `epilogue`
@@ -25,22 +27,23 @@ class LinearFusion:
     norm_weight: torch.Tensor | None = None  # (K,), x's dtype
     norm_eps: float = 0.0
     gated: bool = False
-    residual: torch.Tensor | None = None  # y's shape and dtype
+    residual: torch.Tensor | None = None  # y's shape and dtype (after the gate)
 
     @property
     def active(self) -> bool:
         return self.norm_weight is not None or self.gated or self.residual is not None
 
-    def input_width(self, in_features: int) -> int:
-        """The features of x the fused op reads: twice in_features for a gated prologue."""
-        return 2 * in_features if self.gated else in_features
+    def output_width(self, out_features: int) -> int:
+        """The features of the fused op's output: half the product's behind a gate."""
+        return out_features // 2 if self.gated else out_features
 
     def check(self, x: torch.Tensor, in_features: int, out_features: int) -> None:
         """A clear error for arguments that do not fit x and the weight."""
-        width = self.input_width(in_features)
-        if x.shape[-1] != width:
-            raise ValueError(f"x has {x.shape[-1]} features; the weight expects {width}"
-                             + (" ([gate | up] of a gated prologue)" if self.gated else ""))
+        if x.shape[-1] != in_features:
+            raise ValueError(f"x has {x.shape[-1]} features; the weight expects {in_features}")
+        if self.gated and out_features % 2:
+            raise ValueError(f"a gated epilogue needs an even number of output features (interleaved gate and "
+                             f"up rows), got {out_features}")
         if self.norm_weight is not None:
             if tuple(self.norm_weight.shape) != (in_features,) or self.norm_weight.dtype != x.dtype:
                 raise ValueError(f"norm_weight must be {x.dtype} ({in_features},) (x's dtype), got "
@@ -48,7 +51,7 @@ class LinearFusion:
             if not self.norm_eps > 0:
                 raise ValueError(f"norm_eps must be > 0 with a norm_weight, got {self.norm_eps}")
         if self.residual is not None:
-            expected = (*x.shape[:-1], out_features)
+            expected = (*x.shape[:-1], self.output_width(out_features))
             if tuple(self.residual.shape) != expected or self.residual.dtype != x.dtype:
                 raise ValueError(f"residual must be {x.dtype} {expected} (the output's shape and dtype), got "
                                  f"{self.residual.dtype} {tuple(self.residual.shape)}")
@@ -56,10 +59,8 @@ class LinearFusion:
             if t is not None and t.device != x.device:
                 raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
 
-    def prologue(self, x: torch.Tensor, in_features: int) -> torch.Tensor:
+    def prologue(self, x: torch.Tensor) -> torch.Tensor:
         """The linear's input from x, as the model computed it."""
-        if self.gated:
-            x = F.silu(x[..., :in_features]) * x[..., in_features:]
         if self.norm_weight is not None:
             rows = x.to(torch.float32)
             rows = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + self.norm_eps)
@@ -67,7 +68,18 @@ class LinearFusion:
         return x
 
     def epilogue(self, y: torch.Tensor) -> torch.Tensor:
+        """The fused op's output from the product y, as the model computed it."""
+        if self.gated:
+            y = F.silu(y[..., 0::2].contiguous()) * y[..., 1::2]  # contiguous: the vectorized silu, as the model ran
         return y if self.residual is None else self.residual + y
+
+
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """Rows [gate 0..n-1 | up 0..n-1] of a (2n, ...) tensor -> gate 0, up 0, gate 1, up 1, ... (the row
+    order a gated epilogue reads)."""
+    if t.shape[0] % 2:
+        raise ValueError(f"interleave_gate_up: {t.shape[0]} rows, expected an even count ([gate | up])")
+    return t.reshape(2, t.shape[0] // 2, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
 
 
 NO_FUSION = LinearFusion()
@@ -81,5 +93,7 @@ def example_fusion(fused, tokens: int, in_features: int, out_features: int, dtyp
     if unknown:
         raise ValueError(f"unknown fused neighbours {unknown}; valid choices: {', '.join(FUSIONS)}")
     norm = 1.0 + 0.1 * torch.randn(in_features, device=device, dtype=dtype) if "rms_norm" in fused else None
-    residual = torch.randn(tokens, out_features, device=device, dtype=dtype) if "residual" in fused else None
-    return LinearFusion(norm, 1e-5 if norm is not None else 0.0, "silu_gate" in fused, residual)
+    gated = "silu_gate" in fused
+    width = out_features // 2 if gated else out_features
+    residual = torch.randn(tokens, width, device=device, dtype=dtype) if "residual" in fused else None
+    return LinearFusion(norm, 1e-5 if norm is not None else 0.0, gated, residual)

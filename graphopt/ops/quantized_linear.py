@@ -26,9 +26,10 @@ from graphopt.ops.registration import _inference_fake, _inference_op, _refuse_gr
 #   decode_persistent's for one token) are not Triton JIT functions that Inductor can emit, so a
 #   kernel that selects one calls graphopt::fp4_gluon_linear, an opaque op.
 #   norm_weight, norm_eps, gated, residual: neighbours taken in (graphopt.kernels.linear_fusion; the
-#   passes' decode fusion, graphopt.passes.linear_fusion): an RMSNorm of x before the product, x as
-#   [gate | up] (2K wide) -> silu(gate) * up, residual + y after it. The one-token persistent kernel
-#   computes them itself; every other path runs them in torch around the product.
+#   passes' decode fusion, graphopt.passes.linear_fusion): an RMSNorm of x before the product; gated,
+#   the weight's rows interleave gate and up (linear_fusion.interleave_gate_up) and y = silu(gate) * up
+#   is (..., N / 2); residual + y after it. The one-token persistent kernel computes them itself;
+#   every other path runs them in torch around the product.
 #   Inference only: no autograd formula (the weights are frozen constants).
 @torch.library.triton_op("graphopt::fp4_linear", mutates_args=())
 def fp4_linear_op(x: torch.Tensor, codes: torch.Tensor, codes_fp4: torch.Tensor, scales: torch.Tensor,
@@ -41,7 +42,7 @@ def fp4_linear_op(x: torch.Tensor, codes: torch.Tensor, codes_fp4: torch.Tensor,
     if not x.is_cuda:  # the interpreter's tests call the launcher itself
         if fusion.active:
             fusion.check(x, in_features, out_features)
-            x = fusion.prologue(x, in_features)
+            x = fusion.prologue(x)
         y = fp4.reference_fp4_linear(x, codes, scales, global_scale, bias, out_features, in_features, format)
         return fusion.epilogue(y)
     path, config = fp4.kernel_choice(kernel, x.numel() // x.shape[-1])
@@ -74,7 +75,7 @@ def fp4_gluon_linear(x, codes, scales, global_scale, bias, out_features, in_feat
 @_inference_fake("fp4_gluon_linear")
 def _(x, codes, scales, global_scale, bias, out_features, in_features, format, kernel, norm_weight=None, norm_eps=0.0,
       gated=False, residual=None):
-    return x.new_empty((*x.shape[:-1], out_features))
+    return x.new_empty((*x.shape[:-1], out_features // 2 if gated else out_features))
 # ==== end fp4 ==================================================================================
 
 # ==== q4 (graphopt/kernels/q4/, passes/q4_linear.py) ==========================================

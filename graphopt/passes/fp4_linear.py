@@ -59,6 +59,7 @@ import torch
 from graphopt import cost_model
 from graphopt.cost import fp4 as fp4_cost
 from graphopt.kernels import fp4 as fp4k
+from graphopt.kernels.linear_fusion import interleave_gate_up
 import graphopt.ops  # noqa: F401  (registers the graphopt::* ops this module names)
 from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, log
@@ -121,7 +122,8 @@ class Fp4LinearPass(GraphPass):
                 new = self._one(ctx, m, fmt, budget_db, replaced, plan, tied, pending)
                 if new is not None:
                     replaced[m.node] = new
-        fused = fuse_decode_neighbours(ctx, torch.ops.graphopt.fp4_linear.default, 7)
+        fused = fuse_decode_neighbours(ctx, torch.ops.graphopt.fp4_linear.default, 7,
+                                       interleave=lambda call: _interleave_gate_up(ctx, call, pending))
         self._choose_kernels(ctx, pending, fused)
 
     @staticmethod
@@ -322,6 +324,21 @@ def _tensor_amax(group: list[LinearMatch], weights: list[torch.Tensor], fmt: str
     if fmt != "nvfp4" or shard is None or shard.style == "replicated":
         return None
     return all_ranks_amax(shard, torch.stack([w.abs().amax() for w in weights]).amax())
+
+
+def _interleave_gate_up(ctx: PassContext, call, pending: dict) -> bool:
+    """Put the rows of a call's [gate | up] weight in the gated epilogue's order (gate j, up j, ...),
+    in place: only a call without bias whose codes and scales are this pass's own constants, read by
+    no other node, and whose kernel is still to be chosen (`pending`, which then tunes the new order)."""
+    if arg(call, 5, "bias") is not None or arg(call, 9, "kernel", "") not in pending:
+        return False
+    nodes = {arg(call, i, name) for i, name in ((1, "codes"), (2, "codes_fp4"), (3, "scales"))}
+    if any(getattr(n, "op", None) != "get_attr" or set(n.users) != {call} for n in nodes):
+        return False
+    for node in nodes:
+        rows = getattr(ctx.gm, node.target).view(torch.uint8)  # codes and scale bytes, moved as bytes
+        rows.copy_(interleave_gate_up(rows))
+    return True
 
 
 def _set_arg(node, index: int, name: str, value) -> None:

@@ -7,8 +7,9 @@ one-token kernel does not take them):
   - RMSNorm before it, LLaMA's form (`w * (h32 * rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(dt)`
     with h32 = h.to(float32), the mul in either order, through a no-op full slice as before lm_head):
     the op reads h, `norm_weight` and `norm_eps`;
-  - a SiLU gate (`silu(gate) * up`, gate and up the two halves of one sibling GEMM's split, in that
-    order): the op reads the GEMM's output whole, `gated=True`;
+  - a SiLU gate after it (`silu(gate) * up`, gate and up the two halves of the call's output split in
+    that order, as fuse_sibling_linears writes gate_proj and up_proj): the weight pass interleaves the
+    call's gate and up rows (`interleave`) and the op computes the gate, `gated=True`;
   - a residual add after it (`r + y` or `y + r`, r of y's shape and dtype, computed before the op):
     the op reads r, `residual`.
 A node of a matched chain that is read outside the chain stops the match (a norm read by several
@@ -25,7 +26,7 @@ computes what the original did.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -42,10 +43,13 @@ _POW = (torch.pow, operator.pow)
 _MEAN = (torch.mean,)
 
 
-def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int) -> dict[fx.Node, list[str]]:
+def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int,
+                           interleave: Callable[[fx.Node], bool] | None = None) -> dict[fx.Node, list[str]]:
     """Fuse into every one-token call of `target` (an op with the norm_weight / norm_eps / gated /
     residual keyword arguments, x its first argument, in_features its argument `in_features_index`).
-    Returns {call: the neighbours it took in, e.g. ["rms_norm", "residual"]}."""
+    `interleave(call)`: the weight pass's rewrite of a call's weight (and bias) rows into gate / up
+    pairs (linear_fusion.interleave_gate_up), False where it cannot; without it no gate is fused.
+    Returns {call: the neighbours it took in, e.g. ["rms_norm", "silu_gate"]}."""
     option = ctx.config.fuse_decode_neighbours
     allowed = set(FUSIONS) if option is True else set(option or ())
     if not allowed or ctx.for_export:
@@ -57,15 +61,23 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
     for call in calls:
         in_features = call.args[in_features_index]
         taken = []
-        if not call.kwargs.get("gated") and call.kwargs.get("norm_weight") is None:
-            prologue = (("rms_norm" in allowed and _rms_norm(ctx, call.args[0], in_features, calls))
-                        or ("silu_gate" in allowed and _silu_gate(call.args[0], in_features, calls)) or None)
-            if prologue is not None and not _mutation_between(prologue[3][-1], call):
-                name, source, kwargs, chain = prologue
+        if call.kwargs.get("norm_weight") is None and "rms_norm" in allowed:
+            norm = _rms_norm(ctx, call.args[0], in_features, calls)
+            if norm is not None and not _mutation_between(norm[2][-1], call):
+                source, kwargs, chain = norm
                 call.update_arg(0, source)
                 call.kwargs = {**call.kwargs, **kwargs}
                 erase_unused(chain, graph)
-                taken.append(name)
+                taken.append("rms_norm")
+        gate = None
+        if "silu_gate" in allowed and interleave is not None and not call.kwargs.get("gated"):
+            gate = _silu_gate(call)
+        if gate is not None and call.kwargs.get("residual") is None and interleave(call):
+            product, chain = gate
+            call.kwargs = {**call.kwargs, "gated": True}
+            product.replace_all_uses_with(call)
+            erase_unused(chain, graph)
+            taken.append("silu_gate")
         residual = _residual(call, order) if "residual" in allowed and call.kwargs.get("residual") is None else None
         if residual is not None:
             add, value = residual
@@ -156,7 +168,7 @@ def _full_slice(node: fx.Node) -> bool:
 
 
 def _rms_norm(ctx: PassContext, x: Any, in_features: int, calls: list[fx.Node]):
-    """("rms_norm", h, {norm_weight, norm_eps}, chain) where x is LLaMA's RMSNorm of h with a (K,) model
+    """(h, {norm_weight, norm_eps}, chain) where x is LLaMA's RMSNorm of h with a (K,) model
     parameter as its weight, else None; the chain ends with the node that reads h."""
     if not isinstance(x, fx.Node):
         return None
@@ -197,7 +209,7 @@ def _rms_norm(ctx: PassContext, x: Any, in_features: int, calls: list[fx.Node]):
         if not isinstance(h, fx.Node) or dtype(h) != out_dtype:
             return None
         chain += [cast, scaled, inv, eps_add, variance, squares, h32]
-        return "rms_norm", h, {"norm_weight": weight, "norm_eps": float(eps)}, chain
+        return h, {"norm_weight": weight, "norm_eps": float(eps)}, chain
     return None
 
 
@@ -225,37 +237,35 @@ def _square_of(node: Any, base: fx.Node) -> bool:
     return canonical(node) == "mul" and not _mutates(node) and _operands(node) == (base, base)
 
 
-def _silu_gate(x: Any, in_features: int, calls: list[fx.Node]):
-    """("silu_gate", packed, {gated}, chain) where x is silu(gate) * up with gate, up = packed.split(
-    [in_features, in_features], -1), else None; the chain ends with the split, which reads packed."""
-    if not isinstance(x, fx.Node) or canonical(x) != "mul" or (ops := _operands(x)) is None:
+def _silu_gate(call: fx.Node):
+    """(the product node, chain) where the call's output is read only by `gate, up = y.split([n, n], -1)`
+    and the two halves only by silu(gate) * up; else None. The chain (product, silu, halves, split) is
+    erased once the product reads the gated call."""
+    split = next(iter(call.users)) if len(call.users) == 1 else None
+    if split is None or not (split.target in _SPLIT or (split.op == "call_method" and split.target == "split")):
         return None
-    if not _read_only_by(x, set(calls)):
-        return None
-    silu, up = ops if _is_silu(ops[0]) else ops[::-1]
-    if not _is_silu(silu) or len(silu.users) != 1 or not isinstance(up, fx.Node):
-        return None
-    gate = silu.args[0]
-    parts = [gate, up]
-    if any(canonical(p) != "getitem" or len(p.users) != 1 for p in parts):
-        return None
-    split = gate.args[0]
-    if up.args[0] is not split or (gate.args[1], up.args[1]) != (0, 1) or len(split.users) != 2:
-        return None
-    if split.target not in _SPLIT and not (split.op == "call_method" and split.target == "split"):
-        return None
-    packed = split.args[0]
     sizes = split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size_or_sections")
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    packed_shape = shape(packed)
-    if packed_shape is None or dim not in (-1, len(packed_shape) - 1) or packed_shape[-1] != 2 * in_features:
+    out_shape = shape(call)
+    if split.args[0] is not call or out_shape is None or dim not in (-1, len(out_shape) - 1) or out_shape[-1] % 2:
         return None
-    halves = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes, sizes]
-    if halves != [in_features, in_features]:
+    half = out_shape[-1] // 2
+    if (list(sizes) if isinstance(sizes, (list, tuple)) else [sizes, sizes]) != [half, half] or len(split.users) != 2:
         return None
-    if dtype(packed) != dtype(x):
+    halves = {user.args[1]: user for user in split.users if canonical(user) == "getitem" and len(user.users) == 1}
+    if set(halves) != {0, 1}:
         return None
-    return "silu_gate", packed, {"gated": True}, [x, silu, gate, up, split]
+    gate, up = halves[0], halves[1]
+    silu = next(iter(gate.users))
+    product = next(iter(up.users))
+    if not _is_silu(silu) or len(silu.users) != 1 or next(iter(silu.users)) is not product:
+        return None
+    if canonical(product) != "mul" or _mutates(product) or sorted(map(id, _operands(product) or ())) != sorted(
+            map(id, (silu, up))):
+        return None
+    if dtype(product) != dtype(call) or shape(product) != (*out_shape[:-1], half):
+        return None
+    return product, [product, silu, gate, up, split]
 
 
 def _is_silu(node: Any) -> bool:

@@ -78,8 +78,8 @@ def test_a_fused_call_is_checked_and_timed_with_its_neighbours(monkeypatch, fuse
     torch.manual_seed(14)
     fusion = example_fusion(fused, 1, k, n, torch.float16, DEVICE)
     x, kw, b, _ = _case("nvfp4", 1, n, k, torch.float16, True, seed=14)
-    x = torch.randn(1, fusion.input_width(k), generator=torch.Generator().manual_seed(15)).to(x.device, x.dtype)
-    x2, out_dtype = _activation_rows(x, fusion.input_width(k))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(15)).to(x.device, x.dtype)
+    x2, out_dtype = _activation_rows(x, k)
     args = (x2, kw.codes, kw.scales.view(torch.uint8), kw.global_scale, b, n, k, "nvfp4", out_dtype)
     skips, right = KernelConfig(16, 1, 64, num_stages=1), KernelConfig(16, 1, 128, num_stages=1)
     real_call = tune._call

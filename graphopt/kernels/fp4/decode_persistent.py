@@ -99,14 +99,14 @@ if gluon is not None:
                                          pack=1)
 
     @gluon.jit
-    def _activation_pairs(x_ptr, up_ptr, norm_ptr, K, IS_NVFP4: gl.constexpr, CHUNKS: gl.constexpr,
-                          WARPS: gl.constexpr, GATED: gl.constexpr, NORM: gl.constexpr):
+    def _activation_pairs(x_ptr, norm_ptr, K, IS_NVFP4: gl.constexpr, CHUNKS: gl.constexpr, WARPS: gl.constexpr,
+                          NORM: gl.constexpr):
         """CHUNKS x 32 x WARPS units of 32 consecutive K positions, one per thread and chunk, rounded to
         int16 with the unit's step (max |x| / 32767): a0..a3, each (CHUNKS, 4 x THREADS) int32 pairs per
         code word (the lane order of _magnitudes: pair i = elements (4q + i, 4q + i + BS/2) of word q
         of a scale block), the steps (CHUNKS, THREADS), and the sum of the squares of x (0.0 unless
-        NORM). GATED: x is silu(x) * up. NORM: x is x * norm (the norm weight), its squares summed
-        before; the row's 1 / rms, a common factor of every unit, is left to the caller."""
+        NORM). NORM: x is x * norm (the norm weight), its squares summed before; the row's 1 / rms, a
+        common factor of every unit, is left to the caller."""
         THREADS: gl.constexpr = 32 * WARPS
         XL: gl.constexpr = gl.BlockedLayout([CHUNKS, 1, 32], [1, 32, 1], [1, WARPS, 1], [2, 1, 0])
         c = gl.arange(0, CHUNKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
@@ -114,8 +114,6 @@ if gluon is not None:
         e = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
         k = c[:, None, None] * (32 * THREADS) + t[None, :, None] * 32 + e[None, None, :]
         x = gl.load(x_ptr + k, mask=k < K, other=0.0).to(gl.float32)  # (CHUNKS, THREADS, 32)
-        if GATED:  # silu(gate) * up, as the model's act_fn(gate_proj(x)) * up_proj(x)
-            x = x / (1.0 + gl.exp(-x)) * gl.load(up_ptr + k, mask=k < K, other=0.0).to(gl.float32)
         squares = 0.0
         if NORM:
             squares = gl.reduce(gl.reduce(gl.reduce(x * x, 2, _add), 1, _add), 0, _add)
@@ -209,9 +207,10 @@ if gluon is not None:
         E4M3_CVT: gl.constexpr, GATED: gl.constexpr, NORM: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
         DEPENDENT: gl.constexpr,
     ):
-        """out[0, n] = x[0, :] @ W[n, :]^T (+ bias) (+ residual[0, n]), x through linear_fusion's
-        prologues: GATED, x (1, 2K) = [gate | up] -> silu(gate) * up; NORM, x -> rms_norm(x) * norm (the
-        1 / rms scales the dot, not the bias or the residual). Program p owns the groups p, p + P, ... of
+        """out[0, n] = x[0, :] @ W[n, :]^T (+ bias) (+ residual[0, n]), with linear_fusion's neighbours:
+        NORM, x -> rms_norm(x) * norm (the 1 / rms scales the dot, not the bias or the residual); GATED,
+        rows 2j and 2j + 1 of W are gate j and up j -> out[0, j] = silu(gate) * up (N / 2 outputs; a
+        warp's ROWS >= 2 rows hold whole pairs, so a thread has both values). Program p owns the groups p, p + P, ... of
         ROWS x WARPS rows; warp w the rows w * ROWS ... of each. K_CHUNKS chunks of CW words cover a row; the
         activations' shared memory holds CHUNKS_PAD >= K_CHUNKS of them (`chunks`: a power of two, at
         least WARPS). EVEN: N is a multiple of the group and K_WORDS of CW (tiles unmasked; look-ahead
@@ -255,8 +254,8 @@ if gluon is not None:
         squares = 0.0
         for s in gl.static_range(CHUNKS_PAD // WARPS):
             offset = s * WARPS * CW * 8
-            p0, p1, p2, p3, unit_step, part = _activation_pairs(x_ptr + offset, x_ptr + K + offset, norm_ptr + offset,
-                                                                K - offset, IS_NVFP4, 1, WARPS, GATED, NORM)
+            p0, p1, p2, p3, unit_step, part = _activation_pairs(x_ptr + offset, norm_ptr + offset, K - offset,
+                                                                IS_NVFP4, 1, WARPS, NORM)
             squares += part
             pairs_smem.slice(0 * CHUNKS_PAD + s * WARPS, WARPS).store(gl.reshape(p0, [WARPS, CW]))
             pairs_smem.slice(1 * CHUNKS_PAD + s * WARPS, WARPS).store(gl.reshape(p1, [WARPS, CW]))
@@ -289,13 +288,25 @@ if gluon is not None:
                 step = steps_smem.slice(c, 1).load(BL)
                 acc += _chunk_sums(ring[0][0], ring[0][1], a0, a1, a2, a3, step, opaque_zero, IS_NVFP4, E4M3_CVT, BL)
                 ring = ring[1:] + (ahead,)
-            offs_n = g * GROUP + r_b
-            total = gl.reduce(acc, 1, _add) * multiplier
-            if HAS_BIAS:
-                total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
+            if GATED:  # a thread's rows 2j, 2j + 1 (gate j, up j) -> its two (GROUP / 2, NB) halves
+                gate_acc, up_acc = gl.split(gl.permute(gl.reshape(acc, [GROUP // 2, 2, NB]), [0, 2, 1]))
+                gate = gl.reduce(gate_acc, 1, _add) * multiplier
+                up = gl.reduce(up_acc, 1, _add) * multiplier
+                offs_n = g * (GROUP // 2) + gl.arange(0, GROUP // 2, layout=gate.type.layout)
+                n_out = N // 2
+                if HAS_BIAS:
+                    gate += gl.load(bias_ptr + 2 * offs_n, mask=offs_n < n_out, other=0.0).to(gl.float32)
+                    up += gl.load(bias_ptr + 2 * offs_n + 1, mask=offs_n < n_out, other=0.0).to(gl.float32)
+                total = gate / (1.0 + gl.exp(-gate)) * up  # the model's act_fn(gate_proj(x)) * up_proj(x)
+            else:
+                offs_n = g * GROUP + r_b
+                n_out = N
+                total = gl.reduce(acc, 1, _add) * multiplier
+                if HAS_BIAS:
+                    total += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
             if HAS_RESIDUAL:
-                total += gl.load(residual_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
-            gl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+                total += gl.load(residual_ptr + offs_n, mask=offs_n < n_out, other=0.0).to(gl.float32)
+            gl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < n_out)
 
 
 def chunks(k_padded: int, num_warps: int) -> tuple[int, int]:
@@ -341,20 +352,23 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
                         fusion: LinearFusion = NO_FUSION, max_registers: int = 0) -> torch.Tensor:
     """(1, K) x -> (1, N) in x's dtype for a kernel-layout FP4 weight (format.to_kernel_layout): each warp
     owns `rows` rows, min(N / (rows x num_warps), SMs x programs_per_sm) programs; `depth`: chunks loaded
-    ahead of the one decoded. `fusion`: the neighbours taken in (linear_fusion; a gated x is (1, 2K)).
-    `max_registers` > 0: ptxas's register cap per thread."""
+    ahead of the one decoded. `fusion`: the neighbours taken in (linear_fusion; gated: the weight's rows
+    interleave gate and up, the output is (1, N / 2), and `rows` must be even). `max_registers` > 0:
+    ptxas's register cap per thread."""
     if format not in ("nvfp4", "mxfp4"):
         raise ValueError(f"format {format!r}: expected 'nvfp4' or 'mxfp4'")
     if max_registers and not 24 <= max_registers <= 255:
         raise ValueError(f"max_registers {max_registers}: expected 0 (no cap) or 24..255")
-    width = fusion.input_width(in_features)
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width:
-        raise ValueError(f"x of shape {tuple(x.shape)}: expected (1, {width})")
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != in_features:
+        raise ValueError(f"x of shape {tuple(x.shape)}: expected (1, {in_features})")
     check_tile(x, rows, num_warps, depth, programs_per_sm)
+    if fusion.gated and (rows % 2 or out_features % 2):
+        raise ValueError(f"a gated epilogue needs whole (gate, up) row pairs in a warp: rows {rows} and out_features "
+                         f"{out_features} must be even")
     k_words = codes.shape[1] // 4
     k_chunks, chunks_pad = chunks(codes.shape[1] * 2, num_warps)
     x = x.contiguous()
-    out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, fusion.output_width(out_features)), dtype=x.dtype, device=x.device)
     norm_weight = fusion.norm_weight.contiguous() if fusion.norm_weight is not None else x
     residual = fusion.residual.contiguous() if fusion.residual is not None else out
     device = x.get_device()

@@ -63,10 +63,12 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, global_scale: t
 
 
 
-def fusion_in_kernel(path: str | None, cfg: KernelConfig | None, rows: int) -> bool:
+def fusion_in_kernel(path: str | None, cfg: KernelConfig | None, rows: int, fusion: LinearFusion) -> bool:
     """Whether a call of `rows` rows on this path and tile takes linear_fusion's neighbours inside its
-    kernel (the persistent one-token kernel); every other call runs them in torch around the product."""
-    return path == "gemv" and cfg is not None and bool(cfg.programs_per_sm) and rows == 1
+    kernel (the persistent one-token kernel; a gated epilogue on its tiles of an even number of rows
+    per warp); every other call runs them in torch around the product."""
+    return (path == "gemv" and cfg is not None and bool(cfg.programs_per_sm) and rows == 1
+            and not (fusion.gated and (cfg.block_n // cfg.num_warps) % 2))
 
 
 def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias, out_features: int, in_features: int,
@@ -227,8 +229,8 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         raise RuntimeError("fp4_linear_triton needs Triton; use reference_fp4_linear on CPU")
     if fusion.active:
         fusion.check(x, in_features, out_features)
-        if not fusion_in_kernel(path, config, x.numel() // x.shape[-1]):
-            y = fp4_linear_triton(fusion.prologue(x, in_features), codes, scales, global_scale, bias, out_features,
+        if not fusion_in_kernel(path, config, x.numel() // x.shape[-1], fusion):
+            y = fp4_linear_triton(fusion.prologue(x), codes, scales, global_scale, bias, out_features,
                                   in_features, format, path=path, config=config)
             return fusion.epilogue(y)
     bs = _check_format(format)
@@ -236,7 +238,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"unknown FP4 kernel path {path!r}; valid choices: {', '.join(PATHS)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"fp4_linear: activations must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.shape[-1] != fusion.input_width(in_features):
+    if x.shape[-1] != in_features:
         raise ValueError(f"fp4_linear: x has {x.shape[-1]} features, the weight expects {in_features}")
     k_padded = _padded_k(in_features)
     if codes.dtype != torch.uint8 or tuple(codes.shape) != (out_features, k_padded // 2):
@@ -256,10 +258,10 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
             raise ValueError(f"fp4_linear: {name} must be contiguous")
     if bias is not None:
         bias = bias.contiguous()  # a strided view of a bias vector is fine: copied (N values) here
-    x2, out_dtype = _activation_rows(x, fusion.input_width(in_features))
+    x2, out_dtype = _activation_rows(x, in_features)
     m = x2.shape[0]
     if m == 0:
-        return x.new_empty((*x.shape[:-1], out_features))
+        return x.new_empty((*x.shape[:-1], fusion.output_width(out_features)))
     if path is None:
         path = default_path(_token_bucket(m))
     args = (x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype)
@@ -276,7 +278,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                          f"BLOCK_M 16, 32 or 64, BLOCK_K 256, K_padded a multiple of 256, "
                          f"BLOCK_N a multiple of 16 x num_warps; prefill tiles >= 16 without split)")
     out = _launch(path, cfg, *args, fusion=fusion)
-    return out.reshape(*x.shape[:-1], out_features)
+    return out.reshape(*x.shape[:-1], fusion.output_width(out_features))
 
 
 def _activation_rows(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.dtype]:
