@@ -316,7 +316,6 @@ def persistent(args) -> None:
         fn = q4_persistent._q4_gemv_persistent_kernel
         types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*fp16", bias_ptr="*bf16", out_ptr="*bf16")
         consts["TOKENS"] = 1 << (args.tokens - 1).bit_length()  # the launch pads the count to a power of two
-        consts["DEPENDENT"] = True
     else:
         fn = fp4_persistent._fp4_gemv_persistent_kernel
         types = dict(x_ptr="*bf16", words_ptr="*u8", scales_ptr="*u8", global_scale_ptr="*fp32", bias_ptr="*bf16",

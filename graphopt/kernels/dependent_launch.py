@@ -10,8 +10,9 @@ reuse memory the previous kernel still reads). `release_next_grid` lets the kern
 the same way as soon as every program of this one has passed that point. Both instructions do
 nothing when the kernel was launched without the attribute; CUDA graphs keep the dependency.
 
-GRAPHOPT_DEPENDENT_LAUNCH=0 launches these kernels the plain way (the A/B of
-bench/bench_decode_loop.py).
+Only a kernel that follows another of these is launched so (the passes mark such calls): behind
+an Inductor kernel, which never releases its dependents early, the attribute made a decode step
+slower (bench/RESULTS.md section 1). GRAPHOPT_DEPENDENT_LAUNCH=0 launches every kernel the plain way.
 """
 
 from __future__ import annotations

@@ -29,13 +29,15 @@ from graphopt.ops.registration import _inference_fake, _inference_op, _refuse_gr
 #   passes' decode fusion, graphopt.passes.linear_fusion): an RMSNorm of x before the product; gated,
 #   the weight's rows interleave gate and up (linear_fusion.interleave_gate_up) and y = silu(gate) * up
 #   is (..., N / 2); residual + y after it. The one-token persistent kernel computes them itself;
-#   every other path runs them in torch around the product.
+#   every other path runs them in torch around the product. dependent: x is the output of another
+#   one-token call (the passes mark it), so the persistent kernel may start as the dependent of the
+#   kernel before it (graphopt.kernels.dependent_launch).
 #   Inference only: no autograd formula (the weights are frozen constants).
 @torch.library.triton_op("graphopt::fp4_linear", mutates_args=())
 def fp4_linear_op(x: torch.Tensor, codes: torch.Tensor, codes_fp4: torch.Tensor, scales: torch.Tensor,
                   global_scale: torch.Tensor, bias: _Optional[torch.Tensor], out_features: int, in_features: int,
                   format: str, kernel: str = "", norm_weight: _Optional[torch.Tensor] = None, norm_eps: float = 0.0,
-                  gated: bool = False, residual: _Optional[torch.Tensor] = None) -> torch.Tensor:
+                  gated: bool = False, residual: _Optional[torch.Tensor] = None, dependent: bool = False) -> torch.Tensor:
     from graphopt.kernels import fp4
 
     fusion = LinearFusion(norm_weight, norm_eps, gated, residual)
@@ -48,7 +50,7 @@ def fp4_linear_op(x: torch.Tensor, codes: torch.Tensor, codes_fp4: torch.Tensor,
     path, config = fp4.kernel_choice(kernel, x.numel() // x.shape[-1])
     if config is not None and config.gluon:
         return torch.ops.graphopt.fp4_gluon_linear(x, codes, scales, global_scale, bias, out_features, in_features,
-                                                   format, kernel, norm_weight, norm_eps, gated, residual)
+                                                   format, kernel, norm_weight, norm_eps, gated, residual, dependent)
     return fp4.fp4_linear_triton(x, codes, scales, global_scale, bias, out_features, in_features, format, path=path,
                                  config=config, fusion=fusion)
 
@@ -58,9 +60,9 @@ _refuse_gradients(fp4_linear_op, "fp4_linear")
 
 @_inference_op("fp4_gluon_linear(Tensor x, Tensor codes, Tensor scales, Tensor global_scale, Tensor? bias, "
                "int out_features, int in_features, str format, str kernel, Tensor? norm_weight=None, "
-               "float norm_eps=0.0, bool gated=False, Tensor? residual=None) -> Tensor")
+               "float norm_eps=0.0, bool gated=False, Tensor? residual=None, bool dependent=False) -> Tensor")
 def fp4_gluon_linear(x, codes, scales, global_scale, bias, out_features, in_features, format, kernel, norm_weight=None,
-                     norm_eps=0.0, gated=False, residual=None):
+                     norm_eps=0.0, gated=False, residual=None, dependent=False):
     """graphopt::fp4_linear on a Gluon decode that `kernel` selects: fp4_tma's (NVFP4, bf16, sm_90+) or,
     for one token, decode_persistent's (sm_80+)."""
     from graphopt.kernels import fp4
@@ -69,12 +71,13 @@ def fp4_gluon_linear(x, codes, scales, global_scale, bias, out_features, in_feat
     if config is None or not config.gluon:
         raise ValueError(f"graphopt::fp4_gluon_linear: kernel {kernel!r} selects no Gluon tile for this call")
     return fp4.fp4_linear_triton(x, codes, scales, global_scale, bias, out_features, in_features, format, path=path,
-                                 config=config, fusion=LinearFusion(norm_weight, norm_eps, gated, residual))
+                                 config=config, fusion=LinearFusion(norm_weight, norm_eps, gated, residual),
+                                 dependent=dependent)
 
 
 @_inference_fake("fp4_gluon_linear")
 def _(x, codes, scales, global_scale, bias, out_features, in_features, format, kernel, norm_weight=None, norm_eps=0.0,
-      gated=False, residual=None):
+      gated=False, residual=None, dependent=False):
     return x.new_empty((*x.shape[:-1], out_features // 2 if gated else out_features))
 # ==== end fp4 ==================================================================================
 

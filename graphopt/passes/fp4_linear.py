@@ -67,7 +67,7 @@ from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, dtype, fin
                                       replace_linear, replace_siblings_with_call, sibling_groups)
 from graphopt.passes.tensor_parallel import all_ranks_agree, all_ranks_amax
 from graphopt.passes.fx_utils import tokens as token_count
-from graphopt.passes.linear_fusion import fuse_decode_neighbours
+from graphopt.passes.linear_fusion import fuse_decode_neighbours, mark_dependent_calls
 from graphopt.plan import plan_section, save_plan
 from graphopt.quant.linear import FP4_SCALE_SEARCH
 
@@ -124,6 +124,7 @@ class Fp4LinearPass(GraphPass):
                     replaced[m.node] = new
         fused = fuse_decode_neighbours(ctx, torch.ops.graphopt.fp4_linear.default, 7,
                                        interleave=lambda call: _interleave_gate_up(ctx, call, pending))
+        mark_dependent_calls(ctx, torch.ops.graphopt.fp4_linear.default)
         self._choose_kernels(ctx, pending, fused)
 
     @staticmethod

@@ -21,6 +21,9 @@ takes them in, an opaque Gluon op, may run); never for export (the ONNX forms ar
 option `fuse_decode_neighbours=False` turns it off, a list of FUSIONS names keeps only those. The op
 runs the neighbours in its one-token kernel and in torch on every other path, so a fused graph
 computes what the original did.
+
+`mark_dependent_calls` then marks the one-token GPU calls that read another one's output: their
+kernel may start while the one before it finishes (graphopt.kernels.dependent_launch).
 """
 
 from __future__ import annotations
@@ -88,6 +91,26 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
         if taken:
             done[call] = taken
     return done
+
+
+def mark_dependent_calls(ctx: PassContext, target: Any) -> list[fx.Node]:
+    """Give `dependent=True` to the one-token GPU calls of `target` whose x is another such call's
+    output (directly, or through a full slice): on the stream their kernel follows that call's, so it
+    may start as its dependent (graphopt.kernels.dependent_launch). Returns the calls marked."""
+    if ctx.for_export:
+        return []
+    graph = ctx.gm.graph
+    calls = {n for n in graph.find_nodes(op="call_function", target=target)
+             if _eligible(ctx, n) and getattr(device(n.args[0]), "type", None) == "cuda"}
+    marked = []
+    for call in calls:
+        x = call.args[0]
+        if isinstance(x, fx.Node) and _full_slice(x):
+            x = x.args[0]
+        if x in calls and not call.kwargs.get("dependent"):
+            call.kwargs = {**call.kwargs, "dependent": True}
+            marked.append(call)
+    return marked
 
 
 def _eligible(ctx: PassContext, call: fx.Node) -> bool:

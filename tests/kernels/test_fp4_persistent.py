@@ -285,7 +285,7 @@ def test_a_chain_of_dependent_launches_reads_each_previous_output(in_graph, monk
         for i in range(12):
             fusion = LinearFusion(norm_weight=norm, norm_eps=1e-5, residual=h)
             h = dp.fp4_gemv_persistent(h, codes, scales, gscale, None, n, k, "nvfp4", rows=1, num_warps=8,
-                                       programs_per_sm=4, depth=3, fusion=fusion)
+                                       programs_per_sm=4, depth=3, fusion=fusion, dependent=True)
             if i % 3 == 2:
                 h = h * 0.5  # a plain kernel between two dependents
         return h

@@ -31,7 +31,7 @@ def test_builds_for_sm90_with_dp4a_and_wide_loads(rows, warps, k, depth, tokens,
     k_chunks, chunks_pad = dp.chunks(k_padded, warps)
     kernel = compile_sm90(dp._q4_gemv_persistent_kernel, types,
                           dict(HAS_BIAS=True, ROWS=rows, WARPS=warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-                               DEPTH=depth, TOKENS=tokens, DEPENDENT=True),
+                               DEPTH=depth, TOKENS=tokens),
                           ["x_ptr", "words_ptr", "scales_ptr", "out_ptr", "K", "K_WORDS", "stride_wn", "stride_sb", "N",
                            "stride_xm", "stride_om"],
                           warps, gluon=True)
@@ -40,9 +40,6 @@ def test_builds_for_sm90_with_dp4a_and_wide_loads(rows, warps, k, depth, tokens,
     assert len(re.findall(r"IDP\.4A", sass)) >= 2 * rows * 4 * k_chunks * tokens  # two per word and token
     assert not [ops for _, _, ops in loops(sass) if any(op.startswith("BAR") for op, _ in ops)]
     assert len(re.findall(r"LDG\.E\.128", sass)) >= rows * k_chunks  # one 16-byte load per row and chunk
-    # launched as a dependent: the first `depth` chunks (words and scales) requested before the wait
-    before_wait, wait, _ = sass.partition("ACQBULK")
-    assert wait and len(re.findall(r"LDG\.E\.128", before_wait)) == rows * depth
 
 
 def test_bad_arguments_name_the_problem():

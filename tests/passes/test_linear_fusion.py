@@ -300,3 +300,31 @@ def test_a_list_of_neighbours_keeps_only_those(kept):
     taken = {name for names in _fused(report) for name in names}
     assert taken == set(kept)
     _same(report.output.logits, _explain(model, ids, fuse_decode_neighbours=False).output.logits)
+
+
+def test_calls_that_read_another_calls_output_are_marked_dependent_on_the_gpu(monkeypatch):
+    """On a GPU under CUDA graphs (device and eligibility patched: CI has no GPU), a one-token call whose x is another
+    call's output is launched as that kernel's dependent: per layer the gate/up call (after o_proj), down
+    (after gate/up) and the next layer's q/k/v (after down), and lm_head; never the first q/k/v (after
+    the embedding) nor o_proj (after attention). Without the fusion no call reads another's output."""
+    from graphopt.passes import linear_fusion
+
+    monkeypatch.setattr(linear_fusion, "device", lambda node: torch.device("cuda"))
+    monkeypatch.setattr(linear_fusion, "_eligible", lambda ctx, call: linear_fusion.tokens(call.args[0]) == 1)
+    model = _llama(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(11))
+
+    class Kwargs(_Calls):
+        def run(self, ctx):
+            self.calls = [n.kwargs for n in ctx.gm.graph.find_nodes(op="call_function",
+                                                                     target=torch.ops.graphopt.fp4_linear.default)]
+
+    for fuse, expected in ((True, 6), (False, 0)):
+        recorder = Kwargs()
+        register_extra_pass(recorder)
+        try:
+            _explain(model, ids, fuse_decode_neighbours=fuse)
+        finally:
+            unregister_extra_pass(recorder.name)
+        assert len(recorder.calls) == 9  # 2 x (qkv, o, gate/up, down) + lm_head
+        assert sum(bool(kw.get("dependent")) for kw in recorder.calls) == expected

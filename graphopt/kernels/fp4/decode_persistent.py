@@ -349,12 +349,14 @@ def persistent_grid(device_index: int, out_features: int, rows: int, num_warps: 
 def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                         bias: torch.Tensor | None, out_features: int, in_features: int, format: str, rows: int = 4,
                         num_warps: int = 4, programs_per_sm: int = 4, depth: int = 1,
-                        fusion: LinearFusion = NO_FUSION, max_registers: int = 0) -> torch.Tensor:
+                        fusion: LinearFusion = NO_FUSION, max_registers: int = 0,
+                        dependent: bool = False) -> torch.Tensor:
     """(1, K) x -> (1, N) in x's dtype for a kernel-layout FP4 weight (format.to_kernel_layout): each warp
     owns `rows` rows, min(N / (rows x num_warps), SMs x programs_per_sm) programs; `depth`: chunks loaded
     ahead of the one decoded. `fusion`: the neighbours taken in (linear_fusion; gated: the weight's rows
     interleave gate and up, the output is (1, N / 2), and `rows` must be even). `max_registers` > 0:
-    ptxas's register cap per thread."""
+    ptxas's register cap per thread. `dependent`: the kernel before it is another of these (the passes
+    say so): launched as its dependent (dependent_launch), where the GPU allows."""
     if format not in ("nvfp4", "mxfp4"):
         raise ValueError(f"format {format!r}: expected 'nvfp4' or 'mxfp4'")
     if max_registers and not 24 <= max_registers <= 255:
@@ -379,6 +381,6 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
            CHUNKS_PAD=chunks_pad, DEPTH=depth,
            EVEN=out_features % (rows * num_warps) == 0 and k_words == k_chunks * CHUNK_WORDS,
            E4M3_CVT=compute_capability(device) >= (8, 9), GATED=fusion.gated, NORM=fusion.norm_weight is not None,
-           HAS_RESIDUAL=fusion.residual is not None, DEPENDENT=(dependent := dependent_launch(device)),
+           HAS_RESIDUAL=fusion.residual is not None, DEPENDENT=(dependent := dependent and dependent_launch(device)),
            num_warps=num_warps, launch_pdl=dependent, **({"maxnreg": max_registers} if max_registers else {}))
     return out

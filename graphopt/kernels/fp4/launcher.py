@@ -72,8 +72,8 @@ def fusion_in_kernel(path: str | None, cfg: KernelConfig | None, rows: int, fusi
 
 
 def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias, out_features: int, in_features: int,
-            format: str, out_dtype: torch.dtype, fusion: LinearFusion = NO_FUSION) -> torch.Tensor:
-    """One launch of `path` on tile `cfg`; `fusion` only on the persistent one-token kernel."""
+            format: str, out_dtype: torch.dtype, fusion: LinearFusion = NO_FUSION, dependent: bool = False) -> torch.Tensor:
+    """One launch of `path` on tile `cfg`; `fusion` and `dependent` only on the persistent one-token kernel."""
     m = x2.shape[0]
     n, k_padded = out_features, codes.shape[1] * 2
     bs = BLOCK_SIZES[format]
@@ -91,7 +91,7 @@ def _launch(path: str, cfg: KernelConfig, x2, codes, scales, global_scale, bias,
         return decode_persistent.fp4_gemv_persistent(
             x2, codes, scales, global_scale, bias, n, in_features, format, rows=cfg.block_n // cfg.num_warps,
             num_warps=cfg.num_warps, programs_per_sm=cfg.programs_per_sm, depth=cfg.num_stages, fusion=fusion,
-            max_registers=cfg.max_registers)
+            max_registers=cfg.max_registers, dependent=dependent)
     if path == "gemv":  # decode: CUDA cores (BLOCK_M 1-4), tensor cores (BLOCK_M 16-64) or fp4_tma's kernel
         # permute_x (tensor-core tiles only, _valid_config) and tma: x's tiles rearranged once per
         # call, read by every program as they are
@@ -218,13 +218,13 @@ def kernel_string(entries) -> str:
 def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                       bias: torch.Tensor | None, out_features: int, in_features: int, format: str, *,
                       path: str | None = None, config: KernelConfig | None = None,
-                      fusion: LinearFusion = NO_FUSION) -> torch.Tensor:
+                      fusion: LinearFusion = NO_FUSION, dependent: bool = False) -> torch.Tensor:
     """y = x @ W^T + bias with W in the kernel layout (to_kernel_layout). x: (..., K) bf16/fp16
     (fp32 is computed from a bf16 copy, output fp32). `path`: gemv | gemm | dequant | None
     (default_path of the token bucket: the cost model's choice comes from the caller, e.g. the pass's
     kernel string); `config`: the tile (None: default_config; nothing is timed here, see tune.py).
     `fusion`: neighbours taken in (linear_fusion): by the persistent one-token kernel, in torch around
-    the other paths."""
+    the other paths. `dependent`: x comes from another one-token kernel (decode_persistent)."""
     if triton is None:
         raise RuntimeError("fp4_linear_triton needs Triton; use reference_fp4_linear on CPU")
     if fusion.active:
@@ -277,7 +277,7 @@ def fp4_linear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                          f"int_dots configs; permute_x only on the tensor-core tiles (BLOCK_M 16, 32 or 64); tma tiles: NVFP4, "
                          f"BLOCK_M 16, 32 or 64, BLOCK_K 256, K_padded a multiple of 256, "
                          f"BLOCK_N a multiple of 16 x num_warps; prefill tiles >= 16 without split)")
-    out = _launch(path, cfg, *args, fusion=fusion)
+    out = _launch(path, cfg, *args, fusion=fusion, dependent=dependent)
     return out.reshape(*x.shape[:-1], fusion.output_width(out_features))
 
 

@@ -28,14 +28,12 @@ import torch
 from graphopt.kernels.fp4.decode_persistent import (CHUNK_WORDS, DEPTH_CHOICES, MAX_ROWS_IN_FLIGHT, ROWS_CHOICES,
                                                     WARPS_CHOICES, check_tile, chunks, gluon, persistent_grid, supports,
                                                     tile_problem)
-from graphopt.kernels.dependent_launch import dependent_launch
 from graphopt.kernels.launch import launch, next_power_of_2
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
     from graphopt.kernels.fp4.decode_persistent import _add, _chunk_tile, _larger, _word_slots
-    from graphopt.kernels.dependent_launch import release_next_grid, wait_for_previous_grid
     from graphopt.kernels.fp4_tma import _cta_barrier
 
 __all__ = ["CHUNK_WORDS", "DEPTH_CHOICES", "MAX_ROWS_IN_FLIGHT", "MAX_TOKENS", "ROWS_CHOICES", "WARPS_CHOICES",
@@ -157,12 +155,11 @@ if gluon is not None:
         M, N, K, K_WORDS, KB, stride_xm, stride_om, stride_wn, stride_sb,
         HAS_BIAS: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
         K_CHUNKS: gl.constexpr, CHUNKS_PAD: gl.constexpr, DEPTH: gl.constexpr, TOKENS: gl.constexpr,
-        DEPENDENT: gl.constexpr,
     ):
         """out[m, n] = Q8_1(x[m, :]) . Q4_0(W[n, :]) (+ bias) for the M <= TOKENS tokens (TOKENS a power of
         two: the shared-memory tables' shapes; tokens past M read zeros and store nothing). Groups, chunks
         and ring as in the FP4 kernel; a chunk's nibbles are decoded once and meet every token's
-        activations; KB: scale blocks per row (K padded to 64, over 32). DEPENDENT: as in the FP4 kernel."""
+        activations; KB: scale blocks per row (K padded to 64, over 32)."""
         CW: gl.constexpr = 128  # code words per chunk (CHUNK_WORDS): 32 lanes x 4
         CP: gl.constexpr = CHUNKS_PAD
         GROUP: gl.constexpr = ROWS * WARPS
@@ -186,9 +183,6 @@ if gluon is not None:
             ring = ring + (_ring_entry(word_ptrs, scales_ptr, r_w, w_w, r_b, b_b,
                                        (first + t // K_CHUNKS * programs) * GROUP, t % K_CHUNKS, stride_wn,
                                        stride_sb, N, K_WORDS, KB, CW),)
-        if DEPENDENT:  # only the weights are read before the kernel before this one has finished
-            wait_for_previous_grid()
-            release_next_grid()
         for tok in gl.static_range(TOKENS):
             for s in gl.static_range(CP // WARPS):
                 limit = gl.where(tok < M, K - s * WARPS * CW * 8, 0)  # a token past M reads nothing
@@ -263,6 +257,5 @@ def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
            x, qweight, scales, bias if bias is not None else out, out,
            m, n, k, k_words, scales.shape[0], x.stride(0), out.stride(0), qweight.stride(0) // 4, scales.stride(0),
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, TOKENS=next_power_of_2(m), DEPENDENT=(dependent := dependent_launch(x.get_device())),
-           num_warps=num_warps, launch_pdl=dependent)
+           DEPTH=depth, TOKENS=next_power_of_2(m), num_warps=num_warps)
     return out
