@@ -10,7 +10,7 @@ reuse memory the previous kernel still reads). `release_next_grid` lets the kern
 the same way as soon as every program of this one has passed that point. Both instructions do
 nothing when the kernel was launched without the attribute; CUDA graphs keep the dependency.
 
-Only a kernel that follows another of these is launched so (the passes mark such calls): behind
+Only a call whose input is another such call's output is launched so (the passes mark them): behind
 an Inductor kernel, which never releases its dependents early, the attribute made a decode step
 slower (bench/RESULTS.md section 1). GRAPHOPT_DEPENDENT_LAUNCH=0 launches every kernel the plain way.
 """

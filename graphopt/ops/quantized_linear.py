@@ -27,8 +27,8 @@ from graphopt.ops.registration import _inference_fake, _inference_op, _refuse_gr
 #   kernel that selects one calls graphopt::fp4_gluon_linear, an opaque op.
 #   norm_weight, norm_eps, gated, residual: neighbours taken in (graphopt.kernels.linear_fusion; the
 #   passes' decode fusion, graphopt.passes.linear_fusion): an RMSNorm of x before the product; gated,
-#   the weight's rows interleave gate and up (linear_fusion.interleave_gate_up) and y = silu(gate) * up
-#   is (..., N / 2); residual + y after it. The one-token persistent kernel computes them itself;
+#   the weight's rows (and a bias's entries) interleave gate and up (linear_fusion.interleave_gate_up)
+#   and y = silu(gate) * up is (..., N / 2); residual + y after it. The one-token persistent kernel computes them itself;
 #   every other path runs them in torch around the product. dependent: x is the output of another
 #   one-token call (the passes mark it), so the persistent kernel may start as the dependent of the
 #   kernel before it (graphopt.kernels.dependent_launch).

@@ -50,8 +50,9 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
                            interleave: Callable[[fx.Node], bool] | None = None) -> dict[fx.Node, list[str]]:
     """Fuse into every one-token call of `target` (an op with the norm_weight / norm_eps / gated /
     residual keyword arguments, x its first argument, in_features its argument `in_features_index`).
-    `interleave(call)`: the weight pass's rewrite of a call's weight (and bias) rows into gate / up
-    pairs (linear_fusion.interleave_gate_up), False where it cannot; without it no gate is fused.
+    `interleave(call)`: the weight pass's rewrite of a call's weight rows into gate / up pairs
+    (linear_fusion.interleave_gate_up), False where it cannot (a call with a bias, say); without it no
+    gate is fused.
     Returns {call: the neighbours it took in, e.g. ["rms_norm", "silu_gate"]}."""
     option = ctx.config.fuse_decode_neighbours
     allowed = set(FUSIONS) if option is True else set(option or ())
@@ -78,6 +79,8 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
         if gate is not None and call.kwargs.get("residual") is None and interleave(call):
             product, chain = gate
             call.kwargs = {**call.kwargs, "gated": True}
+            if "example_value" in product.meta:  # the call's output is now the product's (half as wide)
+                call.meta["example_value"] = product.meta["example_value"]
             product.replace_all_uses_with(call)
             erase_unused(chain, graph)
             taken.append("silu_gate")
@@ -95,8 +98,10 @@ def fuse_decode_neighbours(ctx: PassContext, target: Any, in_features_index: int
 
 def mark_dependent_calls(ctx: PassContext, target: Any) -> list[fx.Node]:
     """Give `dependent=True` to the one-token GPU calls of `target` whose x is another such call's
-    output (directly, or through a full slice): on the stream their kernel follows that call's, so it
-    may start as its dependent (graphopt.kernels.dependent_launch). Returns the calls marked."""
+    output (directly, or through a full slice): by data flow, so their kernel usually follows that
+    call's on the stream and may start as its dependent (graphopt.kernels.dependent_launch); where the
+    call before runs another path or its neighbours in torch, the launch is still correct, only not
+    faster. Returns the calls marked."""
     if ctx.for_export:
         return []
     graph = ctx.gm.graph

@@ -247,7 +247,7 @@ if gluon is not None:
                                         EVEN),
                             _chunk_tile(scale_ptrs, r_b, b_b, row, t % K_CHUNKS * NB, stride_sn, N, K_WORDS // WPB,
                                         row < N, EVEN)),)
-        if DEPENDENT:  # x, the norm weight's neighbours and out belong to the kernels around this one
+        if DEPENDENT:  # x, the residual and out's memory belong to the kernels around this one
             wait_for_previous_grid()
             release_next_grid()
         # WARPS chunks at a time (a chunk per warp), to bound the registers
@@ -355,8 +355,8 @@ def fp4_gemv_persistent(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     owns `rows` rows, min(N / (rows x num_warps), SMs x programs_per_sm) programs; `depth`: chunks loaded
     ahead of the one decoded. `fusion`: the neighbours taken in (linear_fusion; gated: the weight's rows
     interleave gate and up, the output is (1, N / 2), and `rows` must be even). `max_registers` > 0:
-    ptxas's register cap per thread. `dependent`: the kernel before it is another of these (the passes
-    say so): launched as its dependent (dependent_launch), where the GPU allows."""
+    ptxas's register cap per thread. `dependent`: x is another one-token call's output (the passes say
+    so): launched as the dependent of the kernel before it (dependent_launch), where the GPU allows."""
     if format not in ("nvfp4", "mxfp4"):
         raise ValueError(f"format {format!r}: expected 'nvfp4' or 'mxfp4'")
     if max_registers and not 24 <= max_registers <= 255:

@@ -62,8 +62,9 @@ def tune_config(path: str, args: tuple, *, allow_gluon: bool = True, fusion: Lin
     user's forward: inside a CUDA-graph capture, or without a GPU, it times nothing and returns
     `default_config`. allow_gluon: also time the Gluon decodes (fp4_tma's, decode_persistent's). Only
     candidates that compute the product are timed (_fastest_right). `fusion`: the neighbours the op
-    took in (their kinds `fused`, part of the key), timed with each tile; fp4_tma's tiles, which would
-    run them in torch outside the CUDA graph's kernels, are not offered then."""
+    took in (their kinds `fused`, part of the key), timed with each tile (a tile that cannot take them,
+    e.g. a gate on one row per warp, runs them in torch around its kernel, as the op would); fp4_tma's
+    tiles are not offered then."""
     x2, codes, scales, global_scale, bias, out_features, in_features, format, out_dtype = args
     if path == "dequant" or INTERPRET or not x2.is_cuda or torch.cuda.is_current_stream_capturing():
         return default_config(path, args)
