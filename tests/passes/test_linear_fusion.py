@@ -111,14 +111,21 @@ class _NormReadTwice(torch.nn.Module):
         return self.proj(normed), normed
 
 
-class _GemmaNorm(torch.nn.Module):
+class _GateUpDown(torch.nn.Module):
+    """A [gate | up] GEMM (gate_up) and a down projection; subclasses write the forward between them."""
+
+    def __init__(self, width=64, bias=False):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(width, 2 * width, bias=bias)
+        self.down = torch.nn.Linear(width, width, bias=False)
+
+
+class _GemmaNorm(_GateUpDown):
     """(1 + w) RMSNorm and a GELU gate: forms the fusion does not take."""
 
     def __init__(self, width=64):
-        super().__init__()
+        super().__init__(width)
         self.weight = torch.nn.Parameter(torch.randn(width) * 0.1)
-        self.gate_up = torch.nn.Linear(width, 2 * width, bias=False)
-        self.down = torch.nn.Linear(width, width, bias=False)
 
     def forward(self, h):
         x = h.float()
@@ -202,40 +209,28 @@ class _NormWeightNotPerFeature(torch.nn.Module):
         return self.proj(self.weight * x.to(h.dtype))
 
 
-class _SiluOfTheSecondHalf(torch.nn.Module):
+class _SiluOfTheSecondHalf(_GateUpDown):
     """silu of the second half of a packed GEMM's output times the first: not the [gate | up] order
     the op reads."""
-
-    def __init__(self, width=64):
-        super().__init__()
-        self.gate_up = torch.nn.Linear(width, 2 * width, bias=False)
-        self.down = torch.nn.Linear(width, width, bias=False)
 
     def forward(self, h):
         up, gate = self.gate_up(h).split([64, 64], -1)
         return self.down(up * F.silu(gate))
 
 
-class _GateWithBias(torch.nn.Module):
+class _GateWithBias(_GateUpDown):
     """A [gate | up] GEMM with a bias: the gate stays outside (the pass interleaves only bias-free weights)."""
 
     def __init__(self, width=64):
-        super().__init__()
-        self.gate_up = torch.nn.Linear(width, 2 * width, bias=True)
-        self.down = torch.nn.Linear(width, width, bias=False)
+        super().__init__(width, bias=True)
 
     def forward(self, h):
         gate, up = self.gate_up(h).split([64, 64], -1)
         return self.down(F.silu(gate) * up)
 
 
-class _GateReadTwice(torch.nn.Module):
+class _GateReadTwice(_GateUpDown):
     """The gate half is also returned: the gated op would not produce it."""
-
-    def __init__(self, width=64):
-        super().__init__()
-        self.gate_up = torch.nn.Linear(width, 2 * width, bias=False)
-        self.down = torch.nn.Linear(width, width, bias=False)
 
     def forward(self, h):
         gate, up = self.gate_up(h).split([64, 64], -1)
