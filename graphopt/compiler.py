@@ -33,6 +33,7 @@ import contextlib
 import copy
 import importlib.util
 import logging
+import os
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -77,6 +78,9 @@ def recording_decisions(*, reset: bool = False) -> Iterator[list[Decision]]:
 CUDA_GRAPH_MODES: tuple[str, ...] = ("reduce-overhead", "max-autotune")
 MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
+
+# Inductor's switch for launching triton_op kernels with its static CUDA launcher (_downstream).
+STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
 # Dynamo wraps what a backend raises in BackendCompilerFailed, except its own ShortenTraceback
 # family, which it re-raises as it is. A bad option is the user's mistake, not a compiler failure:
@@ -284,11 +288,14 @@ def _downstream(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig
             patches["triton.cudagraphs"] = True
         # Inductor launches its own Triton kernels through its static CUDA launcher, and the kernels
         # of triton_ops (graphopt's) through Triton's Python launcher unless this is set; a kernel
-        # the static launcher cannot take falls back (bench/bench_op_host.py measures both).
+        # the static launcher cannot take falls back. Inductor's compile workers read the switch
+        # from their environment when they start, not from this patch: set it there too (unless the
+        # user set it), for workers started from here on.
         from torch._inductor import config as inductor_config
 
         if hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
             patches["static_launch_user_defined_triton_kernels"] = True
+            os.environ.setdefault(STATIC_LAUNCH_ENV, "1")
         return compile_fx(gm, example_inputs, config_patches=patches or None)
     if config.downstream == "tensorrt":
         require_tensorrt()

@@ -1,3 +1,4 @@
+import os
 import re
 import subprocess
 import sys
@@ -221,6 +222,28 @@ def test_cuda_graphs_option_asks_inductor_for_cuda_graph_trees(monkeypatch):
     with torch.no_grad():
         torch.compile(model, backend="graphopt")(x)
     assert seen[0] == (static or None)  # Inductor calls itself again inside the patches
+
+
+def test_inductor_compile_workers_are_told_to_launch_statically(monkeypatch):
+    """Inductor's compile workers take the static-launch switch from their environment: graphopt sets
+    it before the downstream compile, and leaves a value the user set alone."""
+    from torch._inductor import config as inductor_config
+
+    from graphopt import compiler
+
+    if not hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
+        pytest.skip("this torch has no static launch of user-defined Triton kernels")
+    model, x = MLP().eval(), torch.randn(3, 16)
+    for preset, expected in ((None, "1"), ("0", "0")):
+        if preset is None:
+            monkeypatch.delenv(compiler.STATIC_LAUNCH_ENV, raising=False)
+        else:
+            monkeypatch.setenv(compiler.STATIC_LAUNCH_ENV, preset)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend="graphopt")(x)
+        assert os.environ[compiler.STATIC_LAUNCH_ENV] == expected
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu
