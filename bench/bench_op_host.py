@@ -14,7 +14,9 @@ fuses into one kernel for the whole chain; a block's slope minus it is the opera
 time. The two depths are timed in alternation, ROUNDS times, and the median of the rounds' slopes
 is reported with their spread: host speed drifts between whole runs by more than the differences
 measured here. Each depth compiles a forward with a code object of its own (`with_own_code`), so
-neither pays the other's Dynamo guards. Every slope is given in wall time and in the calling
+neither pays the other's Dynamo guards, and the objects the compiles left are frozen out of the
+garbage collector's passes (gc.freeze) before a row is timed, so no row pays for the ones compiled
+before it. Every slope is given in wall time and in the calling
 thread's CPU time (`_cpu_us` columns): where the two agree, the host was not kept from the thread
 and the time is the launch path's own work. `rewritten` counts the graphopt rewrites in the deep
 module (it must equal its depth). The same is measured with Inductor on the unrewritten module
@@ -29,12 +31,16 @@ timed the same way.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
 import time
 import types
 
+# graphopt sets this before its first compile (graphopt.compiler.STATIC_LAUNCH_ENV), for Inductor's
+# compile workers, which read it when they start; here the Inductor rows compile first and start them.
+os.environ.setdefault("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -179,6 +185,9 @@ def slope_us(shallow_run, deep_run, blocks: int) -> dict[str, float]:
     """Host us per block (median over the rounds, its min and max; wall and thread CPU time) and the
     deep call's median wall us: the two depths timed in alternation, one slope per round."""
     walls, cpus, deep_us = [], [], []
+    # the collector's passes over everything the earlier compiles left would fall on later rows
+    gc.collect()
+    gc.freeze()
     for _ in range(ROUNDS):
         (w0, c0), (w1, c1) = timed_us(shallow_run, CALLS), timed_us(deep_run, CALLS)
         walls.append((w1 - w0) / blocks)
