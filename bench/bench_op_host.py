@@ -22,8 +22,8 @@ and the time is the launch path's own work. `rewritten` counts the graphopt rewr
 module (it must equal its depth). The same is measured with Inductor on the unrewritten module
 (its own kernels or extern calls for the same work), the baseline a user would otherwise have.
 `launches_per_block`: kernel launches per block, from the profiler. The `eager_launch` row is this
-host's floor: one eager `add_` on a 1024-element tensor (the dispatcher and one kernel launch),
-timed the same way.
+host's floor: a block of it is one eager `add_` (the dispatcher and one kernel launch), timed the
+same way.
 
     python bench/bench_op_host.py          # writes op_host.json to $OUT, else bench/out/
 """
@@ -150,6 +150,7 @@ def with_own_code(module: nn.Module) -> nn.Module:
     lowers the slope over depth by that failure's cost."""
     fn = type(module).forward
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__, own.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     module.forward = types.MethodType(own, module)
     return module
 
@@ -183,28 +184,37 @@ def timed_us(fn, calls: int) -> tuple[float, float]:
 
 def slope_us(shallow_run, deep_run, blocks: int) -> dict[str, float]:
     """Host us per block (median over the rounds, its min and max; wall and thread CPU time) and the
-    deep call's median wall us: the two depths timed in alternation, one slope per round."""
+    deep call's median wall us: the two depths timed in alternation, one slope per round. The
+    collector's older objects are frozen for the rounds (and thawed after)."""
     walls, cpus, deep_us = [], [], []
     # the collector's passes over everything the earlier compiles left would fall on later rows
     gc.collect()
     gc.freeze()
-    for _ in range(ROUNDS):
-        (w0, c0), (w1, c1) = timed_us(shallow_run, CALLS), timed_us(deep_run, CALLS)
-        walls.append((w1 - w0) / blocks)
-        cpus.append((c1 - c0) / blocks)
-        deep_us.append(w1)
+    try:
+        for _ in range(ROUNDS):
+            (w0, c0), (w1, c1) = timed_us(shallow_run, CALLS), timed_us(deep_run, CALLS)
+            walls.append((w1 - w0) / blocks)
+            cpus.append((c1 - c0) / blocks)
+            deep_us.append(w1)
+    finally:
+        gc.unfreeze()
     return {"call_us_deep": statistics.median(deep_us), "per_block_us": statistics.median(walls),
             "per_block_min_us": min(walls), "per_block_max_us": max(walls),
             "per_block_cpu_us": statistics.median(cpus), "per_block_cpu_min_us": min(cpus)}
 
 
-def eager_launch_row() -> dict:
-    """The host's floor: one eager add_ (dispatcher and one kernel launch), timed like a block."""
+def eager_launch_row(shallow: int, deep: int) -> dict:
+    """The host's floor: eager add_ calls (the dispatcher and one kernel launch each), `shallow` and
+    `deep` of them a call, timed like a block."""
     x = torch.randn(1024, device="cuda")
-    walls, cpus = zip(*(timed_us(lambda: x.add_(1.0), CALLS) for _ in range(ROUNDS)))
-    return {"block": "eager_launch", "backend": "eager", "per_block_us": statistics.median(walls),
-            "per_block_min_us": min(walls), "per_block_max_us": max(walls),
-            "per_block_cpu_us": statistics.median(cpus), "per_block_cpu_min_us": min(cpus), "launches_per_block": 1}
+
+    def adds(n: int):
+        def run():
+            for _ in range(n):
+                x.add_(1.0)
+        return run
+    return {"block": "eager_launch", "backend": "eager", "rewritten": None,
+            **slope_us(adds(shallow), adds(deep), deep - shallow), "launches_per_block": 1}
 
 
 def main() -> int:
@@ -220,7 +230,7 @@ def main() -> int:
     import graphopt
 
     shallow, deep = (int(n) for n in opts.layers.split(","))
-    rows = [eager_launch_row()]
+    rows = [eager_launch_row(shallow, deep)]
     print(rows[-1], flush=True)
     blocks = workloads(opts.width, opts.cache)
     chosen = opts.blocks.split(",") if opts.blocks else list(blocks)

@@ -288,21 +288,38 @@ def _downstream(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig
             patches["triton.cudagraphs"] = True
         # Inductor launches its own Triton kernels through its static CUDA launcher, and the kernels
         # of triton_ops (graphopt's) through Triton's Python launcher unless this is set; a kernel
-        # the static launcher cannot take falls back. Inductor's compile workers read the switch
-        # from their environment when they start, not from this patch: set it there too (unless the
-        # user set it), for workers started from here on.
+        # the static launcher cannot take falls back.
         from torch._inductor import config as inductor_config
 
-        if hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
+        static = hasattr(inductor_config, "static_launch_user_defined_triton_kernels")
+        if static:
             patches["static_launch_user_defined_triton_kernels"] = True
-            os.environ.setdefault(STATIC_LAUNCH_ENV, "1")
-        return compile_fx(gm, example_inputs, config_patches=patches or None)
+        with _static_launch_environment(static):
+            return compile_fx(gm, example_inputs, config_patches=patches or None)
     if config.downstream == "tensorrt":
         require_tensorrt()
         from torch_tensorrt.dynamo.backend import torch_tensorrt_backend  # type: ignore[import-not-found]
 
         return torch_tensorrt_backend(gm, example_inputs)
     raise AssertionError(config.downstream)  # validated by GraphOptConfig
+
+
+@contextlib.contextmanager
+def _static_launch_environment(active: bool) -> Iterator[None]:
+    """Inductor's compile workers read the static-launch switch from the environment they start
+    with, not from the compile's config patch, and they start inside the first compile that needs
+    them: the switch is set (unless the user set it) for the downstream compile only. Workers it
+    starts launch every triton_op's kernels statically in this and later compiles (graphopt's and
+    any other's); processes started later do not inherit it. Workers an earlier compile started
+    keep Triton's launcher for graphopt's kernels."""
+    if not active or STATIC_LAUNCH_ENV in os.environ:
+        yield
+        return
+    os.environ[STATIC_LAUNCH_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(STATIC_LAUNCH_ENV, None)
 
 
 def tensorrt_available() -> bool:

@@ -225,24 +225,34 @@ def test_cuda_graphs_option_asks_inductor_for_cuda_graph_trees(monkeypatch):
 
 
 def test_inductor_compile_workers_are_told_to_launch_statically(monkeypatch):
-    """Inductor's compile workers take the static-launch switch from their environment: graphopt sets
-    it before the downstream compile, and leaves a value the user set alone."""
+    """Inductor's compile workers take the static-launch switch from the environment they start
+    with: graphopt sets it for its downstream compile only, and leaves a value the user set alone."""
+    from torch._inductor import compile_fx as inductor_compile_fx
     from torch._inductor import config as inductor_config
 
     from graphopt import compiler
 
     if not hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
         pytest.skip("this torch has no static launch of user-defined Triton kernels")
+    seen = []
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(os.environ.get(compiler.STATIC_LAUNCH_ENV))
+        return gm.forward
+
+    monkeypatch.setattr(inductor_compile_fx, "compile_fx", spy)
+    monkeypatch.setenv(compiler.STATIC_LAUNCH_ENV, "")  # so that teardown restores the value from before
     model, x = MLP().eval(), torch.randn(3, 16)
-    for preset, expected in ((None, "1"), ("0", "0")):
+    for preset, inside in ((None, "1"), ("0", "0")):
         if preset is None:
-            monkeypatch.delenv(compiler.STATIC_LAUNCH_ENV, raising=False)
+            monkeypatch.delenv(compiler.STATIC_LAUNCH_ENV)
         else:
             monkeypatch.setenv(compiler.STATIC_LAUNCH_ENV, preset)
         torch._dynamo.reset()
         with torch.no_grad():
-            torch.compile(model, backend="graphopt")(x)
-        assert os.environ[compiler.STATIC_LAUNCH_ENV] == expected
+            torch.testing.assert_close(torch.compile(model, backend="graphopt")(x), model(x))
+        assert seen[-1] == inside
+        assert os.environ.get(compiler.STATIC_LAUNCH_ENV) == preset  # nothing left behind
     torch._dynamo.reset()
 
 
