@@ -4,8 +4,10 @@ The step of bench_decode_loop.py (llama_models.DecodeLoop: a transformers Static
 random prompt, then model(...).logits[:, -1].argmax() per token) is compiled per variant with
 mode="reduce-overhead" and run once to compile and record; then one loop of --new-tokens - 1
 steps (the prefill before it) runs under torch.profiler. Per variant: the wall time per step, the GPU kernel time per
-step, the number of kernels per step, and the kernels by time per step, grouped by name (the
-`--top` largest; layer-wise kernels appear once per layer). --layers keeps the shape's widths
+step (summed over kernels, and the time any kernel ran: kernels launched as programmatic dependents
+start before the one they follow ends, so their times overlap), the number of kernels per step, and
+the kernels by exclusive time per step (`exclusive_us`: the part of a kernel's time no earlier kernel
+covers), grouped by name (the `--top` largest; layer-wise kernels appear once per layer). --layers keeps the shape's widths
 with fewer decoder layers, so a full-width step compiles in seconds; the per-layer kernels then
 scale with the layer count and lm_head / embedding do not.
 
@@ -31,20 +33,37 @@ from bench.llama_models import (ABLATIONS, SHAPES, VARIANTS, DecodeLoop, build_m
                                 int4_weights, random_prompt, synchronize)
 
 
-def profile_step(loop: DecodeLoop, steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
-    """(wall ms per step, {kernel name: (GPU us per step, launches per step)}) of one loop."""
+def exclusive_us(intervals: list[tuple[float, float]]) -> list[float]:
+    """Each (start, end) kernel interval's time not already covered by the kernels that started
+    before it. A kernel launched as a programmatic dependent starts before the one it follows ends,
+    so kernel times overlap; these shares do not, and add up to the time the GPU ran any kernel."""
+    shares = [0.0] * len(intervals)
+    covered = float("-inf")
+    for i in sorted(range(len(intervals)), key=lambda i: intervals[i][0]):
+        start, end = intervals[i]
+        shares[i] = max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+    return shares
+
+
+def profile_step(loop: DecodeLoop, steps: int) -> tuple[float, dict[str, tuple[float, int, float]]]:
+    """(wall ms per step, {kernel name: (GPU us per step, launches per step, exclusive GPU us per
+    step)}) of one loop: a kernel's exclusive time is exclusive_us's share of it."""
     loop.run("cuda")  # compiles and records
     _, seconds = loop.run("cuda")
     first = loop.prefill()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         loop.decode(first, "cuda")
         synchronize("cuda")
-    totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name][0] += event.device_time_total
-            totals[event.name][1] += 1
-    per_step = {name: (us / steps, count // steps) for name, (us, count) in totals.items() if count >= steps}
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    shares = exclusive_us([(e.time_range.start, e.time_range.end) for e in events])
+    totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, 0.0])
+    for event, share in zip(events, shares):
+        totals[event.name][0] += event.device_time_total
+        totals[event.name][1] += 1
+        totals[event.name][2] += share
+    per_step = {name: (us / steps, count // steps, own / steps)
+                for name, (us, count, own) in totals.items() if count >= steps}
     return seconds / steps * 1e3, per_step
 
 
@@ -75,16 +94,19 @@ def main() -> None:
         with int4_weights(model) if variant == "int4" else contextlib.nullcontext(), torch.no_grad():
             loop = DecodeLoop(model, prompt, opts.new_tokens, compile_kwargs(variant, "reduce-overhead", False))
             wall_ms, per_step = profile_step(loop, steps)
-        gpu_us = sum(us for us, _ in per_step.values())
+        gpu_us = sum(us for us, _, _ in per_step.values())
+        busy_us = sum(own for _, _, own in per_step.values())
         summary.append({"variant": variant, "wall_ms_step": wall_ms, "gpu_ms_step": gpu_us / 1e3,
-                        "kernels_step": sum(n for _, n in per_step.values())})
-        for name, (us, count) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:opts.top]:
-            kernels.append({"variant": variant, "kernel": name[:80], "us_step": us, "launches": count,
-                            "share": us / gpu_us})
-        print(f"{variant}: {wall_ms:.3f} ms/step wall, {gpu_us / 1e3:.3f} ms/step of kernels", flush=True)
+                        "gpu_busy_ms_step": busy_us / 1e3, "kernels_step": sum(n for _, n, _ in per_step.values())})
+        for name, (us, count, own) in sorted(per_step.items(), key=lambda kv: -kv[1][2])[:opts.top]:
+            kernels.append({"variant": variant, "kernel": name[:80], "us_step": us, "exclusive_us_step": own,
+                            "launches": count, "share": own / busy_us})
+        print(f"{variant}: {wall_ms:.3f} ms/step wall, {gpu_us / 1e3:.3f} ms/step of kernels, "
+              f"{busy_us / 1e3:.3f} with any kernel running", flush=True)
     title = f"one-token step, LLaMA {opts.shape} widths, {opts.layers} layers, batch {opts.batch}, prompt {opts.prompt}"
-    print_table(title, summary, ["variant", "wall_ms_step", "gpu_ms_step", "kernels_step"])
-    print_table(title + ": kernels by GPU time per step", kernels, ["variant", "kernel", "us_step", "launches", "share"])
+    print_table(title, summary, ["variant", "wall_ms_step", "gpu_ms_step", "gpu_busy_ms_step", "kernels_step"])
+    print_table(title + ": kernels by exclusive GPU time per step", kernels,
+                ["variant", "kernel", "us_step", "exclusive_us_step", "launches", "share"])
     if opts.out:
         import json
 
