@@ -143,29 +143,28 @@ class GraphOptBackend:
         return isinstance(other, GraphOptBackend) and self.options == other.options
 
     def __hash__(self) -> int:
-        return hash(repr(sorted(self.options.items())))
+        return hash(_canonical(self.options))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"graphopt.backend({args})"
 
 
+def _canonical(value: Any) -> Any:
+    """A hashable form of an options value in which equal values are equal (dicts by sorted items,
+    at any depth)."""
+    if isinstance(value, dict):
+        return tuple(sorted((repr(k), _canonical(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_canonical(v) for v in value)
+    return repr(value)
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig, hardware: HardwareSpec, *, mode: str | None = None):
     pristine = copy.deepcopy(gm)
     ctx = run_passes(gm, example_inputs, config, hardware)
-    for sink in _DECISION_SINKS:
-        sink.extend(ctx.decisions)
-    try:
-        compiled = _downstream_local_shards(gm, example_inputs, config, mode)
-    except Exception as exc:  # noqa: BLE001 - a rewrite never turns a program that runs into one that fails
-        # Dynamo's restarts (e.g. Inductor asking to re-trace with scalars as tensors) are not failures
-        if not any(d.applied for d in ctx.decisions) or isinstance(exc, torch._dynamo.exc.RestartAnalysis):
-            raise
-        message = (f"graphopt: the downstream compiler failed on the rewritten graph ({type(exc).__name__}: "
-                   f"{str(exc)[:2000]}); compiling the graph without graphopt's rewrites")
-        log.warning(message, exc_info=log.isEnabledFor(logging.DEBUG))
-        # a user who configured no logging must still learn that the rewrites were dropped
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    compiled = _compile_rewritten(gm, pristine, example_inputs, ctx, config, mode)
+    if compiled is None:  # the rewrites were dropped
         return _downstream(pristine, example_inputs, config, mode)
     if not ctx.frozen:
         return compiled
@@ -177,12 +176,40 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
         log.info("graphopt: a frozen parameter (or a module float the rewrite baked in) changed since compile; "
                  "recompiling from the new values")
         fresh = copy.deepcopy(pristine)
-        new_ctx = run_passes(fresh, args, config, hardware)
-        for sink in _DECISION_SINKS:  # the new decisions (a plan may no longer fit the new weights)
-            sink.extend(new_ctx.decisions)
-        return _downstream_local_shards(fresh, args, config, mode), new_ctx
+        new_ctx = run_passes(fresh, args, config, hardware)  # a plan may no longer fit the new weights
+        compiled = _compile_rewritten(fresh, pristine, args, new_ctx, config, mode)
+        if compiled is None:  # the unrewritten graph bakes nothing in
+            new_ctx.frozen = {}
+            return _downstream(copy.deepcopy(pristine), args, config, mode), new_ctx
+        return compiled, new_ctx
 
     return _FrozenWeightGuard(compiled, ctx, recompile)
+
+
+def _compile_rewritten(gm: fx.GraphModule, pristine: fx.GraphModule, example_inputs: list, ctx: PassContext,
+                       config: GraphOptConfig, mode: str | None) -> Callable | None:
+    """The downstream compile of the rewritten graph, its decisions handed to the recorders; None if
+    the downstream compiler failed on it (a rewrite never turns a program that runs into one that
+    fails): the failure is logged and warned about, and the applied decisions say the rewrite was
+    dropped."""
+    for sink in _DECISION_SINKS:
+        sink.extend(ctx.decisions)
+    try:
+        return _downstream_local_shards(gm, example_inputs, config, mode)
+    except Exception as exc:  # noqa: BLE001
+        # Dynamo's restarts (e.g. Inductor asking to re-trace with scalars as tensors) are not failures
+        if not any(d.applied for d in ctx.decisions) or isinstance(exc, torch._dynamo.exc.RestartAnalysis):
+            raise
+        message = (f"graphopt: the downstream compiler failed on the rewritten graph ({type(exc).__name__}: "
+                   f"{str(exc)[:2000]}); compiling the graph without graphopt's rewrites")
+        log.warning(message, exc_info=log.isEnabledFor(logging.DEBUG))
+        # a user who configured no logging must still learn that the rewrites were dropped
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        for decision in ctx.decisions:
+            if decision.applied:
+                decision.applied = False
+                decision.reason = f"dropped: the downstream compiler failed on the rewritten graph ({type(exc).__name__})"
+        return None
 
 
 class _FrozenWeightGuard:

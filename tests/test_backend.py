@@ -279,27 +279,59 @@ def test_cuda_graphs_replays_graphopt_kernels_with_fresh_inputs():
     torch._dynamo.reset()
 
 
-def test_a_rewritten_graph_the_downstream_compiler_rejects_runs_unrewritten(monkeypatch, caplog):
-    """A rewrite never turns a program that runs into one that fails: when the downstream compiler
-    raises on the rewritten graph, the graph is compiled without graphopt's rewrites, with a warning."""
+def _rejecting_rewritten_graphs(monkeypatch, armed=lambda: True):
+    """compiler._downstream raising on graphs that hold a graphopt op (while `armed()`)."""
     from graphopt import compiler
 
     real = compiler._downstream
 
     def rejecting(gm, example_inputs, config, mode):
-        if any("graphopt" in str(n.target) for n in gm.graph.nodes):
+        if armed() and any("graphopt" in str(n.target) for n in gm.graph.nodes):
             raise RuntimeError("downstream cannot take this op")
         return real(gm, example_inputs, config, mode)
 
     monkeypatch.setattr(compiler, "_downstream", rejecting)
+
+
+def test_a_rewritten_graph_the_downstream_compiler_rejects_runs_unrewritten(monkeypatch, caplog):
+    """A rewrite never turns a program that runs into one that fails: when the downstream compiler
+    raises on the rewritten graph, the graph is compiled without graphopt's rewrites, with a warning,
+    and the recorded decisions say the rewrites were dropped."""
+    from graphopt import compiler
+
+    _rejecting_rewritten_graphs(monkeypatch)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
     x = torch.randn(2, 64)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=graphopt.backend(passes={"fp4_linear": True}, force=True,
                                                              downstream="eager"))
-    with torch.no_grad(), caplog.at_level("WARNING", logger="graphopt"):
+    with torch.no_grad(), caplog.at_level("WARNING", logger="graphopt"), compiler.recording_decisions() as decisions:
         got = compiled(x)
     torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(got, model(x))  # the unrewritten (exact) linear ran
     assert any("downstream compiler failed on the rewritten graph" in r.getMessage() for r in caplog.records)
+    fp4 = [d for d in decisions if d.pass_name == "fp4_linear"]
+    assert fp4 and not any(d.applied for d in fp4) and all(d.reason.startswith("dropped") for d in fp4)
+
+
+def test_a_recompile_the_downstream_compiler_rejects_runs_unrewritten(monkeypatch):
+    """The recompile after a frozen weight changed falls back as the first compile does."""
+    failing = [False]
+    _rejecting_rewritten_graphs(monkeypatch, armed=lambda: failing[0])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).eval()
+    x = torch.randn(4, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=graphopt.backend(passes={"fp4_linear": True}, force=True,
+                                                             downstream="eager"))
+    with torch.no_grad():
+        assert not torch.equal(compiled(x), model(x))  # FP4 weights ran
+        failing[0] = True
+        model[0].weight.mul_(1.01)  # the frozen weight changes: the graph is compiled again
+        with pytest.warns(RuntimeWarning, match="downstream compiler failed"):
+            got = compiled(x)
+        torch.testing.assert_close(got, model(x))  # the new weights, unrewritten
+        model[0].weight.mul_(1.01)  # the unrewritten graph reads the weights as they are
+        torch.testing.assert_close(compiled(x), model(x))
+    torch._dynamo.reset()

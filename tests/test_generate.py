@@ -52,6 +52,10 @@ def test_backend_carries_options_survives_deepcopy_and_compares_by_options():
     assert clone == backend and hash(clone) == hash(backend) and clone is not backend
     assert clone.options == {"passes": {"fp4_linear": True}, "force": True}
     assert graphopt.backend(passes={"q4_linear": True}) != backend
+    # equal options in another key order, at any depth, hash alike (sets and dict keys of backends)
+    first = graphopt.backend(passes={"fp4_linear": True, "attention": False}, error_budget={"fp4_linear": 40.0})
+    second = graphopt.backend(error_budget={"fp4_linear": 40.0}, passes={"attention": False, "fp4_linear": True})
+    assert first == second and hash(first) == hash(second) and len({first, second}) == 1
     # transformers compiles again only when the config differs: equal backends keep one compile
     assert _compile_config(backend) == _compile_config(clone)
 
