@@ -130,18 +130,24 @@ def _eligible(ctx: PassContext, call: fx.Node) -> bool:
 
 
 def _mutates(node: fx.Node) -> bool:
-    """Whether a node may write a tensor in place (conservatively: any module call)."""
+    """Whether a node may write a tensor in place (conservatively: any module call, any higher-order
+    op, an `inplace=True` or `out=` argument, an op with a mutable overload)."""
     if node.op == "call_module":
+        return True
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
         return True
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.startswith("__")
-    if node.op != "call_function":
-        return False
-    if node.target in IN_PLACE_FUNCTIONS:
+    target = node.target
+    if target in IN_PLACE_FUNCTIONS or isinstance(target, torch._ops.HigherOrderOperator):
         return True
-    if isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable
-    name = getattr(node.target, "__name__", "")
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.ns.op(...): any of its overloads
+        return any(getattr(target, overload)._schema.is_mutable for overload in target.overloads())
+    name = getattr(target, "__name__", "")
     return name.endswith("_") and not name.startswith("_")
 
 
@@ -246,6 +252,8 @@ def _mean_of_last_dim(node: Any) -> fx.Node | None:
     if not isinstance(node, fx.Node) or len(node.users) != 1:
         return None
     if not (node.target in _MEAN or (node.op == "call_method" and node.target == "mean")):
+        return None
+    if set(node.kwargs) - {"dim", "keepdim"}:  # a dtype= mean is not LLaMA's fp32 one
         return None
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     rank = len(shape(node.args[0]) or ())

@@ -179,6 +179,46 @@ class _ResidualChangedInPlace(torch.nn.Module):
         return r + y
 
 
+@torch.library.custom_op("graphopt_tests::scale_in_place", mutates_args=("t",))
+def _scale_in_place(t: torch.Tensor, s: float) -> None:
+    t.mul_(s)
+
+
+class _ResidualWrittenOtherwise(torch.nn.Module):
+    """r is written after the linear and before the add by a form whose name does not end in "_":
+    relu(inplace=True), an out= argument, a custom op with a mutable argument."""
+
+    def __init__(self, how: str, width=64):
+        super().__init__()
+        self.how = how
+        self.proj = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, h):
+        r = h * 1.0
+        y = self.proj(h)
+        if self.how == "inplace":
+            F.relu(r, inplace=True)
+        elif self.how == "out":
+            torch.mul(h, 2.0, out=r)
+        else:
+            torch.ops.graphopt_tests.scale_in_place(r, 3.0)
+        return r + y
+
+
+class _NormWithMeanInAnotherDtype(torch.nn.Module):
+    """An RMSNorm whose mean of squares is taken in bf16 (dtype=): not LLaMA's fp32 mean."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(width))
+        self.proj = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, h):
+        x = h.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True, dtype=torch.bfloat16) + 1e-5)
+        return self.proj(self.weight * x.to(h.dtype))
+
+
 class _NormInputChangedInPlace(torch.nn.Module):
     """h is written in place between the norm and the linear: the linear must see the norm of the old h
     (the residual add after it reads the new h, as the op would)."""
@@ -262,9 +302,14 @@ class _InPlaceResidualAndWiderResidual(torch.nn.Module):
     (_InPlaceResidualAndWiderResidual(), torch.bfloat16, {"a": [], "b": []}),
     (_GateWithBias(), torch.bfloat16, {"gate_up": [], "down": []}),
     (_GateReadTwice(), torch.bfloat16, {"gate_up": [], "down": []}),
+    (_ResidualWrittenOtherwise("inplace"), torch.float32, {"proj": []}),
+    (_ResidualWrittenOtherwise("out"), torch.float32, {"proj": []}),
+    (_ResidualWrittenOtherwise("custom_op"), torch.float32, {"proj": []}),
+    (_NormWithMeanInAnotherDtype(), torch.float32, {"proj": []}),
 ], ids=["norm-read-twice", "gemma-norm-gelu-gate", "broadcast-add", "residual-written-in-place",
         "norm-input-written-in-place", "norm-weight-1x1xK", "silu-of-the-second-half", "in-place-add-and-fp32-residual",
-        "gate-with-bias", "gate-read-twice"])
+        "gate-with-bias", "gate-read-twice", "residual-written-by-relu-inplace", "residual-written-through-out",
+        "residual-written-by-a-custom-op", "norm-mean-in-bf16"])
 def test_forms_it_does_not_take_and_writes_in_between_are_left_alone_and_compute_the_same(model, dtype, expected):
     model = model.eval().to(dtype)
     h = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
