@@ -23,6 +23,31 @@ from graphopt.passes.tensor_parallel import (LinearShard, linear_shard, local_bi
 # Python operators that write their first operand in place (`x += y`, `x[i] = v`, ...).
 IN_PLACE_FUNCTIONS = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                                 operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift})
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether a call may write a tensor it is given in place: a method or function named with a
+    trailing underscore (not the operator module's and_, or_...), the in-place operators, an op with
+    a mutable overload, a higher-order op, an `inplace=True` or `out=` argument. Module calls are
+    left to the caller."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    target = node.target
+    if target in IN_PLACE_FUNCTIONS or isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.ns.op(...): any of its overloads
+        return any(getattr(target, overload)._schema.is_mutable for overload in target.overloads())
+    name = getattr(target, "__name__", "")
+    operator_module = getattr(target, "__module__", None) in ("_operator", "operator")
+    return name.endswith("_") and not name.endswith("__") and not operator_module
+
+
 _FUNCTIONS: dict[Any, str] = {
     operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm", torch.baddbmm: "baddbmm",
     torch.softmax: "softmax", F.softmax: "softmax", torch.nn.functional.log_softmax: "log_softmax",

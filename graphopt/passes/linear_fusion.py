@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from graphopt.kernels.linear_fusion import FUSIONS
 from graphopt.passes.base import PassContext
-from graphopt.passes.fx_utils import IN_PLACE_FUNCTIONS, canonical, device, dtype, erase_unused, shape, tokens
+from graphopt.passes.fx_utils import canonical, device, dtype, erase_unused, shape, tokens, writes_in_place
 
 _SILU = (F.silu, torch.nn.functional.silu)
 _SPLIT = (torch.split, torch.functional.split, torch.Tensor.split)
@@ -130,25 +130,8 @@ def _eligible(ctx: PassContext, call: fx.Node) -> bool:
 
 
 def _mutates(node: fx.Node) -> bool:
-    """Whether a node may write a tensor in place (conservatively: any module call, any higher-order
-    op, an `inplace=True` or `out=` argument, an op with a mutable overload)."""
-    if node.op == "call_module":
-        return True
-    if node.op not in ("call_method", "call_function"):
-        return False
-    if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
-        return True
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.startswith("__")
-    target = node.target
-    if target in IN_PLACE_FUNCTIONS or isinstance(target, torch._ops.HigherOrderOperator):
-        return True
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
-    if isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.ns.op(...): any of its overloads
-        return any(getattr(target, overload)._schema.is_mutable for overload in target.overloads())
-    name = getattr(target, "__name__", "")
-    return name.endswith("_") and not name.startswith("_")
+    """Whether a node may write a tensor in place (conservatively: any module call)."""
+    return node.op == "call_module" or writes_in_place(node)
 
 
 def _mutation_between(first: fx.Node, last: fx.Node) -> bool:

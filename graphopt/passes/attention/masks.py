@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from graphopt.passes.base import PassContext
-from graphopt.passes.fx_utils import IN_PLACE_FUNCTIONS, canonical, dtype, fake, size_hints
+from graphopt.passes.fx_utils import canonical, dtype, fake, size_hints, writes_in_place
 
 # A mask entry at or below this (or -inf) contributes exp(fill - max) == 0 to softmax in any float
 # dtype we run, so such a fill counts as "masked out".
@@ -85,21 +85,19 @@ def _written_in_place(node: fx.Node, seen: set | None = None) -> bool:
         return False
     seen.add(node)
     for user in node.users:
+        if user.kwargs.get("out") is node:
+            return True
         if not user.args or user.args[0] is not node:
             continue
+        if writes_in_place(user):
+            return True
         if user.op == "call_function":
             name = getattr(user.target, "__name__", "")
-            operator_module = getattr(user.target, "__module__", None) in ("_operator", "operator")  # and_, or_ ...
-            if user.target in IN_PLACE_FUNCTIONS or (name.endswith("_") and not name.endswith("__") and not operator_module):
-                return True
             if user.target is operator.getitem or user.target is getattr or name in _VIEW_METHODS:
                 if _written_in_place(user, seen):
                     return True
-        elif user.op == "call_method":
-            if user.target.endswith("_") and not user.target.endswith("__"):
-                return True
-            if user.target in _VIEW_METHODS and _written_in_place(user, seen):
-                return True
+        elif user.op == "call_method" and user.target in _VIEW_METHODS and _written_in_place(user, seen):
+            return True
     return False
 
 
