@@ -689,13 +689,17 @@ class PrefixLM(nn.Module):
         mask = self.causal.clone()
         if self.how == "setitem":
             mask[:, : self.prefix] = True
+        elif self.how == "out":  # the same edit through an out= argument
+            opened = torch.zeros(L, L, dtype=torch.bool)
+            opened[:, : self.prefix] = True
+            torch.logical_or(self.causal, opened, out=mask)
         else:
             mask[:, : self.prefix].fill_(True)
         s = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf"))
         return torch.softmax(s, dim=-1) @ v
 
 
-@pytest.mark.parametrize("how", ["setitem", "fill_"])
+@pytest.mark.parametrize("how", ["setitem", "fill_", "out"])
 def test_a_mask_edited_in_place_is_not_proven_causal(how):
     """The compile-time evaluation follows a mask's inputs, not later writes into it: a causal mask
     opened in place is not causal and must stay a mask (not is_causal=True)."""
