@@ -114,6 +114,14 @@ def _q4_out_features(qweight: torch.Tensor, scales: torch.Tensor, k: int) -> int
     return qweight.shape[0]
 
 
+def _q4_check_call(op: str, x: torch.Tensor, bias: _Optional[torch.Tensor], n: int) -> None:
+    """Clear errors for activations that are not floating point and a bias that is not (N,)."""
+    if not x.is_floating_point():
+        raise ValueError(f"graphopt::{op}: activations must be floating point (float16, bfloat16, float32), got {x.dtype}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"graphopt::{op}: bias must be ({n},), got {tuple(bias.shape)}")
+
+
 def _q4_runs_kernels(x: torch.Tensor) -> bool:
     """Whether a body launches the Triton kernels: on CUDA tensors, and on CPU tensors under
     TRITON_INTERPRET=1 when called (the interpreter cannot be traced, so a compile of a CPU graph
@@ -137,7 +145,9 @@ def q4_q8_gemm(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
                out_dtype: torch.dtype, kernel: str = "") -> torch.Tensor:
     from graphopt.kernels import q4
 
-    _q4_out_features(qweight, scales, xq.shape[-2] * 32)
+    n = _q4_out_features(qweight, scales, xq.shape[-2] * 32)
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"graphopt::q4_q8_gemm: bias must be ({n},), got {tuple(bias.shape)}")
     if not _q4_runs_kernels(xq):
         return q4.reference_q4_q8_gemm(xq, qweight, scales, bias, out_dtype)
     return q4.q4_q8_gemm_triton(xq, qweight, scales, bias, out_dtype, config=q4.kernel_config(kernel))
@@ -151,6 +161,7 @@ def q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
     if mode not in Q4_LINEAR_MODES:
         raise ValueError(f"graphopt::q4_linear: mode {mode!r} is not valid; valid choices: {', '.join(Q4_LINEAR_MODES)}")
     n = _q4_out_features(qweight, scales, x.shape[-1])
+    _q4_check_call("q4_linear", x, bias, n)
     if not _q4_runs_kernels(x):
         return q4.reference_q4_linear(x, qweight, scales, bias)
     config = q4.kernel_config(kernel)
@@ -184,7 +195,11 @@ def q4_linear_static(x: torch.Tensor, act_scale: torch.Tensor, qweight: torch.Te
                      bias: _Optional[torch.Tensor], qmin: int, qmax: int, kernel: str = "") -> torch.Tensor:
     from graphopt.kernels import q4
 
-    _q4_out_features(qweight, scales, x.shape[-1])
+    n = _q4_out_features(qweight, scales, x.shape[-1])
+    if not -128 <= qmin <= qmax <= 127:
+        raise ValueError(f"graphopt::q4_linear_static: qmin {qmin}, qmax {qmax}: expected -128 <= qmin <= qmax <= 127 "
+                         "(int8 activations)")
+    _q4_check_call("q4_linear_static", x, bias, n)
     if not _q4_runs_kernels(x):
         return q4.reference_q4_linear_static(x, act_scale, qweight, scales, bias, qmin, qmax)
     return q4.q4_linear_static_triton(x, act_scale, qweight, scales, bias, qmin, qmax, config=q4.kernel_config(kernel))

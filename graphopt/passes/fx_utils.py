@@ -257,8 +257,13 @@ class LinearMatch:
 
     @property
     def problem(self) -> str | None:
-        """Why this linear cannot be rewritten at all (a DTensor form no pass handles), or None."""
-        return self.shard.problem if self.shard is not None else None
+        """Why this linear cannot be rewritten at all (a DTensor form no pass handles, an empty
+        weight), or None."""
+        if self.shard is not None and self.shard.problem is not None:
+            return self.shard.problem
+        if not (self.in_features and self.out_features):
+            return f"empty weight ({self.out_features} x {self.in_features}): nothing to rewrite"
+        return None
 
     @property
     def shard_note(self) -> str:
@@ -405,7 +410,8 @@ def sibling_groups(matches: list[LinearMatch]) -> list[list[LinearMatch]]:
     """Linears that read the same input tensor, two or more per group in graph order: a
     transformer block's q/k/v projections, or its MLP's gate and up projections. Only plain
     bias-free `F.linear` calls against [out, in] weights of one dtype qualify, so the group is one
-    linear against the weights concatenated along the output features."""
+    linear against the weights concatenated along the output features. A weight appears once per
+    group (a layer called twice on one input is one member; the other call is rewritten alone)."""
     by_input: dict[tuple, list[LinearMatch]] = {}
     for m in matches:
         if m.problem is not None:
@@ -414,7 +420,9 @@ def sibling_groups(matches: list[LinearMatch]) -> list[list[LinearMatch]]:
         shard = None if m.shard is None else (m.shard.style, m.shard.mesh, repr(m.shard.out_placements))
         plain = not m.extra_nodes or (m.shard is not None and len(m.extra_nodes) == 1)
         if m.kind == "linear" and m.bias_node is None and not m.weight_transposed and plain:
-            by_input.setdefault((m.input, dtype(m.weight_node), shard), []).append(m)
+            group = by_input.setdefault((m.input, dtype(m.weight_node), shard), [])
+            if all(other.weight_node is not m.weight_node for other in group):
+                group.append(m)
     return [group for group in by_input.values() if len(group) >= 2]
 
 

@@ -72,7 +72,7 @@ from graphopt.kernels.tuning import NoCorrectTile
 import graphopt.ops  # noqa: F401  (registers the graphopt::* ops this module names)
 from graphopt.onnx_registry import register_onnx_translation
 from graphopt.passes.base import GraphPass, PassContext, log
-from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical, dtype, find_linears, model_state_input,
+from graphopt.passes.fx_utils import (LinearMatch, arg, bias_problem, canonical, dtype, fake, find_linears, model_state_input,
                                       replace_linear, replace_siblings_with_call, replace_with_call, shape,
                                       sibling_groups)
 from graphopt.passes.fx_utils import tokens as token_count
@@ -179,7 +179,7 @@ class Q4LinearPass(GraphPass):
                            "the fused op returns the activation dtype", node=node)
                 continue
             xs, ws = shape(x), shape(qweight)
-            tokens = math.prod(xs[:-1]) if xs else 1
+            tokens = (math.prod(xs[:-1]) or 1) if xs else 1  # an empty batch is costed as one token
             k = xs[-1] if xs else (2 * ws[1] if ws else 64)
             n = ws[0] if ws else 1
             act = _dtype_bytes(dtype(x))
@@ -470,12 +470,14 @@ def _row_scale_ok(scale, x) -> bool:
         return float(scale) > 0
     if not isinstance(scale, fx.Node):
         return False
-    s, xs = shape(scale), shape(x)
-    if s is None or xs is None:
+    s, x_value = shape(scale), fake(x)
+    if s is None or not isinstance(x_value, torch.Tensor) or len(s) > x_value.dim():  # more dims would widen y
         return False
-    if math.prod(s) == 1:
+    if math.prod(s) == 1:  # per tensor, whatever x's (possibly symbolic) leading dims
         return True
-    return len(s) >= 1 and s[-1] == 1 and torch.Size(torch.broadcast_shapes(s, (*xs[:-1], 1))) == torch.Size((*xs[:-1], 1))
+    xs = shape(x)
+    return (xs is not None and len(s) >= 1 and s[-1] == 1
+            and torch.Size(torch.broadcast_shapes(s, (*xs[:-1], 1))) == torch.Size((*xs[:-1], 1)))
 
 
 def _clamp_bounds(node: fx.Node) -> tuple[int, int] | None:
@@ -560,20 +562,51 @@ def _onnx_q8_1_values(op, x, in_features: int):
     return op.Reshape(op.Mul(q, d16), op.Shape(x))
 
 
-@register_onnx_translation(torch.ops.graphopt.q4_linear.default, form="standard")
-def _q4_linear_onnx_standard(x, qweight, scales, bias=None, mode: str = "fused", kernel: str = ""):
-    """Q8_1 values of x (_onnx_q8_1_values) @ DequantizeLinear(INT4 nibble-8, scale d, axis=1,
-    block_size=32)^T in float32, cast to x's type (+ Add)."""
+def _onnx_static_values(op, x, act_scale, qmin: int, qmax: int):
+    """x [..., K] -> float32 round(x / s).clamp(qmin, qmax) * s with ONNX ops (Round is half to even, as
+    torch.round): graphopt::q4_linear_static's activations. The pass fuses float32 idioms only, so
+    the quotient is float32 as in eager."""
     import onnx
-    from onnxscript import opset23 as op
 
-    k = int(x.shape[-1])
+    f32 = onnx.TensorProto.FLOAT
+    s = op.Cast(act_scale, to=f32)
+    q = op.Clip(op.Round(op.Div(op.Cast(x, to=f32), s)), op.Constant(value_float=float(qmin)),
+                op.Constant(value_float=float(qmax)))
+    return op.Mul(q, s)
+
+
+def _onnx_q4_standard(op, values, like, qweight, scales, bias, k: int):
+    """values (float32 activations) @ DequantizeLinear(INT4 nibble-8, scale d, axis=1, block_size=32)^T
+    in float32, cast to `like`'s type (+ Add)."""
+    import onnx
+
     signed = op.Sub(op.Cast(_onnx_nibbles(op, qweight, k), to=onnx.TensorProto.INT8),
                     op.Constant(value=onnx.numpy_helper.from_array(__import__("numpy").array(8, dtype="int8"))))
     w_int4 = op.Cast(signed, to=onnx.TensorProto.INT4)  # (N, K)
     w = op.DequantizeLinear(w_int4, _onnx_scales(op, scales, k), axis=1, block_size=32)  # (N, K) float32
-    y = op.CastLike(op.MatMul(_onnx_q8_1_values(op, x, k), op.Transpose(w, perm=[1, 0])), x)
+    y = op.CastLike(op.MatMul(values, op.Transpose(w, perm=[1, 0])), like)
     return y if bias is None else op.Add(y, op.CastLike(bias, y))
+
+
+@register_onnx_translation(torch.ops.graphopt.q4_linear.default, form="standard")
+def _q4_linear_onnx_standard(x, qweight, scales, bias=None, mode: str = "fused", kernel: str = ""):
+    """Q8_1 values of x (_onnx_q8_1_values) times the dequantized Q4_0 weight (_onnx_q4_standard)."""
+    from onnxscript import opset23 as op
+
+    k = int(x.shape[-1])
+    return _onnx_q4_standard(op, _onnx_q8_1_values(op, x, k), x, qweight, scales, bias, k)
+
+
+@register_onnx_translation(torch.ops.graphopt.q4_linear_static.default, form="standard")
+def _q4_linear_static_onnx_standard(x, act_scale, qweight, scales, bias=None, qmin: int = -128, qmax: int = 127,
+                                    kernel: str = ""):
+    """The fake-quantized x (_onnx_static_values) times the dequantized Q4_0 weight, in float32 (the
+    promoted dtype of the float32 idioms the pass fuses)."""
+    from onnxscript import opset23 as op
+
+    k = int(x.shape[-1])
+    values = _onnx_static_values(op, x, act_scale, qmin, qmax)
+    return _onnx_q4_standard(op, values, values, qweight, scales, bias, k)
 
 
 def _matmul_nbits_schema():
@@ -590,14 +623,12 @@ def _matmul_nbits_schema():
     )
 
 
-@register_onnx_translation(torch.ops.graphopt.q4_linear.default, form="matmulnbits")
-def _q4_linear_onnx_matmulnbits(x, qweight, scales, bias=None, mode: str = "fused", kernel: str = ""):
-    """com.microsoft.MatMulNBits(bits=4, block_size=32), no zero points (default 8)."""
-    from onnxscript import opset23 as op
+def _onnx_q4_matmulnbits(op, values, like, qweight, scales, bias, k: int):
+    """com.microsoft.MatMulNBits(bits=4, block_size=32) of float32 `values`, no zero points (default
+    8), cast to `like`'s type (+ Add)."""
     from onnxscript.values import Op, Opset
 
     matmul_nbits = Op(Opset("com.microsoft", 1), "MatMulNBits", _matmul_nbits_schema())
-    k = int(x.shape[-1])
     n = int(qweight.shape[0])
     nib = op.Reshape(_onnx_nibbles(op, qweight, k), op.Constant(value_ints=[n, k // 2, 2]))
     even = op.Slice(nib, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[2]))
@@ -605,8 +636,28 @@ def _q4_linear_onnx_matmulnbits(x, qweight, scales, bias=None, mode: str = "fuse
     packed = op.BitwiseOr(even, op.BitShift(odd, op.Constant(value=_u8(4)), direction="LEFT"))
     blobs = op.Reshape(packed, op.Constant(value_ints=[n, k // 32, 16]))
     d = op.Reshape(_onnx_scales(op, scales, k), op.Constant(value_ints=[-1]))
-    y = op.CastLike(matmul_nbits(_onnx_q8_1_values(op, x, k), blobs, d, K=k, N=n, bits=4, block_size=32), x)
+    y = op.CastLike(matmul_nbits(values, blobs, d, K=k, N=n, bits=4, block_size=32), like)
     return y if bias is None else op.Add(y, op.CastLike(bias, y))
+
+
+@register_onnx_translation(torch.ops.graphopt.q4_linear.default, form="matmulnbits")
+def _q4_linear_onnx_matmulnbits(x, qweight, scales, bias=None, mode: str = "fused", kernel: str = ""):
+    """MatMulNBits of the Q8_1 values of x (_onnx_q4_matmulnbits)."""
+    from onnxscript import opset23 as op
+
+    k = int(x.shape[-1])
+    return _onnx_q4_matmulnbits(op, _onnx_q8_1_values(op, x, k), x, qweight, scales, bias, k)
+
+
+@register_onnx_translation(torch.ops.graphopt.q4_linear_static.default, form="matmulnbits")
+def _q4_linear_static_onnx_matmulnbits(x, act_scale, qweight, scales, bias=None, qmin: int = -128,
+                                       qmax: int = 127, kernel: str = ""):
+    """MatMulNBits of the fake-quantized x (_onnx_static_values)."""
+    from onnxscript import opset23 as op
+
+    k = int(x.shape[-1])
+    values = _onnx_static_values(op, x, act_scale, qmin, qmax)
+    return _onnx_q4_matmulnbits(op, values, values, qweight, scales, bias, k)
 
 
 __all__ = ["PASS", "Q4LinearPass"]

@@ -61,6 +61,8 @@ def packed_layout(out_features: int, in_features: int, format: str) -> dict[str,
 def unsupported_reason(out_features: int, in_features: int, format: str) -> str | None:
     """Why a layer of this shape cannot take `format`, or None."""
     check_format(format)
+    if not (out_features and in_features):
+        return f"empty weight ({out_features} x {in_features})"
     if format == "q4_0" and in_features % q4k.QK:
         return f"in_features={in_features} is not a multiple of {q4k.QK} (Q4_0 blocks)"
     return None

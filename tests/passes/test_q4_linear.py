@@ -619,3 +619,130 @@ def test_a_tuned_tile_is_used_and_a_failed_timing_keeps_the_untuned_default(monk
         kernels[outcome] = [n.args[5] for n in rewritten.gm.graph.nodes
                             if n.op == "call_function" and str(n.target) == "graphopt.q4_linear.default"]
     assert all(kernels["tile"]) and kernels["error"] == ["", ""]
+
+
+@pytest.mark.parametrize("form", ["standard", "matmulnbits"])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_the_fused_fake_quant_idiom_exports_and_runs_in_onnxruntime(form, per_row, tmp_path):
+    """graphopt::q4_linear_static's ONNX forms compute the model's own fake-quantized activations
+    times its (on-grid) weight."""
+    import onnx
+
+    torch.manual_seed(4)
+    model, x = FakeQuantLinear(per_row=per_row).eval(), torch.randn(3, 64)
+    path = export_onnx(model, (x,), tmp_path / f"fake_quant_{form}.onnx", passes={"q4_linear": True}, force=True,
+                       onnx_forms={"graphopt::q4_linear_static": form})
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "Round" in ops and ("DequantizeLinear" if form == "standard" else "MatMulNBits") in ops
+    got = torch.from_numpy(run_onnxruntime(path, x)[0])
+    with torch.no_grad():
+        eager = model(x)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
+
+
+def test_a_per_tensor_scale_stays_fused_after_a_recompile_with_symbolic_shapes():
+    """A 0-dim scale is per tensor whatever x's (symbolic) leading dims are."""
+    from graphopt.compiler import recording_decisions
+
+    model = FakeQuantLinear().eval()
+    scale = torch.tensor(0.03)
+
+    class WithScale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x, s):
+            return F.linear(torch.round(x / s).clamp(-128, 127) * s, self.inner.weight, self.inner.bias)
+
+    wrapped = WithScale().eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(wrapped, backend=graphopt.backend(passes={"q4_linear": True}, force=True, downstream="eager"))
+    with recording_decisions() as decisions, torch.no_grad():
+        for tokens in (5, 7):  # the second length recompiles with a symbolic one
+            x = torch.randn(2, tokens, 64)
+            eager = wrapped(x, scale)
+            assert (compiled(x, scale) - eager).abs().max() <= 2e-6 * eager.abs().max()
+    torch._dynamo.reset()
+    fused = [d for d in decisions if d.applied and d.details.get("fusion") == "fake_quant+linear"]
+    assert len(fused) == 2
+
+
+def test_a_scale_with_more_dims_than_x_is_not_fused_and_the_rest_is_rewritten():
+    class Wider(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fq = FakeQuantLinear()
+            self.other = torch.nn.Linear(64, 8)
+
+        def forward(self, x, s):
+            return F.linear(torch.round(x / s).clamp(-128, 127) * s, self.fq.weight, self.fq.bias), self.other(x)
+
+    model, x, s = Wider().eval(), torch.randn(5, 64), torch.tensor([[[0.03]]])
+    report = graphopt.explain(model, x, s, passes={"q4_linear": True}, force=True)
+    assert not [d for d in report.decisions if d.details.get("fusion") == "fake_quant+linear"]
+    assert report.counts["q4_linear"] == 2  # both linears, by the plain rewrite
+    with torch.no_grad():
+        assert report.output[0].shape == model(x, s)[0].shape == (1, 5, 24)
+
+
+def test_an_empty_batch_into_the_quantize_then_gemm_pair_does_not_stop_the_pass():
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            qweight, scales = q4.quantize_weight(torch.randn(8, 64))
+            self.register_buffer("qweight", qweight)
+            self.register_buffer("scales", scales)
+            self.other = torch.nn.Linear(64, 16)
+
+        def forward(self, x):
+            xq = torch.ops.graphopt.quantize_q8_1(x)
+            return torch.ops.graphopt.q4_q8_gemm(xq, self.qweight, self.scales, None, torch.float32), self.other(x)
+
+    report = graphopt.explain(Pair().eval(), torch.randn(0, 64), passes={"q4_linear": True}, force=True)
+    assert all("pass failed" not in d.reason for d in report.decisions)
+    assert report.counts["q4_linear"] == 2
+
+
+def test_empty_linears_are_declined_and_left_dense_by_quantize():
+    class Empty(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.none_out = torch.nn.Linear(64, 0)
+            self.fine = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.none_out(x), self.fine(x)
+
+    report = graphopt.explain(Empty().eval(), torch.randn(2, 64), passes={"q4_linear": True}, force=True)
+    reasons = {d.location: (d.applied, d.reason) for d in report.decisions}
+    assert reasons["none_out"] == (False, "empty weight (0 x 64): nothing to rewrite")
+    assert reasons["fine"][0]
+    model = graphopt.quantize_(Empty(), format="q4_0")
+    assert isinstance(model.none_out, torch.nn.Linear) and not isinstance(model.fine, torch.nn.Linear)
+
+
+def test_a_linear_called_twice_on_one_input_is_one_sibling():
+    """Its weight is stored once (the second call reads the first's constants)."""
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(64, 64, bias=False)
+
+        def forward(self, x):
+            return self.q(x) + self.q(x)
+
+    report = graphopt.explain(Twice().eval(), torch.randn(2, 64), passes={"q4_linear": True}, force=True)
+    assert report.counts["q4_linear"] == 2
+    assert 0 < report.memory_saved_bytes < 64 * 64 * 4
+
+
+def test_the_ops_name_bad_arguments():
+    qweight, scales = q4.quantize_weight(torch.randn(16, 64))
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="bias must be \\(16,\\)"):
+        torch.ops.graphopt.q4_linear(x, qweight, scales, torch.randn(5), "fused")
+    with pytest.raises(ValueError, match="floating point"):
+        torch.ops.graphopt.q4_linear(x.long(), qweight, scales, None, "fused")
+    with pytest.raises(ValueError, match="qmin <= qmax"):
+        torch.ops.graphopt.q4_linear_static(x, torch.tensor(0.1), qweight, scales, None, 10, -10)

@@ -44,6 +44,8 @@ SUPPORTED_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check_k(k: int, what: str) -> None:
+    if k <= 0:
+        raise ValueError(f"{what}: the last dimension is {k}; Q4_0/Q8_1 blocks need a positive multiple of {QK}")
     if k % QK:
         raise ValueError(f"{what}: the last dimension ({k}) must be a multiple of {QK} for Q4_0/Q8_1 blocks; "
                          f"pad it to {math.ceil(k / QK) * QK} or leave this layer unquantized")
