@@ -707,6 +707,32 @@ def test_a_mask_edited_in_place_is_not_proven_causal(how):
     assert not d.details["is_causal"] and d.details["bias"] == "bool"
 
 
+class WrittenBetweenScoresAndOutput(nn.Module):
+    """A key buffer or an additive mask written in place after the model read it and before the
+    PV matmul: the fused op (at the PV matmul) would read the new values."""
+
+    def __init__(self, what="key"):
+        super().__init__()
+        self.what = what
+
+    def forward(self, q, k, v):
+        keys = k.clone()
+        bias = torch.zeros(L, L, dtype=q.dtype)
+        s = (q @ keys.transpose(-2, -1)) * q.shape[-1] ** -0.5 + bias
+        p = torch.softmax(s, dim=-1)
+        if self.what == "key":
+            keys.mul_(5.0)
+        else:
+            bias.fill_(-1e4)
+        return p @ v
+
+
+@pytest.mark.parametrize("what", ["key", "mask"])
+def test_a_write_between_the_scores_and_the_output_stops_the_rewrite(what):
+    (d,) = compile_and_compare(WrittenBetweenScoresAndOutput(what), *qkv(), count=0)
+    assert "writes a tensor in place inside the attention" in d.reason
+
+
 class ZeroBiasEdited(nn.Module):
     def forward(self, q, k, v):
         bias = torch.zeros(L, L)

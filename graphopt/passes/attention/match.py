@@ -15,7 +15,7 @@ from graphopt.passes.attention.masks import MaskTerm, _check_terms, _prove_causa
 from graphopt.passes.attention.operands import check_dtypes, ndim, unrepeat_kv
 from graphopt.passes.attention.walk import on_scores_path, reaches_pv, walk_down, walk_up
 from graphopt.passes.base import PassContext, module_path
-from graphopt.passes.fx_utils import arg, canonical, dtype, fake, size_hints
+from graphopt.passes.fx_utils import arg, canonical, dtype, fake, size_hints, writes_in_place
 
 
 @dataclass
@@ -165,6 +165,33 @@ def match_sdpa(ctx: PassContext, node: fx.Node) -> AttentionMatch:
     return match
 
 
+def _check_no_write_inside(match: AttentionMatch) -> None:
+    """The fused op runs where the PV matmul was and reads q, k, v and the mask terms there: a tensor
+    written in place between the scores (the first matched node that reads q or k) and that matmul
+    would be read after the write, where the model read it before. Writes into tensors made inside
+    that span (the scores themselves: `scores += mask`) are the attention's own."""
+    matched = {node for node in (*match.nodes, match.softmax) if isinstance(node, fx.Node)}
+    order = {node: i for i, node in enumerate(match.output.graph.nodes)}
+    reads_qk = [node for node in matched if match.q in node.all_input_nodes or match.k in node.all_input_nodes]
+    start = min(reads_qk or [match.softmax], key=order.__getitem__)
+    node = start
+    while (node := node.next) is not match.output and node.op != "root":
+        if node in matched or not (node.op == "call_module" or writes_in_place(node)):
+            continue
+        if isinstance(node.kwargs.get("out"), fx.Node):
+            written = [node.kwargs["out"]]
+        elif node.op == "call_module" or isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
+                                                                 torch._ops.HigherOrderOperator)):
+            written = node.all_input_nodes  # which of them it writes is the op's schema's business
+        else:  # x.add_(...), x += ..., relu(x, inplace=True): the first operand
+            written = node.args[:1] if node.args and isinstance(node.args[0], fx.Node) else node.all_input_nodes
+        if all(order[w] >= order[start] for w in written):
+            continue
+        match.reason = (f"{node.name} writes a tensor in place inside the attention (between its scores and its "
+                        "output): the fused op would read it after the write")
+        return
+
+
 def find_attention(ctx: PassContext, *, allow_dropout: bool = False) -> list[AttentionMatch]:
     """Every softmax that is the middle of a hand-written attention, and every SDPA call, rewritable
     or not (see AttentionMatch.reason). A softmax unrelated to any matmul (a classifier head) is
@@ -195,6 +222,8 @@ def find_attention(ctx: PassContext, *, allow_dropout: bool = False) -> list[Att
         walk_down(ctx, match, allow_dropout)
         if match.reason is None:
             walk_up(ctx, match)
+        if match.reason is None:
+            _check_no_write_inside(match)
         if match.reason is None:
             _check_terms(ctx, match)
         if match.reason is None:
