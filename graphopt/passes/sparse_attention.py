@@ -275,6 +275,9 @@ class SparseAttentionPass(GraphPass):
         symbolic = any(size is not None for size in symbols)
         b, h, lq, d = qs
         hkv, lk, dv = ks[1], ks[2], vs[3]
+        if not qs[0] == ks[0] == vs[0] or ks[1] != vs[1]:
+            raise _Decline(f"q, k, v of shapes {tuple(qs)}, {tuple(ks)}, {tuple(vs)}: the kernel takes one batch size "
+                           "and as many value heads as key heads (no broadcast)")
         if dv != d or d > 256:
             raise _Decline(f"head dims q {d} / v {dv}: the kernel needs equal head dims up to 256")
         if is_causal and lq != lk:

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from graphopt.passes.attention.masks import MaskTerm, _check_terms, _prove_causal, _scalar
-from graphopt.passes.attention.operands import check_dtypes, ndim, unrepeat_kv
+from graphopt.passes.attention.operands import check_batches, check_dtypes, ndim, unrepeat_kv
 from graphopt.passes.attention.walk import on_scores_path, reaches_pv, walk_down, walk_up
 from graphopt.passes.base import PassContext, module_path
 from graphopt.passes.fx_utils import arg, canonical, dtype, fake, size_hints, writes_in_place
@@ -141,6 +141,11 @@ def match_sdpa(ctx: PassContext, node: fx.Node) -> AttentionMatch:
             return match
         match.scale = value
     vs = size_hints(v)
+    if vs is None or vs[0] != ks[0] or (nq == 4 and vs[1] != ks[1]):
+        match.reason = f"SDPA with key {tuple(ks)} and value {vs and tuple(vs)}: their batch and heads must match"
+        return match
+    if nq == 4 and not check_batches(match, qs, ks, vs):
+        return match
     if nq == 4 and qs[1] != ks[1]:
         # one K/V head broadcast over every query head (multi-query attention written without
         # enable_gqa, as Falcon does) is K/V grouping too

@@ -99,6 +99,8 @@ def check_heads(match: Any) -> None:
     qs, ks, vs = size_hints(match.q), size_hints(match.k), size_hints(match.v)
     if qs is None or ks is None or vs is None or len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
         return
+    if not check_batches(match, qs, ks, vs):
+        return
     hq, hk, hv = qs[1], ks[1], vs[1]  # k^T (B, H, D, L) keeps its heads at dim 1 too
     if hk == hv == 1 and hq > 1 and match.num_kv_groups == 1:
         match.num_kv_groups = hq
@@ -106,6 +108,15 @@ def check_heads(match: Any) -> None:
     elif hk != hv or hq != hk * match.num_kv_groups:
         match.reason = (f"q has {hq} heads, k {hk} and v {hv} (K/V grouping {match.num_kv_groups}): heads that "
                         "broadcast other than one K/V head for all are not supported")
+
+
+def check_batches(match: Any, qs, ks, vs) -> bool:
+    """q, k and v of one batch size (the op takes no batch broadcast); False, with the reason, if not."""
+    if qs[0] == ks[0] == vs[0]:
+        return True
+    match.reason = (f"q, k and v have batch sizes {qs[0]}, {ks[0]} and {vs[0]}: the op takes one batch (no "
+                    "broadcast over it)")
+    return False
 
 
 def check_dtypes(match: Any) -> None:
@@ -125,7 +136,7 @@ def _norm_dims(dims, n: int | None) -> list[int]:
 
 def strip_scale(ctx: PassContext, match: Any, node: fx.Node) -> fx.Node:
     """Fold `x * c` / `x / c` (c a positive constant) on q or k^T into the scale."""
-    while canonical(node) in ("mul", "div") and len(node.args) == 2:
+    while canonical(node) in ("mul", "div") and len(node.args) == 2 and node.kwargs.get("rounding_mode") is None:
         a, b = node.args
         if isinstance(a, fx.Node) and ndim(a) == ndim(node):
             tensor_side, const = a, b

@@ -177,6 +177,8 @@ def _build_bias(graph: fx.Graph, match: AttentionMatch) -> fx.Node | None:
         else:
             fill = t.fill * t.multiplier if math.isfinite(t.fill) else t.fill
             masked = node if t.kind == "drop" else graph.call_function(torch.logical_not, (node,))
+            if dtype(match.q) == torch.float64:  # a float64 fill (finfo(float64).min) overflows where's float32
+                fill = graph.call_function(torch.scalar_tensor, (fill,), {"dtype": torch.float64})
             part = graph.call_function(torch.where, (masked, fill, 0.0))
         total = part if total is None else graph.call_function(operator.add, (total, part))
     return total

@@ -252,7 +252,7 @@ def walk_up(ctx: PassContext, match: Any) -> None:
             chain.append(node)
             node = src
             continue
-        if kind in ("mul", "div") and len(node.args) == 2:
+        if kind in ("mul", "div") and len(node.args) == 2 and node.kwargs.get("rounding_mode") is None:
             a, b = node.args
             tensor_side, const = (a, b) if on_scores_path(a) else (b, a)
             value = _scalar(ctx, const, match.size_guards) if not on_scores_path(const) else None
@@ -270,7 +270,7 @@ def walk_up(ctx: PassContext, match: Any) -> None:
                 continue
             match.reason = f"scores multiplied by a non-constant ({node.name})"
             return
-        if kind == "add" and len(node.args) == 2 and not node.kwargs.get("alpha"):
+        if kind == "add" and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
             a, b = node.args
             if on_scores_path(a) and not on_scores_path(b):
                 scores, other = a, b
