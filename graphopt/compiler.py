@@ -163,7 +163,7 @@ def _canonical(value: Any) -> Any:
 def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConfig, hardware: HardwareSpec, *, mode: str | None = None):
     pristine = copy.deepcopy(gm)
     ctx = run_passes(gm, example_inputs, config, hardware)
-    compiled = _compile_rewritten(gm, pristine, example_inputs, ctx, config, mode)
+    compiled = _compile_rewritten(gm, example_inputs, ctx, config, mode)
     if compiled is None:  # the rewrites were dropped
         return _downstream(pristine, example_inputs, config, mode)
     if not ctx.frozen:
@@ -177,7 +177,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
                  "recompiling from the new values")
         fresh = copy.deepcopy(pristine)
         new_ctx = run_passes(fresh, args, config, hardware)  # a plan may no longer fit the new weights
-        compiled = _compile_rewritten(fresh, pristine, args, new_ctx, config, mode)
+        compiled = _compile_rewritten(fresh, args, new_ctx, config, mode)
         if compiled is None:  # the unrewritten graph bakes nothing in
             new_ctx.frozen = {}
             return _downstream(copy.deepcopy(pristine), args, config, mode), new_ctx
@@ -186,8 +186,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
     return _FrozenWeightGuard(compiled, ctx, recompile)
 
 
-def _compile_rewritten(gm: fx.GraphModule, pristine: fx.GraphModule, example_inputs: list, ctx: PassContext,
-                       config: GraphOptConfig, mode: str | None) -> Callable | None:
+def _compile_rewritten(gm: fx.GraphModule, example_inputs: list, ctx: PassContext, config: GraphOptConfig,
+                       mode: str | None) -> Callable | None:
     """The downstream compile of the rewritten graph, its decisions handed to the recorders; None if
     the downstream compiler failed on it (a rewrite never turns a program that runs into one that
     fails): the failure is logged and warned about, and the applied decisions say the rewrite was

@@ -114,12 +114,16 @@ def _q4_out_features(qweight: torch.Tensor, scales: torch.Tensor, k: int) -> int
     return qweight.shape[0]
 
 
+def _q4_check_bias(op: str, bias: _Optional[torch.Tensor], n: int) -> None:
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"graphopt::{op}: bias must be ({n},), got {tuple(bias.shape)}")
+
+
 def _q4_check_call(op: str, x: torch.Tensor, bias: _Optional[torch.Tensor], n: int) -> None:
     """Clear errors for activations that are not floating point and a bias that is not (N,)."""
     if not x.is_floating_point():
         raise ValueError(f"graphopt::{op}: activations must be floating point (float16, bfloat16, float32), got {x.dtype}")
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"graphopt::{op}: bias must be ({n},), got {tuple(bias.shape)}")
+    _q4_check_bias(op, bias, n)
 
 
 def _q4_runs_kernels(x: torch.Tensor) -> bool:
@@ -145,9 +149,7 @@ def q4_q8_gemm(xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
                out_dtype: torch.dtype, kernel: str = "") -> torch.Tensor:
     from graphopt.kernels import q4
 
-    n = _q4_out_features(qweight, scales, xq.shape[-2] * 32)
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"graphopt::q4_q8_gemm: bias must be ({n},), got {tuple(bias.shape)}")
+    _q4_check_bias("q4_q8_gemm", bias, _q4_out_features(qweight, scales, xq.shape[-2] * 32))
     if not _q4_runs_kernels(xq):
         return q4.reference_q4_q8_gemm(xq, qweight, scales, bias, out_dtype)
     return q4.q4_q8_gemm_triton(xq, qweight, scales, bias, out_dtype, config=q4.kernel_config(kernel))

@@ -436,21 +436,18 @@ def _viewed_across_rows(node: fx.Node, fused_width: int) -> bool:
     """Whether a reader views a linear's output with a shape that a column slice of a fused output
     `fused_width` wide cannot take (a .view merging the features with another dim). Only static
     shapes are checked: a symbolic view is taken to split the features alone, as models do."""
-    value, sizes = fake(node), shape(node)
-    if not isinstance(value, torch.Tensor) or sizes is None:
+    sizes = shape(node)
+    if sizes is None:
         return False
+    column_slice = torch.empty((*sizes[:-1], fused_width), device="meta")[..., :sizes[-1]]
     for user in node.users:
         if not (user.op == "call_method" and user.target == "view") or user.args[0] is not node:
             continue
         target = user.args[1] if len(user.args) == 2 and isinstance(user.args[1], (tuple, list)) else user.args[1:]
         if not all(isinstance(d, int) for d in target):
             continue
-        strides = [fused_width] * len(sizes)
-        strides[-1] = 1
-        for i in range(len(sizes) - 3, -1, -1):
-            strides[i] = strides[i + 1] * sizes[i + 1]
         try:
-            torch.empty_strided(sizes, strides, device="meta").view(target)
+            column_slice.view(target)
         except RuntimeError:
             return True
     return False
