@@ -1,4 +1,4 @@
-"""Attention benchmark (issue 3, item 6): naive attention under eager / Inductor / graphopt against
+"""Attention benchmark: naive attention under eager / Inductor / graphopt against
 SDPA's flash and cuDNN backends and our Triton kernel, then a LLaMA-7B-shaped end-to-end prefill.
 
     python bench/bench_attention.py                  # one H100/H200, bf16, well under 5 minutes
@@ -25,7 +25,8 @@ End-to-end rows: transformers LlamaForCausalLM with LLaMA-7B shapes (hidden 4096
 intermediate 11008, vocab 32000), 2 layers, random weights, bf16, batch 1, prefill of 2048 and
 4096 tokens under torch.no_grad(): attn_implementation="eager" under eager / Inductor / graphopt,
 and attn_implementation="sdpa" under Inductor (the baseline) and under graphopt (whose attention pass
-also takes SDPA calls). Logits are checked against eager.
+also takes SDPA calls), and under graphopt with every linear in NVFP4 (`E2E_FP4_OPTIONS`: the prefill
+of a model that keeps only its FP4 weights). Logits are checked against eager.
 
 Decode rows (--decode): one query token against Lk cached keys, B=1, each SDPA backend and the
 graphopt op on our Triton kernel, timed as CUDA-graph replays.
@@ -61,10 +62,15 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.common import cuda_graph_ms, median_ms, print_table, tflops, write_json  # noqa: E402
+import graphopt  # noqa: E402
 from graphopt.compiler import recording_decisions  # noqa: E402
 
 CHECK_TOL = 2e-2  # bf16: max |out - ref| / max |ref|
 E2E_TOL = 3e-2  # bf16 through two layers: ||logits - eager|| / ||eager||
+E2E_FP4_TOL = 0.2  # NVFP4 weights (about 20 dB each) through two layers' seven linears and lm_head
+# fp4_linear on every linear of the model (force: the cost model keeps prefill-sized linears dense), so
+# that the prefill runs on the one FP4 copy of the weights a quantized model keeps
+E2E_FP4_OPTIONS = dict(passes={"fp4_linear": True}, force=True)
 
 
 class NaiveAttention(nn.Module):
@@ -142,10 +148,14 @@ def _attention_summary(decisions) -> str:
     text = f"{len(applied)} attention rewrite(s)" + (f" -> {', '.join(impls)}" if impls else "")
     if declined:
         text += f"; declined: {declined[0].reason[:60]}"
+    others = {d.pass_name for d in decisions if d.pass_name != "attention"}
+    for name in sorted(others):
+        text += f"; {name} {sum(d.applied for d in decisions if d.pass_name == name)} of " \
+                f"{sum(d.pass_name == name for d in decisions)}"
     return text
 
 
-def _compile(module, backend: str):
+def _compile(module, backend):
     torch._dynamo.reset()
     return torch.compile(module, backend=backend, dynamic=False)
 
@@ -489,6 +499,7 @@ def bench_e2e(args, device, dtype) -> list[dict]:
             ("eager-attn + graphopt", lambda: _compile(eager_model, "graphopt")),
             ("sdpa-attn + Inductor", lambda: _compile(sdpa_model, "inductor")),
             ("sdpa-attn + graphopt", lambda: _compile(sdpa_model, "graphopt")),
+            ("sdpa-attn + graphopt fp4", lambda: _compile(sdpa_model, graphopt.backend(**E2E_FP4_OPTIONS))),
         ]
         shape_rows = []
         for name, build in variants:
@@ -498,7 +509,7 @@ def bench_e2e(args, device, dtype) -> list[dict]:
             try:
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    if name.endswith("+ graphopt"):
+                    if "+ graphopt" in name:
                         with recording_decisions() as decisions:
                             model = build()
                             logits = model(input_ids=ids, use_cache=False).logits
@@ -511,7 +522,8 @@ def bench_e2e(args, device, dtype) -> list[dict]:
                         row["note"] = (row["note"] + "; " if row["note"] else "") + f"compile {time.perf_counter() - t0:.1f}s"
                     err = float((logits.float() - ref.float()).norm() / ref.float().norm())
                     del logits
-                    row["check"] = f"{'PASS' if err <= E2E_TOL else 'FAIL'} {err:.1e}"
+                    tol = E2E_FP4_TOL if name.endswith("fp4") else E2E_TOL
+                    row["check"] = f"{'PASS' if err <= tol else 'FAIL'} {err:.1e}"
                     row["ms"] = median_ms(lambda: model(input_ids=ids, use_cache=False), warmup_ms=args.warmup_ms,
                                           rep_ms=args.rep_ms)
             except Exception as exc:

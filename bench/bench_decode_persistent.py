@@ -59,11 +59,14 @@ Q4_MULTI_TOKEN_PERSISTENT_TILES = [(2, 8, 2, 1), (1, 8, 4, 1), (2, 4, 4, 1), (1,
 
 def persistent_variants(tiles, decode) -> dict:
     """{name: run(weight copy)} for persistent tiles (rows per warp, warps, programs per SM, chunks
-    ahead): decode(copy, rows=, num_warps=, programs_per_sm=, depth=)."""
+    ahead[, register cap]): decode(copy, rows=, num_warps=, programs_per_sm=, depth=[, max_registers=])."""
     variants = {}
-    for rows, warps, per_sm, depth in tiles:
+    for rows, warps, per_sm, depth, *cap in tiles:
         tile = dict(rows=rows, num_warps=warps, programs_per_sm=per_sm, depth=depth)
-        variants[f"persistent r{rows} w{warps} p{per_sm} d{depth}"] = lambda copy, tile=tile: decode(copy, **tile)
+        name = f"persistent r{rows} w{warps} p{per_sm} d{depth}"
+        if cap:
+            tile["max_registers"], name = cap[0], f"{name} cap{cap[0]}"
+        variants[name] = lambda copy, tile=tile: decode(copy, **tile)
     return variants
 
 
@@ -82,7 +85,7 @@ def fp4_case(fmt: str, w: torch.Tensor, x: torch.Tensor, tiles=PERSISTENT_TILES,
     return copies, F.linear(x.float(), fp4.dequantize_fp4(q)), fp4.fp4_weight_bytes(k, n, fmt), variants
 
 
-def q4_case(w: torch.Tensor, x: torch.Tensor):
+def q4_case(w: torch.Tensor, x: torch.Tensor, tiles=None):
     """The same for Q4_0 weights (Q8_1 activations): the Triton / q4_tma tiles and q4's persistent kernel."""
     k, one = w.shape[1], x.shape[0] == 1
     qweight, scales = q4.quantize_weight(w)
@@ -91,7 +94,7 @@ def q4_case(w: torch.Tensor, x: torch.Tensor):
     variants = {c.name: (lambda c_=c: lambda wc: q4.q4_linear_triton(
         x, *wc, mode="separate" if c_.kernel == "tma" else "fused", config=c_))()
         for c in (Q4_TILES if one else Q4_MULTI_TOKEN_TILES)}
-    variants.update(persistent_variants(Q4_PERSISTENT_TILES if one else Q4_MULTI_TOKEN_PERSISTENT_TILES,
+    variants.update(persistent_variants(tiles or (Q4_PERSISTENT_TILES if one else Q4_MULTI_TOKEN_PERSISTENT_TILES),
                                         lambda wc, **tile: q4_dp.q4_gemv_persistent(x, *wc, None, **tile)))
     reference = F.linear(x.float(), q4.dequantize_packed(qweight, scales, k).float())
     return copies, reference, qweight.nbytes + scales.nbytes, variants
@@ -102,8 +105,8 @@ def main() -> None:
     parser.add_argument("--formats", default="nvfp4,mxfp4,q4_0", help="comma list of nvfp4, mxfp4, q4_0")
     parser.add_argument("--tokens", default="1", help="comma list of token counts, 1-8 (past 1: Q4_0 only; the FP4 "
                         "persistent kernel takes one token)")
-    parser.add_argument("--tiles", default=None, help="FP4 persistent tiles to time, comma list of "
-                        "rows-warps-programs_per_sm-depth (default: the built-in sweep)")
+    parser.add_argument("--tiles", default=None, help="persistent tiles to time, comma list of "
+                        "rows-warps-programs_per_sm-depth[-register cap] (default: each format's built-in sweep)")
     parser.add_argument("--no-triton", action="store_true", help="FP4: time no Triton integer-dot tile")
     parser.add_argument("--shapes", default="8b", help=f"comma list of shape sets: {', '.join(SHAPES)}")
     opts = parser.parse_args()
@@ -119,16 +122,17 @@ def main() -> None:
     try:
         tiles = ([tuple(int(v) for v in t.split("-")) for t in opts.tiles.split(",")] if opts.tiles
                  else PERSISTENT_TILES)
-        assert all(len(t) == 4 for t in tiles)
+        assert all(len(t) in (4, 5) for t in tiles)
     except (ValueError, AssertionError):
-        parser.error(f"--tiles {opts.tiles}: expected a comma list of rows-warps-programs_per_sm-depth, e.g. 1-8-4-3")
+        parser.error(f"--tiles {opts.tiles}: expected a comma list of rows-warps-programs_per_sm-depth[-register cap], "
+                     "e.g. 1-8-4-3 or 2-4-5-3-96")
     rows_out, cublas_ms = [], {}
     for fmt, m in ((fmt, m) for fmt in formats for m in token_counts if m == 1 or fmt == "q4_0"):
         for k, n in (shape for name in shape_sets for shape in SHAPES[name]):
             gen = torch.Generator().manual_seed(k + n)
             w = (torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16)
             x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
-            copies, ref, nbytes, variants = (q4_case(w, x) if fmt == "q4_0" else
+            copies, ref, nbytes, variants = (q4_case(w, x, opts.tiles and tiles) if fmt == "q4_0" else
                                              fp4_case(fmt, w, x, tiles, [] if opts.no_triton else TRITON_TILES))
             if (k, n, m) not in cublas_ms:  # once per shape and token count: the formats share it
                 dense = [w] + [w.clone() for _ in range(copies_for(2 * n * k) - 1)]

@@ -23,7 +23,9 @@ module (it must equal its depth). The same is measured with Inductor on the unre
 (its own kernels or extern calls for the same work), the baseline a user would otherwise have.
 `launches_per_block`: kernel launches per block, from the profiler. The `eager_launch` row is this
 host's floor: a block of it is one eager `add_` (the dispatcher and one kernel launch), timed the
-same way.
+same way. `--wrappers python,cpp` also compiles each variant with Inductor's C++ wrapper
+(`torch._inductor.config.cpp_wrapper`): the generated code that calls the kernels is C++, which
+launches each kernel with one driver call and no Python (the `wrapper` column).
 
     python bench/bench_op_host.py          # writes op_host.json to $OUT, else bench/out/
 """
@@ -213,7 +215,7 @@ def eager_launch_row(shallow: int, deep: int) -> dict:
             for _ in range(n):
                 x.add_(1.0)
         return run
-    return {"block": "eager_launch", "backend": "eager", "rewritten": None,
+    return {"block": "eager_launch", "backend": "eager", "wrapper": None, "rewritten": None,
             **slope_us(adds(shallow), adds(deep), deep - shallow), "launches_per_block": 1}
 
 
@@ -223,6 +225,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=1024, help="linear layers' width")
     parser.add_argument("--cache", type=int, default=640, help="attention's key length")
     parser.add_argument("--blocks", default=None, help="comma list of the blocks to time (default all)")
+    parser.add_argument("--wrappers", default="python", help="comma list of Inductor wrapper codegens: python, cpp")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_op_host.py measures CUDA launches and needs a GPU; none is visible here.")
@@ -237,17 +240,20 @@ def main() -> int:
     unknown = sorted(set(chosen) - set(blocks))
     if unknown:
         parser.error(f"unknown blocks {unknown}; valid choices: {', '.join(blocks)}")
-    for name in chosen:
+    wrappers = opts.wrappers.split(",")
+    if not wrappers or set(wrappers) - {"python", "cpp"}:
+        parser.error(f"--wrappers {opts.wrappers}: valid choices are python, cpp")
+    for name, wrapper in ((name, wrapper) for name in chosen for wrapper in wrappers):
         factory, inputs, options = blocks[name]
-        variants = [("inductor", "inductor", {}), ("graphopt", graphopt.backend(**options), {})]
-        for label, backend, patches in variants:
+        patches = {"cpp_wrapper": wrapper == "cpp"}
+        for label, backend in (("inductor", "inductor"), ("graphopt", graphopt.backend(**options))):
             torch._dynamo.reset()
             shallow_run, deep_run = (compiled_call(factory(n), inputs, backend, patches) for n in (shallow, deep))
             slopes = slope_us(shallow_run, deep_run, deep - shallow)
             launches = (launches_per_call(deep_run) - launches_per_call(shallow_run)) / (deep - shallow)
             rewritten = (sum(graphopt.explain(factory(deep), *inputs, **options).counts.values())
                          if label != "inductor" else None)
-            rows.append({"block": name, "backend": label, "rewritten": rewritten, **slopes,
+            rows.append({"block": name, "backend": label, "wrapper": wrapper, "rewritten": rewritten, **slopes,
                          "launches_per_block": launches})
             print(rows[-1], flush=True)
     print_table("Host time per block inside a compiled graph, mode=None (slope of call time over depth)", rows)

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
+from graphopt.compiler import recording_decisions
 from graphopt.passes import register_extra_pass, unregister_extra_pass
 from graphopt.passes.base import GraphPass
 from graphopt.passes.fx_utils import find_linears, replace_with_call
@@ -253,6 +254,28 @@ def test_inductor_compile_workers_are_told_to_launch_statically(monkeypatch):
             torch.testing.assert_close(torch.compile(model, backend="graphopt")(x), model(x))
         assert seen[-1] == inside
         assert os.environ.get(compiler.STATIC_LAUNCH_ENV) == preset  # nothing left behind
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_the_cpp_wrapper_compiles_graphs_with_the_4bit_ops():
+    """Inductor's C++ wrapper (the README's recipe for one-launch host costs without CUDA graphs)
+    compiles graphs holding graphopt's FP4 and Q4 ops (on the CPU their torch references, called
+    from the C++ through the dispatcher) with the Python wrapper's results."""
+    from torch._inductor import config as inductor_config
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32)).eval(), torch.randn(3, 64)
+    for options in ({"passes": {"fp4_linear": True}, "force": True}, {"passes": {"q4_linear": True}, "force": True}):
+        results = []
+        for cpp in (False, True):
+            torch._dynamo.reset()
+            with torch.no_grad(), inductor_config.patch(cpp_wrapper=cpp), \
+                    recording_decisions() as decisions:
+                results.append(torch.compile(model, backend=graphopt.backend(**options))(x))
+            assert sum(d.applied for d in decisions) == 2, [d.reason for d in decisions]
+        torch.testing.assert_close(results[1], results[0], atol=0, rtol=0)
+        assert (results[1] - model(x)).abs().max() < 0.2  # 4-bit weights, not the dense ones
     torch._dynamo.reset()
 
 

@@ -3,7 +3,7 @@
 Inductor must launch the ops' Triton kernels from its own generated code (no call back into the
 op's Python body), must not copy the packed weights per call (its kernel mutation analysis must
 see that only the outputs and the per-call split-K buffers are written), and the results must
-equal the op called eagerly, with and without CUDA graphs."""
+equal the op called eagerly, with and without CUDA graphs, and with Inductor's C++ wrapper."""
 
 import pytest
 import torch
@@ -67,6 +67,27 @@ def test_inductor_launches_the_kernels_and_copies_no_weight(pass_name, tokens, m
         expected = eager(x)
     for got in [out, *replays]:
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("pass_name", ["fp4_linear", "q4_linear"])
+@pytest.mark.parametrize("tokens", [1, 48])
+def test_the_cpp_wrapper_launches_the_kernels_from_cpp_with_the_same_results(pass_name, tokens):
+    """Inductor's C++ wrapper (`cpp_wrapper`, the way to a one-launch host cost without CUDA
+    graphs): the kernels are launched from the generated C++ with no Python op body, and the results
+    equal the Python wrapper's bit for bit (same kernels, same tiles)."""
+    from torch._inductor import config as inductor_config
+
+    torch.manual_seed(tokens + 7)
+    model = _Mlp().cuda().to(torch.bfloat16).eval()
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    options = {"passes": {pass_name: True}, "force": True}
+    python_out, _, _, _ = _compiled_code(model, x, options, "default")
+    with inductor_config.patch(cpp_wrapper=True):
+        cpp_out, replays, code, decisions = _compiled_code(model, x, options, "default")
+    assert len([d for d in decisions if d.pass_name == pass_name and d.applied]) == 2
+    assert "launchKernel" in code and f"torch.ops.graphopt.{pass_name}" not in code
+    for got in [cpp_out, *replays]:
+        assert torch.equal(got, python_out)
 
 
 class _CausalGqaAttention(torch.nn.Module):

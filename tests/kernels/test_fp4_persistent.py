@@ -96,13 +96,32 @@ def test_the_capped_tile_fits_four_programs_of_eight_warps_with_the_norm_prologu
     per SM instead of four); its capped twin (max_registers 64, one of the tuner's tiles) builds in
     64, any spill kept out of the word loop (with Triton 3.9: 16 bytes, three stores and loads in
     the prologue)."""
-    (capped,) = [cfg for cfg in _persistent_tiles() if cfg.max_registers]
-    assert (capped.block_n, capped.num_warps, capped.programs_per_sm) == (8, 8, 4)
-    assert capped.max_registers * 32 * capped.num_warps * capped.programs_per_sm <= 65536
+    (capped,) = [cfg for cfg in _persistent_tiles()
+                 if cfg.max_registers and (cfg.block_n, cfg.num_warps, cfg.programs_per_sm) == (8, 8, 4)]
     sass, usage = _build("nvfp4", 1, 8, 4096, 3, True, norm=True, maxnreg=capped.max_registers)
     assert re.search(r"REG:64\b", usage), usage
     _, body = last_loop(sass)
     assert "LDL" not in body and "STL" not in body
+
+
+def test_every_capped_tile_fits_its_programs_in_the_register_file():
+    capped = [cfg for cfg in _persistent_tiles() if cfg.max_registers]
+    assert capped
+    for cfg in capped:
+        assert cfg.max_registers * 32 * cfg.num_warps * cfg.programs_per_sm <= 65536, cfg
+
+
+@needs_gluon
+def test_the_five_program_tile_builds_within_its_cap_at_the_13b_down_projection(pristine_triton_language):
+    """2 rows per warp, 4 warps, 5 programs per SM, three chunks ahead, capped at 96 registers (one of
+    the tuner's tiles): at K = 13824 it builds in 96, where uncapped it takes more than twice that (two
+    programs per SM). The cap makes ptxas keep part of the unrolled chunks in local memory, which L1
+    holds; the tile won its timing with those spills (bench_decode_persistent.py --shapes 13b)."""
+    (tile,) = [cfg for cfg in _persistent_tiles() if (cfg.block_n, cfg.num_warps, cfg.programs_per_sm) == (8, 4, 5)]
+    _, usage = _build("nvfp4", 2, 4, 13824, tile.num_stages, False, maxnreg=tile.max_registers)
+    assert int(re.search(r"REG:(\d+)", usage).group(1)) <= tile.max_registers, usage
+    _, uncapped = _build("nvfp4", 2, 4, 13824, tile.num_stages, False)
+    assert int(re.search(r"REG:(\d+)", uncapped).group(1)) > 2 * tile.max_registers, uncapped
 
 
 def test_chunks_cover_the_row():
@@ -221,7 +240,7 @@ def test_the_op_on_a_persistent_tile_matches_eager_inside_a_cuda_graph():
                                    ("silu_gate", "rms_norm", "residual")], ids="+".join)
 @pytest.mark.parametrize("n,k,rows,warps,programs_per_sm,depth,cap", [
     (6144, 4096, 4, 4, 4, 1, 0), (4096, 14336, 2, 8, 2, 3, 0), (300, 1344, 1, 8, 4, 3, 0), (37, 4096, 2, 4, 1, 1, 0),
-    (28672, 4096, 1, 8, 4, 3, 64)])
+    (28672, 4096, 1, 8, 4, 3, 64), (5120, 13824, 2, 4, 5, 3, 96)])
 def test_fused_neighbours_match_the_float64_reference_on_the_gpu(fmt, fused, n, k, rows, warps, programs_per_sm, depth,
                                                                  cap):
     """The RMSNorm prologue (its 1 / rms applied to the dot at the end), the SiLU gate over interleaved

@@ -53,6 +53,8 @@ def test_bad_arguments_name_the_problem():
         dp.q4_gemv_persistent(x, qweight, scales, None, rows=3)
     with pytest.raises(ValueError, match="fewer rows or a smaller depth"):
         dp.q4_gemv_persistent(x, qweight, scales, None, rows=4, depth=2)
+    with pytest.raises(ValueError, match="max_registers 300: expected 0"):
+        dp.q4_gemv_persistent(x, qweight, scales, None, max_registers=300)
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         dp.q4_gemv_persistent(x, qweight, scales, None)  # CPU
 
@@ -86,6 +88,22 @@ def test_matches_the_float64_reference_on_the_gpu(n, k, rows, warps, programs_pe
     again = dp.q4_gemv_persistent(x, qweight, scales, bias, rows=rows, num_warps=warps,
                                   programs_per_sm=programs_per_sm, depth=depth)
     assert torch.equal(again, got)  # no state between calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or dp.gluon is None, reason="Gluon kernels run on sm_80+ GPUs")
+@pytest.mark.parametrize("n,k", [(5120, 13824), (333, 4160)])
+def test_a_register_cap_fits_more_programs_and_keeps_the_result(n, k):
+    """Five programs of 4 warps per SM need at most 102 registers a thread: the capped build must
+    still match the float64 reference at LLaMA-2-13B's down projection and at an odd shape."""
+    gen = torch.Generator().manual_seed(n + k)
+    qweight, scales = q4.quantize_weight(torch.randn(n, k, generator=gen) * 0.05)
+    qweight, scales = qweight.cuda(), scales.cuda()
+    x = (torch.randn(1, k, generator=gen) * torch.linspace(0.1, 4.0, k)).to("cuda", torch.bfloat16)
+    got = dp.q4_gemv_persistent(x, qweight, scales, None, rows=2, num_warps=4, programs_per_sm=5, depth=1,
+                                max_registers=96)
+    ref = q4.reference_q4_linear(x.double(), qweight, scales, None).double()
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 8e-3
 
 
 def test_persistent_tiles_are_decode_configs_the_launcher_accepts():

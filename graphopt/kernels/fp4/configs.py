@@ -78,7 +78,11 @@ MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-
 #    and format (2-4 rows per warp, 4 or 8 warps, 2-8 programs per SM; one chunk ahead, three at
 #    K = 14336), in bench_decode_persistent.py's run (results/decode_persistent_1tok_h200.json), and
 #    one row per warp, 8 warps, 4 programs per SM, three chunks ahead: the fastest NVFP4 tile on
-#    4096 -> 28672 and tied fastest on 4096 -> 4096 in results/decode_persistent_fp4_1tok_h200.json.
+#    4096 -> 28672 and tied fastest on 4096 -> 4096 in results/decode_persistent_fp4_1tok_h200.json;
+#    and 2 rows per warp, 4 warps, 5 programs per SM (registers capped to fit them), three chunks
+#    ahead: eight-row groups in one even wave over the SMs where the rows divide into no whole waves
+#    of the larger groups, the fastest NVFP4 tile on LLaMA-2-13B's down projection
+#    (results/decode_persistent_13b_1tok_h200.json).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
           for bn, bm, bk, sk, w in ((16, 4, 256, 1, 4), (16, 4, 256, 4, 4), (8, 1, 1024, 1, 4), (8, 1, 1024, 4, 4),
@@ -101,7 +105,7 @@ DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     + tuple(KernelConfig(rows * warps, 1, 8 * decode_persistent.CHUNK_WORDS, num_warps=warps, num_stages=depth,
                          programs_per_sm=per_sm, max_registers=cap)
             for rows, warps, per_sm, depth, cap in ((4, 4, 4, 1, 0), (4, 4, 8, 1, 0), (2, 8, 2, 1, 0), (2, 4, 4, 1, 0),
-                                                    (2, 8, 2, 3, 0), (1, 8, 4, 3, 0), (1, 8, 4, 3, 64)))
+                                                    (2, 8, 2, 3, 0), (1, 8, 4, 3, 0), (1, 8, 4, 3, 64), (2, 4, 5, 3, 96)))
 )
 # Prefill: the fused dequant-GEMM tiles chosen in those runs.
 PREFILL_CONFIGS: tuple[KernelConfig, ...] = (

@@ -176,12 +176,14 @@ def _persistent_tile_fits(cfg: TileConfig) -> bool:
 
 # decode_persistent's tiles (rows per warp, warps, programs per SM, chunks ahead). One token: the
 # four fastest on LLaMA-3-8B's decode shapes in bench_decode_persistent.py
-# (results/decode_persistent_1tok_h200.json); 4 x 4, 4 per SM, one ahead was fastest on all four.
+# (results/decode_persistent_1tok_h200.json); 4 x 4, 4 per SM, one ahead was fastest on all four; and
+# 2 x 8, 2 per SM, three ahead, the fastest on LLaMA-2-13B's up projection
+# (results/decode_persistent_13b_1tok_h200.json).
 # 2-4 tokens: the two that were fastest on some shape (results/decode_persistent_q4_2to8tok_h200.json:
 # at 2 tokens the kernel beat the other tiles on three of the four shapes, at 4 on the widest only).
 # Past 4 tokens none is offered: every token adds its dp4a per word, and at 8 tokens the kernel was
 # slower than q4_tma's tile on all four shapes.
-_PERSISTENT_TILES = ((4, 4, 4, 1), (2, 4, 4, 1), (2, 8, 2, 2), (2, 8, 2, 1))
+_PERSISTENT_TILES = ((4, 4, 4, 1), (2, 4, 4, 1), (2, 8, 2, 3), (2, 8, 2, 2), (2, 8, 2, 1))
 _PERSISTENT_MULTI_TOKEN_TILES = ((2, 8, 2, 1), (2, 4, 4, 1))
 PERSISTENT_MAX_OFFERED_TOKENS = 4
 

@@ -235,10 +235,14 @@ def shared_memory_bytes(tokens: int, chunks_pad: int) -> int:
 
 
 def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                       rows: int = 2, num_warps: int = 8, programs_per_sm: int = 2, depth: int = 1) -> torch.Tensor:
+                       rows: int = 2, num_warps: int = 8, programs_per_sm: int = 2, depth: int = 1,
+                       max_registers: int = 0) -> torch.Tensor:
     """(M, K) x, M <= MAX_TOKENS -> (M, N) in x's dtype for Q4_0 weights in the kernel layout (qweight
     uint8 [N, Kp/2], scales fp16 [Kp/32, N]): each warp owns `rows` rows, min(N / (rows x num_warps),
-    SMs x programs_per_sm) programs; `depth`: chunks loaded ahead of the one decoded."""
+    SMs x programs_per_sm) programs; `depth`: chunks loaded ahead of the one decoded. `max_registers`
+    > 0: ptxas's register cap per thread (so that programs_per_sm programs fit a multiprocessor)."""
+    if max_registers and not 24 <= max_registers <= 255:
+        raise ValueError(f"max_registers {max_registers}: expected 0 (no cap) or 24..255")
     n, k = qweight.shape[0], x.shape[-1]
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
         raise ValueError(f"x of shape {tuple(x.shape)}: expected (M, K) with 1 <= M <= {MAX_TOKENS} tokens")
@@ -257,5 +261,6 @@ def q4_gemv_persistent(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
            x, qweight, scales, bias if bias is not None else out, out,
            m, n, k, k_words, scales.shape[0], x.stride(0), out.stride(0), qweight.stride(0) // 4, scales.stride(0),
            HAS_BIAS=bias is not None, ROWS=rows, WARPS=num_warps, K_CHUNKS=k_chunks, CHUNKS_PAD=chunks_pad,
-           DEPTH=depth, TOKENS=next_power_of_2(m), num_warps=num_warps)
+           DEPTH=depth, TOKENS=next_power_of_2(m), num_warps=num_warps,
+           **({"maxnreg": max_registers} if max_registers else {}))
     return out
