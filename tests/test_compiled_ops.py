@@ -74,7 +74,8 @@ def test_inductor_launches_the_kernels_and_copies_no_weight(pass_name, tokens, m
 def test_the_cpp_wrapper_launches_the_kernels_from_cpp_with_the_same_results(pass_name, tokens):
     """Inductor's C++ wrapper (`cpp_wrapper`, the way to a one-launch host cost without CUDA
     graphs): the kernels are launched from the generated C++ with no Python op body, and the results
-    equal the Python wrapper's bit for bit (same kernels, same tiles)."""
+    equal the Python wrapper's (same kernels and tiles; split-K tiles add their partial sums in
+    whatever order the programs finish)."""
     from torch._inductor import config as inductor_config
 
     torch.manual_seed(tokens + 7)
@@ -87,7 +88,7 @@ def test_the_cpp_wrapper_launches_the_kernels_from_cpp_with_the_same_results(pas
     assert len([d for d in decisions if d.pass_name == pass_name and d.applied]) == 2
     assert "launchKernel" in code and f"torch.ops.graphopt.{pass_name}" not in code
     for got in [cpp_out, *replays]:
-        assert torch.equal(got, python_out)
+        torch.testing.assert_close(got, python_out, atol=1e-2, rtol=1e-2)
 
 
 class _CausalGqaAttention(torch.nn.Module):
