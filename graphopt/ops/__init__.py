@@ -86,8 +86,13 @@ def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups:
                     dropout_p: float = 0.0):
     import torch.nn.functional as F
 
+    on_cpu = q.device.type == "cpu"
     if bias is not None:
-        if bias.is_floating_point() and bias.dtype != q.dtype:
+        # A float32 bias on half-precision q stays float32 where SDPA computes in float32 with it (the
+        # CPU kernels, the math backend), as eager's type promotion adds it; the fused GPU backends
+        # take it in q's dtype (the attention pass does not send them a wider bias).
+        keeps_float32 = bias.dtype == torch.float32 and (on_cpu or backend == "math")
+        if bias.is_floating_point() and bias.dtype != q.dtype and not keeps_float32:
             # Then clamp: fp32's -3.4e38 (HF's finfo.min) rounds to -inf in bf16/fp16. (Clamping
             # first fails for a bias narrower than q: q's finfo.min does not fit the bias dtype.)
             bias = bias.to(q.dtype).clamp(min=torch.finfo(q.dtype).min)
@@ -95,7 +100,6 @@ def _attention_sdpa(q, k, v, bias, scale: float, is_causal: bool, num_kv_groups:
             bias = bias.reshape((1,) * (2 - bias.dim()) + tuple(bias.shape))
         if is_causal:
             bias, is_causal = _attention_merge_causal(q, k, bias), False
-    on_cpu = q.device.type == "cpu"
     gqa = num_kv_groups > 1
     if gqa and not on_cpu and backend not in _SDPA_GQA_BACKENDS:
         k = k.repeat_interleave(num_kv_groups, dim=1)

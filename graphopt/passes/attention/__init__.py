@@ -82,6 +82,7 @@ from graphopt.passes.attention import choose as _choose
 from graphopt.passes.attention import onnx as _onnx
 from graphopt.passes.attention.choose import (
     _bias_kind,
+    bias_rounding,
     choose_implementation,
     default_sdpa_backend,
     dispatched_sdpa_backend,
@@ -157,6 +158,10 @@ class AttentionPass(GraphPass):
                 ctx.record(self.name, False, "soft-capped scores (Gemma 2): " + "; ".join(
                     f"{name}: {why}" for name, why in rejected.items() if name in ("triton", "sdpa_cpu", "cudnn")),
                     node=node, before=before)
+                continue
+            rounding = bias_rounding(match, dtype(match.q))[0]
+            if rounding and not any(name != "math" for name in candidates):
+                ctx.record(self.name, False, f"left as written: {rounding}", node=node, before=before, rejected=rejected)
                 continue
             forced = ctx.config.attention_backend
             on_cpu = not ctx.hardware.is_gpu

@@ -77,9 +77,23 @@ def _kernel_operands(match: AttentionMatch):
         q, k, v = (t.unflatten(0, (-1, match.heads)) if match.heads else t.unsqueeze(0) for t in (q, k, v))
     bias = None
     if match.terms and match.scores_shape:
-        bias_dtype = torch.bool if _bias_kind(match) == "bool" else q.dtype
+        bias_dtype = torch.bool if _bias_kind(match) == "bool" else (match.bias_dtype() or q.dtype)
         bias = torch.empty((), dtype=bias_dtype, device=q.device).expand(match.scores_shape)  # no memory
     return q, k, v, bias
+
+
+def bias_rounding(match: AttentionMatch, dt: torch.dtype) -> tuple[str | None, str | None]:
+    """Where eager adds the mask in a wider dtype than q's (a float32 bias on bf16 scores), why SDPA's
+    fused GPU backends, which take the mask in q's dtype, and every candidate, which reads it at most
+    in float32, would round it: (SDPA's reason, every candidate's reason), None where it holds."""
+    wide = match.bias_dtype()
+    if wide is None or wide == dt:
+        return None, None
+    name = lambda t: str(t).replace("torch.", "")  # noqa: E731
+    every = (f"eager adds the {name(wide)} mask to {name(dt)} scores in {name(wide)}; the fused kernels "
+             f"read it in float32 at most") if wide == torch.float64 else None
+    return (every or f"eager adds the {name(wide)} mask to {name(dt)} scores in {name(wide)}; this backend "
+                     f"would round it to {name(dt)}"), every
 
 
 def _kernel_supports(kernel, what: str, q, k, v, bias, **variants) -> tuple[bool, str]:
@@ -157,6 +171,10 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
         )
     candidates: dict[str, Estimate] = {}
     rejected: dict[str, str] = {}
+    sdpa_rounds, every_rounds = bias_rounding(match, dt)
+    if every_rounds:
+        names = ("sdpa_cpu",) if not hw.is_gpu else ("triton", "triton_decode", *_SDPA_CANDIDATES, "math")
+        return before, candidates, dict.fromkeys(names, every_rounds), None
     if not hw.is_gpu and match.softcap:
         rejected["sdpa_cpu"] = SOFTCAP_SDPA
         rejected["triton"] = "graphopt's Triton kernel, which soft-caps, runs on a GPU target"
@@ -181,6 +199,8 @@ def choose_implementation(ctx: PassContext, match: AttentionMatch) -> tuple[Esti
         ok, why = sdpa_applicable(backend, dt, d, dv, has_mask, lk)
         if match.softcap:
             ok, why = False, SOFTCAP_SDPA
+        elif sdpa_rounds and backend != "math":  # the math backend computes in float32
+            ok, why = False, sdpa_rounds
         if not ok:
             rejected[backend] = why
             continue

@@ -59,6 +59,23 @@ class AttentionMatch:
     alibi: fx.Node | None = None  # per-head ALiBi slopes (H,) for the Triton kernel, from a constant bias term
     size_guards: list = field(default_factory=list)  # symbolic sizes a baked scale was computed from
 
+    def bias_dtype(self) -> torch.dtype | None:
+        """The dtype eager adds the additive mask terms to the scores in: q's, or a wider float dtype a
+        term brings by type promotion (a float32 bias on bfloat16 scores is added, and the softmax
+        taken, in float32); an integer term counts as the softmax's input dtype. None without
+        additive terms (a fill from masked_fill / where takes the scores' dtype)."""
+        q_dtype = dtype(self.q)
+        if q_dtype is None or not any(t.kind == "add" for t in self.terms):
+            return None
+        result = q_dtype
+        for term in self.terms:
+            term_dtype = dtype(term.node) if term.kind == "add" else None
+            if term_dtype is not None:
+                if not term_dtype.is_floating_point:
+                    term_dtype = torch.float32 if self.softmax_fp32 else q_dtype
+                result = torch.promote_types(result, term_dtype)
+        return result
+
     def follow(self, replaced: dict[fx.Node, fx.Node]) -> bool:
         """Point q, k, v and the mask terms at the nodes that replaced earlier rewrites' outputs
         (one attention's output feeding the next directly). False when the match still reads a

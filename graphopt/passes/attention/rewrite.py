@@ -171,7 +171,7 @@ def _build_bias(graph: fx.Graph, match: AttentionMatch) -> fx.Node | None:
             term_dtype = dtype(t.node)
             if term_dtype is not None and not term_dtype.is_floating_point:
                 # an integer mask added to float scores: SDPA and the kernels take float or bool masks
-                part = graph.call_method("to", (part, dtype(match.q) or torch.float32))
+                part = graph.call_method("to", (part, match.bias_dtype() or torch.float32))
             if t.multiplier != 1.0:
                 part = graph.call_function(operator.mul, (part, t.multiplier))
         else:

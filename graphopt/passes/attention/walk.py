@@ -21,7 +21,7 @@ from graphopt.passes.attention.masks import (
 )
 from graphopt.passes.attention.operands import match_qk, ndim
 from graphopt.passes.base import PassContext
-from graphopt.passes.fx_utils import arg, canonical, fake
+from graphopt.passes.fx_utils import arg, canonical, dtype, fake
 
 # Casts that keep a floating value (`.to(dtype)`, `.float()`, ...), and copies that keep the value.
 _CASTS = {"to", "float", "half", "bfloat16", "type", "type_as"}
@@ -393,13 +393,18 @@ def on_scores_path(node: Any, depth: int = 0) -> bool:
 _IN_PLACE_METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "masked_fill_": "masked_fill"}
 # Ops whose result is a tensor of its own (no view, no alias of an input: `.to()` / `.float()` may return self).
 _FRESH = {"matmul", "bmm", "baddbmm", "add", "sub", "mul", "div", "masked_fill", "where"}
+# Readers of the scores that an in-place update after them cannot reach: their result is a tensor of its own.
+_FRESH_READERS = _FRESH | {"softmax", "log_softmax", "exp", "tanh", "sum", "amax", "mean"}
 
 
 def functionalize_score_updates(graph: fx.Graph) -> None:
     """`scores.add_(mask)` (also sub_, mul_, div_, masked_fill_) on attention scores: Dynamo records
     the call, and the later ops read the mutated `scores` node itself. Each such call on a tensor of
-    its own (a matmul's or an arithmetic op's result, read before the call by no view) becomes its
-    out-of-place op, read by the ops after it: the same values, in the form the walks follow."""
+    its own (a matmul's or an arithmetic op's result, read before the call only by ops whose result
+    is a tensor of their own: a view or alias taken before it would see the update) becomes its
+    out-of-place op, read by the ops after it: the same values, in the form the walks follow. An
+    update whose other operand would promote the scores' dtype stays: the in-place op keeps the
+    scores' dtype, its out-of-place form would not."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if node.op != "call_method" or node.target not in _IN_PLACE_METHODS or not node.args:
@@ -408,9 +413,13 @@ def functionalize_score_updates(graph: fx.Graph) -> None:
         if not isinstance(target, fx.Node) or canonical(target) not in _FRESH or in_place(target) or not on_scores_path(target):
             continue
         earlier = [u for u in target.users if u is not node and order[u] < order[node]]
-        if any(canonical(u) in _VIEWS or canonical(u) in ("transpose", "permute", "expand", "getitem") or in_place(u)
-               for u in earlier):
-            continue  # a view taken before the update would see it: leave the graph as it is
+        if any(canonical(u) not in _FRESH_READERS or in_place(u) for u in earlier):
+            continue  # a view or alias taken before the update would see it: leave the graph as it is
+        other = node.args[1] if len(node.args) > 1 else None
+        target_dtype, other_dtype = dtype(target), dtype(other) if isinstance(other, fx.Node) else None
+        if (node.target != "masked_fill_" and target_dtype is not None and other_dtype is not None
+                and torch.promote_types(target_dtype, other_dtype) != target_dtype):
+            continue
         with graph.inserting_after(node):
             out = graph.call_method(_IN_PLACE_METHODS[node.target], node.args, node.kwargs)
         out.meta.update(node.meta)
