@@ -171,6 +171,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
     if ctx.reads_lifted_scalars():
         fallback = _downstream(copy.deepcopy(pristine), example_inputs, config, mode)
         return _FrozenWeightGuard(compiled, ctx, recompile=None, fallback=fallback)
+    if _has_symbolic_sizes(example_inputs):
+        # a compile outside Dynamo sees one call's sizes and would fix the graph to them: after a
+        # change the unrewritten graph runs op by op, for every size
+        return _FrozenWeightGuard(compiled, ctx, recompile=None, fallback=_run_op_by_op(pristine))
 
     def recompile(args: list) -> tuple[Callable, PassContext]:
         log.info("graphopt: a frozen parameter (or a module float the rewrite baked in) changed since compile; "
@@ -184,6 +188,18 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, config: GraphOptConf
         return compiled, new_ctx
 
     return _FrozenWeightGuard(compiled, ctx, recompile)
+
+
+def _has_symbolic_sizes(example_inputs: list) -> bool:
+    return any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
+        isinstance(size, torch.SymInt) for size in (*x.shape, *x.stride()))) for x in example_inputs)
+
+
+def _run_op_by_op(gm: fx.GraphModule) -> Callable:
+    """`gm` run eagerly, called either way the guard may be (one list of inputs, or the inputs)."""
+    def run(*args: Any):
+        return gm(*(args[0] if len(args) == 1 and isinstance(args[0], list) else args))
+    return run
 
 
 def _compile_rewritten(gm: fx.GraphModule, example_inputs: list, ctx: PassContext, config: GraphOptConfig,
@@ -230,7 +246,7 @@ class _FrozenWeightGuard:
             if frozen.value is not None:  # a lifted module float (a new 0-d CPU tensor every call)
                 if float(current) != frozen.value:
                     return True
-            elif frozen.tensor_ref() is not current or current._version != frozen.version:
+            elif frozen.tensor_ref() is not current or (frozen.version is not None and current._version != frozen.version):
                 return True
         return False
 
@@ -242,8 +258,9 @@ class _FrozenWeightGuard:
         if self._stale(call_args):
             if self.recompile is None:
                 log.warning("graphopt: a value this graph's rewrites baked in (a model float or a frozen parameter) "
-                            "changed; it runs without graphopt's rewrites from now on (a graph that reads the model's "
-                            "floats as inputs, as under dynamic=True, cannot be recompiled outside Dynamo)")
+                            "changed; it runs without graphopt's rewrites from now on (a graph with symbolic sizes, or "
+                            "one that reads the model's floats as inputs, as under dynamic=True, cannot be recompiled "
+                            "outside Dynamo; torch._dynamo.reset() before the next call compiles it afresh)")
                 self.compiled, self.frozen = self.fallback, {}
             else:
                 # Same downstream as the first compile, so the same (boxed or not) calling convention.

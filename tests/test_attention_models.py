@@ -114,6 +114,21 @@ def test_dynamic_true_rewrites_attention_and_follows_a_changed_scale(family):
             torch.testing.assert_close(compiled(ids), model(ids), atol=2e-4, rtol=0)
 
 
+def test_dynamic_true_on_the_model_itself_rewrites_attention():
+    """Compiled directly, an HF model's forward may be wrapped by a (*args, **kwargs) decorator
+    (transformers 5.2x): Dynamo then names the model `L['args'][0]` and its lifted `self.scaling`
+    an attribute of it, which must count as the model's float as `L['self']`'s does."""
+    model, n_attention = build("llama")
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(12))
+    from graphopt import compiler as backend_module
+
+    with backend_module.recording_decisions(reset=True) as decisions, torch.no_grad():
+        compiled = torch.compile(model.model, backend=graphopt.backend(downstream="eager"), dynamic=True)
+        torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids), atol=2e-4, rtol=0)
+    assert len([d for d in decisions if d.pass_name == "attention" and d.applied]) == n_attention, \
+        [d.reason for d in decisions]
+
+
 @pytest.mark.parametrize("downstream", ["eager", "inductor"])
 def test_a_changing_model_float_read_outside_the_attention_too(downstream):
     """A float the attention pass baked (dynamic=True lifts it to an input) that the graph also reads

@@ -137,6 +137,34 @@ def test_frozen_weights_are_guarded_against_later_updates(downstream):
         unregister_extra_pass("frozen_linear_for_test")
 
 
+@pytest.mark.parametrize("dynamic", [True, None])  # None: Dynamo's automatic dynamic shapes, from the second length
+def test_a_frozen_weight_change_in_a_graph_with_symbolic_sizes_keeps_every_size_running(dynamic):
+    """A compile outside Dynamo would see one call's sizes: after the change the unrewritten graph
+    runs op by op, at every length, with the new weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32)).eval()
+    compiled = torch.compile(model, backend=graphopt.backend(passes={"fp4_linear": True}, force=True), dynamic=dynamic)
+    with torch.no_grad():
+        for tokens in (3, 5):
+            assert (compiled(torch.randn(tokens, 64)) - model(torch.randn(1, 64))).shape == (tokens, 32)
+        model[0].weight.mul_(0.5)
+        for tokens in (5, 7, 2):
+            x = torch.randn(tokens, 64)
+            torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_weights_made_under_inference_mode_are_rewritten():
+    """Inference tensors keep no version counter: the guard watches their identity."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32)).eval()
+        x = torch.randn(3, 64)
+        with recording_decisions() as decisions:
+            out = torch.compile(model, backend=graphopt.backend(passes={"fp4_linear": True}, force=True))(x)
+        assert [d.applied for d in decisions if d.pass_name == "fp4_linear"] == [True, True], [d.reason for d in decisions]
+        assert 0 < (out - model(x)).abs().max() < 0.2
+
+
 def test_weight_passes_decline_training_graphs():
     register_extra_pass(_FrozenLinearPass())
     try:

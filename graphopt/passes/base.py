@@ -60,7 +60,7 @@ class FrozenWeight:
 
     placeholder_index: int
     tensor_ref: "weakref.ref[torch.Tensor] | None"
-    version: int
+    version: int | None  # None: an inference tensor (made under inference_mode), which keeps no version
     value: float | None = None
 
 
@@ -150,7 +150,9 @@ class PassContext:
                 or not value.is_floating_point() or value.device.type != "cpu"):
             return False
         source = placeholder_source(node)
-        return source.startswith("L['self']") and not _is_parameter_or_buffer_source(source)
+        # the model as `self`, or as the first argument of a decorator's (*args, **kwargs) forward
+        of_model = source.startswith("L['self']") or source.startswith("L['args'][0].")
+        return of_model and not _is_parameter_or_buffer_source(source)
 
     def can_freeze(self, node: fx.Node) -> tuple[bool, str]:
         """Whether `node` is a weight whose value a pass may bake into the graph, and why not."""
@@ -196,7 +198,8 @@ class PassContext:
             if self.is_lifted_scalar(node):
                 self.frozen[index] = FrozenWeight(index, None, 0, float(value))
             else:
-                self.frozen[index] = FrozenWeight(index, weakref.ref(value), value._version)
+                version = None if value.is_inference() else value._version
+                self.frozen[index] = FrozenWeight(index, weakref.ref(value), version)
         return value
 
     def add_constant(self, tensor: torch.Tensor, hint: str) -> fx.Node:
