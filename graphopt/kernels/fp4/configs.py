@@ -82,7 +82,7 @@ MMA_BLOCK_M: tuple[int, ...] = (16, 32, 64)  # tokens per program of the tensor-
 #    and 2 rows per warp, 4 warps, 5 programs per SM (registers capped to fit them), three chunks
 #    ahead: eight-row groups in one even wave over the SMs where the rows divide into no whole waves
 #    of the larger groups, the fastest NVFP4 tile on LLaMA-2-13B's down projection
-#    (results/decode_persistent_13b_1tok_h200.json).
+#    (results/decode_persistent_13b_balanced_tiles_h200.json).
 DECODE_CONFIGS: tuple[KernelConfig, ...] = (
     tuple(KernelConfig(bn, bm, bk, sk, num_warps=w, num_stages=1)
           for bn, bm, bk, sk, w in ((16, 4, 256, 1, 4), (16, 4, 256, 4, 4), (8, 1, 1024, 1, 4), (8, 1, 1024, 4, 4),

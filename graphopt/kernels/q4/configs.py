@@ -178,7 +178,7 @@ def _persistent_tile_fits(cfg: TileConfig) -> bool:
 # four fastest on LLaMA-3-8B's decode shapes in bench_decode_persistent.py
 # (results/decode_persistent_1tok_h200.json); 4 x 4, 4 per SM, one ahead was fastest on all four; and
 # 2 x 8, 2 per SM, three ahead, the fastest on LLaMA-2-13B's up projection
-# (results/decode_persistent_13b_1tok_h200.json).
+# (results/decode_persistent_13b_balanced_tiles_h200.json).
 # 2-4 tokens: the two that were fastest on some shape (results/decode_persistent_q4_2to8tok_h200.json:
 # at 2 tokens the kernel beat the other tiles on three of the four shapes, at 4 on the widest only).
 # Past 4 tokens none is offered: every token adds its dp4a per word, and at 8 tokens the kernel was
