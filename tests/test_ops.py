@@ -106,14 +106,16 @@ def test_attention_backward_fake_matches_the_real_strides(bias_grad):
                                                  (torch.float64, torch.float32), (torch.bfloat16, torch.float16),
                                                  (torch.bfloat16, torch.float32)])
 def test_attention_op_takes_a_bias_of_another_float_dtype(q_dtype, bias_dtype):
-    """A bias narrower than q works on CPU (q's finfo.min is not clamped in the bias dtype); one
-    wider than q keeps HF's finfo.min padding finite. Reference: SDPA on q's dtype with the bias
-    cast to it and clamped there."""
+    """A bias narrower than q works on CPU (q's finfo.min is not clamped in the bias dtype); a
+    float32 one on half-precision q stays float32 (the CPU's SDPA adds it in float32, as eager's type
+    promotion does); another one keeps HF's finfo.min padding finite. Reference: SDPA with the
+    float32 bias as it is, or on q's dtype with the bias cast to it and clamped there."""
     q, k, v = (t.to(q_dtype) for t in _hf_views(seed=1))
     bias = torch.randn(2, 1, 5, 5).to(bias_dtype)
     bias[..., -1] = torch.finfo(bias_dtype).min  # padding, as HF writes it
     out = torch.ops.graphopt.attention(q, k, v, bias, 0.3, False, 1, "sdpa_cpu")
-    ref_bias = bias.to(q_dtype).clamp(min=torch.finfo(q_dtype).min)
+    kept = bias_dtype == torch.float32 and q_dtype in (torch.float16, torch.bfloat16)
+    ref_bias = bias if kept else bias.to(q_dtype).clamp(min=torch.finfo(q_dtype).min)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ref_bias, scale=0.3)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected)

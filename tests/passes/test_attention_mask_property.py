@@ -107,7 +107,12 @@ def test_graphopt_matches_eager_or_eager_fails(case):
         out = compiled(q, k, v, mask.clone())
     attention_decisions = [d for d in decisions if d.pass_name == "attention"]
     assert len(attention_decisions) == 1, [d.reason for d in decisions]
-    assert attention_decisions[0].applied, attention_decisions[0].reason
+    if not attention_decisions[0].applied:
+        # the one documented decline: eager adds a float64 mask to narrower scores in float64, which
+        # the fused kernels do not
+        assert "float64 mask" in attention_decisions[0].reason and case["mask_dtype"] == torch.float64
+        torch.testing.assert_close(out, expected, equal_nan=True)
+        return
     hypothesis.event(f"compared: {case['mask_dtype']} mask, {case['q_dtype']} q")
     assert out.dtype == expected.dtype and out.shape == expected.shape
     # Documented difference: a row that an -inf mask hides everywhere is NaN in eager, 0 rewritten.
