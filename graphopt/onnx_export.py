@@ -165,6 +165,17 @@ def _output_order(result: Any, graph_outputs: Sequence) -> tuple[list[int], list
     return order, names
 
 
+def _check_writable(path: Path) -> None:
+    """ValueError, before any work, for an output path that cannot become a file."""
+    if path.is_dir():
+        raise ValueError(f"the ONNX output path {str(path)!r} is a directory; give a file path, e.g. {str(path / 'model.onnx')!r}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"the ONNX output path {str(path)!r} cannot be created: {str(parent)!r} is a file")
+            break
+
+
 def _check_dynamic_axes(dynamic_axes, example_inputs: tuple) -> dict[int, dict[int, str]]:
     """{input position: {dim: name}} from a mapping or a sequence aligned with the inputs."""
     if dynamic_axes is None:
@@ -177,6 +188,7 @@ def _check_dynamic_axes(dynamic_axes, example_inputs: tuple) -> dict[int, dict[i
         raise ValueError("dynamic_axes must map input positions to {dim: name}, e.g. {0: {0: 'batch', 1: 'seq'}}, "
                          f"or be a sequence of such dicts aligned with the inputs; got {dynamic_axes!r}")
     checked: dict[int, dict[int, str]] = {}
+    sizes: dict[str, tuple[int, int, int]] = {}  # name -> (size, input position, dim) where first given
     for position, axes in items.items():
         if not isinstance(position, int) or not 0 <= position < len(example_inputs) \
                 or not isinstance(example_inputs[position], torch.Tensor):
@@ -196,6 +208,11 @@ def _check_dynamic_axes(dynamic_axes, example_inputs: tuple) -> dict[int, dict[i
             if example.shape[dim] < 2:
                 raise ValueError(f"dynamic_axes[{position}][{dim}] ({name!r}): the example input has size "
                                  f"{example.shape[dim]} there; Dynamo fixes sizes 0 and 1, so give an example of size >= 2")
+            size, first_position, first_dim = sizes.setdefault(name, (example.shape[dim], position, dim))
+            if size != example.shape[dim]:
+                raise ValueError(f"dynamic_axes: the name {name!r} is given to dim {first_dim} of input {first_position} "
+                                 f"(size {size}) and dim {dim} of input {position} (size {example.shape[dim]}); equal "
+                                 "names are one size: give these dims different names or examples of one size")
         checked[position] = {dim % example.dim(): name for dim, name in axes.items()}
     return checked
 
@@ -315,9 +332,10 @@ def export_onnx(
     # path is not paid, so the cost model prices GPU time only (unless the caller says otherwise).
     options.setdefault("graph_replay", True)
     axes = _check_dynamic_axes(dynamic_axes, example_inputs)
+    path = Path(path)
+    _check_writable(path)
     rewritten, _ = capture_rewritten(model, example_inputs, dynamic_axes=axes, **options)
     table = translation_table(onnx_forms)
-    path = Path(path)
     dynamic_shapes = None
     if axes:
         from torch.export import Dim

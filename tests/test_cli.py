@@ -133,6 +133,7 @@ def test_parser_builds():
     (["ablate", "--downstream", "foo"], "downstream='foo' is not valid"),
     (["ablate", "--passes", "atention"], "unknown pass 'atention'"),
     (["explore-fft", "--quick", "--block-sizes", "0"], "--block-sizes takes positive integers"),
+    (["explore-fft", "--quick", "--device", "tpu"], "--device 'tpu' is not a device; valid choices: cuda, cuda:N, cpu"),
     (["fftchain", "distill", "--model", "tiny-llama", "--holdout", "1.5"], "--holdout must be a fraction"),
 ])
 def test_bad_inputs_are_clear_errors_before_any_work(argv, fragment, capsys):

@@ -85,12 +85,21 @@ class _BranchesOnLength(nn.Module):
     ({0: {3: "batch"}}, "dim 3 is not a dim of input 0 (shape (2, 5, 16)); valid choices: 0, 1, 2"),
     ({0: {0: "2b"}}, "must be a Python identifier"),
     ("batch", "dynamic_axes must map input positions"),
+    ({0: {0: "n", 1: "n"}}, "the name 'n' is given to dim 0 of input 0 (size 2) and dim 1 of input 0 (size 5)"),
 ])
 def test_bad_dynamic_axes_are_clear_errors(tmp_path, axes, fragment):
     x = torch.randn(2, 5, 16)
     with pytest.raises(ValueError) as info:
         graphopt.export_onnx(_BranchesOnLength().eval(), (x,), tmp_path / "m.onnx", dynamic_axes=axes)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["directory", "under a file"])
+def test_an_output_path_that_cannot_become_a_file_is_a_clear_error(tmp_path, where):
+    (tmp_path / "afile").write_text("x")
+    path = tmp_path if where == "directory" else tmp_path / "afile" / "m.onnx"
+    with pytest.raises(ValueError, match="is a directory" if where == "directory" else "afile' is a file"):
+        graphopt.export_onnx(Block().eval(), (torch.randn(2, 5, 16),), path)
 
 
 def test_dynamic_axis_of_example_size_one_is_a_clear_error(tmp_path):
