@@ -414,6 +414,7 @@ class PlanWeights:
         self.file = (section or {}).get("file")
         self._dir = (section or {}).get("_dir", ".")
         self._tensors = None
+        self._unreadable = None  # why the file could not be read, once tried
 
     def has(self, location: str) -> bool:
         return bool(location) and location in self.layers
@@ -432,13 +433,26 @@ class PlanWeights:
             path = Path(self._dir) / str(self.file)
             if not path.exists():
                 return None, f"plan tensor file {str(path)!r} does not exist"
-            self._tensors = load_file(str(path))
+            try:
+                self._tensors = load_file(str(path))
+            except Exception as exc:  # safetensors raises its own error type for a malformed file
+                self._tensors = {}
+                self._unreadable = f"plan tensor file {str(path)!r} cannot be read as safetensors ({exc})"
+        if self._unreadable:
+            return None, self._unreadable
         try:
             codes = self._tensors[f"{location}.codes"]
             scales = self._tensors[f"{location}.scales"]
             global_scale = self._tensors[f"{location}.global_scale"]
         except KeyError as exc:
             return None, f"tensor {exc.args[0]!r} missing from {self.file!r}"
+        one_byte = (torch.uint8, torch.int8, torch.float8_e4m3fn)
+        if codes.dtype not in one_byte[:2] or scales.dtype not in one_byte:
+            return None, (f"stored codes ({codes.dtype}) and scales ({scales.dtype}) must be bytes: uint8 codes, uint8 "
+                          "scales (e4m3 bit patterns for NVFP4), as save_fp4_plan writes them")
+        if global_scale.numel() != 1 or not global_scale.is_floating_point():
+            return None, (f"stored global_scale of shape {tuple(global_scale.shape)} and dtype {global_scale.dtype}: "
+                          "expected one float")
         bs = fp4k.BLOCK_SIZES[fmt]
         blocks = -(-shape[1] // bs)
         if tuple(codes.shape) != (shape[0], blocks * bs // 2) or tuple(scales.shape) != (shape[0], blocks):

@@ -434,23 +434,34 @@ def sibling_groups(matches: list[LinearMatch]) -> list[list[LinearMatch]]:
 
 def _viewed_across_rows(node: fx.Node, fused_width: int) -> bool:
     """Whether a reader views a linear's output with a shape that a column slice of a fused output
-    `fused_width` wide cannot take (a .view merging the features with another dim). Only static
-    shapes are checked: a symbolic view is taken to split the features alone, as models do."""
-    sizes = shape(node)
-    if sizes is None:
+    `fused_width` wide cannot take (a .view merging the features with another dim). Symbolic sizes
+    are read as their hints (Dynamo fixes sizes 0 and 1, so a merge that fails for one size >= 2
+    fails for all); a size with no hint counts as such a view."""
+    sizes = size_hints(node)
+    viewers = [u for u in node.users if u.op == "call_method" and u.target == "view" and u.args[0] is node]
+    if not viewers:
         return False
+    if sizes is None:
+        return True
     column_slice = torch.empty((*sizes[:-1], fused_width), device="meta")[..., :sizes[-1]]
-    for user in node.users:
-        if not (user.op == "call_method" and user.target == "view") or user.args[0] is not node:
-            continue
+    for user in viewers:
         target = user.args[1] if len(user.args) == 2 and isinstance(user.args[1], (tuple, list)) else user.args[1:]
-        if not all(isinstance(d, int) for d in target):
-            continue
+        target = [_size_hint(d) for d in target]
+        if None in target:
+            return True
         try:
             column_slice.view(target)
         except RuntimeError:
             return True
     return False
+
+
+def _size_hint(size: Any) -> int | None:
+    """An int, or a symbolic size (a SymInt, or the node computing one) read as its hint; else None."""
+    value = fake(size) if isinstance(size, fx.Node) else size
+    if isinstance(value, torch.SymInt):
+        value = getattr(value.node, "hint", None)
+    return value if isinstance(value, int) else None
 
 
 def replace_siblings_with_call(ctx: PassContext, group: list[LinearMatch], target: Any, args: tuple) -> list[fx.Node]:
@@ -482,6 +493,12 @@ def replace_siblings_with_call(ctx: PassContext, group: list[LinearMatch], targe
             for key in ("example_value", "val", "nn_module_stack", "stack_trace", "source_fn_stack"):
                 if key in m.node.meta:
                     out.meta[key] = m.node.meta[key]
+            if any(user.op == "output" for user in m.node.users):
+                # returned to the caller, who gets a linear's contiguous output from eager, not a column slice
+                with graph.inserting_after(out):
+                    contiguous = graph.call_method("contiguous", (out,))
+                contiguous.meta.update(out.meta)
+                out = contiguous
         m.node.replace_all_uses_with(out)
         values.append(out)
     erase_unused([n for m in group for n in (m.node, *m.extra_nodes)], graph)

@@ -279,6 +279,36 @@ def test_plan_with_wrong_format_or_shape_declines_and_other_layers_fall_back(tmp
     assert not up.applied and "format 'mxfp4' does not match fp4_format='nvfp4'" in up.reason
 
 
+@pytest.mark.parametrize("bad, fragment", [
+    ("scales", "must be bytes"), ("codes", "must be bytes"), ("global_scale", "expected one float"),
+    ("file", "cannot be read as safetensors")])
+def test_plan_tensors_of_the_wrong_kind_decline_that_layer_only(tmp_path, bad, fragment):
+    """Stored tensors of other dtypes (which a byte view would reshape), a global scale of several
+    values, or a file that is not safetensors: the planned layer is declined with the reason, the
+    other layer is quantized at compile time."""
+    from safetensors.torch import load_file, save_file
+
+    from graphopt.passes.fp4_linear import save_fp4_plan
+
+    torch.manual_seed(0)
+    model = _TwoLinears().eval()
+    plan = save_fp4_plan(tmp_path / "plan.json", {"up": fp4.quantize_fp4(model.up.weight.detach(), "nvfp4")})
+    file = tmp_path / "plan.fp4.safetensors"
+    tensors = load_file(str(file))
+    if bad == "file":
+        file.write_bytes(b"not a safetensors file")
+    else:
+        name = f"up.{bad}"
+        tensors[name] = (torch.ones(2) if bad == "global_scale" else
+                         tensors[name].to(torch.float32 if bad == "scales" else torch.int16))
+        save_file(tensors, str(file))
+    report = graphopt.explain(model, _calibration(1), passes={"fp4_linear": True}, force=True, fp4_format="nvfp4",
+                              plan=str(plan), downstream="eager")
+    decisions = {d.location: d for d in report.decisions if d.pass_name == "fp4_linear"}
+    assert not decisions["up"].applied and fragment in decisions["up"].reason, decisions["up"].reason
+    assert decisions["down"].applied and decisions["down"].details["weights_from"] == "compile-time quantization"
+
+
 class _Gated(torch.nn.Module):
     """Two linears reading one input (a gated MLP's gate and up projections)."""
 
