@@ -55,14 +55,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def check_device(text: str) -> str:
-    """A --device value, or ValueError naming the valid choices (shared with the plugin commands)."""
+def check_device(text: str, option: str = "") -> str:
+    """A --device value, or ValueError naming the valid choices (shared with the plugin commands,
+    which pass `option`, the flag the message then starts with)."""
     import torch
 
+    prefix = f"{option} " if option else ""
     if text.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"{text!r}: no CUDA device is present; valid choices here: cpu")
+        raise ValueError(f"{prefix}{text!r}: no CUDA device is present; valid choices here: cpu")
     if not (text == "cpu" or text.startswith("cuda")):
-        raise ValueError(f"{text!r} is not a device; valid choices: cuda, cuda:N, cpu")
+        raise ValueError(f"{prefix}{text!r} is not a device; valid choices: cuda, cuda:N, cpu")
     return text
 
 

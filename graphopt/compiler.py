@@ -195,10 +195,17 @@ def _has_symbolic_sizes(example_inputs: list) -> bool:
         isinstance(size, torch.SymInt) for size in (*x.shape, *x.stride()))) for x in example_inputs)
 
 
+def _boxed(args: tuple) -> bool:
+    """Whether a wrapper was called with one list of the graph's inputs: Inductor's output is
+    "boxed" (one list argument), but Dynamo may call a wrapper either way; graph inputs are tensors
+    and ints, never lists, so the shape of `args` tells."""
+    return len(args) == 1 and isinstance(args[0], list)
+
+
 def _run_op_by_op(gm: fx.GraphModule) -> Callable:
     """`gm` run eagerly, called either way the guard may be (one list of inputs, or the inputs)."""
     def run(*args: Any):
-        return gm(*(args[0] if len(args) == 1 and isinstance(args[0], list) else args))
+        return gm(*(args[0] if _boxed(args) else args))
     return run
 
 
@@ -237,8 +244,7 @@ class _FrozenWeightGuard:
         self.frozen = ctx.frozen
         self.recompile = recompile
         self.fallback = fallback  # the unrewritten graph, compiled (graphs that read lifted floats)
-        self.boxed = bool(getattr(compiled, "_boxed_call", False))
-        self._boxed_call = self.boxed
+        self._boxed_call = bool(getattr(compiled, "_boxed_call", False))
 
     def _stale(self, args) -> bool:
         for index, frozen in self.frozen.items():
@@ -251,10 +257,7 @@ class _FrozenWeightGuard:
         return False
 
     def __call__(self, *args: Any):
-        # Inductor's output is "boxed" (one list argument), but Dynamo may call a wrapper either
-        # way; graph inputs are tensors and ints, never lists, so the shape of `args` tells.
-        boxed = len(args) == 1 and isinstance(args[0], list)
-        call_args = args[0] if boxed else args
+        call_args = args[0] if _boxed(args) else args
         if self._stale(call_args):
             if self.recompile is None:
                 log.warning("graphopt: a value this graph's rewrites baked in (a model float or a frozen parameter) "
@@ -310,7 +313,7 @@ class _LocalShardInputs:
         self._boxed_call = bool(getattr(compiled, "_boxed_call", False))
 
     def __call__(self, *args: Any):
-        boxed = len(args) == 1 and isinstance(args[0], list)
+        boxed = _boxed(args)
         values = args[0] if boxed else list(args)
         for position in self.positions:
             values[position] = values[position]._local_tensor

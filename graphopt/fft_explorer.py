@@ -347,10 +347,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device is not None:
         from graphopt.cli import check_device
 
-        try:
-            check_device(args.device)
-        except ValueError as exc:
-            raise ValueError(f"--device {exc}") from None
+        check_device(args.device, "--device")
     for name, values, least in (("--block-sizes", args.block_sizes, 1), ("--ks", args.ks, 1), ("--layers", args.layers, 0)):
         bad = [v for v in values or () if v < least]
         if bad:

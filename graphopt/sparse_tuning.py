@@ -430,10 +430,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if args.device is not None:
         from graphopt.cli import check_device
 
-        try:
-            check_device(args.device)
-        except ValueError as exc:
-            raise ValueError(f"--device {exc}") from None
+        check_device(args.device, "--device")
     for name, value, least in (("--calibration", args.calibration, 1), ("--heldout", args.heldout, 0),
                                ("--batch", args.batch, 1), ("--seq-len", args.seq_len, 1)):
         if value is not None and value < least:

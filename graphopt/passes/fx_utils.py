@@ -130,16 +130,18 @@ def size_hints(node: Any) -> tuple[int, ...] | None:
     value = fake(node)
     if not isinstance(value, torch.Tensor):
         return None
-    out = []
-    for s in value.shape:
-        if isinstance(s, int):
-            out.append(s)
-        else:
-            hint = getattr(getattr(s, "node", None), "hint", None)
-            if hint is None:
-                return None
-            out.append(int(hint))
-    return tuple(out)
+    hints = [size_hint(s) for s in value.shape]
+    return None if None in hints else tuple(hints)
+
+
+def size_hint(size: Any) -> int | None:
+    """An int, or a symbolic size (a SymInt, or the graph node computing one) read as its hint; None
+    for a symbol with no hint or anything else."""
+    value = fake(size) if isinstance(size, fx.Node) else size
+    if isinstance(value, torch.SymInt):
+        hint = getattr(value.node, "hint", None)
+        return None if hint is None else int(hint)
+    return value if isinstance(value, int) else None
 
 
 def symbolic_size(node: Any, dim: int) -> Any:
@@ -446,7 +448,7 @@ def _viewed_across_rows(node: fx.Node, fused_width: int) -> bool:
     column_slice = torch.empty((*sizes[:-1], fused_width), device="meta")[..., :sizes[-1]]
     for user in viewers:
         target = user.args[1] if len(user.args) == 2 and isinstance(user.args[1], (tuple, list)) else user.args[1:]
-        target = [_size_hint(d) for d in target]
+        target = [size_hint(d) for d in target]
         if None in target:
             return True
         try:
@@ -454,14 +456,6 @@ def _viewed_across_rows(node: fx.Node, fused_width: int) -> bool:
         except RuntimeError:
             return True
     return False
-
-
-def _size_hint(size: Any) -> int | None:
-    """An int, or a symbolic size (a SymInt, or the node computing one) read as its hint; else None."""
-    value = fake(size) if isinstance(size, fx.Node) else size
-    if isinstance(value, torch.SymInt):
-        value = getattr(value.node, "hint", None)
-    return value if isinstance(value, int) else None
 
 
 def replace_siblings_with_call(ctx: PassContext, group: list[LinearMatch], target: Any, args: tuple) -> list[fx.Node]:

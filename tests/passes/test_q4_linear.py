@@ -746,22 +746,3 @@ def test_the_ops_name_bad_arguments():
         torch.ops.graphopt.q4_linear(x.long(), qweight, scales, None, "fused")
     with pytest.raises(ValueError, match="qmin <= qmax"):
         torch.ops.graphopt.q4_linear_static(x, torch.tensor(0.1), qweight, scales, None, 10, -10)
-
-
-def test_siblings_whose_output_is_viewed_across_rows_are_rewritten_alone(tmp_path):
-    """A fused group's outputs are column slices of one tensor: a reader that views one with its
-    features merged into another dim keeps that linear out of the group (each runs alone)."""
-    class Viewed(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q = torch.nn.Linear(64, 32, bias=False)
-            self.k = torch.nn.Linear(64, 16, bias=False)
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            return self.q(x).view(b, t * 32), self.k(x).view(b * t, 16)
-
-    model, x = Viewed().eval(), torch.randn(2, 3, 64)
-    report = graphopt.explain(model, x, passes={"q4_linear": True}, force=True)
-    assert report.counts["q4_linear"] == 2 and all(d.applied for d in report.decisions)
-    export_onnx(model, (x,), tmp_path / "viewed.onnx", passes={"q4_linear": True}, force=True)

@@ -12,6 +12,7 @@ from torch import nn
 
 import graphopt
 from graphopt.compiler import recording_decisions
+from graphopt.onnx_export import export_onnx
 
 
 class ReturnedSiblings(nn.Module):
@@ -21,6 +22,18 @@ class ReturnedSiblings(nn.Module):
 
     def forward(self, x):
         return self.q(x), self.k(x)
+
+
+class StaticallyMerged(nn.Module):
+    """Outputs viewed with the features merged into another dim, by static sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(64, 32, bias=False), nn.Linear(64, 16, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        return self.q(x).view(b, t * 32), self.k(x).view(b * t, 16)
 
 
 class SymbolicallyMerged(nn.Module):
@@ -65,3 +78,12 @@ def test_a_symbolic_view_merging_the_features_keeps_the_rewrites(pass_name):
             assert out.shape == model(x).shape
             assert (out - model(x)).abs().max() < 0.2 * model(x).abs().max()
     assert [d.applied for d in decisions if d.pass_name == pass_name] == [True, True], [d.reason for d in decisions]
+
+
+def test_siblings_whose_output_is_viewed_across_rows_are_rewritten_alone(tmp_path):
+    """A fused group's outputs are column slices of one tensor: a reader that views one with its
+    features merged into another dim keeps that linear out of the group (each runs alone)."""
+    model, x = StaticallyMerged().eval(), torch.randn(2, 3, 64)
+    report = graphopt.explain(model, x, passes={"q4_linear": True}, force=True)
+    assert report.counts["q4_linear"] == 2 and all(d.applied for d in report.decisions)
+    export_onnx(model, (x,), tmp_path / "viewed.onnx", passes={"q4_linear": True}, force=True)

@@ -21,7 +21,7 @@ from graphopt.passes.attention.masks import (
 )
 from graphopt.passes.attention.operands import match_qk, ndim
 from graphopt.passes.base import PassContext
-from graphopt.passes.fx_utils import arg, canonical, dtype, fake
+from graphopt.passes.fx_utils import arg, canonical, dtype, fake, size_hint
 
 # Casts that keep a floating value (`.to(dtype)`, `.float()`, ...), and copies that keep the value.
 _CASTS = {"to", "float", "half", "bfloat16", "type", "type_as"}
@@ -100,8 +100,8 @@ def heads_view(node: fx.Node) -> tuple[fx.Node, int] | None:
     if not (_same(four[2], three[1]) and _same(four[3], three[2]) and _same(four[0] * four[1], three[0])):
         return None
     heads = four[1]
-    hint = heads if isinstance(heads, int) else getattr(heads.node, "hint", None)
-    return (src, int(hint)) if hint else None
+    hint = size_hint(heads)
+    return (src, hint) if hint else None
 
 
 def _note_heads(match: Any, heads: int, four_dim: fx.Node) -> bool:
